@@ -1,0 +1,59 @@
+"""qarray: quantized arrays for NumPy and CuPy.
+
+>>> import numpy, qarray
+>>> q = qarray.quantize(numpy.array([0.5, -1.0], numpy.float32), 0.01, 0, qarray.qint8)
+>>> q.int_repr()
+array([  50, -100], dtype=int8)
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import backends
+from ._api import choose_qparams
+from ._api import dequantize
+from ._api import quantize
+from ._api import quantize_dynamic
+from ._api import requantize
+from ._api import unpack
+from ._config import config
+from ._config import set_num_threads
+from ._dtypes import QDType
+from ._dtypes import iinfo
+from ._dtypes import qdtype
+from ._dtypes import qint2, qint4, qint8, qint16, qint32
+from ._dtypes import quint2, quint4, quint8, quint16
+from ._qarray import QArray
+from .io import load
+from .io import save
+
+try:
+    __version__ = version("qarray")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.1.0"
+
+__all__ = [
+    "QArray",
+    "QDType",
+    "backends",
+    "choose_qparams",
+    "config",
+    "dequantize",
+    "iinfo",
+    "load",
+    "qdtype",
+    "qint2",
+    "qint4",
+    "qint8",
+    "qint16",
+    "qint32",
+    "quantize",
+    "quantize_dynamic",
+    "quint2",
+    "quint4",
+    "quint8",
+    "quint16",
+    "requantize",
+    "save",
+    "set_num_threads",
+    "unpack",
+]

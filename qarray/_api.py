@@ -1,0 +1,188 @@
+"""quantize, dequantize, requantize, quantize_dynamic, choose_qparams, unpack."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backends as _backends
+from ._config import resolve
+from ._dtypes import QDType, qdtype, quint8
+from ._fixed_point import ROUNDINGS, quantize_multiplier
+from ._params import check_params, param_shape, to_host
+from ._qarray import QArray, float_dtype
+from .backends._base import nan_error
+
+__all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "choose_qparams", "unpack"]
+
+
+def _float_input(x, what):
+    if isinstance(x, (list, tuple, float, int, np.generic)):
+        x = np.asarray(x)
+    b = _backends.for_array(x)
+    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
+        raise TypeError(
+            f"{what} takes float16, float32 or float64 input, got {x.dtype}; "
+            "convert it (e.g. x.astype(numpy.float32)), or use QArray.from_int for integers"
+        )
+    return x, b
+
+
+def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) -> QArray:
+    """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
+
+    The division is IEEE float32 for float16/float32 input, float64 for float64
+    input (ONNX QuantizeLinear, bit for bit). ``axis`` gives per-axis
+    parameters, ``axis`` plus ``block_size`` blocked ones (the last block may be
+    short). +-inf saturate; NaN raises ValueError.
+
+    >>> quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8").int_repr()
+    array([  1,   2, 127], dtype=int8)
+    """
+    x, b = _float_input(x, "quantize")
+    d = qdtype(dtype)
+    s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
+    s, z = b.asarray(s), b.asarray(z)
+    return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
+
+
+def dequantize(q: QArray, dtype="float32"):
+    """Real values ``(q - zero_point) * scale``, computed in float32 (float64 when
+    ``dtype`` is float64); float16 is the float32 result rounded once."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
+    ft = float_dtype(dtype)
+    return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
+
+
+def _common_layout(q: QArray, axis, block_size):
+    """The parameter layout that covers both q's and the output's parameters."""
+    if q.axis is None:
+        return axis, block_size
+    if axis is None or (axis, block_size) == (q.axis, q.block_size):
+        return q.axis, q.block_size
+    raise ValueError(
+        f"cannot requantize from parameters on axis {q.axis} (block_size={q.block_size}) to "
+        f"parameters on axis {axis} (block_size={block_size}); requantize to per-tensor "
+        "parameters first or keep the same axis"
+    )
+
+
+def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size=None, *,
+               mode=None, rounding=None) -> QArray:
+    """The values of ``q`` at new parameters and dtype, without going through float.
+
+    ``mode="fixed"`` (default): ``M = scale_in / scale_out`` becomes an integer
+    multiplier and shift, and ``clamp(R((q - zp_in) * m, s) + zp_out)`` is exact in
+    int64; ``rounding`` breaks ties ("half_even", "half_away", "half_up") or
+    reproduces gemmlowp ("tflite"). ``mode="float"``: ONNX's
+    ``rint(float64(q - zp_in) * float32(scale_in / scale_out)) + zp_out``.
+    Defaults come from ``qarray.config``. ``dtype`` defaults to ``q.dtype``.
+
+    >>> q = QArray.from_int(numpy.array([5, 7]), 1.0, 0, "qint32")
+    >>> requantize(q, 2.0, 0, "qint8").int_repr()   # 2.5 -> 2, 3.5 -> 4
+    array([2, 4], dtype=int8)
+    """
+    if not isinstance(q, QArray):
+        raise TypeError(f"requantize takes a QArray, got {type(q).__name__}")
+    mode, rounding = resolve(mode, rounding)
+    d = q.dtype if dtype is None else qdtype(dtype)
+    s_out, z_out, axis, block_size = check_params(scale, zero_point, d, q.shape, axis, block_size)
+    lax, lblock = _common_layout(q, axis, block_size)
+    want = param_shape(q.shape, lax, lblock)
+
+    def host(p):
+        return np.broadcast_to(to_host(p), want)
+
+    s_in, z_in = host(q.scale), host(q.zero_point)
+    if mode == "fixed":
+        m, sh = quantize_multiplier(s_in.astype(np.float64) / host(s_out).astype(np.float64))
+        mult, code = (q._backend.asarray(m), q._backend.asarray(sh)), ROUNDINGS[rounding]
+    else:
+        mult, code = q._backend.asarray(s_in.astype(np.float32) / host(s_out).astype(np.float32)), None
+    b = q._backend
+    data = b.requantize(q.data, b.asarray(np.ascontiguousarray(z_in)), b.asarray(np.ascontiguousarray(host(z_out))),
+                        mult, d, lax, lblock, code)
+    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, axis, block_size, b)
+
+
+def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
+    """Scale and zero point that map ``[min_val, max_val]`` (widened to hold 0) onto
+    ``dtype``, computed in float32 as ONNX DynamicQuantizeLinear does.
+
+    Asymmetric: ``scale = (max - min) / (qmax - qmin)``,
+    ``zero_point = rint(clamp(qmin - min / scale))``. Symmetric:
+    ``scale = max(|min|, |max|) / ((qmax - qmin) / 2)``, zero point 0 (signed)
+    or the middle code (unsigned). An empty range gives scale ``1 / (qmax - qmin)``.
+    Works elementwise on arrays (per-axis and blocked ranges).
+
+    >>> choose_qparams(-1.0, 3.0, "quint8")
+    (array(0.01568628, dtype=float32), array(64, dtype=int32))
+    """
+    d = qdtype(dtype)
+    lo = np.asarray(to_host(min_val), dtype=np.float32)
+    hi = np.asarray(to_host(max_val), dtype=np.float32)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        raise ValueError("choose_qparams needs finite min_val and max_val (got NaN or inf)")
+    if (lo > hi).any():
+        raise ValueError(f"choose_qparams needs min_val <= max_val, got {lo} > {hi}")
+    lo = np.minimum(np.float32(0), lo)
+    hi = np.maximum(np.float32(0), hi)
+    qmin, qmax = np.float32(d.qmin), np.float32(d.qmax)
+    tiny = np.finfo(np.float32).tiny
+    if symmetric:
+        amax = np.maximum(-lo, hi)
+        span = np.float32((d.qmax - d.qmin) / 2)
+        scale = np.where(amax == 0, np.float32(1), amax) / span
+        zp = np.full(scale.shape, 0 if d.signed else (d.qmin + d.qmax + 1) // 2, np.int32)
+    else:
+        scale = np.maximum(np.where(hi == lo, np.float32(1), hi - lo) / (qmax - qmin), tiny)
+        zp = np.rint(np.clip(qmin - lo / scale, qmin, qmax)).astype(np.int32)
+    return np.maximum(scale, tiny).astype(np.float32), zp
+
+
+def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=None) -> QArray:
+    """Quantize with parameters from the data's own range (per tensor, axis or block).
+
+    The asymmetric range always includes 0, as in ONNX DynamicQuantizeLinear,
+    whose results this equals bit for bit for quint8.
+    """
+    x, b = _float_input(x, "quantize_dynamic")
+    d = qdtype(dtype)
+    # the checks (and so the errors) of quantize, before the data is looked at
+    _, _, axis, block_size = check_params(1.0, 0, d, x.shape, axis, block_size)
+    if x.size == 0:
+        raise ValueError("quantize_dynamic needs a non-empty array to choose parameters from")
+    lo, hi = (to_host(v) for v in b.minmax(x, axis, block_size))
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        if bool(b.xp.isnan(x).any()):
+            raise nan_error(x)
+        raise ValueError("quantize_dynamic needs finite input to choose parameters; x has inf")
+    scale, zp = choose_qparams(lo, hi, d, symmetric)
+    return quantize(x, scale, zp, d, axis, block_size)
+
+
+def unpack(packed, dtype, shape):
+    """Integers from ``QArray.pack()`` bytes: ``dtype``'s storage, reshaped to ``shape``.
+
+    >>> q = QArray.from_int(numpy.array([1, -2, 3]), 1.0, 0, "qint4")
+    >>> unpack(q.pack(), "qint4", (3,))
+    array([ 1, -2,  3], dtype=int8)
+    """
+    d: QDType = qdtype(dtype)
+    if isinstance(packed, (bytes, bytearray, list, tuple)):
+        packed = np.frombuffer(bytes(packed), np.uint8) if isinstance(packed, (bytes, bytearray)) else np.asarray(packed)
+    b = _backends.for_array(packed)
+    shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    count = int(np.prod(shape))
+    want_dtype = np.uint8 if d.packed else d.storage
+    if packed.dtype != want_dtype:
+        raise TypeError(f"unpack: {d.name} data comes as {np.dtype(want_dtype).name}, got {packed.dtype}")
+    per = 8 // d.bits if d.packed else 1
+    if packed.size != -(-count // per):
+        raise ValueError(
+            f"unpack: {count} {d.name} values need {-(-count // per)} items, got {packed.size}"
+        )
+    if not d.packed:
+        return packed.reshape(shape).copy()
+    return b.unpack(packed.reshape(-1), d.bits, d.signed, count).reshape(shape)
+

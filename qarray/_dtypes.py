@@ -1,0 +1,116 @@
+"""The quantized dtype table: name, bits, signedness, range and storage.
+
+Every ``dtype=`` argument in qarray goes through :func:`qdtype`, which accepts a
+:class:`QDType`, its name, a PyTorch or ONNX spelling, or a NumPy integer dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["QDType", "qdtype", "iinfo"]
+
+
+class QDType:
+    """A quantized scalar type: ``bits`` wide, signed or not, held in ``storage``.
+
+    Sub-byte types (2 and 4 bits) are held one value per byte in memory;
+    ``QArray.pack()`` gives the packed layout.
+    """
+
+    __slots__ = ("name", "bits", "signed", "qmin", "qmax", "storage")
+
+    def __init__(self, name: str, bits: int, signed: bool, storage: str):
+        self.name = name
+        self.bits = bits
+        self.signed = signed
+        self.qmin = -(1 << (bits - 1)) if signed else 0
+        self.qmax = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
+        self.storage = np.dtype(storage)
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def __reduce__(self):
+        return (qdtype, (self.name,))
+
+    @property
+    def packed(self) -> bool:
+        """True for the sub-byte types that ``pack()`` stores several to a byte."""
+        return self.bits < 8
+
+
+qint2 = QDType("qint2", 2, True, "int8")
+quint2 = QDType("quint2", 2, False, "uint8")
+qint4 = QDType("qint4", 4, True, "int8")
+quint4 = QDType("quint4", 4, False, "uint8")
+qint8 = QDType("qint8", 8, True, "int8")
+quint8 = QDType("quint8", 8, False, "uint8")
+qint16 = QDType("qint16", 16, True, "int16")
+quint16 = QDType("quint16", 16, False, "uint16")
+qint32 = QDType("qint32", 32, True, "int32")
+
+ALL = (qint2, quint2, qint4, quint4, qint8, quint8, qint16, quint16, qint32)
+
+# Every accepted spelling (lower case) -> QDType. PyTorch spells its types
+# qint8/quint8/qint32/quint4x2/quint2x4 ("torch." is stripped); ONNX spells
+# them int8/uint8/int4/uint4/int2/uint2/int16/uint16/int32.
+_NAMES = {d.name: d for d in ALL}
+_NAMES.update({d.name[1:]: d for d in ALL})
+_NAMES.update({"quint4x2": quint4, "quint2x4": quint2})
+
+# NumPy storage dtypes name the 8, 16 and 32 bit types unambiguously.
+_BY_NUMPY = {d.storage: d for d in (qint8, quint8, qint16, quint16, qint32)}
+
+
+def qdtype(spec) -> QDType:
+    """Return the :class:`QDType` that ``spec`` names.
+
+    >>> qdtype("int4"), qdtype("torch.quint8"), qdtype(np.int16)
+    (qint4, quint8, qint16)
+    """
+    if isinstance(spec, QDType):
+        return spec
+    if isinstance(spec, str):
+        key = spec.lower()
+        key = key[6:] if key.startswith("torch.") else key
+        if key in _NAMES:
+            return _NAMES[key]
+        raise TypeError(
+            f"unknown quantized dtype {spec!r}; use one of "
+            + ", ".join(d.name for d in ALL)
+            + " (or int8, uint4, quint4x2, ...)"
+        )
+    try:
+        np_dtype = np.dtype(spec)
+    except TypeError:
+        np_dtype = None
+    if np_dtype is not None and np_dtype in _BY_NUMPY:
+        return _BY_NUMPY[np_dtype]
+    text = str(spec)
+    if text.startswith("torch."):  # torch.qint8 and friends, without importing torch
+        return qdtype(text)
+    raise TypeError(
+        f"unknown quantized dtype {spec!r}; use one of " + ", ".join(d.name for d in ALL)
+    )
+
+
+class iinfo:
+    """Range of a quantized dtype, like :class:`numpy.iinfo`.
+
+    >>> iinfo("qint4")
+    iinfo(min=-8, max=7, dtype=qint4)
+    """
+
+    __slots__ = ("dtype", "kind", "bits", "min", "max")
+
+    def __init__(self, dtype):
+        d = qdtype(dtype)
+        self.dtype = d
+        self.kind = "i" if d.signed else "u"
+        self.bits = d.bits
+        self.min = d.qmin
+        self.max = d.qmax
+
+    def __repr__(self) -> str:
+        return f"iinfo(min={self.min}, max={self.max}, dtype={self.dtype.name})"

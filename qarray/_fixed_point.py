@@ -1,0 +1,86 @@
+"""Integer-only requantization: multiplier decomposition and rounding shifts.
+
+A real multiplier ``M = scale_in / scale_out`` becomes an integer ``m`` in
+``[2**30, 2**31)`` and a right shift ``s`` so that ``M ~= m / 2**s`` (TFLite's
+QuantizeMultiplier, TVM's GetFixedPointMultiplierShift). Then
+
+    q_out = clamp(R((q - zp_in) * m, s) + zp_out, qmin, qmax)
+
+computed exactly in int64, where ``R(v, s)`` divides by ``2**s`` and breaks ties
+by the chosen rounding. Worked example: ``M = 0.3`` gives ``frexp = (0.6, -1)``,
+``m = round(0.6 * 2**31) = 1288490189``, ``s = 32``; ``q - zp_in = 5`` gives
+``5 * 1288490189 / 2**32 = 1.50000000...`` which ``half_even`` rounds to 2.
+
+The element functions below use only operators and NumPy ufuncs, so the same
+source runs on NumPy or CuPy arrays and, compiled by Numba, inside the CPU
+kernels: one definition of the arithmetic for every backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HALF_EVEN, HALF_AWAY, HALF_UP, TFLITE = 0, 1, 2, 3
+ROUNDINGS = {"half_even": HALF_EVEN, "half_away": HALF_AWAY, "half_up": HALF_UP, "tflite": TFLITE}
+
+_ONE = np.int64(1)
+_I32_MIN = np.int64(-(2**31))
+_I32_MAX = np.int64(2**31 - 1)
+_MAX_MULTIPLIER = 2.0**30
+
+
+def quantize_multiplier(multiplier):
+    """Split positive float64 multipliers into ``(m, s)``, both int64 arrays.
+
+    ``m`` is in ``[2**30, 2**31)`` and ``s`` in ``[1, 63]``; a multiplier so small
+    that ``s`` would pass 63 (below about 2**-33) gets ``m = 0``, which gives
+    exactly the right answer 0 for every int64 product we form.
+
+    >>> quantize_multiplier(0.3)
+    (array(1288490189), array(32))
+    """
+    M = np.asarray(multiplier, dtype=np.float64)
+    if np.any(M >= _MAX_MULTIPLIER):
+        raise ValueError(
+            f"the requantize multiplier scale_in / scale_out = {float(np.max(M)):g} is too "
+            "large for fixed-point arithmetic (it must be < 2**30); use a larger output "
+            "scale or mode='float'"
+        )
+    f, e = np.frexp(M)
+    m = np.floor(f * 2.0**31 + 0.5).astype(np.int64)  # round half away, as std::round
+    carry = m == 2**31
+    m = np.where(carry, np.int64(2**30), m)
+    s = 31 - (e.astype(np.int64) + carry)
+    m = np.where(s > 63, np.int64(0), m)
+    return m, np.minimum(s, 63)
+
+
+def rescale(d, m, s, rounding):
+    """``d * m / 2**s`` rounded to an integer (int64 in, int64 out).
+
+    ``rounding`` is one of the codes ``HALF_EVEN``, ``HALF_AWAY``, ``HALF_UP``
+    (ties of ``R(d * m, s)``) or ``TFLITE``: gemmlowp's
+    SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with ``d`` taken
+    to int32 after TFLite's left shift (for multipliers >= 1), saturating where
+    TFLite's int32 arithmetic would overflow. One self-contained function, so
+    Numba can compile it as it stands.
+    """
+    if rounding == TFLITE:
+        e = 31 - s
+        a = np.minimum(np.maximum(d << np.maximum(e, 0), _I32_MIN), _I32_MAX)
+        ab = a * m
+        y = ab + (_ONE << 30) - (ab < 0) * ((_ONE << 31) - 1)
+        x = (y + (y < 0) * ((_ONE << 31) - 1)) >> 31  # C division, toward zero
+        rs = np.maximum(-e, 0)
+        mask = (_ONE << rs) - 1
+        return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
+    v = d * m
+    half = _ONE << (s - 1)
+    if rounding == HALF_UP:
+        return (v + half) >> s
+    if rounding == HALF_AWAY:
+        r = (np.abs(v) + half) >> s
+        return r - 2 * r * (v < 0)
+    q = v >> s  # floor
+    r = v - (q << s)
+    return q + ((r > half) | ((r == half) & ((q & 1) == 1)))

@@ -1,0 +1,312 @@
+"""The QArray class: integer storage plus the parameters that give it meaning."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+
+from . import backends as _backends
+from ._dtypes import QDType, qdtype
+from ._params import check_params, normalize_axis
+
+_FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def float_dtype(dtype):
+    """NumPy float16/32/64 from any spelling; TypeError for anything else."""
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is None or d.name not in _FLOATS:
+        raise TypeError(f"dequantize gives float16, float32 or float64, not {dtype!r}")
+    return d.type
+
+
+class QArray:
+    """A quantized array: ``real = (data - zero_point) * scale``.
+
+    Make one with :func:`qarray.quantize`, :func:`qarray.quantize_dynamic` or
+    :meth:`QArray.from_int`.
+
+    >>> q = qarray.quantize(numpy.array([0.5, -1.0], numpy.float32), 0.01, 0, "qint8")
+    >>> q.int_repr()
+    array([  50, -100], dtype=int8)
+    """
+
+    __slots__ = ("_data", "_scale", "_zero_point", "_axis", "_block_size", "_dtype", "_backend")
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError(
+            "QArray cannot be constructed directly; use qarray.quantize(x, scale, zero_point, dtype) "
+            "for float data or QArray.from_int(ints, scale, zero_point, dtype) for integers"
+        )
+
+    @classmethod
+    def _new(cls, data, scale, zero_point, dtype, axis=None, block_size=None, backend=None):
+        self = object.__new__(cls)
+        self._backend = backend if backend is not None else _backends.for_array(data)
+        self._data = data
+        self._scale = scale
+        self._zero_point = zero_point
+        self._dtype = dtype
+        self._axis = axis
+        self._block_size = block_size
+        return self
+
+    @classmethod
+    def from_int(cls, ints, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) -> "QArray":
+        """Wrap integers already quantized. Values outside ``dtype``'s range raise.
+
+        >>> QArray.from_int(numpy.array([1, -2]), 0.5, 0, "qint4").dequantize()
+        array([ 0.5, -1. ], dtype=float32)
+        """
+        d = qdtype(dtype)
+        if isinstance(ints, (list, tuple, int, np.generic)):
+            ints = np.asarray(ints)
+        b = _backends.for_array(ints)
+        if ints.dtype.kind not in "iu":
+            raise TypeError(
+                f"from_int takes integer data, got dtype {ints.dtype}; use qarray.quantize for floats"
+            )
+        s, z, axis, block_size = check_params(scale, zero_point, d, ints.shape, axis, block_size)
+        if ints.size:
+            lo, hi = (int(v) for v in b.to_host(b.xp.stack([ints.min(), ints.max()])))
+            if lo < d.qmin or hi > d.qmax:
+                raise ValueError(
+                    f"from_int: values span [{lo}, {hi}], outside the range "
+                    f"[{d.qmin}, {d.qmax}] of {d.name}"
+                )
+        return cls._new(ints.astype(d.storage), b.asarray(s), b.asarray(z), d, axis, block_size, b)
+
+    # -- attributes -------------------------------------------------------
+    data = property(lambda self: self._data, doc="The integer storage array.")
+    scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked.")
+    zero_point = property(lambda self: self._zero_point, doc="int32 zero point, shaped like scale.")
+    axis = property(lambda self: self._axis, doc="Parameter axis, or None for per-tensor.")
+    block_size = property(lambda self: self._block_size, doc="Block length along axis, or None.")
+    dtype = property(lambda self: self._dtype, doc="The QDType.")
+    shape = property(lambda self: tuple(self._data.shape))
+    ndim = property(lambda self: self._data.ndim)
+    size = property(lambda self: int(self._data.size))
+    backend = property(lambda self: self._backend.name, doc="Name of the backend holding the data.")
+
+    @property
+    def qscheme(self) -> str:
+        """``per_tensor_affine``, ``per_channel_affine`` or ``per_block_affine``."""
+        if self._axis is None:
+            return "per_tensor_affine"
+        return "per_channel_affine" if self._block_size is None else "per_block_affine"
+
+    def _with(self, data, scale=None, zero_point=None, axis=None, block_size=None):
+        return QArray._new(
+            data,
+            self._scale if scale is None else scale,
+            self._zero_point if zero_point is None else zero_point,
+            self._dtype,
+            axis,
+            block_size,
+            self._backend,
+        )
+
+    # -- conversions --------------------------------------------------------
+    def dequantize(self, dtype="float32"):
+        """Real values ``(data - zero_point) * scale`` as float16/32/64."""
+        from ._api import dequantize
+
+        return dequantize(self, dtype)
+
+    def requantize(self, scale, zero_point=0, dtype=None, axis=None, block_size=None, mode=None, rounding=None):
+        """Same values at new parameters (see :func:`qarray.requantize`)."""
+        from ._api import requantize
+
+        return requantize(self, scale, zero_point, dtype, axis, block_size, mode=mode, rounding=rounding)
+
+    def int_repr(self):
+        """A copy of the integer storage (one value per element, also for 2/4 bits)."""
+        return self._data.copy()
+
+    def pack(self):
+        """The flattened values in ONNX/PyTorch byte layout (uint8, first value in the
+        low bits); 8 bits and wider come back as a copy of the storage."""
+        if not self._dtype.packed:
+            return self._backend.xp.ascontiguousarray(self._data).reshape(-1).copy()
+        return self._backend.pack(self._data, self._dtype.bits)
+
+    def to(self, backend: str) -> "QArray":
+        """The same QArray on another backend ("numpy" or "cupy")."""
+        b = _backends.get(backend)
+        if b is self._backend:
+            return self
+
+        def move(a):
+            return b.asarray(self._backend.to_host(a))
+
+        return QArray._new(move(self._data), move(self._scale), move(self._zero_point),
+                           self._dtype, self._axis, self._block_size, b)
+
+    def get(self) -> "QArray":
+        """The same QArray with NumPy storage (a copy from the device for CuPy)."""
+        return self.to("numpy")
+
+    def __array__(self, dtype=None, copy=None):
+        if self._backend.name != "numpy":
+            raise TypeError(
+                f"implicit conversion of a {self._backend.name} QArray to NumPy is not allowed; "
+                "use .get() first"
+            )
+        out = self.dequantize()
+        return out if dtype is None else out.astype(dtype)
+
+    def __reduce__(self):
+        return (_rebuild, (self._data, self._scale, self._zero_point, self._dtype.name,
+                           self._axis, self._block_size))
+
+    # -- shape --------------------------------------------------------------
+    def __len__(self):
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d QArray")
+        return self.shape[0]
+
+    def reshape(self, *shape) -> "QArray":
+        """Reshape; per-axis and blocked parameters need their axis kept whole.
+
+        The axis is kept when the new shape has a dimension of the same length
+        whose preceding dimensions hold the same number of elements.
+        """
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        data = self._data.reshape(shape)
+        if self._axis is None:
+            return self._with(data)
+        old, new, k = self.shape, data.shape, self._axis
+        before = math.prod(old[:k])
+        for j in range(len(new)):
+            if math.prod(new[:j]) == before and new[j] == old[k]:
+                break
+        else:
+            raise ValueError(
+                f"cannot reshape {old} to {new}: the parameter axis {k} (length {old[k]}) "
+                "would not stay a whole dimension; dequantize or requantize per-tensor first"
+            )
+        scale, zp = self._scale, self._zero_point
+        if self._block_size is not None:
+            pshape = new[:j] + (scale.shape[k],) + new[j + 1 :]
+            scale, zp = scale.reshape(pshape), zp.reshape(pshape)
+        return self._with(data, scale, zp, j, self._block_size)
+
+    def transpose(self, *axes) -> "QArray":
+        """Permute dimensions (reversed when no axes are given); parameters follow."""
+        if len(axes) == 1 and not isinstance(axes[0], int):
+            axes = tuple(axes[0])
+        axes = tuple(normalize_axis(a, self.ndim) for a in axes) if axes else tuple(range(self.ndim))[::-1]
+        if sorted(axes) != list(range(self.ndim)):
+            raise ValueError(f"transpose axes {axes} are not a permutation of {self.ndim} dimensions")
+        data = self._data.transpose(axes)
+        if self._axis is None:
+            return self._with(data)
+        scale, zp = self._scale, self._zero_point
+        if self._block_size is not None:
+            scale, zp = scale.transpose(axes), zp.transpose(axes)
+        return self._with(data, scale, zp, axes.index(self._axis), self._block_size)
+
+    T = property(lambda self: self.transpose(), doc="Dimensions reversed.")
+
+    def __getitem__(self, key) -> "QArray":
+        """Basic indexing (ints, slices, ``...``, ``None``); parameters follow the slice.
+
+        An integer index along a per-axis parameter axis leaves a per-tensor
+        result; along a blocked axis, blocks must not be cut by a slice.
+        """
+        key = key if isinstance(key, tuple) else (key,)
+        for c in key:
+            if not (c is None or c is Ellipsis or isinstance(c, slice) or _is_int(c)):
+                raise TypeError(
+                    f"QArray supports basic indexing only (ints, slices, ..., None), got {type(c).__name__}"
+                )
+        used = sum(1 for c in key if c is not None and c is not Ellipsis)
+        if used > self.ndim:
+            raise IndexError(f"too many indices for a QArray of {self.ndim} dimension(s)")
+        if sum(1 for c in key if c is Ellipsis) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        fill = (slice(None),) * (self.ndim - used)
+        if Ellipsis in key:
+            i = next(i for i, c in enumerate(key) if c is Ellipsis)
+            key = key[:i] + fill + key[i + 1 :]
+        else:
+            key = key + fill
+        data = self._data[key]
+        if self._axis is None:
+            return self._with(data)
+        in_dim = out_dim = 0
+        for pos, c in enumerate(key):
+            if c is None:
+                out_dim += 1
+                continue
+            if in_dim == self._axis:
+                axis_pos, new_axis = pos, (out_dim if isinstance(c, slice) else None)
+            out_dim += isinstance(c, slice)
+            in_dim += 1
+        c = key[axis_pos]
+        n, B = self.shape[self._axis], self._block_size
+        if B is None:
+            pkey = c
+        elif _is_int(c):
+            pkey = operator.index(c) % n // B
+        else:
+            start, stop, step = c.indices(n)
+            if B > 1 and stop > start and (step != 1 or start % B or (stop % B and stop != n)):
+                raise ValueError(
+                    f"the slice {start}:{stop}:{step} cuts the blocks of size {B} along axis "
+                    f"{self._axis}; slice at multiples of {B} with step 1"
+                )
+            pkey = slice(start // B, max(start // B, -(-stop // B))) if B > 1 else c
+        if B is None:
+            scale, zp = self._scale[pkey], self._zero_point[pkey]
+            block = None
+        else:
+            full = key[:axis_pos] + (pkey,) + key[axis_pos + 1 :]
+            scale, zp = self._scale[full], self._zero_point[full]
+            block = B
+            if new_axis is None and data.ndim:  # scale now has data's shape: blocks of 1
+                new_axis, block = 0, 1
+        return self._with(data, scale, zp, new_axis, block if new_axis is not None else None)
+
+    def __repr__(self):
+        values = self._backend.to_host(self.dequantize())
+        head = "QArray("
+        body = np.array2string(values, separator=", ", prefix=head)
+        params = f"dtype={self._dtype.name}, scale={_show(self._backend, self._scale)}, " \
+                 f"zero_point={_show(self._backend, self._zero_point)}"
+        if self._axis is not None:
+            params += f", axis={self._axis}"
+        if self._block_size is not None:
+            params += f", block_size={self._block_size}"
+        pad = " " * len(head)
+        return f"{head}{body},\n{pad}{params},\n{pad}qscheme={self.qscheme}, backend={self._backend.name})"
+
+
+def _is_int(c) -> bool:
+    return not isinstance(c, bool) and isinstance(c, (int, np.integer))
+
+
+def _show(backend, p) -> str:
+    h = backend.to_host(p)
+    if h.ndim == 0:
+        return repr(h.item())
+    if h.ndim == 1:
+        return np.array2string(h, separator=", ", threshold=8)
+    return f"<{h.dtype} array of shape {h.shape}>"
+
+
+def _rebuild(data, scale, zero_point, dtype_name, axis, block_size):
+    return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size)
+
+
+def is_qarray(x) -> bool:
+    return isinstance(x, QArray)
+
+
+__all__ = ["QArray", "QDType"]

@@ -1,0 +1,97 @@
+"""The backend registry: which backend handles which array type.
+
+Rule: never import an array library the user has not imported. ``for_array``
+looks only at libraries already in ``sys.modules``, so ``import qarray`` never
+imports CuPy, and NumPy users never pay for it.
+
+Two dicts: name -> backend and array type -> backend (filled as types are met).
+
+>>> import qarray.backends as qb
+>>> qb.for_array(numpy.zeros(3)).name
+'numpy'
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ._base import Backend
+
+__all__ = ["Backend", "register", "get", "for_array", "available"]
+
+_by_name: dict = {}
+_by_type: dict = {}
+# Built-in backends are made on first use: name -> (module, class name).
+_lazy = {"numpy": ("qarray.backends.numpy", "NumpyBackend"), "cupy": ("qarray.backends.cupy", "CupyBackend")}
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend; its arrays are then recognised by ``for_array``."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register() takes a qarray.backends.Backend, got {type(backend).__name__}")
+    _by_name[backend.name] = backend
+    for t in list(_by_type):
+        if _by_type[t].name == backend.name:
+            del _by_type[t]
+    return backend
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name`` ("numpy", "cupy" or a registered one)."""
+    if name not in _by_name:
+        if name not in _lazy:
+            raise ValueError(f"unknown backend {name!r}; available: {sorted(set(_by_name) | set(_lazy))}")
+        module, cls = _lazy[name]
+        __import__(module)
+        register(getattr(sys.modules[module], cls)())
+    return _by_name[name]
+
+
+def _candidates():
+    for name in list(_lazy) + [n for n in _by_name if n not in _lazy]:
+        b = _by_name.get(name)
+        module = b.module if b is not None else name
+        if module in sys.modules:
+            yield b if b is not None else get(name)
+
+
+def for_array(x) -> Backend:
+    """The backend of array ``x``; TypeError naming the type when none handles it."""
+    t = type(x)
+    b = _by_type.get(t)
+    if b is not None:
+        return b
+    for b in _candidates():
+        if issubclass(t, b.array_types()):
+            _by_type[t] = b
+            return b
+    raise TypeError(
+        f"no qarray backend handles arrays of type {t.__module__}.{t.__qualname__}; "
+        "pass a NumPy or CuPy array, or register a backend for it"
+    )
+
+
+def common(*arrays) -> Backend:
+    """The one backend of all ``arrays``; TypeError naming both when they differ."""
+    found = None
+    for a in arrays:
+        b = for_array(a)
+        if found is not None and b is not found:
+            raise TypeError(
+                f"arrays of two backends ({found.name} and {b.name}) can not be combined; "
+                "move them to one with QArray.to(...)"
+            )
+        found = b
+    return found
+
+
+def available() -> list:
+    """Names of the backends usable now (CuPy only where it imports and a GPU answers)."""
+    names = ["numpy"]
+    try:
+        get("cupy").check()
+        names.append("cupy")
+    except (ImportError, RuntimeError):
+        pass
+    names += [n for n in _by_name if n not in names and n not in _lazy]
+    return names

@@ -1,0 +1,140 @@
+"""The generic backend: every primitive written once against ``self.xp``.
+
+Any array library with a NumPy-like namespace works through this class as it
+stands; ``NumpyBackend`` and ``CupyBackend`` override only what they can do
+faster. Primitives take arrays of their own backend and parameters in their
+stored shape (see ``qarray._params``); ops validate and resolve everything
+before they call one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._fixed_point import rescale
+from .._params import expand, to_host, view3
+
+
+def nan_error(x) -> ValueError:
+    """The error quantize raises for NaN input: how many, and where the first is."""
+    mask = to_host(x != x)
+    count = int(mask.sum())
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
+    return ValueError(
+        f"cannot quantize NaN: the input has {count} NaN value(s), the first at index "
+        f"{first}; replace them (e.g. numpy.nan_to_num) before quantizing"
+    )
+
+
+class Backend:
+    """Quantization primitives over an array namespace ``xp``.
+
+    ``name`` is what ``qarray.backends.get`` takes; ``module`` is the array
+    library's top-level module, looked up in ``sys.modules`` only (the registry
+    never imports a framework the user has not imported).
+    """
+
+    name = "generic"
+    module = "numpy"
+
+    def __init__(self, xp=None):
+        self._xp = xp
+
+    @property
+    def xp(self):
+        """The array namespace the generic primitives use."""
+        return self._xp
+
+    def __repr__(self):
+        return f"<qarray backend {self.name!r}>"
+
+    def array_types(self) -> tuple:
+        return (self.xp.ndarray,)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return to_host(a)
+
+    # -- elementwise primitives ------------------------------------------
+    def quantize(self, x, scale, zero_point, qd, axis, block_size):
+        """``clamp(rint(x / scale) + zero_point)`` in ``qd``'s storage dtype."""
+        xp = self.xp
+        if bool(xp.isnan(x).any()):
+            raise nan_error(x)
+        ft = xp.float64 if x.dtype == xp.float64 else xp.float32
+        s = expand(scale, x.shape, axis, block_size, xp).astype(ft)
+        z = expand(zero_point, x.shape, axis, block_size, xp).astype(xp.float64)
+        q = xp.rint(x.astype(ft) / s).astype(xp.float64) + z
+        return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
+
+    def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
+        """``(q - zero_point) * scale`` in float32, or float64 when ``dtype`` is float64."""
+        xp = self.xp
+        ft = xp.float64 if dtype == np.float64 else xp.float32
+        s = expand(scale, q.shape, axis, block_size, xp).astype(ft)
+        z = expand(zero_point, q.shape, axis, block_size, xp).astype(xp.int64)
+        y = (q.astype(xp.int64) - z).astype(ft) * s
+        return y.astype(dtype, copy=False)
+
+    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding):
+        """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``.
+
+        ``mult`` is ``(m, s)`` (int64, see ``_fixed_point``) with ``rounding`` a
+        rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way:
+        ``rint(float64(q - zp_in) * multiplier)``).
+        """
+        xp = self.xp
+
+        def ex(p):
+            return expand(p, q.shape, axis, block_size, xp)
+
+        d = q.astype(xp.int64) - ex(zp_in).astype(xp.int64)
+        if rounding is None:
+            v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64))
+        else:
+            v = rescale(d, ex(mult[0]), ex(mult[1]), rounding)
+        v = v + ex(zp_out).astype(v.dtype)
+        return xp.clip(v, qd.qmin, qd.qmax).astype(qd.storage)
+
+    def minmax(self, x, axis, block_size):
+        """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""
+        xp = self.xp
+        if axis is None:
+            return xp.min(x), xp.max(x)
+        o, n, i = view3(x.shape, axis)
+        x3 = x.reshape(o, n, i)
+        if block_size is None:
+            return x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
+        nb = -(-n // block_size)
+        x4 = xp.pad(x3, ((0, 0), (0, nb * block_size - n), (0, 0)), mode="edge")
+        x4 = x4.reshape(o, nb, block_size, i)
+        want = x.shape[:axis] + (nb,) + x.shape[axis + 1 :]
+        return x4.min(axis=2).reshape(want), x4.max(axis=2).reshape(want)
+
+    # -- sub-byte packing ---------------------------------------------------
+    def pack(self, q, bits):
+        """Flattened ``q`` packed ``8 // bits`` to a byte, first element in the low bits."""
+        xp = self.xp
+        per = 8 // bits
+        flat = q.reshape(-1).astype(xp.uint8) & ((1 << bits) - 1)
+        pad = -flat.size % per
+        if pad:
+            flat = xp.concatenate([flat, xp.zeros(pad, xp.uint8)])
+        lanes = flat.reshape(-1, per)
+        out = xp.zeros(lanes.shape[0], xp.uint8)
+        for j in range(per):
+            out |= lanes[:, j] << (bits * j)
+        return out
+
+    def unpack(self, packed, bits, signed, count):
+        """The first ``count`` values of ``packed``, sign-extended when ``signed``."""
+        xp = self.xp
+        per = 8 // bits
+        shifts = xp.arange(0, 8, bits, dtype=xp.uint8)
+        vals = ((packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+        if not signed:
+            return vals.astype(xp.uint8)
+        sign = 1 << (bits - 1)
+        return ((vals.astype(xp.int16) ^ sign) - sign).astype(xp.int8)
