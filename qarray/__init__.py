@@ -27,9 +27,9 @@ from .io import load
 from .io import save
 
 try:
-    __version__ = version("qarray")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.1.0"
+    __version__ = version("qarray")  # defined once, in setup.cfg
+except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "QArray",

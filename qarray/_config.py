@@ -64,11 +64,12 @@ class Config:
     @contextlib.contextmanager
     def using(self, **settings):
         """Change settings inside a ``with`` block only."""
+        for k in settings:
+            if k not in ("mode", "rounding", "numba"):
+                raise TypeError(f"qarray.config has no setting {k!r}")
         old = {k: getattr(self, k) for k in settings}
         try:
             for k, v in settings.items():
-                if k not in ("mode", "rounding", "numba"):
-                    raise TypeError(f"qarray.config has no setting {k!r}")
                 setattr(self, k, v)
             yield self
         finally:

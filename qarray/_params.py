@@ -93,7 +93,8 @@ def check_scale(scale, want=(), axis=None, block_size=None) -> np.ndarray:
     if s.dtype.kind not in "fiu" or s.dtype == np.bool_:
         raise TypeError(f"scale must be a real number or array, got dtype {s.dtype}")
     s = _fit(s, want, "scale", axis, block_size)
-    s32 = s.astype(np.float32)
+    with np.errstate(over="ignore"):  # too large for float32: reported below
+        s32 = s.astype(np.float32)
     bad = ~(np.isfinite(s32) & (s32 > 0))
     if bad.any():
         first = s.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]

@@ -62,6 +62,11 @@ class _OneThread:
             numba.set_num_threads(self.saved)
 
 
+def _contiguous(a):
+    """C-contiguous ``a`` (``np.ascontiguousarray`` would make 0-d arrays 1-d)."""
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
 def _layouts(shape, axis, block_size, *params):
     """``(view3 shape, compact params, bidx)`` pieces covering an array of ``shape``.
 
@@ -104,7 +109,7 @@ class NumpyBackend(Backend):
             if k is not None:  # Numba has no float16 arithmetic: widen (exact) first
                 return self.quantize(x.astype(np.float32), scale, zero_point, qd, axis, block_size)
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
-        x = np.ascontiguousarray(x)
+        x = _contiguous(x)
         # <= 16-bit results clamp exactly in float32; qint32 needs float64.
         ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
         out = np.empty(x.shape, qd.storage)
@@ -122,7 +127,7 @@ class NumpyBackend(Backend):
         k = self._fast(q)
         if k is None:
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
-        q = np.ascontiguousarray(q)
+        q = _contiguous(q)
         ft = np.float64 if dtype == np.float64 else np.float32
         out = np.empty(q.shape, ft)
         qf, of = q.reshape(-1), out.reshape(-1)
@@ -136,7 +141,7 @@ class NumpyBackend(Backend):
         k = self._fast(q)
         if k is None:
             return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding)
-        q = np.ascontiguousarray(q)
+        q = _contiguous(q)
         if rounding is None:
             f, m, s, code = mult, np.zeros(1, np.int64), np.ones(1, np.int64), -1
         else:

@@ -1,0 +1,267 @@
+"""Core-op benchmark: qarray quantize / dequantize / requantize against peers.
+
+Run from the repository root:
+
+    PYTHONPATH=. python benchmarks/bench_core.py
+
+Times 2^24 float32 elements, each op and its peer interleaved in one run (warm-up
+once, then median and min of REPEATS calls), and prints qarray ms, peer ms, their
+ratio and the target. Peers: PyTorch (quantize_per_tensor / quantize_per_channel /
+dequantize, 2 threads) and onnxruntime (QuantizeLinear / DequantizeLinear), each
+skipped when not installed; per-axis, blocked and requantize are measured against
+qarray's own per-tensor quantize. Also: cold start in a fresh subprocess (run
+twice, the first may compile the Numba cache) and the generic NumPy path.
+Nothing is asserted. Results go to benchmarks/results/bench_core.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import qarray  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
+try:
+    import torch
+except ImportError:
+    torch = None
+try:
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+except ImportError:
+    ort = None
+
+N = 1 << 24
+SIDE = 4096  # N == SIDE * SIDE
+REPEATS = 15
+THREADS = 2
+SCALE, ZP = 0.01, 3
+RESULTS = ROOT / "benchmarks" / "results"
+LINES: list[str] = []
+
+
+def say(text=""):
+    print(text, flush=True)
+    LINES.append(text)
+
+
+def timeit(**fns):
+    """{name: (median ms, min ms)}; the functions run interleaved, after one warm-up each."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(REPEATS):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+
+
+ROWS: list[dict] = []
+
+
+def row(op, ours, peer_name=None, peer=None, target=None):
+    """One table row; ``target`` is the largest acceptable ours/peer ratio (None: info only)."""
+    ratio = ours[0] / peer[0] if peer else None
+    met = None if target is None or ratio is None else ratio <= target
+    ROWS.append(dict(op=op, qarray_ms=round(ours[0], 3), qarray_min_ms=round(ours[1], 3),
+                     peer=peer_name, peer_ms=None if peer is None else round(peer[0], 3),
+                     peer_min_ms=None if peer is None else round(peer[1], 3),
+                     ratio=None if ratio is None else round(ratio, 3),
+                     ratio_of_mins=round(ours[1] / peer[1], 3) if peer else None, target=target,
+                     met=None if met is None else ("yes" if met else "no")))
+
+
+def ort_session(op, in_type, out_type):
+    """A one-node QuantizeLinear / DequantizeLinear model (scale SCALE, zero point ZP, int8)."""
+    inits = [helper.make_tensor("s", TensorProto.FLOAT, [], [SCALE]),
+             helper.make_tensor("z", TensorProto.INT8, [], [ZP])]
+    node = helper.make_node(op, ["x", "s", "z"], ["y"])
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", in_type, [N])],
+                              [helper.make_tensor_value_info("y", out_type, [N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = THREADS, 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+COLD = """
+import time
+t0 = time.perf_counter()
+import numpy, qarray
+t1 = time.perf_counter()
+qarray.quantize(numpy.linspace(-1, 1, 1000, dtype=numpy.float32), 0.01, 3, "qint8")
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def cold_start():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    out = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, cwd=ROOT)
+        if r.returncode:
+            say(f"cold start subprocess failed:\n{r.stderr}")
+            return []
+        imp, first = map(float, r.stdout.split())
+        out.append((imp * 1e3, first * 1e3))
+    return out
+
+
+def main():
+    cold = cold_start()  # before this process compiles anything
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(N) * 0.4).astype(np.float32)
+    x2 = x.reshape(SIDE, SIDE)
+    qarray.set_num_threads(THREADS)
+    if torch is not None:
+        torch.set_num_threads(THREADS)
+        xt, xt2 = torch.from_numpy(x), torch.from_numpy(x2)
+
+    # 1-2: per-tensor quantize / dequantize against torch and onnxruntime
+    q = qarray.quantize(x, SCALE, ZP, "qint8")
+    qfns = {"qarray": lambda: qarray.quantize(x, SCALE, ZP, "qint8")}
+    dfns = {"qarray": lambda: q.dequantize()}
+    if torch is not None:
+        qt = torch.quantize_per_tensor(xt, SCALE, ZP, torch.qint8)
+        qfns["torch"] = lambda: torch.quantize_per_tensor(xt, SCALE, ZP, torch.qint8)
+        dfns["torch"] = lambda: qt.dequantize()
+    if ort is not None:
+        sq = ort_session("QuantizeLinear", TensorProto.FLOAT, TensorProto.INT8)
+        sd = ort_session("DequantizeLinear", TensorProto.INT8, TensorProto.FLOAT)
+        qi = q.int_repr()
+        qfns["onnxruntime"] = lambda: sq.run(None, {"x": x})
+        dfns["onnxruntime"] = lambda: sd.run(None, {"x": qi})
+    tq, td = timeit(**qfns), timeit(**dfns)
+    for op, t, target in (("quantize per-tensor", tq, 0.7), ("dequantize per-tensor", td, 0.5)):
+        if len(t) == 1:
+            row(op, t["qarray"])
+        if "torch" in t:
+            row(op, t["qarray"], "torch", t["torch"], target)
+        if "onnxruntime" in t:
+            row(op, t["qarray"], "onnxruntime", t["onnxruntime"])
+
+    # 3: per-axis and blocked quantize against our per-tensor quantize (and torch per-channel)
+    s0 = rng.uniform(0.005, 0.02, SIDE).astype(np.float32)
+    z0 = np.full(SIDE, ZP, np.int32)
+    sb = {b: rng.uniform(0.005, 0.02, (SIDE, SIDE // b)).astype(np.float32) for b in (32, 128)}
+    zb = {b: np.full((SIDE, SIDE // b), ZP, np.int32) for b in (32, 128)}
+    fns = {"per-tensor": lambda: qarray.quantize(x, SCALE, ZP, "qint8"),
+           "axis=0": lambda: qarray.quantize(x2, s0, z0, "qint8", axis=0),
+           "axis=1": lambda: qarray.quantize(x2, s0, z0, "qint8", axis=1),
+           "axis=1 block 32": lambda: qarray.quantize(x2, sb[32], zb[32], "qint8", 1, 32),
+           "axis=1 block 128": lambda: qarray.quantize(x2, sb[128], zb[128], "qint8", 1, 128)}
+    if torch is not None:
+        st, zt = torch.from_numpy(s0.astype(np.float64)), torch.from_numpy(z0.astype(np.int64))
+        fns["torch axis=0"] = lambda: torch.quantize_per_channel(xt2, st, zt, 0, torch.qint8)
+        fns["torch axis=1"] = lambda: torch.quantize_per_channel(xt2, st, zt, 1, torch.qint8)
+    t = timeit(**fns)
+    for k in ("axis=0", "axis=1", "axis=1 block 32", "axis=1 block 128"):
+        row(f"quantize {k}", t[k], "qarray quantize per-tensor", t["per-tensor"], 1.3)
+        if f"torch {k}" in t:
+            row(f"quantize {k}", t[k], "torch quantize_per_channel", t[f"torch {k}"])
+
+    # 4: requantize int32 -> int8 against our per-tensor quantize
+    ints = rng.integers(-(1 << 20), 1 << 20, N, dtype=np.int32)
+    q32 = qarray.QArray.from_int(ints, 1e-4, 0, "qint32")
+    q32_2 = qarray.QArray.from_int(ints.reshape(SIDE, SIDE), 1e-4, 0, "qint32")
+    s_out = rng.uniform(0.03, 0.07, SIDE).astype(np.float32)
+    fns = {"quantize": lambda: qarray.quantize(x, SCALE, ZP, "qint8")}
+    for r in ("half_even", "half_away", "half_up", "tflite"):
+        fns[f"fixed {r}"] = lambda r=r: qarray.requantize(q32, 0.05, 0, "qint8", rounding=r)
+    fns["float"] = lambda: qarray.requantize(q32, 0.05, 0, "qint8", mode="float")
+    fns["fixed half_even axis=0"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=0)
+    fns["fixed half_even axis=1"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=1)
+    fns["float axis=1"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=1, mode="float")
+    t = timeit(**fns)
+    for k in fns:
+        if k != "quantize":
+            row(f"requantize i32->i8 {k}", t[k], "qarray quantize per-tensor", t["quantize"], 1.5)
+
+    # 5: cold start (fresh subprocess, twice)
+    for i, (imp, first) in enumerate(cold):
+        label = "warm cache" if i else "first run, may compile"
+        row(f"cold: import qarray ({label})", (imp, imp))
+        row(f"cold: first quantize call ({label})", (first, first), "0.3 s budget", (300.0, 300.0),
+            1.0 if i else None)
+
+    # 6: the generic NumPy path, for reference
+    def generic(f):
+        def g():
+            with qarray.config.using(numba=False):
+                return f()
+        return g
+    t = timeit(gq=generic(qfns["qarray"]), gd=generic(dfns["qarray"]), q=qfns["qarray"], d=dfns["qarray"])
+    row("quantize generic NumPy (numba=False)", t["gq"], "qarray numba", t["q"])
+    row("dequantize generic NumPy (numba=False)", t["gd"], "qarray numba", t["d"])
+
+    # agreement with the peers (torch multiplies by a float32 reciprocal: one-step differences)
+    agree = {}
+    ours = q.int_repr()
+    if torch is not None:
+        diff = np.abs(ours.astype(np.int16) - qt.int_repr().numpy().astype(np.int16))
+        agree["torch quantize_per_tensor"] = dict(differ=int((diff > 0).sum()), max_step=int(diff.max()))
+        same = torch._make_per_tensor_quantized_tensor(torch.from_numpy(ours), SCALE, ZP)
+        deq = q.dequantize() != same.dequantize().numpy()
+        agree["torch dequantize (same ints)"] = dict(differ=int(deq.sum()))
+    if ort is not None:
+        agree["onnxruntime QuantizeLinear"] = dict(differ=int((sq.run(None, {"x": x})[0] != ours).sum()))
+        agree["onnxruntime DequantizeLinear"] = dict(differ=int((sd.run(None, {"x": qi})[0] != q.dequantize()).sum()))
+
+    report(agree)
+
+
+def report(agree):
+    vers = {"python": platform.python_version(), "numpy": np.__version__}
+    for name in ("numba", "torch", "onnxruntime"):
+        try:
+            vers[name] = __import__(name).__version__
+        except ImportError:
+            vers[name] = None
+    import numba
+    machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                   cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   elements=N, repeats=REPEATS, numba_threads=numba.get_num_threads(),
+                   torch_threads=torch.get_num_threads() if torch is not None else None, **vers)
+    say("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    say(f"times: median (min) of {REPEATS} runs after one warm-up, in ms; ratio = qarray / peer median (and of mins); "
+        "target: largest acceptable ratio")
+    head = f"{'operation':<52} {'qarray ms':>17} {'peer':<27} {'peer ms':>17} {'ratio':>6} {'(mins)':>6} {'target':>7} {'met':>4}"
+    say(head)
+    say("-" * len(head))
+
+    def ms(m, lo):
+        return "" if m is None else f"{m:8.2f} ({lo:6.2f})"
+    for r in ROWS:
+        say(f"{r['op']:<52} {ms(r['qarray_ms'], r['qarray_min_ms']):>17} {r['peer'] or '':<27} "
+            f"{ms(r['peer_ms'], r['peer_min_ms']):>17} {'' if r['ratio'] is None else r['ratio']:>6} "
+            f"{'' if r['ratio_of_mins'] is None else r['ratio_of_mins']:>6} "
+            f"{'' if r['target'] is None else '<=' + str(r['target']):>7} {r['met'] or '':>4}")
+    say()
+    say("agreement with peers (int8 per-tensor, differing elements of %d):" % N)
+    for k, v in agree.items():
+        say(f"  {k}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench_core.json").write_text(json.dumps(dict(machine=machine, rows=ROWS, agreement=agree), indent=1) + "\n")
+    (RESULTS / "bench_core.txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

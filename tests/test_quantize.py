@@ -1,0 +1,267 @@
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qarray
+from qarray import qdtype
+
+SMALL = ["qint2", "quint2", "qint4", "quint4", "qint8", "quint8"]
+ALL = SMALL + ["qint16", "quint16", "qint32"]
+
+
+def ref_quantize(x, scale, zp, dtype):
+    """Independent reference: float64 division rounded once to float32 is the
+    correctly rounded float32 quotient; Python's round() is half-even."""
+    d = qdtype(dtype)
+    out = []
+    for v, s, z in zip(np.ravel(x), np.ravel(np.broadcast_to(scale, np.shape(x))), np.ravel(np.broadcast_to(zp, np.shape(x)))):
+        if np.asarray(x).dtype == np.float64:
+            t = float(v) / float(np.float32(s))
+        else:
+            t = float(np.float32(float(np.float32(v)) / float(np.float32(s))))
+        r = round(t) + int(z) if math.isfinite(t) else math.copysign(math.inf, t)
+        out.append(min(max(r, d.qmin), d.qmax))
+    return np.array(out, dtype=np.int64).reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("dtype", SMALL + ["qint16", "quint16"])
+def test_every_code_round_trips(dtype, kernels):
+    d = qdtype(dtype)
+    codes = np.arange(d.qmin, d.qmax + 1)
+    zp = (d.qmin + d.qmax + 1) // 2 if not d.signed else 1 if d.bits > 2 else 0
+    scale = 0.37
+    x = ((codes - zp) * np.float64(np.float32(scale))).astype(np.float32)
+    q = qarray.quantize(x, scale, zp, dtype)
+    assert q.data.dtype == d.storage
+    np.testing.assert_array_equal(q.int_repr(), codes)
+    expect = (codes - zp).astype(np.float32) * np.float32(scale)
+    np.testing.assert_array_equal(q.dequantize(), expect)
+    assert q.dequantize().dtype == np.float32
+
+
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+def test_ties_round_half_even(in_dtype, kernels):
+    x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5], in_dtype) * in_dtype(0.25)
+    q = qarray.quantize(x, 0.25, 0, "qint8")
+    np.testing.assert_array_equal(q.int_repr(), [0, 2, 2, 0, -2, -2, 4])
+
+
+@pytest.mark.parametrize("dtype", ALL)
+def test_saturation_and_inf(dtype, kernels):
+    d = qdtype(dtype)
+    x = np.array([np.inf, -np.inf, 1e30, -1e30, 0.0], np.float32)
+    q = qarray.quantize(x, 1.0, 0 if d.signed else 1, dtype)
+    np.testing.assert_array_equal(q.int_repr(), [d.qmax, d.qmin, d.qmax, d.qmin, 0 if d.signed else 1])
+
+
+def test_qint32_extremes_are_exact(kernels):
+    # 2**31 - 1 is not a float32: the clamp must not round through float32
+    x = np.array([2.0**31, -(2.0**31), 2.0**31 - 128, 12345678.0], np.float32)
+    q = qarray.quantize(x, 1.0, 0, "qint32")
+    np.testing.assert_array_equal(q.int_repr(), [2**31 - 1, -(2**31), 2**31 - 128, 12345678])
+    q = qarray.quantize(np.array([2.0**31 - 1, 2.0**40]), 1.0, -5, "qint32")  # float64 input
+    np.testing.assert_array_equal(q.int_repr(), [2**31 - 6, 2**31 - 1])
+
+
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+def test_nan_raises_with_count_and_index(in_dtype, kernels):
+    x = np.zeros((3, 5000), in_dtype)
+    x[1, 7] = x[2, 0] = np.nan
+    with pytest.raises(ValueError, match=r"2 NaN value\(s\), the first at index \(1, 7\)"):
+        qarray.quantize(x, 0.1, 0, "qint8")
+
+
+def test_inf_alone_is_not_an_error(kernels):
+    x = np.full(10000, np.inf, np.float32)
+    assert (qarray.quantize(x, 0.1, 0, "quint8").int_repr() == 255).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=40),
+    st.floats(0.0001220703125, 1024.0, width=32),
+    st.sampled_from(ALL),
+    st.sampled_from([np.float32, np.float64, np.float16]),
+)
+def test_matches_reference(values, scale, dtype, in_dtype):
+    with np.errstate(over="ignore"):  # large values become float16 inf: saturate
+        x = np.array(values, np.float32).astype(in_dtype)
+    d = qdtype(dtype)
+    zp = d.qmin + (d.qmax - d.qmin) // 3
+    want = ref_quantize(x.astype(np.float32) if in_dtype == np.float16 else x, scale, zp, dtype)
+    for numba in (True, False):
+        with qarray.config.using(numba=numba):
+            np.testing.assert_array_equal(qarray.quantize(x, scale, zp, dtype).int_repr(), want)
+
+
+@pytest.mark.parametrize(
+    "shape,axis,block_size",
+    [((6, 7), 0, None), ((6, 7), 1, None), ((6, 7), -1, None), ((2, 3, 5), 1, None),
+     ((5,), 0, None), ((6, 10), 1, 4), ((10, 6), 0, 3), ((2, 9, 3), 1, 2), ((4, 33), 1, 32),
+     ((3, 5), 1, 8), ((8,), 0, 1)],
+)
+def test_per_axis_and_blocked_match_reference(shape, axis, block_size, rng, kernels):
+    from qarray._params import expand, param_shape
+
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    ax = axis % len(shape)
+    pshape = param_shape(shape, ax, block_size)
+    scale = rng.uniform(0.01, 0.1, pshape).astype(np.float32)
+    zp = rng.integers(-20, 20, pshape).astype(np.int32)
+    q = qarray.quantize(x, scale, zp, "qint8", axis=axis, block_size=block_size)
+    assert q.axis == ax and q.block_size == block_size
+    s_full = np.broadcast_to(expand(scale, shape, ax, block_size, np), shape)
+    z_full = np.broadcast_to(expand(zp, shape, ax, block_size, np), shape)
+    np.testing.assert_array_equal(q.int_repr(), ref_quantize(x, s_full, z_full, "qint8"))
+    want = ((q.int_repr().astype(np.int64) - z_full).astype(np.float32) * s_full)
+    np.testing.assert_array_equal(q.dequantize(), want)
+
+
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    "shape,axis,block_size",
+    [((1,), None, None), ((4097,), None, None), ((3 * 4096 + 5,), None, None), ((0, 3), None, None),
+     ((33, 65), 0, None), ((33, 65), 1, None), ((7, 300, 9), 2, 64), ((40, 129), 1, 32)],
+)
+def test_numba_and_generic_agree(dtype, in_dtype, shape, axis, block_size, rng):
+    """The Numba kernels and the generic NumPy code give the same bits."""
+    from qarray._params import param_shape
+
+    if not __import__("importlib").util.find_spec("numba"):
+        pytest.skip("numba is not installed")
+    d = qdtype(dtype)
+    x = (rng.standard_normal(shape) * 40).astype(in_dtype)
+    pshape = param_shape(shape, None if axis is None else axis % len(shape), block_size)
+    scale = rng.uniform(0.05, 0.5, pshape).astype(np.float32)
+    zp = rng.integers(d.qmin, min(d.qmax, d.qmin + 200), pshape, endpoint=True)
+    results = {}
+    for numba in (True, False):
+        with qarray.config.using(numba=numba):
+            q = qarray.quantize(x, scale, zp, dtype, axis=axis, block_size=block_size)
+            results[numba] = (q.int_repr(), [q.dequantize(t) for t in ("float16", "float32", "float64")])
+    np.testing.assert_array_equal(results[True][0], results[False][0])
+    for a, b in zip(results[True][1], results[False][1]):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_dequantize_dtypes(kernels):
+    q = qarray.QArray.from_int(np.array([-3, 0, 100], np.int8), 0.1, 1, "qint8")
+    np.testing.assert_array_equal(q.dequantize("float64"), np.array([-4, -1, 99]) * np.float64(np.float32(0.1)))
+    np.testing.assert_array_equal(q.dequantize("float16"), (np.array([-4, -1, 99], np.float32) * np.float32(0.1)).astype(np.float16))
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        q.dequantize("int8")
+
+
+def test_quantize_dynamic_asymmetric_includes_zero(kernels):
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    q = qarray.quantize_dynamic(x)  # quint8, range widened to [0, 3]
+    assert q.dtype is qarray.quint8
+    assert q.scale.item() == np.float32(3.0) / np.float32(255)
+    assert q.zero_point.item() == 0
+    assert q.int_repr()[-1] == 255
+
+
+@pytest.mark.parametrize("dtype,zp", [("qint8", 0), ("quint8", 128), ("qint4", 0)])
+def test_quantize_dynamic_symmetric(dtype, zp, kernels):
+    x = np.array([-2.0, 0.5, 1.0], np.float32)
+    q = qarray.quantize_dynamic(x, dtype, symmetric=True)
+    d = qdtype(dtype)
+    assert q.zero_point.item() == zp
+    assert q.scale.item() == np.float32(2.0) / np.float32((d.qmax - d.qmin) / 2)
+
+
+def test_quantize_dynamic_per_axis_and_blocked(rng, kernels):
+    x = rng.standard_normal((4, 10)).astype(np.float32)
+    q = qarray.quantize_dynamic(x, "qint8", axis=0)
+    assert q.scale.shape == (4,)
+    lo, hi = np.minimum(x.min(1), 0), np.maximum(x.max(1), 0)
+    np.testing.assert_array_equal(q.scale, (hi - lo) / np.float32(255))
+    qb = qarray.quantize_dynamic(x, "qint4", axis=1, block_size=4)
+    assert qb.scale.shape == (4, 3)
+    np.testing.assert_array_equal(qb.scale[:, 2], (np.maximum(x[:, 8:].max(1), 0) - np.minimum(x[:, 8:].min(1), 0)) / np.float32(15))
+
+
+def test_quantize_dynamic_bad_input():
+    with pytest.raises(ValueError, match="1 NaN value"):
+        qarray.quantize_dynamic(np.array([1.0, np.nan], np.float32))
+    with pytest.raises(ValueError, match="finite input"):
+        qarray.quantize_dynamic(np.array([1.0, np.inf], np.float32))
+    with pytest.raises(ValueError, match="non-empty"):
+        qarray.quantize_dynamic(np.zeros(0, np.float32))
+
+
+def test_choose_qparams():
+    s, z = qarray.choose_qparams(-1.0, 3.0, "quint8")
+    assert s == np.float32(4.0) / np.float32(255) and z == 64
+    s, z = qarray.choose_qparams(0.0, 0.0, "quint8")  # empty range: ONNX's 1 / 255
+    assert s == np.float32(1) / np.float32(255) and z == 0
+    with pytest.raises(ValueError, match="min_val <= max_val"):
+        qarray.choose_qparams(2.0, 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        qarray.choose_qparams(np.nan, 1.0)
+
+
+@pytest.mark.parametrize(
+    "scale,message",
+    [(0.0, "finite and > 0"), (-1.0, "finite and > 0"), (np.nan, "finite and > 0"),
+     (np.inf, "finite and > 0"), (1e-50, "finite and > 0"), (1e50, "finite and > 0")],
+)
+def test_bad_scale(scale, message):
+    with pytest.raises(ValueError, match=message):
+        qarray.quantize(np.zeros(3, np.float32), scale, 0, "qint8")
+
+
+def test_bad_scale_types_and_shapes():
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        qarray.quantize(x, 1j, 0)
+    with pytest.raises(ValueError, match=r"scale has shape \(2,\) but per-axis along axis 1 needs shape \(3,\)"):
+        qarray.quantize(x, [0.1, 0.2], 0, axis=1)
+    with pytest.raises(ValueError, match=r"zero_point has shape \(2,\) but per-tensor"):
+        qarray.quantize(x, 0.1, [1, 2])
+    with pytest.raises(ValueError, match=r"blocked along axis 1 with block_size=2 needs shape \(2, 2\)"):
+        qarray.quantize(x, np.ones((2, 3)), 0, axis=1, block_size=2)
+
+
+@pytest.mark.parametrize(
+    "zp,dtype,exc,message",
+    [(128, "qint8", ValueError, r"zero_point 128 is outside the range \[-128, 127\] of qint8"),
+     (-1, "quint4", ValueError, r"outside the range \[0, 15\] of quint4"),
+     (1.5, "qint8", TypeError, "zero_point must be an integer"),
+     (1.0, "qint8", TypeError, "zero_point must be an integer")],
+)
+def test_bad_zero_point(zp, dtype, exc, message):
+    with pytest.raises(exc, match=message):
+        qarray.quantize(np.zeros(3, np.float32), 0.1, zp, dtype)
+
+
+def test_bad_axis_and_block_size():
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="axis=2 is out of range for an array with 2 dimension"):
+        qarray.quantize(x, 0.1, 0, axis=2)
+    with pytest.raises(ValueError, match="axis=-3 is out of range"):
+        qarray.quantize(x, 0.1, 0, axis=-3)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        qarray.quantize(x, 0.1, 0, axis=1, block_size=0)
+    with pytest.raises(ValueError, match="block_size needs an axis"):
+        qarray.quantize(x, 0.1, 0, block_size=2)
+    with pytest.raises(TypeError, match="axis must be an integer"):
+        qarray.quantize(x, 0.1, 0, axis=1.0)
+
+
+@pytest.mark.parametrize("x", [np.arange(3), np.ones(3, np.complex64), np.ones(3, bool)])
+def test_non_float_input(x):
+    with pytest.raises(TypeError, match="quantize takes float16, float32 or float64 input"):
+        qarray.quantize(x, 0.1, 0)
+
+
+def test_list_and_scalar_input():
+    assert qarray.quantize([0.1, 0.2], 0.1).int_repr().tolist() == [1, 2]
+    assert qarray.quantize(0.3, 0.1).shape == ()
+    assert qarray.quantize(0.3, 0.1).int_repr().tolist() == 3
+    assert math.isclose(float(qarray.quantize(0.3, 0.1).dequantize()), 0.3, rel_tol=1e-6)

@@ -1,0 +1,207 @@
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qarray
+from qarray import QArray, qdtype
+from qarray._fixed_point import quantize_multiplier
+
+ROUNDINGS = ["half_even", "half_away", "half_up"]
+
+
+def ref_fixed(d, M, rounding):
+    """Exact rational reference: R(d * m, s) with Python integers."""
+    m, s = (int(v) for v in quantize_multiplier(M))
+    v = Fraction(d * m, 2**s)
+    fl = v.numerator // v.denominator
+    frac = v - fl
+    if frac != Fraction(1, 2):
+        return fl + (frac > Fraction(1, 2))
+    if rounding == "half_even":
+        return fl + (fl % 2)
+    if rounding == "half_up":
+        return fl + 1
+    return fl + 1 if v > 0 else fl  # half_away
+
+
+def ref_tflite(x, M):
+    """gemmlowp / TFLite MultiplyByQuantizedMultiplier, written from the C source."""
+    f, e = np.frexp(M)
+    e = int(e)
+    qm = int(np.floor(f * 2.0**31 + 0.5))
+    if qm == 2**31:
+        qm, e = qm // 2, e + 1
+    left, right = (e, 0) if e > 0 else (0, -e)
+    a = x * (1 << left)
+    a = min(max(a, -(2**31)), 2**31 - 1)  # documented: saturate to int32
+    ab = a * qm
+    num = ab + ((1 << 30) if ab >= 0 else 1 - (1 << 30))
+    srdhm = abs(num) // 2**31 * (1 if num >= 0 else -1)  # C division truncates
+    mask = (1 << right) - 1
+    threshold = (mask >> 1) + (1 if srdhm < 0 else 0)
+    return (srdhm >> right) + (1 if (srdhm & mask) > threshold else 0)
+
+
+def test_quantize_multiplier():
+    m, s = quantize_multiplier(0.3)
+    assert (int(m), int(s)) == (1288490189, 32)
+    for M in [1.0, 0.5, 2.0**-20, 0.999999999, 1234.5, 2.0**29]:
+        m, s = (int(v) for v in quantize_multiplier(M))
+        assert 2**30 <= m < 2**31
+        assert abs(Fraction(m, 2**s) - Fraction(M)) <= Fraction(1, 2 ** (s + 1))
+    m, s = quantize_multiplier(2.0**-40)
+    assert int(m) == 0 and int(s) == 63
+    with pytest.raises(ValueError, match=r"too large for fixed-point arithmetic \(it must be < 2\*\*30\)"):
+        quantize_multiplier(2.0**30)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_ties(rounding, kernels):
+    q = QArray.from_int(np.arange(-7, 8), 1.0, 0, "qint32")
+    r = qarray.requantize(q, 2.0, 0, "qint8", rounding=rounding)
+    # -3.5 -3 -2.5 -2 -1.5 -1 -0.5 0 0.5 1 1.5 2 2.5 3 3.5
+    want = {"half_even": [-4, -3, -2, -2, -2, -1, 0, 0, 0, 1, 2, 2, 2, 3, 4],
+            "half_away": [-4, -3, -3, -2, -2, -1, -1, 0, 1, 1, 2, 2, 3, 3, 4],
+            "half_up": [-3, -3, -2, -2, -1, -1, 0, 0, 1, 1, 2, 2, 3, 3, 4]}[rounding]
+    np.testing.assert_array_equal(r.int_repr(), want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=30),
+    st.floats(1e-7, 1e4),
+    st.integers(-(2**31), 2**31 - 1),
+    st.sampled_from(ROUNDINGS),
+    st.sampled_from(["qint8", "quint8", "qint16", "qint32", "qint4"]),
+)
+def test_fixed_matches_exact_rational(ints, M, zp_in, rounding, dtype):
+    d = qdtype(dtype)
+    s_in = np.float32(0.001)
+    s_out = np.float32(float(s_in) / M)
+    M = float(s_in) / float(s_out)
+    zp_out = d.qmin + (d.qmax - d.qmin) // 2
+    q = QArray.from_int(np.array(ints, np.int32), s_in, zp_in, "qint32")
+    want = [min(max(ref_fixed(v - zp_in, M, rounding) + zp_out, d.qmin), d.qmax) for v in ints]
+    for numba in (True, False):
+        with qarray.config.using(numba=numba):
+            r = qarray.requantize(q, s_out, zp_out, dtype, rounding=rounding)
+            np.testing.assert_array_equal(r.int_repr(), want)
+            assert r.data.dtype == d.storage
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=30), st.floats(1e-6, 300.0))
+def test_tflite_matches_gemmlowp(ints, M):
+    s_out = np.float32(1.0)
+    s_in = np.float32(M)
+    M = float(s_in)
+    q = QArray.from_int(np.array(ints, np.int32), s_in, 0, "qint32")
+    want = [min(max(ref_tflite(v, M), -(2**31)), 2**31 - 1) for v in ints]
+    for numba in (True, False):
+        with qarray.config.using(numba=numba):
+            r = qarray.requantize(q, s_out, 0, "qint32", rounding="tflite")
+            np.testing.assert_array_equal(r.int_repr(), want)
+
+
+def test_tflite_known_values(kernels):
+    # gemmlowp rounds the high-mul half away from zero for positive and toward
+    # zero for negative ties (-4.5 -> -4 after the nudge); 0.5 = 2**30 / 2**31.
+    q = QArray.from_int(np.array([-9, -3, 3, 9], np.int32), 0.5, 0, "qint32")
+    np.testing.assert_array_equal(qarray.requantize(q, 1.0, 0, "qint32", rounding="tflite").int_repr(), [-4, -1, 2, 5])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-128, 127), min_size=1, max_size=30), st.floats(0.0009765625, 1.0, width=32),
+       st.floats(0.0009765625, 1.0, width=32), st.integers(-128, 127), st.integers(0, 255))
+def test_float_mode_is_onnx(ints, s_in, s_out, zp_in, zp_out):
+    q = QArray.from_int(np.array(ints, np.int8), s_in, zp_in, "qint8")
+    mult = np.float32(s_in) / np.float32(s_out)
+    want = np.clip(np.rint((np.array(ints, np.float64) - zp_in) * np.float64(mult)) + zp_out, 0, 255)
+    for numba in (True, False):
+        with qarray.config.using(numba=numba):
+            r = qarray.requantize(q, s_out, zp_out, "quint8", mode="float")
+            np.testing.assert_array_equal(r.int_repr(), want)
+
+
+@pytest.mark.parametrize("case", ["axis_to_tensor", "tensor_to_axis", "axis_to_axis", "blocked_to_tensor", "blocked_to_blocked"])
+@pytest.mark.parametrize("mode", ["fixed", "float"])
+def test_per_axis(case, mode, rng, kernels):
+    x = rng.standard_normal((5, 6, 7)).astype(np.float32)
+    s_axis = rng.uniform(0.01, 0.1, 6).astype(np.float32)
+    z_axis = rng.integers(-10, 10, 6)
+    blocked = case.startswith("blocked")
+    if case in ("axis_to_tensor", "axis_to_axis"):
+        q = qarray.quantize(x, s_axis, z_axis, "qint16", axis=1)
+    elif blocked:
+        q = qarray.quantize_dynamic(x, "qint16", axis=2, block_size=3)
+    else:
+        q = qarray.quantize(x, 0.03, 2, "qint16")
+    if case in ("tensor_to_axis", "axis_to_axis"):
+        out = dict(scale=s_axis * 3, zero_point=z_axis, axis=1)
+    elif case == "blocked_to_blocked":
+        out = dict(scale=q.scale * 2, zero_point=np.zeros(q.scale.shape, np.int32), axis=2, block_size=3)
+    else:
+        out = dict(scale=0.05, zero_point=-3)
+    r = qarray.requantize(q, dtype="qint8", mode=mode, rounding="half_even", **out)
+    # reference: every element on its own, per-tensor in and out
+    from qarray._params import expand
+    si = np.broadcast_to(expand(q.scale, q.shape, q.axis, q.block_size, np), q.shape)
+    zi = np.broadcast_to(expand(q.zero_point, q.shape, q.axis, q.block_size, np), q.shape)
+    so = np.broadcast_to(expand(r.scale, r.shape, r.axis, r.block_size, np), r.shape)
+    zo = np.broadcast_to(expand(r.zero_point, r.shape, r.axis, r.block_size, np), r.shape)
+    if mode == "fixed":
+        want = [min(max(ref_fixed(int(v) - int(a), float(b) / float(c), "half_even") + int(z), -128), 127)
+                for v, a, b, c, z in zip(q.int_repr().ravel(), zi.ravel(), si.ravel(), so.ravel(), zo.ravel())]
+    else:
+        mult = si.astype(np.float32) / so.astype(np.float32)
+        want = np.clip(np.rint((q.int_repr() - zi.astype(np.float64)) * mult.astype(np.float64)) + zo, -128, 127)
+    np.testing.assert_array_equal(r.int_repr().ravel(), np.ravel(want))
+    assert (r.axis, r.block_size) == (out.get("axis"), out.get("block_size"))
+
+
+def test_defaults_from_config():
+    q = QArray.from_int(np.array([1, 3, -1]), 1.0, 0, "qint8")
+    assert qarray.requantize(q, 2.0).int_repr().tolist() == [0, 2, 0]
+    with qarray.config.using(rounding="half_away"):
+        assert qarray.requantize(q, 2.0).int_repr().tolist() == [1, 2, -1]
+    with qarray.config.using(mode="float"):
+        assert qarray.requantize(q, 2.0).int_repr().tolist() == [0, 2, 0]
+    assert q.requantize(2.0, rounding="half_up").int_repr().tolist() == [1, 2, 0]
+    assert qarray.config.rounding == "half_even" and qarray.config.mode == "fixed"
+
+
+def test_errors():
+    q = qarray.quantize(np.ones((2, 3), np.float32), [0.1, 0.2], 0, "qint8", axis=0)
+    with pytest.raises(ValueError, match="cannot requantize from parameters on axis 0 .* to parameters on axis 1"):
+        qarray.requantize(q, [0.1, 0.2, 0.3], 0, axis=1)
+    with pytest.raises(ValueError, match=r"zero_point 200 is outside the range \[-128, 127\] of qint8"):
+        qarray.requantize(q, 0.1, 200, "qint8")
+    with pytest.raises(ValueError, match=r"too large for fixed-point"):
+        qarray.requantize(q, 1e-12, 0, "qint32")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        qarray.requantize(q, 0.1, rounding="nearest")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        qarray.requantize(q, 0.1, mode="exact")
+    with pytest.raises(TypeError, match="requantize takes a QArray, got ndarray"):
+        qarray.requantize(np.ones(3), 0.1)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        qarray.config.rounding = "up"
+    with pytest.raises(TypeError, match="no setting 'speed'"):
+        with qarray.config.using(speed=1):
+            pass
+
+
+@pytest.mark.parametrize("src", ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"])
+@pytest.mark.parametrize("dst", ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"])
+def test_any_dtype_to_any_dtype(src, dst, kernels):
+    s, d = qdtype(src), qdtype(dst)
+    codes = np.linspace(s.qmin, s.qmax, 50).round().astype(np.int64)
+    q = QArray.from_int(codes, 0.5, (s.qmin + s.qmax) // 2, src)
+    zp = (d.qmin + d.qmax) // 2
+    r = qarray.requantize(q, 0.75, zp, dst)
+    want = [min(max(ref_fixed(int(c) - (s.qmin + s.qmax) // 2, 0.5 / 0.75, "half_even") + zp, d.qmin), d.qmax) for c in codes]
+    np.testing.assert_array_equal(r.int_repr(), want)
+    assert r.dtype is d
