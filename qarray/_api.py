@@ -112,7 +112,8 @@ def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
     Asymmetric: ``scale = (max - min) / (qmax - qmin)``,
     ``zero_point = rint(clamp(qmin - min / scale))``. Symmetric:
     ``scale = max(|min|, |max|) / ((qmax - qmin) / 2)``, zero point 0 (signed)
-    or the middle code (unsigned). An empty range gives scale ``1 / (qmax - qmin)``.
+    or the middle code (unsigned). An empty range gives scale ``1 / (qmax - qmin)``;
+    a range so small that the scale would round to 0 gets the smallest float32 above 0.
     Works elementwise on arrays (per-axis and blocked ranges).
 
     >>> choose_qparams(-1.0, 3.0, "quint8")
@@ -128,16 +129,18 @@ def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
     lo = np.minimum(np.float32(0), lo)
     hi = np.maximum(np.float32(0), hi)
     qmin, qmax = np.float32(d.qmin), np.float32(d.qmax)
-    tiny = np.finfo(np.float32).tiny
+    tiny = np.float32(1e-45)  # the smallest float32 above 0 (ONNX can give subnormal scales)
     if symmetric:
         amax = np.maximum(-lo, hi)
-        span = np.float32((d.qmax - d.qmin) / 2)
-        scale = np.where(amax == 0, np.float32(1), amax) / span
+        scale = np.where(amax == 0, np.float32(1), amax) / np.float32((d.qmax - d.qmin) / 2)
+    else:
+        scale = np.where(hi == lo, np.float32(1), hi - lo) / (qmax - qmin)
+    scale = np.maximum(scale, tiny).astype(np.float32)
+    if symmetric:
         zp = np.full(scale.shape, 0 if d.signed else (d.qmin + d.qmax + 1) // 2, np.int32)
     else:
-        scale = np.maximum(np.where(hi == lo, np.float32(1), hi - lo) / (qmax - qmin), tiny)
         zp = np.rint(np.clip(qmin - lo / scale, qmin, qmax)).astype(np.int32)
-    return np.maximum(scale, tiny).astype(np.float32), zp
+    return scale, zp
 
 
 def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=None) -> QArray:

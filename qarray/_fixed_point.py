@@ -74,13 +74,15 @@ def rescale(d, m, s, rounding):
         rs = np.maximum(-e, 0)
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
+    # floor and remainder, then one tie rule: no intermediate can overflow
     v = d * m
     half = _ONE << (s - 1)
+    q = v >> s
+    r = v & (half + (half - 1))
     if rounding == HALF_UP:
-        return (v + half) >> s
-    if rounding == HALF_AWAY:
-        r = (np.abs(v) + half) >> s
-        return r - 2 * r * (v < 0)
-    q = v >> s  # floor
-    r = v - (q << s)
-    return q + ((r > half) | ((r == half) & ((q & 1) == 1)))
+        tie = r == half
+    elif rounding == HALF_AWAY:
+        tie = (r == half) & (v >= 0)
+    else:
+        tie = (r == half) & ((q & 1) == 1)
+    return q + (r > half) + tie

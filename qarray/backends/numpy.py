@@ -16,7 +16,10 @@ from .._config import config
 from .._params import compact, view3
 from ._base import Backend, nan_error
 
-_SMALL = 1 << 15  # below this many elements the kernels run on one thread
+# Below this many elements the generic NumPy code runs: it costs a few dozen
+# microseconds there, and the first small call never imports Numba (whose
+# start-up is about half a second even with a warm cache).
+_SMALL = 1 << 14
 _COLS = 4096  # per-tensor data is seen as rows of this many elements
 
 
@@ -42,36 +45,18 @@ def set_num_threads(n: int) -> None:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
-class _OneThread:
-    """Run small inputs on the calling thread: the pool costs more than it saves."""
-
-    def __init__(self, size):
-        self.small = size < _SMALL
-
-    def __enter__(self):
-        if self.small:
-            import numba
-
-            self.saved = numba.get_num_threads()
-            numba.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        if self.small:
-            import numba
-
-            numba.set_num_threads(self.saved)
-
-
 def _contiguous(a):
     """C-contiguous ``a`` (``np.ascontiguousarray`` would make 0-d arrays 1-d)."""
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def _layouts(shape, axis, block_size, *params):
-    """``(view3 shape, compact params, bidx)`` pieces covering an array of ``shape``.
+    """``(flat slice, view3 shape, compact params, bidx)`` pieces covering ``shape``.
 
-    Per-tensor data becomes ``(1, rows, _COLS)`` plus a short tail, so one
-    kernel layout serves every granularity (see ``_numba``).
+    Per-tensor data becomes ``(1, rows, _COLS)`` plus a short tail; data blocked
+    along its last axis in whole blocks becomes ``(outer, blocks, block_size)``
+    with one parameter per row. So the kernels' fast inner loops serve every
+    granularity (see ``_numba``).
     """
     if axis is None:
         ps = [np.ascontiguousarray(p).reshape(1, 1, 1) for p in params]
@@ -84,8 +69,11 @@ def _layouts(shape, axis, block_size, *params):
             out.append((slice(rows * _COLS, n), (1, 1, tail), ps, np.zeros(1, np.int64)))
         return out
     ps = [np.ascontiguousarray(compact(p, shape, axis, block_size)) for p in params]
-    bidx = np.arange(shape[axis], dtype=np.int64) // (block_size or 1)
-    return [(slice(None), view3(shape, axis), ps, bidx)]
+    o, n, i = view3(shape, axis)
+    b = block_size or 1
+    if i == 1 and b > 1 and n % b == 0:
+        return [(slice(None), (o, n // b, b), ps, np.arange(n // b, dtype=np.int64))]
+    return [(slice(None), (o, n, i), ps, np.arange(n, dtype=np.int64) // b)]
 
 
 class NumpyBackend(Backend):
@@ -96,30 +84,33 @@ class NumpyBackend(Backend):
         super().__init__(np)
 
     @staticmethod
-    def _fast(*arrays):
-        if not config.numba or _numba_kernels() is None:
+    def _fast(a):
+        """The kernel module when the Numba path should run for ``a``, else None."""
+        if not config.numba or a.size < _SMALL:
             return None
-        if any(a.size == 0 for a in arrays):
-            return None
-        return _kernels
+        return _numba_kernels()
+
+    @staticmethod
+    def _run(kernel, a, out, axis, block_size, params, *args):
+        """Run ``kernel(a3, *params3, bidx, *args, out3)`` over every layout piece."""
+        af, of = _contiguous(a).reshape(-1), out.reshape(-1)
+        results = []
+        for sl, shape3, ps, bidx in _layouts(a.shape, axis, block_size, *params):
+            results.append(kernel(af[sl].reshape(shape3), *ps, bidx, *args, of[sl].reshape(shape3)))
+        return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         k = self._fast(x)
-        if k is None or x.dtype == np.float16:
-            if k is not None:  # Numba has no float16 arithmetic: widen (exact) first
-                return self.quantize(x.astype(np.float32), scale, zero_point, qd, axis, block_size)
+        if k is None:
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
-        x = _contiguous(x)
+        if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
+            x = x.astype(np.float32)
         # <= 16-bit results clamp exactly in float32; qint32 needs float64.
         ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
         out = np.empty(x.shape, qd.storage)
-        xf, of = x.reshape(-1), out.reshape(-1)
-        bad = 0.0
-        with _OneThread(x.size):
-            for sl, shape3, (s, z), bidx in _layouts(x.shape, axis, block_size, scale, zero_point):
-                bad += k.quantize(xf[sl].reshape(shape3), s.astype(x.dtype), z.astype(ct), bidx,
-                                  ct(qd.qmin), ct(qd.qmax), of[sl].reshape(shape3))
-        if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
+        params = (scale.astype(x.dtype), zero_point.astype(ct))
+        bad = self._run(k.quantize, x, out, axis, block_size, params, ct(qd.qmin), ct(qd.qmax))
+        if any(v != v for v in bad) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out
 
@@ -127,31 +118,22 @@ class NumpyBackend(Backend):
         k = self._fast(q)
         if k is None:
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
-        q = _contiguous(q)
         ft = np.float64 if dtype == np.float64 else np.float32
         out = np.empty(q.shape, ft)
-        qf, of = q.reshape(-1), out.reshape(-1)
-        with _OneThread(q.size):
-            for sl, shape3, (s, z), bidx in _layouts(q.shape, axis, block_size, scale, zero_point):
-                k.dequantize(qf[sl].reshape(shape3), s.astype(ft), z.astype(np.int64), bidx,
-                             of[sl].reshape(shape3))
+        self._run(k.dequantize, q, out, axis, block_size, (scale.astype(ft), zero_point.astype(np.int64)))
         return out.astype(dtype, copy=False)
 
     def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding):
         k = self._fast(q)
         if k is None:
             return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding)
-        q = _contiguous(q)
         if rounding is None:
-            f, m, s, code = mult, np.zeros(1, np.int64), np.ones(1, np.int64), -1
+            m, s, f, code = 0, 1, mult, -1
         else:
-            (m, s), f, code = mult, np.zeros(1), rounding
-        params = [np.broadcast_to(p, np.shape(zp_in)) for p in (zp_in, zp_out, m, s, f)]
+            (m, s), f, code = mult, 0.0, rounding
+        shape = np.shape(zp_in)
+        params = [np.broadcast_to(np.asarray(p, dt), shape)
+                  for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
         out = np.empty(q.shape, qd.storage)
-        qf, of = q.reshape(-1), out.reshape(-1)
-        with _OneThread(q.size):
-            for sl, shape3, (zi, zo, mm, ss, ff), bidx in _layouts(q.shape, axis, block_size, *params):
-                k.requantize(qf[sl].reshape(shape3), zi.astype(np.int64), zo.astype(np.int64),
-                             mm.astype(np.int64), ss.astype(np.int64), ff.astype(np.float64), bidx,
-                             np.int64(qd.qmin), np.int64(qd.qmax), code, of[sl].reshape(shape3))
+        self._run(k.requantize[code], q, out, axis, block_size, params, np.int64(qd.qmin), np.int64(qd.qmax))
         return out
