@@ -295,7 +295,7 @@ def _is_int(c) -> bool:
 def _show(backend, p) -> str:
     h = backend.to_host(p)
     if h.ndim == 0:
-        return repr(h.item())
+        return str(h[()])  # the float32 shortest repr: 0.02, not 0.019999999552965164
     if h.ndim == 1:
         return np.array2string(h, separator=", ", threshold=8)
     return f"<{h.dtype} array of shape {h.shape}>"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -69,18 +70,22 @@ def _read_meta(path, name, raw):
 
 def load(path) -> dict:
     """Read a file written by :func:`save`; ValueError naming the field if anything is off."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
+    with open(path, "rb") as fh:  # ours to close, whatever np.load makes of it
+        try:
+            f = np.load(fh, allow_pickle=False)
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable qarray file (truncated or not .npz): {e}") from None
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path} is not a qarray file: it holds a single array, not an .npz archive")
+        with f:
             raw = {}
             for key in f.files:
                 try:
                     raw[key] = f[key]
                 except ValueError as e:  # an object array: a pickle in disguise
                     raise ValueError(f"{path}: field {key} is invalid: {e}") from None
-    except (zipfile.BadZipFile, EOFError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"{path} is not a readable qarray file (truncated or not .npz): {e}") from None
+                except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:
+                    raise ValueError(f"{path}: field {key} is unreadable (truncated file?): {e}") from None
     names = {}
     for key in raw:
         name, _, field = key.rpartition(".")

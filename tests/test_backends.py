@@ -1,0 +1,144 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import backends
+from qarray.backends import Backend
+
+
+class ToyArray:
+    """A minimal foreign array type: wraps a NumPy array, forwards what the generic
+    backend uses. Stands in for 'another array library'."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+    dtype = property(lambda self: self.a.dtype)
+    shape = property(lambda self: self.a.shape)
+    ndim = property(lambda self: self.a.ndim)
+    size = property(lambda self: self.a.size)
+
+    def __getattr__(self, name):
+        attr = getattr(self.a, name)
+        return (lambda *a, **k: _wrap(attr(*_unwrap(a), **k))) if callable(attr) else attr
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kw):
+        return _wrap(getattr(ufunc, method)(*_unwrap(inputs), **kw))
+
+    for _op in ("add", "sub", "mul", "truediv", "and", "or", "rshift", "lshift", "xor", "gt", "lt", "eq", "ne", "ge", "le"):
+        exec(f"def __{_op}__(self, o): return _wrap(self.a.__{_op}__(_unwrap1(o)))")
+        exec(f"def __r{_op}__(self, o): return _wrap(self.a.__r{_op}__(_unwrap1(o)))" if _op not in ("gt", "lt", "eq", "ne", "ge", "le") else "")
+
+    def __getitem__(self, k):
+        return _wrap(self.a[k])
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+def _unwrap1(v):
+    return v.a if isinstance(v, ToyArray) else v
+
+
+def _unwrap(vs):
+    return [_unwrap1(v) for v in vs]
+
+
+def _wrap(v):
+    return ToyArray(v) if isinstance(v, np.ndarray) else v
+
+
+class ToyNamespace:
+    ndarray = ToyArray
+
+    def __getattr__(self, name):
+        f = getattr(np, name)
+        if not callable(f) or isinstance(f, type):
+            return f
+        return lambda *a, **k: _wrap(f(*[[_unwrap1(x) for x in v] if isinstance(v, list) else _unwrap1(v) for v in a], **k))
+
+
+class ToyBackend(Backend):
+    name = "toy"
+    module = __name__
+
+    def __init__(self):
+        super().__init__(ToyNamespace())
+
+    def to_host(self, a):
+        return np.asarray(a.a if isinstance(a, ToyArray) else a)
+
+
+@pytest.fixture
+def toy():
+    b = backends.register(ToyBackend())
+    yield b
+    backends._by_name.pop("toy")
+    for t in [t for t, v in backends._by_type.items() if v is b]:
+        del backends._by_type[t]
+
+
+def test_toy_backend_quantize_dequantize(toy):
+    x = ToyArray(np.array([0.5, -1.0, 0.26, 3.0], np.float32))
+    q = qarray.quantize(x, 0.1, 2, "qint8")
+    assert q.backend == "toy" and isinstance(q.data, ToyArray)
+    np.testing.assert_array_equal(toy.to_host(q.data), [7, -8, 5, 32])
+    d = q.dequantize()
+    assert isinstance(d, ToyArray)
+    np.testing.assert_array_equal(d.a, qarray.quantize(x.a, 0.1, 2, "qint8").dequantize())
+    r = qarray.requantize(q, 0.2, 0, "qint4")
+    np.testing.assert_array_equal(toy.to_host(r.data), [2, -5, 2, 7])
+    assert backends.for_array(x) is toy
+    assert "toy" in backends.available()
+
+
+def test_unknown_array_type():
+    with pytest.raises(TypeError, match=r"no qarray backend handles arrays of type builtins.dict"):
+        qarray.quantize({"a": 1}, 0.1)
+
+
+def test_mixed_backends(toy):
+    a = ToyArray(np.zeros(3))
+    with pytest.raises(TypeError, match=r"arrays of two backends \(numpy and toy\) can not be combined"):
+        backends.common(np.zeros(3), a)
+
+
+def test_get_and_register_errors():
+    assert backends.get("numpy").name == "numpy"
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        backends.get("tpu")
+    with pytest.raises(TypeError, match="register\\(\\) takes a qarray.backends.Backend"):
+        backends.register(object())
+
+
+def _run(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_does_not_import_cupy_or_numba():
+    out = _run(
+        "import sys, numpy, qarray\n"
+        "q = qarray.quantize(numpy.ones(100, numpy.float32), 0.1)\n"
+        "print('cupy' in sys.modules, 'numba' in sys.modules, qarray.backends.available()[0])"
+    )
+    assert out == "False False numpy"
+
+
+def test_no_cupy_error_in_subprocess():
+    out = _run(
+        "import sys; sys.modules['cupy'] = None\n"
+        "import qarray\n"
+        "try:\n    qarray.backends.get('cupy').xp\nexcept ImportError as e:\n    print(e)\n"
+        "print(qarray.backends.available())"
+    )
+    assert out == "the cupy backend needs CuPy: pip install 'qarray[cuda12]' or 'qarray[cuda13]'\n['numpy']"
+
+
+def test_set_num_threads():
+    qarray.set_num_threads(1)
+    qarray.set_num_threads(2)
+    with pytest.raises(ValueError, match="positive integer"):
+        qarray.set_num_threads(0)
