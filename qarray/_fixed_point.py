@@ -32,9 +32,10 @@ _MAX_MULTIPLIER = 2.0**30
 def quantize_multiplier(multiplier):
     """Split positive float64 multipliers into ``(m, s)``, both int64 arrays.
 
-    ``m`` is in ``[2**30, 2**31)`` and ``s`` in ``[1, 63]``; a multiplier so small
-    that ``s`` would pass 63 (below about 2**-33) gets ``m = 0``, which gives
-    exactly the right answer 0 for every int64 product we form.
+    ``m`` is in ``[2**30, 2**31)`` and ``s`` in ``[1, 62]``. A multiplier below
+    2**-32 becomes ``m = 0`` (everything rounds to 0), as in TFLite's
+    QuantizeMultiplier; only a qint32 input with a zero point far from its
+    values could tell the difference.
 
     >>> quantize_multiplier(0.3)
     (array(1288490189), array(32))
@@ -51,8 +52,8 @@ def quantize_multiplier(multiplier):
     carry = m == 2**31
     m = np.where(carry, np.int64(2**30), m)
     s = 31 - (e.astype(np.int64) + carry)
-    m = np.where(s > 63, np.int64(0), m)
-    return m, np.minimum(s, 63)
+    m = np.where(s > 62, np.int64(0), m)
+    return m, np.minimum(s, 62)
 
 
 def rescale(d, m, s, rounding):
@@ -74,15 +75,15 @@ def rescale(d, m, s, rounding):
         rs = np.maximum(-e, 0)
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
-    # floor and remainder, then one tie rule: no intermediate can overflow
+    # floor q and remainder r; the carry (0 or 1) comes from adding the tie
+    # rule's threshold to r. No compares, so it vectorizes; with s <= 62 and
+    # |v| < 2**63 nothing overflows.
     v = d * m
     half = _ONE << (s - 1)
     q = v >> s
     r = v & (half + (half - 1))
     if rounding == HALF_UP:
-        tie = r == half
-    elif rounding == HALF_AWAY:
-        tie = (r == half) & (v >= 0)
-    else:
-        tie = (r == half) & ((q & 1) == 1)
-    return q + (r > half) + tie
+        return q + ((r + half) >> s)
+    if rounding == HALF_AWAY:  # v >> 63 is -1 for negative v: ties go down there
+        return q + ((r + half + (v >> 63)) >> s)
+    return q + ((r + half - 1 + (q & 1)) >> s)

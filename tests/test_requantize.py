@@ -52,8 +52,10 @@ def test_quantize_multiplier():
         m, s = (int(v) for v in quantize_multiplier(M))
         assert 2**30 <= m < 2**31
         assert abs(Fraction(m, 2**s) - Fraction(M)) <= Fraction(1, 2 ** (s + 1))
-    m, s = quantize_multiplier(2.0**-40)
-    assert int(m) == 0 and int(s) == 63
+    m, s = quantize_multiplier(2.0**-33)  # below 2**-32: zero, as TFLite
+    assert int(m) == 0 and int(s) == 62
+    m, s = quantize_multiplier(2.0**-32)
+    assert int(m) == 2**30 and int(s) == 62
     with pytest.raises(ValueError, match=r"too large for fixed-point arithmetic \(it must be < 2\*\*30\)"):
         quantize_multiplier(2.0**30)
 
