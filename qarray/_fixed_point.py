@@ -53,7 +53,7 @@ def quantize_multiplier(multiplier):
     m = np.where(carry, np.int64(2**30), m)
     s = 31 - (e.astype(np.int64) + carry)
     m = np.where(s > 62, np.int64(0), m)
-    return m, np.minimum(s, 62)
+    return m, np.asarray(np.minimum(s, 62))
 
 
 def rescale(d, m, s, rounding):

@@ -131,7 +131,6 @@ class Backend:
     def unpack(self, packed, bits, signed, count):
         """The first ``count`` values of ``packed``, sign-extended when ``signed``."""
         xp = self.xp
-        per = 8 // bits
         shifts = xp.arange(0, 8, bits, dtype=xp.uint8)
         vals = ((packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
         if not signed:

@@ -11,8 +11,8 @@ only arithmetic in them, so LLVM vectorizes them.
 
 The integer arithmetic of requantize is ``qarray._fixed_point.rescale``
 compiled as it stands: the same source as the generic NumPy and CuPy code.
-One requantize kernel is compiled per rounding (the rounding is a closure
-constant, so its branches fold away; Numba's cache keys include it).
+One requantize kernel is compiled per rounding and operand width (closure
+constants, so their branches fold away; Numba's cache keys include them).
 """
 
 from __future__ import annotations
@@ -31,6 +31,42 @@ def _q(v, s, z, lo, hi):
     return min(max(np.rint(v / s) + z, lo), hi)
 
 
+@njit(inline="always")
+def _q_row(x, s, z, o, l, po, b, lo, hi, out):
+    """Quantize row ``x[o, l, :]``; returns the sum of ``v - v`` (NaN flags NaN/inf)."""
+    acc = x.dtype.type(0)
+    if s.shape[2] > 1:
+        for i in range(x.shape[2]):
+            v = x[o, l, i]
+            acc += v - v
+            out[o, l, i] = _q(v, s[po, b, i], z[po, b, i], lo, hi)
+    else:
+        sr = s[po, b, 0]
+        zr = z[po, b, 0]
+        for i in range(x.shape[2]):
+            v = x[o, l, i]
+            acc += v - v
+            out[o, l, i] = _q(v, sr, zr, lo, hi)
+    return acc
+
+
+@njit(inline="always")
+def _q_col(x, s, z, o, po, bidx, lo, hi, out):
+    """Quantize ``x[o, :, 0]`` whose parameters change along it."""
+    acc = x.dtype.type(0)
+    if s.shape[1] == x.shape[1]:  # per-axis: parameter l for element l
+        for l in range(x.shape[1]):
+            v = x[o, l, 0]
+            acc += v - v
+            out[o, l, 0] = _q(v, s[po, l, 0], z[po, l, 0], lo, hi)
+    else:
+        for l in range(x.shape[1]):
+            v = x[o, l, 0]
+            acc += v - v
+            out[o, l, 0] = _q(v, s[po, bidx[l], 0], z[po, bidx[l], 0], lo, hi)
+    return acc
+
+
 # fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
 # input) vectorize; it allows no other change of the arithmetic.
 @njit(parallel=True, cache=True, fastmath={"reassoc"})
@@ -40,43 +76,44 @@ def quantize(x, s, z, bidx, lo, hi, out):
     pos = np.int64(s.shape[0] > 1)
     bad = x.dtype.type(0)
     if i_n == 1:  # parameters change along the contiguous axis
-        per_axis = s.shape[1] == n
         for o in prange(o_n):
-            po = np.int64(o) * pos
+            bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, lo, hi, out)
+    elif o_n > 1:  # threads split the outer dimension
+        for o in prange(o_n):
             acc = x.dtype.type(0)
-            if per_axis:
-                for l in range(n):
-                    v = x[o, l, 0]
-                    acc += v - v
-                    out[o, l, 0] = _q(v, s[po, l, 0], z[po, l, 0], lo, hi)
-            else:
-                for l in range(n):
-                    v = x[o, l, 0]
-                    acc += v - v
-                    out[o, l, 0] = _q(v, s[po, bidx[l], 0], z[po, bidx[l], 0], lo, hi)
+            for l in range(n):
+                acc += _q_row(x, s, z, o, l, np.int64(o) * pos, bidx[l], lo, hi, out)
             bad += acc
-    else:
-        pis = s.shape[2] > 1
-        for r in prange(o_n * n):
-            o = np.int64(r) // n
-            l = np.int64(r) - o * n
-            po = o * pos
-            b = bidx[l]
-            acc = x.dtype.type(0)
-            if pis:
-                for i in range(i_n):
-                    v = x[o, l, i]
-                    acc += v - v
-                    out[o, l, i] = _q(v, s[po, b, i], z[po, b, i], lo, hi)
-            else:
-                sr = s[po, b, 0]
-                zr = z[po, b, 0]
-                for i in range(i_n):
-                    v = x[o, l, i]
-                    acc += v - v
-                    out[o, l, i] = _q(v, sr, zr, lo, hi)
-            bad += acc
+    else:  # threads split the rows
+        for l in prange(n):
+            bad += _q_row(x, s, z, 0, l, 0, bidx[l], lo, hi, out)
     return bad
+
+
+@njit(inline="always")
+def _dq_row(q, s, z, o, l, po, b, out):
+    if s.shape[2] > 1:
+        for i in range(q.shape[2]):
+            out[o, l, i] = q[o, l, i] - z[po, b, i]
+            out[o, l, i] *= s[po, b, i]
+    else:
+        sr = s[po, b, 0]
+        zr = z[po, b, 0]
+        for i in range(q.shape[2]):
+            out[o, l, i] = q[o, l, i] - zr
+            out[o, l, i] *= sr
+
+
+@njit(inline="always")
+def _dq_col(q, s, z, o, po, bidx, out):
+    if s.shape[1] == q.shape[1]:
+        for l in range(q.shape[1]):
+            out[o, l, 0] = q[o, l, 0] - z[po, l, 0]
+            out[o, l, 0] *= s[po, l, 0]
+    else:
+        for l in range(q.shape[1]):
+            out[o, l, 0] = q[o, l, 0] - z[po, bidx[l], 0]
+            out[o, l, 0] *= s[po, bidx[l], 0]
 
 
 @njit(parallel=True, cache=True)
@@ -85,83 +122,79 @@ def dequantize(q, s, z, bidx, out):
     o_n, n, i_n = q.shape
     pos = np.int64(s.shape[0] > 1)
     if i_n == 1:
-        per_axis = s.shape[1] == n
         for o in prange(o_n):
-            po = np.int64(o) * pos
-            if per_axis:
-                for l in range(n):
-                    out[o, l, 0] = q[o, l, 0] - z[po, l, 0]
-                    out[o, l, 0] *= s[po, l, 0]
-            else:
-                for l in range(n):
-                    out[o, l, 0] = q[o, l, 0] - z[po, bidx[l], 0]
-                    out[o, l, 0] *= s[po, bidx[l], 0]
+            _dq_col(q, s, z, o, np.int64(o) * pos, bidx, out)
+    elif o_n > 1:
+        for o in prange(o_n):
+            for l in range(n):
+                _dq_row(q, s, z, o, l, np.int64(o) * pos, bidx[l], out)
     else:
-        pis = s.shape[2] > 1
-        for r in prange(o_n * n):
-            o = np.int64(r) // n
-            l = np.int64(r) - o * n
-            po = o * pos
-            b = bidx[l]
-            if pis:
-                for i in range(i_n):
-                    out[o, l, i] = q[o, l, i] - z[po, b, i]
-                    out[o, l, i] *= s[po, b, i]
-            else:
-                sr = s[po, b, 0]
-                zr = z[po, b, 0]
-                for i in range(i_n):
-                    out[o, l, i] = q[o, l, i] - zr
-                    out[o, l, i] *= sr
+        for l in prange(n):
+            _dq_row(q, s, z, 0, l, 0, bidx[l], out)
 
 
-def _make_requantize(code):
-    """The requantize kernel for one rounding code (``-1``: float mode)."""
+def _make_requantize(code, narrow):
+    """The requantize kernel for one rounding code (``-1``: float mode).
+
+    ``narrow``: ``q - zp_in`` fits in int32 (inputs of 16 bits or less, or a
+    zero ``zp_in``); saying so lets LLVM use a 32x32->64-bit multiply.
+    """
 
     @njit(inline="always")
     def rq(qv, zi, zo, m, sh, f, lo, hi):
         d = np.int64(qv) - zi
+        if narrow:
+            d = np.int64(np.int32(d))
+            m = np.int64(np.int32(m))
         if code < 0:
             v = np.int64(np.rint(np.float64(d) * f))
         else:
             v = _rescale(d, m, sh, code)
         return min(max(v + zo, lo), hi)
 
+    @njit(inline="always")
+    def row(q, p, o, l, po, b, lo, hi, out):
+        zi, zo, m, sh, f = p
+        if zi.shape[2] > 1:
+            for i in range(q.shape[2]):
+                out[o, l, i] = rq(q[o, l, i], zi[po, b, i], zo[po, b, i], m[po, b, i],
+                                  sh[po, b, i], f[po, b, i], lo, hi)
+        else:
+            zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
+            for i in range(q.shape[2]):
+                out[o, l, i] = rq(q[o, l, i], zir, zor, mr, shr, fr, lo, hi)
+
+    @njit(inline="always")
+    def col(q, p, o, po, bidx, lo, hi, out):
+        zi, zo, m, sh, f = p
+        if zi.shape[1] == q.shape[1]:
+            for l in range(q.shape[1]):
+                out[o, l, 0] = rq(q[o, l, 0], zi[po, l, 0], zo[po, l, 0], m[po, l, 0],
+                                  sh[po, l, 0], f[po, l, 0], lo, hi)
+        else:
+            for l in range(q.shape[1]):
+                b = bidx[l]
+                out[o, l, 0] = rq(q[o, l, 0], zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
+                                  sh[po, b, 0], f[po, b, 0], lo, hi)
+
     @njit(parallel=True, cache=True)
     def requantize(q, zi, zo, m, sh, f, bidx, lo, hi, out):
         o_n, n, i_n = q.shape
         pos = np.int64(zi.shape[0] > 1)
+        p = (zi, zo, m, sh, f)
         if i_n == 1:
-            per_axis = zi.shape[1] == n
             for o in prange(o_n):
-                po = np.int64(o) * pos
-                if per_axis:
-                    for l in range(n):
-                        out[o, l, 0] = rq(q[o, l, 0], zi[po, l, 0], zo[po, l, 0], m[po, l, 0],
-                                          sh[po, l, 0], f[po, l, 0], lo, hi)
-                else:
-                    for l in range(n):
-                        b = bidx[l]
-                        out[o, l, 0] = rq(q[o, l, 0], zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
-                                          sh[po, b, 0], f[po, b, 0], lo, hi)
+                col(q, p, o, np.int64(o) * pos, bidx, lo, hi, out)
+        elif o_n > 1:
+            for o in prange(o_n):
+                for l in range(n):
+                    row(q, p, o, l, np.int64(o) * pos, bidx[l], lo, hi, out)
         else:
-            pis = zi.shape[2] > 1
-            for r in prange(o_n * n):
-                o = np.int64(r) // n
-                l = np.int64(r) - o * n
-                po = o * pos
-                b = bidx[l]
-                if pis:
-                    for i in range(i_n):
-                        out[o, l, i] = rq(q[o, l, i], zi[po, b, i], zo[po, b, i], m[po, b, i],
-                                          sh[po, b, i], f[po, b, i], lo, hi)
-                else:
-                    zir, zor, mr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0]
-                    shr, fr = sh[po, b, 0], f[po, b, 0]
-                    for i in range(i_n):
-                        out[o, l, i] = rq(q[o, l, i], zir, zor, mr, shr, fr, lo, hi)
+            for l in prange(n):
+                row(q, p, 0, l, 0, bidx[l], lo, hi, out)
 
     return requantize
 
 
-requantize = {code: _make_requantize(code) for code in (-1, *ROUNDINGS.values())}
+requantize = {(code, narrow): _make_requantize(code, narrow)
+              for code in (-1, *ROUNDINGS.values()) for narrow in (False, True)}
