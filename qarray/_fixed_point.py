@@ -67,12 +67,16 @@ def rescale(d, m, s, rounding):
     Numba can compile it as it stands.
     """
     if rounding == TFLITE:
+        # (bool * int) stands in for max/min: it works on arrays and scalars and,
+        # unlike NumPy ufunc calls, lets Numba hoist and vectorize.
         e = 31 - s
-        a = np.minimum(np.maximum(d << np.maximum(e, 0), _I32_MIN), _I32_MAX)
+        a = d << (e * (e > 0))
+        a = a + (_I32_MIN - a) * (a < _I32_MIN)
+        a = a - (a - _I32_MAX) * (a > _I32_MAX)
         ab = a * m
         y = ab + (_ONE << 30) - (ab < 0) * ((_ONE << 31) - 1)
         x = (y + (y < 0) * ((_ONE << 31) - 1)) >> 31  # C division, toward zero
-        rs = np.maximum(-e, 0)
+        rs = -e * (e < 0)
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
     # floor q and remainder r; the carry (0 or 1) comes from adding the tie

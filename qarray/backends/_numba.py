@@ -20,10 +20,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .._fixed_point import ROUNDINGS
-from .._fixed_point import rescale as _rescale_py
+import hashlib
+import inspect
 
-_rescale = njit(inline="always")(_rescale_py)
+from .. import _fixed_point
+from .._fixed_point import ROUNDINGS
+
+_rescale = njit(inline="always")(_fixed_point.rescale)
+# Numba's cache sees only this file's timestamp, not _fixed_point.py's; closure
+# values are part of its cache key, so the requantize kernels carry this one.
+_RESCALE_SOURCE = hashlib.sha256(inspect.getsource(_fixed_point).encode()).hexdigest()
 
 
 @njit(inline="always")
@@ -177,8 +183,11 @@ def _make_requantize(code, narrow):
                 out[o, l, 0] = rq(q[o, l, 0], zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
                                   sh[po, b, 0], f[po, b, 0], lo, hi)
 
+    source = _RESCALE_SOURCE
+
     @njit(parallel=True, cache=True)
     def requantize(q, zi, zo, m, sh, f, bidx, lo, hi, out):
+        _ = source  # in the cache key: a changed _fixed_point.py recompiles
         o_n, n, i_n = q.shape
         pos = np.int64(zi.shape[0] > 1)
         p = (zi, zo, m, sh, f)
