@@ -113,6 +113,42 @@ class Backend:
         want = x.shape[:axis] + (nb,) + x.shape[axis + 1 :]
         return x4.min(axis=2).reshape(want), x4.max(axis=2).reshape(want)
 
+    # -- integer matmul ------------------------------------------------------
+    def int_matmul(self, a, a_shift, za, w, wsum, zw, kc, acc_dtype):
+        """Exact ``sum_k (a - za) * (w - zw)`` through float32 matmul.
+
+        ``a`` is integer ``(..., M, K)``; ``w`` is float32 ``(..., K, N)`` holding
+        weight integers minus their shift, ``wsum`` their column sums and ``zw``
+        the weight zero point minus the shift (a scalar or ``(N,)``);
+        ``a_shift`` centres ``a`` the same way. Products of centred values are at
+        most ``2**(bits_a - 1) * 2**(bits_w - 1)``, so with ``kc`` such that
+        ``kc`` of them stay below ``2**24`` every float32 partial sum is exact;
+        the chunks are summed as integers. In ``acc_dtype`` int32 the arithmetic
+        may wrap on the way, harmlessly: the caller picks int32 only when the
+        result fits, and sums and products are exact modulo ``2**32``.
+        """
+        xp = self.xp
+        k_len = a.shape[-1]
+        af = a.astype(xp.float32)
+        if a_shift:
+            af -= xp.float32(a_shift)
+        acc = None
+        for k0 in range(0, k_len, kc):
+            part = xp.matmul(af[..., k0 : k0 + kc], w[..., k0 : k0 + kc, :]).astype(acc_dtype)
+            if acc is None:
+                acc = part
+            else:
+                acc += part
+        za = int(za) - a_shift
+        zw = xp.asarray(zw).astype(xp.int64)
+        if za:
+            acc -= (za * wsum.astype(xp.int64)).astype(acc_dtype)[..., None, :]
+        if bool(xp.any(zw)):
+            asum = a.astype(xp.int64).sum(axis=-1) - k_len * a_shift
+            acc -= (asum[..., :, None] * zw).astype(acc_dtype)
+            acc += (k_len * za * zw).astype(acc_dtype)
+        return acc
+
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):
         """Flattened ``q`` packed ``8 // bits`` to a byte, first element in the low bits."""

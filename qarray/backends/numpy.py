@@ -134,7 +134,7 @@ class NumpyBackend(Backend):
         shape = np.shape(zp_in)
         params = [np.broadcast_to(np.asarray(p, dt), shape)
                   for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
-        narrow = q.dtype.itemsize <= 2 or not np.any(zp_in)
+        narrow = q.dtype.itemsize <= 2 or (q.dtype.itemsize == 4 and not np.any(zp_in))
         out = np.empty(q.shape, qd.storage)
         self._run(k.requantize[code, narrow], q, out, axis, block_size, params, np.int64(qd.qmin), np.int64(qd.qmax))
         return out

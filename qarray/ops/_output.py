@@ -1,0 +1,86 @@
+"""The one way an op turns an exact integer result into its output.
+
+Every op that makes new values computes them exactly as integers ``acc`` whose
+real value is ``acc * prod(factors)`` (for matmul ``a.scale * b.scale``), then
+calls :func:`finish`: with no output parameters the result is the qint32
+accumulator (ONNX MatMulInteger / ConvInteger); with them it is requantized
+through the backend's one requantize primitive (``mode=``, ``rounding=``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._config import resolve
+from .._dtypes import qdtype, qint32
+from .._fixed_point import ROUNDINGS, quantize_multiplier
+from .._params import check_scale, check_zero_point, to_host
+from .._qarray import QArray
+
+_I32 = np.iinfo(np.int32)
+
+
+def wants_output(scale, zero_point, dtype) -> bool:
+    return not (scale is None and zero_point is None and dtype is None)
+
+
+def output_params(op, scale, zero_point, dtype, default_dtype):
+    """``(QDType, scale float32, zero_point int32)`` of a per-tensor output."""
+    if scale is None:
+        raise ValueError(
+            f"{op}: pass the output scale= (with zero_point= and dtype=) to get a requantized "
+            "result, or none of the three for the exact qint32 accumulator"
+        )
+    d = qdtype(default_dtype if dtype is None else dtype)
+    return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
+
+
+def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default_dtype,
+           mode=None, rounding=None, relu=False) -> QArray:
+    """Return ``acc`` (exact integers, real value ``acc * prod(factors)``) as a QArray.
+
+    ``factors`` are host float32 arrays, each a scalar or of length
+    ``acc.shape[axis]`` (per-channel weights). ``relu`` clamps at real 0 (at the
+    output zero point), fused as in PyTorch's ``linear_relu``.
+    """
+    xp = backend.xp
+    factors = [np.asarray(to_host(f), np.float32) for f in factors]
+    if all(f.ndim == 0 for f in factors):
+        axis = None
+    want = () if axis is None else (acc.shape[axis],)
+    factors = [np.broadcast_to(f, want) for f in factors]
+    if not wants_output(scale, zero_point, dtype):
+        if relu:
+            acc = xp.maximum(acc, 0)
+        if acc.dtype != np.int32 and acc.size:
+            lo, hi = (int(v) for v in to_host(xp.stack([acc.min(), acc.max()])))
+            if lo < _I32.min or hi > _I32.max:
+                raise ValueError(
+                    f"{op}: the exact result reaches {hi if hi > _I32.max else lo}, beyond qint32; "
+                    "pass output scale=, zero_point= and dtype= to requantize it instead"
+                )
+        s = factors[0]
+        for f in factors[1:]:
+            s = s * f
+        s = check_scale(s, want, axis)
+        return QArray._new(acc.astype(np.int32), backend.asarray(s),
+                           backend.asarray(np.zeros(want, np.int32)), qint32, axis, None, backend)
+    mode, rounding = resolve(mode, rounding)
+    d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
+    if mode == "fixed":
+        m = np.ones(want, np.float64)
+        for f in factors:
+            m = m * f.astype(np.float64)
+        mult = tuple(backend.asarray(v) for v in quantize_multiplier(m / np.float64(s_out)))
+        code = ROUNDINGS[rounding]
+    else:  # ONNX: a_scale * b_scale / y_scale, each step in float32
+        m = factors[0]
+        for f in factors[1:]:
+            m = m * f
+        mult, code = backend.asarray(np.ascontiguousarray(m / s_out, np.float32)), None
+    zeros = backend.asarray(np.zeros(want, np.int32))
+    zo = backend.asarray(np.broadcast_to(z_out, want).copy())
+    data = backend.requantize(acc, zeros, zo, mult, d, axis, None, code)
+    if relu:
+        data = xp.maximum(data, d.storage.type(z_out))
+    return QArray._new(data, backend.asarray(s_out), backend.asarray(z_out), d, None, None, backend)

@@ -1,0 +1,151 @@
+"""matmul and linear: exact integer products, through float32 BLAS on the CPU.
+
+``matmul(a, b)`` with no output parameters is ONNX MatMulInteger (the exact
+qint32 accumulator, scale ``a.scale * b.scale``); with ``scale``,
+``zero_point`` and ``dtype`` it is QLinearMatMul (requantized, ``mode=`` and
+``rounding=`` as everywhere). Activations are per-tensor; weights per-tensor or
+per-channel along their output axis. Inputs of 2, 4 or 8 bits, signed or not,
+in any mix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backends as _backends
+from .._dtypes import QDType, qint32
+from .._params import to_host
+from .._qarray import QArray
+from ._output import finish
+
+__all__ = ["matmul", "linear", "PackedWeight"]
+
+
+def _shift(d: QDType) -> int:
+    """What to subtract so that values are centred: |v - shift| <= 2**(bits - 1)."""
+    return 0 if d.signed else 1 << (d.bits - 1)
+
+
+def _check_operand(op, name, q, *, weight):
+    if not isinstance(q, QArray):
+        raise TypeError(f"{op}: {name} must be a QArray, got {type(q).__name__}; quantize it first")
+    if q.dtype.bits > 8:
+        raise TypeError(
+            f"{op}: {name} has dtype {q.dtype.name}; matmul, linear and conv2d take 2-, 4- or "
+            "8-bit inputs (qint8, quint8, qint4, ...); requantize it first"
+        )
+    if q.block_size is not None:
+        raise ValueError(f"{op}: {name} has blocked parameters; requantize it per-tensor or per-channel")
+    if not weight and q.axis is not None:
+        raise ValueError(f"{op}: {name} must have per-tensor parameters, got per-axis along axis {q.axis}")
+
+
+class PackedWeight:
+    """Weights ``(..., K, N)`` prepared once for :meth:`Backend.int_matmul`.
+
+    Holds float32 ``w - shift``, its column sums, the shifted zero point, and
+    the per-column (or per-tensor) scale. ``nn.Linear`` keeps one.
+    """
+
+    __slots__ = ("backend", "f32", "colsum", "zp", "shift", "scale", "dtype", "shape")
+
+    def __init__(self, w: QArray, axis):
+        """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
+        parameters lie (must be the last, N) or None for per-tensor."""
+        b = w._backend
+        xp = b.xp
+        if w.axis is not None and w.axis != axis:
+            raise ValueError(
+                f"per-channel weights must have their parameters along the output-channel axis "
+                f"({axis}), got axis {w.axis}"
+            )
+        self.backend, self.dtype, self.shape = b, w.dtype, w.shape
+        self.shift = _shift(w.dtype)
+        centred = w.data.astype(xp.int32) - self.shift
+        self.f32 = centred.astype(xp.float32)
+        self.colsum = centred.sum(axis=-2, dtype=xp.int64)
+        self.zp = to_host(w.zero_point).astype(np.int64) - self.shift
+        self.scale = to_host(w.scale)
+
+    def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
+        b = _backends.common(a.data, self.f32)
+        k_len = a.shape[-1]
+        if k_len != self.shape[-2]:
+            raise ValueError(f"{op}: shapes {a.shape} and {self.shape} do not align: {k_len} != {self.shape[-2]} (K)")
+        ba, bw = 1 << (a.dtype.bits - 1), 1 << (self.dtype.bits - 1)
+        kc = max(1, (1 << 24) // (ba * bw))
+        # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
+        za = int(to_host(a.zero_point))
+        wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
+        ww = int(np.max(np.maximum(self.zp + self.shift - self.dtype.qmin, self.dtype.qmax - self.zp - self.shift)))
+        wide = k_len * wa * ww >= 2**31 - 2**30 or bias is not None
+        acc_dtype = np.int64 if wide else np.int32
+        acc = b.int_matmul(a.data, _shift(a.dtype), za, self.f32, self.colsum, b.asarray(self.zp), kc, acc_dtype)
+        factors = [to_host(a.scale), self.scale]
+        if bias is not None:
+            acc = acc + _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+        return finish(op, b, acc, factors, acc.ndim - 1, scale, zero_point, dtype,
+                      default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+def _bias_ints(op, b, bias, factors, n, mode, rounding):
+    """The bias as int64 at the accumulator's scale ``a.scale * w.scale``."""
+    acc_scale = np.broadcast_to(np.float32(factors[0]) * np.asarray(factors[1], np.float32), (n,))
+    if isinstance(bias, QArray):
+        if bias.dtype is not qint32 or bias.shape != (n,):
+            raise ValueError(f"{op}: a quantized bias must be qint32 of shape ({n},), got {bias.dtype.name} {bias.shape}")
+        if bias.axis is None and np.all(to_host(bias.scale) == acc_scale) and not np.any(to_host(bias.zero_point)):
+            return bias.data.astype(np.int64)
+        axis = 0 if acc_scale.ndim and np.ptp(acc_scale) else None
+        target = acc_scale if axis is not None else acc_scale[0]
+        return bias.requantize(target, 0, qint32, axis=axis, mode=mode, rounding=rounding).data.astype(np.int64)
+    bias_h = np.asarray(to_host(bias))
+    if bias_h.dtype.kind != "f" or bias_h.shape != (n,):
+        raise ValueError(f"{op}: bias must be a float array of shape ({n},) or a qint32 QArray, got {bias_h.dtype} {bias_h.shape}")
+    with np.errstate(over="ignore"):
+        q = np.rint(bias_h.astype(np.float32) / acc_scale)
+    if not np.all(np.abs(q) < 2**31):
+        raise ValueError(f"{op}: bias / (input scale * weight scale) does not fit in int32")
+    return b.asarray(q.astype(np.int64))
+
+
+def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtype=None,
+           relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized ``a @ b``: exact integer products, then the qint32 accumulator or
+    (with ``scale``, ``zero_point``, ``dtype``) the requantized result.
+
+    ``a`` (``(..., M, K)``, per-tensor) and ``b`` (``(K, N)`` or ``(..., K, N)``,
+    per-tensor or per-channel along its last axis) may each be qint8, quint8,
+    qint4, quint4, qint2 or quint2. ``dtype`` defaults to ``a.dtype``.
+
+    >>> a = QArray.from_int(numpy.array([[1, 2]]), 0.5, 0, "quint8")
+    >>> w = QArray.from_int(numpy.array([[3], [-4]]), 0.25, 0, "qint8")
+    >>> matmul(a, w).int_repr(), matmul(a, w).scale
+    (array([[-5]], dtype=int32), array(0.125, dtype=float32))
+    """
+    _check_operand("matmul", "a", a, weight=False)
+    _check_operand("matmul", "b", b, weight=True)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul takes arrays of 2 or more dimensions, got shapes {a.shape} and {b.shape}")
+    packed = PackedWeight(b, b.ndim - 1)
+    return packed.matmul("matmul", a, bias, scale, zero_point, dtype, mode, rounding, relu)
+
+
+def linear(x: QArray, w: QArray, bias=None, *, scale=None, zero_point=None, dtype=None,
+           relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized ``x @ w.T + bias``, with ``w`` of shape ``(out, in)`` per-tensor or
+    per-channel along axis 0. ``bias`` is float (quantized to qint32 at scale
+    ``x.scale * w.scale``) or a qint32 QArray. Output rules as :func:`matmul`."""
+    _check_operand("linear", "x", x, weight=False)
+    _check_operand("linear", "w", w, weight=True)
+    if w.ndim != 2:
+        raise ValueError(f"linear: w must have shape (out_features, in_features), got {w.shape}")
+    if w.axis not in (None, 0):
+        raise ValueError(f"linear: per-channel weights must have their parameters along axis 0 (output features), got axis {w.axis}")
+    if x.ndim < 1:
+        raise ValueError("linear: x must have at least one dimension")
+    x2 = x if x.ndim > 1 else x.reshape(1, -1)
+    out = PackedWeight(w.T, 1).matmul("linear", x2, bias, scale, zero_point, dtype, mode, rounding, relu)
+    return out if x.ndim > 1 else out.reshape(-1)
+
+
