@@ -1,0 +1,207 @@
+"""add, sub, mul (and scalar forms) with NumPy broadcasting; relu and clamps.
+
+Integer-only by default (``mode="fixed"``): ``mul`` forms the exact products
+``(a - za) * (b - zb)`` at scale ``a.scale * b.scale`` and requantizes them once;
+``add`` / ``sub`` first rescale each input exactly-rounded onto a common fine
+scale ``2 * max(a.scale, b.scale) / 2**20`` (TFLite's scheme), add, and
+requantize. ``mode="float"`` is the ONNX way: dequantize, compute in float32,
+quantize. The relu family keeps the input's parameters and works on the
+integers directly (exact); pass output parameters to requantize as well.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backends as _backends
+from .._api import quantize, requantize
+from .._config import resolve
+from .._dtypes import qint8, qint32
+from .._fixed_point import ROUNDINGS, quantize_multiplier
+from .._params import expand, to_host
+from .._qarray import QArray
+from ._output import finish, output_params, wants_output
+
+__all__ = ["add", "sub", "mul", "add_scalar", "mul_scalar", "relu", "relu6", "clamp", "hardtanh"]
+
+_LEFT_SHIFT = 20  # bits of headroom for add's common scale (TFLite uses 20 for 8-bit inputs)
+
+
+def _operands(op, a, b):
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, QArray):
+            raise TypeError(f"{op}: {name} must be a QArray, got {type(q).__name__} (add_scalar and mul_scalar take numbers)")
+        if q.axis is not None:
+            raise ValueError(f"{op}: {name} has per-axis parameters; {op} takes per-tensor inputs (requantize first)")
+    backend = _backends.common(a.data, b.data)
+    try:
+        shape = np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from None
+    return backend, shape
+
+
+def _centred(q: QArray, xp):
+    return q.data.astype(xp.int64) - int(to_host(q.zero_point))
+
+
+def _float_op(op, a, b, ufunc, scale, zero_point, dtype, relu):
+    d, s, z = output_params(op, scale, zero_point, dtype, a.dtype)
+    y = ufunc(a.dequantize(), b.dequantize())
+    out = quantize(y, s, z, d)
+    return relu_(out) if relu else out
+
+
+def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
+    backend, _ = _operands(op, a, b)
+    xp = backend.xp
+    mode, rounding = resolve(mode, rounding)
+    s_a, s_b = (np.float64(to_host(q.scale)) for q in (a, b))
+    if not wants_output(scale, zero_point, dtype):
+        if s_a != s_b:
+            raise ValueError(
+                f"{op}: inputs have scales {np.float32(s_a)} and {np.float32(s_b)}; pass the output "
+                "scale= (with zero_point= and dtype=), or give both inputs one scale for the exact qint32 result"
+            )
+        acc = _centred(a, xp) + sign * _centred(b, xp)
+        return finish(op, backend, acc, [to_host(a.scale)], None, None, None, None, default_dtype=a.dtype, relu=relu)
+    if mode == "float":
+        return _float_op(op, a, b, xp.add if sign > 0 else xp.subtract, scale, zero_point, dtype, relu)
+    # each input onto the common scale 2 * max / 2**20: an exactly rounded rescale
+    common = 2.0 * max(s_a, s_b) / 2.0**_LEFT_SHIFT
+    code = ROUNDINGS[rounding]
+    parts = []
+    for q, s in ((a, s_a), (b, s_b)):
+        mult = tuple(backend.asarray(v) for v in quantize_multiplier(s / common))
+        zeros = backend.asarray(np.zeros((), np.int32))
+        parts.append(backend.requantize(q.data, q.zero_point, zeros, mult, qint32, None, None, code).astype(xp.int64))
+    acc = parts[0] + sign * parts[1]
+    return finish(op, backend, acc, [np.float32(common)], None, scale, zero_point, dtype,
+                  default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+def add(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized ``a + b`` with broadcasting; inputs may differ in parameters and dtype.
+
+    Without output parameters the inputs must share a scale and the result is
+    the exact qint32 sum. ``relu=True`` fuses a ReLU.
+
+    >>> a = qarray.quantize(numpy.array([1.0, 2.0]), 0.1, 0, "qint8")
+    >>> b = qarray.quantize(numpy.array([0.5, -3.0]), 0.05, 100, "quint8")
+    >>> add(a, b, scale=0.1, zero_point=0, dtype="qint8").dequantize()
+    array([ 1.5, -1. ], dtype=float32)
+    """
+    return _add("add", a, b, 1, scale, zero_point, dtype, relu, mode, rounding)
+
+
+def sub(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized ``a - b``; as :func:`add`."""
+    return _add("sub", a, b, -1, scale, zero_point, dtype, relu, mode, rounding)
+
+
+def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized ``a * b`` with broadcasting: the exact products ``(a - za) * (b - zb)``
+    at scale ``a.scale * b.scale``, requantized once to the output parameters (or
+    returned as the qint32 accumulator when none are given)."""
+    backend, _ = _operands("mul", a, b)
+    mode, rounding = resolve(mode, rounding)
+    if mode == "float" and wants_output(scale, zero_point, dtype):
+        return _float_op("mul", a, b, backend.xp.multiply, scale, zero_point, dtype, relu)
+    acc = _centred(a, backend.xp) * _centred(b, backend.xp)
+    return finish("mul", backend, acc, [to_host(a.scale), to_host(b.scale)], None, scale, zero_point, dtype,
+                  default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+def _constant(q: QArray, value, op):
+    v = float(value)
+    if not np.isfinite(v):
+        raise ValueError(f"{op}: the scalar must be finite, got {value!r}")
+    b = q._backend
+    return QArray.from_int(b.asarray(np.int8(1 if v >= 0 else -1)), abs(v), 0, qint8) if v else None
+
+
+def add_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """``q + value``; output parameters default to the input's."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"add_scalar: q must be a QArray, got {type(q).__name__}")
+    if not wants_output(scale, zero_point, dtype):
+        scale, zero_point, dtype = q.scale, q.zero_point, q.dtype
+    c = _constant(q, value, "add_scalar")
+    if c is None:
+        out = requantize(q, scale, zero_point, dtype, mode=mode, rounding=rounding)
+        return relu_(out) if relu else out
+    return add(q, c, scale=scale, zero_point=zero_point, dtype=dtype, relu=relu, mode=mode, rounding=rounding)
+
+
+def mul_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """``q * value``. Without output parameters this is exact and changes only the
+    parameters (scale ``|value| * q.scale``; a negative value mirrors the codes),
+    as PyTorch's quantized ``mul_scalar`` does."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"mul_scalar: q must be a QArray, got {type(q).__name__}")
+    if q.axis is not None:
+        raise ValueError("mul_scalar takes per-tensor inputs (requantize first)")
+    if wants_output(scale, zero_point, dtype):
+        c = _constant(q, value, "mul_scalar")
+        if c is None:
+            c = QArray.from_int(q._backend.asarray(np.int8(0)), 1.0, 0, qint8)
+        return mul(q, c, scale=scale, zero_point=zero_point, dtype=dtype, relu=relu, mode=mode, rounding=rounding)
+    v = float(value)
+    if v == 0 or not np.isfinite(v):
+        raise ValueError(f"mul_scalar: without output parameters the scalar must be finite and nonzero, got {value!r}")
+    d, zp = q.dtype, int(to_host(q.zero_point))
+    data, z = (q.data, zp) if v > 0 else ((d.qmin + d.qmax - q.data.astype(np.int64)).astype(d.storage), d.qmin + d.qmax - zp)
+    out = QArray.from_int(data, np.float32(abs(v)) * to_host(q.scale), z, d)
+    return relu_(out) if relu else out
+
+
+def _bounds(q: QArray, lo, hi, op):
+    """Real bounds as codes of ``q``'s own parameters (quantized the way quantize does)."""
+    xp = q._backend.xp
+    shape = q.shape
+
+    def code(v, default):
+        if v is None:
+            return default
+        t = np.float32(v)
+        if np.isnan(t):
+            raise ValueError(f"{op}: bounds must not be NaN")
+        full = np.full(q.scale.shape, t, np.float32)
+        c = quantize(full, to_host(q.scale), to_host(q.zero_point), q.dtype, axis=q.axis, block_size=q.block_size).data
+        return expand(q._backend.asarray(c), shape, q.axis, q.block_size, xp)
+
+    lo_c, hi_c = code(lo, q.dtype.qmin), code(hi, q.dtype.qmax)
+    if lo is not None and hi is not None and float(lo) > float(hi):
+        raise ValueError(f"{op}: min {lo} is greater than max {hi}")
+    return lo_c, hi_c
+
+
+def clamp(q: QArray, min=None, max=None, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
+    """Clamp to real ``[min, max]`` (either may be None). The bounds are quantized
+    with ``q``'s parameters and the codes clipped: exact, parameters kept."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"clamp: q must be a QArray, got {type(q).__name__}")
+    lo, hi = _bounds(q, min, max, "clamp")
+    data = q._backend.xp.clip(q.data, lo, hi).astype(q.dtype.storage)
+    out = q._with(data, axis=q.axis, block_size=q.block_size)
+    if wants_output(scale, zero_point, dtype):
+        return requantize(out, scale, 0 if zero_point is None else zero_point, dtype, mode=mode, rounding=rounding)
+    return out
+
+
+def relu(q: QArray, **out) -> QArray:
+    """``max(q, 0)``: codes below the zero point become the zero point."""
+    return clamp(q, 0.0, None, **out)
+
+
+relu_ = relu
+
+
+def relu6(q: QArray, **out) -> QArray:
+    """``min(max(q, 0), 6)``."""
+    return clamp(q, 0.0, 6.0, **out)
+
+
+def hardtanh(q: QArray, min_val=-1.0, max_val=1.0, **out) -> QArray:
+    """``min(max(q, min_val), max_val)``."""
+    return clamp(q, min_val, max_val, **out)
