@@ -1,0 +1,116 @@
+import numpy as np
+import pytest
+from test_requantize import ref_fixed
+
+import qarray
+from qarray import QArray, qdtype
+from qarray.ops import add, add_scalar, clamp, hardtanh, mul, mul_scalar, relu, relu6, sub
+
+
+def q_of(ints, scale, zp, dtype):
+    return QArray.from_int(np.asarray(ints), scale, zp, dtype)
+
+
+def ref_add(a, b, sign, s_out, z_out, dtype):
+    s_a, s_b = float(np.float32(a.scale)), float(np.float32(b.scale))
+    common = 2.0 * max(s_a, s_b) / 2.0**20
+    d = qdtype(dtype)
+    A, B = np.broadcast_arrays(a.int_repr().astype(np.int64) - int(a.zero_point), b.int_repr().astype(np.int64) - int(b.zero_point))
+    out = []
+    for x, y in zip(A.ravel(), B.ravel()):
+        acc = ref_fixed(int(x), s_a / common, "half_even") + sign * ref_fixed(int(y), s_b / common, "half_even")
+        v = ref_fixed(acc, float(np.float32(common)) / float(np.float32(s_out)), "half_even") + z_out
+        out.append(min(max(v, d.qmin), d.qmax))
+    return np.array(out).reshape(A.shape)
+
+
+@pytest.mark.parametrize("op,sign", [(add, 1), (sub, -1)])
+@pytest.mark.parametrize("dtypes", [("qint8", "qint8"), ("quint8", "qint8"), ("qint4", "quint8"), ("qint16", "qint8")])
+def test_add_sub_fixed(op, sign, dtypes, rng, kernels):
+    da, db = (qdtype(t) for t in dtypes)
+    a = q_of(rng.integers(da.qmin, da.qmax + 1, (3, 4)), 0.037, (da.qmin + da.qmax) // 2, da)
+    b = q_of(rng.integers(db.qmin, db.qmax + 1, (4,)), 0.011, db.qmin + 3, db)
+    r = op(a, b, scale=0.05, zero_point=-3, dtype="qint8")
+    np.testing.assert_array_equal(r.int_repr(), ref_add(a, b, sign, 0.05, -3, "qint8"))
+    assert r.shape == (3, 4)
+
+
+def test_add_is_close_to_float_and_relu(rng):
+    a = qarray.quantize(rng.standard_normal(1000).astype(np.float32), 0.02, 0, "qint8")
+    b = qarray.quantize(rng.standard_normal(1000).astype(np.float32), 0.03, 128, "quint8")
+    r = add(a, b, scale=0.04, zero_point=0, dtype="qint8")
+    exact = qarray.quantize(a.dequantize("float64") + b.dequantize("float64"), 0.04, 0, "qint8")
+    assert np.abs(r.int_repr().astype(int) - exact.int_repr()).max() <= 1
+    rr = add(a, b, scale=0.04, zero_point=0, dtype="qint8", relu=True)
+    np.testing.assert_array_equal(rr.int_repr(), np.maximum(r.int_repr(), 0))
+
+
+def test_add_float_mode_is_dequantize_add_quantize(rng):
+    a = qarray.quantize(rng.standard_normal(100).astype(np.float32), 0.02, 3, "qint8")
+    b = qarray.quantize(rng.standard_normal(100).astype(np.float32), 0.03, 128, "quint8")
+    r = add(a, b, scale=0.04, zero_point=1, dtype="qint8", mode="float")
+    want = qarray.quantize(a.dequantize() + b.dequantize(), 0.04, 1, "qint8")
+    np.testing.assert_array_equal(r.int_repr(), want.int_repr())
+
+
+def test_add_without_output_params():
+    a, b = q_of([1, 2], 0.5, 1, "qint8"), q_of([[3], [4]], 0.5, -1, "qint8")
+    r = add(a, b)
+    assert r.dtype is qarray.qint32 and r.shape == (2, 2)
+    np.testing.assert_array_equal(r.int_repr(), [[4, 5], [5, 6]])
+    with pytest.raises(ValueError, match="inputs have scales 0.5 and 0.25; pass the output scale="):
+        add(a, q_of([1], 0.25, 0, "qint8"))
+
+
+@pytest.mark.parametrize("mode", ["fixed", "float"])
+def test_mul(mode, rng, kernels):
+    a = q_of(rng.integers(0, 256, (5, 1)), 0.02, 100, "quint8")
+    b = q_of(rng.integers(-128, 128, (1, 6)), 0.03, -5, "qint8")
+    prod = (a.int_repr().astype(np.int64) - 100) * (b.int_repr().astype(np.int64) + 5)
+    acc = mul(a, b)
+    np.testing.assert_array_equal(acc.int_repr(), prod)
+    assert acc.scale == np.float32(0.02) * np.float32(0.03)
+    r = mul(a, b, scale=0.5, zero_point=0, dtype="qint8", mode=mode)
+    if mode == "fixed":
+        want = [min(max(ref_fixed(int(p), float(np.float32(0.02)) * float(np.float32(0.03)) / float(np.float32(0.5)), "half_even"), -128), 127) for p in prod.ravel()]
+    else:
+        want = qarray.quantize(a.dequantize() * b.dequantize(), 0.5, 0, "qint8").int_repr()
+    np.testing.assert_array_equal(r.int_repr().ravel(), np.ravel(want))
+
+
+def test_scalars():
+    a = q_of([-10, 0, 7], 0.1, 2, "qint8")
+    np.testing.assert_array_equal(add_scalar(a, 0.3).int_repr(), [-7, 3, 10])
+    np.testing.assert_array_equal(add_scalar(a, 0.0).int_repr(), a.int_repr())
+    m = mul_scalar(a, -2.0)
+    assert m.scale == np.float32(0.2) and int(m.zero_point) == -128 + 127 - 2
+    np.testing.assert_allclose(m.dequantize(), -2 * a.dequantize(), rtol=1e-6)
+    np.testing.assert_array_equal(mul_scalar(a, 3.0, scale=0.1, zero_point=0, dtype="qint8").int_repr(), [-36, -6, 15])
+    with pytest.raises(ValueError, match="finite and nonzero"):
+        mul_scalar(a, 0.0)
+    with pytest.raises(ValueError, match="must be finite"):
+        add_scalar(a, np.inf)
+
+
+def test_relu_family():
+    a = q_of([-128, -3, 2, 3, 40, 127], 0.25, 2, "qint8")
+    np.testing.assert_array_equal(relu(a).int_repr(), [2, 2, 2, 3, 40, 127])
+    np.testing.assert_array_equal(relu6(a).int_repr(), [2, 2, 2, 3, 26, 26])
+    np.testing.assert_array_equal(hardtanh(a).int_repr(), [-2, -2, 2, 3, 6, 6])
+    np.testing.assert_array_equal(clamp(a, max=0.5).int_repr(), [-128, -3, 2, 3, 4, 4])
+    r = relu(a, scale=0.5, zero_point=0, dtype="quint8")
+    assert r.dtype is qarray.quint8 and r.int_repr().tolist() == [0, 0, 0, 0, 19, 62]
+    pa = QArray.from_int(np.array([[-5, 5], [-5, 5]]), [0.5, 1.0], [0, -2], "qint8", axis=0)
+    np.testing.assert_array_equal(relu(pa).int_repr(), [[0, 5], [-2, 5]])
+    with pytest.raises(ValueError, match="min 2 is greater than max 1"):
+        clamp(a, 2, 1)
+
+
+def test_errors():
+    a = q_of([1, 2, 3], 0.1, 0, "qint8")
+    with pytest.raises(ValueError, match=r"shapes \(3,\) and \(2,\) do not broadcast"):
+        add(a, q_of([1, 2], 0.1, 0, "qint8"), scale=0.1, zero_point=0, dtype="qint8")
+    with pytest.raises(TypeError, match="b must be a QArray, got float"):
+        add(a, 1.0)
+    with pytest.raises(ValueError, match="per-axis parameters"):
+        mul(QArray.from_int(np.ones((2, 2), int), [1.0, 2.0], 0, "qint8", axis=0), a[:2])

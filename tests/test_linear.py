@@ -1,0 +1,133 @@
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray, qdtype
+from qarray.ops import linear, matmul
+
+ACTS = ["quint8", "qint8", "qint4", "quint4", "qint2"]
+WEIGHTS = ["qint8", "quint8", "qint4", "quint4"]
+
+
+def rand_q(rng, shape, dtype, axis=None, scale=0.05):
+    d = qdtype(dtype)
+    ints = rng.integers(d.qmin, d.qmax + 1, shape)
+    if axis is None:
+        zp = (d.qmin + d.qmax) // 3
+        return QArray.from_int(ints, scale, zp, dtype)
+    n = shape[axis]
+    zp = rng.integers(d.qmin, d.qmax + 1, n)
+    return QArray.from_int(ints, rng.uniform(0.01, 0.1, n).astype(np.float32), zp, dtype, axis=axis)
+
+
+def ref_acc(a, b):
+    """int64 reference of sum_k (a - za)(b - zb), b per-tensor or per-column."""
+    from qarray._params import expand
+
+    A = a.int_repr().astype(np.int64) - np.int64(a.zero_point)
+    zb = expand(b.zero_point.astype(np.int64), b.shape, b.axis, None, np)
+    return A @ (b.int_repr().astype(np.int64) - zb)
+
+
+@pytest.mark.parametrize("adt", ACTS)
+@pytest.mark.parametrize("wdt", WEIGHTS)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_matmul_exact_every_dtype_pair(adt, wdt, per_channel, rng, kernels):
+    a = rand_q(rng, (7, 33), adt)
+    b = rand_q(rng, (33, 5), wdt, axis=1 if per_channel else None)
+    r = matmul(a, b)
+    assert r.dtype is qarray.qint32
+    np.testing.assert_array_equal(r.int_repr(), ref_acc(a, b))
+    want_scale = np.float32(a.scale) * b.scale.astype(np.float32)
+    np.testing.assert_array_equal(r.scale, want_scale)
+    assert r.axis == (1 if per_channel else None)
+
+
+@pytest.mark.parametrize("k", [1, 7, 1000, 1025, 4097, 16384])
+def test_matmul_exact_long_k(k, rng):
+    a = rand_q(rng, (3, k), "quint8")
+    b = rand_q(rng, (k, 2), "qint8", axis=1)
+    np.testing.assert_array_equal(matmul(a, b).int_repr(), ref_acc(a, b))
+
+
+def test_matmul_extreme_values_do_not_wrap():
+    # every product at its largest: 16384 * 255 * 255 > 2**30 needs int64 inside
+    k = 16384
+    a = QArray.from_int(np.full((1, k), 255), 1.0, 0, "quint8")
+    b = QArray.from_int(np.full((k, 1), 0), 1.0, 127, "quint8")  # w - zw = -127
+    acc = matmul(a, b)
+    assert acc.int_repr().tolist() == [[-255 * 127 * k]]
+    a2 = QArray.from_int(np.full((1, 40000), 255), 1.0, 0, "quint8")
+    b2 = QArray.from_int(np.full((40000, 1), 255), 1.0, 0, "quint8")
+    with pytest.raises(ValueError, match="beyond qint32; pass output scale="):
+        matmul(a2, b2)
+    r = matmul(a2, b2, scale=1e4, zero_point=0, dtype="qint32")
+    assert r.int_repr().tolist() == [[round(255 * 255 * 40000 / 1e4)]]
+
+
+def test_matmul_batched(rng):
+    a = rand_q(rng, (2, 3, 4, 9), "qint8")
+    b = rand_q(rng, (9, 6), "qint8")
+    np.testing.assert_array_equal(matmul(a, b).int_repr(), ref_acc(a, b))
+    bb = rand_q(rng, (3, 9, 6), "quint8")
+    np.testing.assert_array_equal(matmul(a, bb).int_repr(), ref_acc(a, bb))
+
+
+@pytest.mark.parametrize("mode", ["fixed", "float"])
+@pytest.mark.parametrize("rounding", ["half_even", "half_away", "tflite"])
+def test_requantized_output_equals_requantizing_the_accumulator(mode, rounding, rng, kernels):
+    a = rand_q(rng, (5, 40), "quint8")
+    b = rand_q(rng, (40, 6), "qint8", axis=1)
+    r = matmul(a, b, scale=0.02, zero_point=5, dtype="qint8", mode=mode, rounding=rounding)
+    acc = QArray.from_int(ref_acc(a, b), np.float32(a.scale) * b.scale, 0, "qint32", axis=1)
+    want = qarray.requantize(acc, 0.02, 5, "qint8", mode=mode, rounding=rounding)
+    np.testing.assert_array_equal(r.int_repr(), want.int_repr())
+    assert (r.axis, r.dtype, float(r.scale), int(r.zero_point)) == (None, qarray.qint8, float(np.float32(0.02)), 5)
+
+
+def test_relu_and_bias(rng):
+    x = rand_q(rng, (4, 16), "quint8")
+    w = rand_q(rng, (3, 16), "qint8", axis=0)
+    bias = np.array([0.5, -20.0, 3.0], np.float32)
+    acc_scale = np.float32(x.scale) * w.scale
+    acc = ref_acc(x, w.T) + np.rint(bias / acc_scale).astype(np.int64)
+    r = linear(x, w, bias, scale=0.1, zero_point=10, dtype="quint8", relu=True)
+    want = qarray.requantize(QArray.from_int(acc, acc_scale, 0, "qint32", axis=1), 0.1, 10, "quint8")
+    np.testing.assert_array_equal(r.int_repr(), np.maximum(want.int_repr(), 10))
+    qb = QArray.from_int(np.rint(bias / acc_scale).astype(np.int64), acc_scale, 0, "qint32", axis=0)
+    np.testing.assert_array_equal(linear(x, w, qb).int_repr(), acc)
+    # a qint32 bias at another scale is requantized to the accumulator's first
+    qb2 = qarray.quantize(bias, 0.01, 0, "qint32")
+    r2 = linear(x, w, qb2)
+    want_b = qb2.requantize(acc_scale, 0, "qint32", axis=0).int_repr()
+    np.testing.assert_array_equal(r2.int_repr(), ref_acc(x, w.T) + want_b)
+
+
+def test_linear_1d_and_matches_matmul(rng):
+    x = rand_q(rng, (16,), "qint8")
+    w = rand_q(rng, (3, 16), "qint4")
+    r = linear(x, w)
+    assert r.shape == (3,)
+    np.testing.assert_array_equal(r.int_repr(), ref_acc(x.reshape(1, 16), w.T)[0])
+
+
+def test_errors(rng):
+    a = rand_q(rng, (2, 3), "qint8")
+    b = rand_q(rng, (4, 5), "qint8")
+    with pytest.raises(ValueError, match=r"shapes \(2, 3\) and \(4, 5\) do not align: 3 != 4"):
+        matmul(a, b)
+    with pytest.raises(TypeError, match="b must be a QArray, got ndarray"):
+        matmul(a, np.ones((3, 2)))
+    with pytest.raises(TypeError, match="has dtype qint16; matmul, linear and conv2d take 2-, 4- or 8-bit"):
+        matmul(a, QArray.from_int(np.ones((3, 2), np.int16), 1.0, 0, "qint16"))
+    with pytest.raises(ValueError, match="a must have per-tensor parameters"):
+        matmul(rand_q(rng, (2, 3), "qint8", axis=0), rand_q(rng, (3, 2), "qint8"))
+    w = rand_q(rng, (3, 4), "qint8", axis=1)
+    with pytest.raises(ValueError, match="per-channel weights must have their parameters along axis 0"):
+        linear(rand_q(rng, (2, 4), "qint8"), w)
+    with pytest.raises(ValueError, match="must be the last|output-channel axis"):
+        matmul(rand_q(rng, (2, 3), "qint8"), rand_q(rng, (3, 4), "qint8", axis=0))
+    with pytest.raises(ValueError, match=r"bias must be a float array of shape \(3,\)"):
+        linear(rand_q(rng, (2, 4), "qint8"), rand_q(rng, (3, 4), "qint8"), np.ones(2))
+    with pytest.raises(ValueError, match="pass the output scale="):
+        matmul(a, rand_q(rng, (3, 2), "qint8"), dtype="qint8")
