@@ -7,7 +7,7 @@ import numpy as np
 from . import backends as _backends
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
-from ._fixed_point import ROUNDINGS, quantize_multiplier
+from ._fixed_point import ROUNDINGS, float_multiplier, quantize_multiplier
 from ._params import check_params, param_shape, to_host
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
@@ -75,7 +75,7 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     multiplier and shift, and ``clamp(R((q - zp_in) * m, s) + zp_out)`` is exact in
     int64; ``rounding`` breaks ties ("half_even", "half_away", "half_up") or
     reproduces gemmlowp ("tflite"). ``mode="float"``: ONNX's
-    ``rint(float64(q - zp_in) * float32(scale_in / scale_out)) + zp_out``.
+    ``rint(float64(q - zp_in) * float32(scale_in / scale_out) + zp_out)``.
     Defaults come from ``qarray.config``. ``dtype`` defaults to ``q.dtype``.
 
     >>> q = QArray.from_int(numpy.array([5, 7]), 1.0, 0, "qint32")
@@ -98,7 +98,7 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
         m, sh = quantize_multiplier(s_in.astype(np.float64) / host(s_out).astype(np.float64))
         mult, code = (q._backend.asarray(m), q._backend.asarray(sh)), ROUNDINGS[rounding]
     else:
-        mult, code = q._backend.asarray(s_in.astype(np.float32) / host(s_out).astype(np.float32)), None
+        mult, code = q._backend.asarray(float_multiplier(s_in, host(s_out))), None
     b = q._backend
     data = b.requantize(q.data, b.asarray(np.ascontiguousarray(z_in)), b.asarray(np.ascontiguousarray(host(z_out))),
                         mult, d, lax, lblock, code)

@@ -56,6 +56,19 @@ def quantize_multiplier(multiplier):
     return m, np.asarray(np.minimum(s, 62))
 
 
+def float_multiplier(scale_in, scale_out):
+    """``float32(scale_in) / float32(scale_out)`` for ``mode="float"`` (ONNX order);
+    ValueError when it leaves float32's range."""
+    with np.errstate(over="ignore", under="ignore"):
+        M = np.asarray(scale_in, np.float32) / np.asarray(scale_out, np.float32)
+    if not np.all(np.isfinite(M) & (M > 0)):
+        raise ValueError(
+            "the requantize multiplier scale_in / scale_out leaves float32's range; "
+            "choose an output scale closer to the input's"
+        )
+    return M
+
+
 def rescale(d, m, s, rounding):
     """``d * m / 2**s`` rounded to an integer (int64 in, int64 out).
 

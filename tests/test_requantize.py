@@ -121,7 +121,7 @@ def test_tflite_known_values(kernels):
 def test_float_mode_is_onnx(ints, s_in, s_out, zp_in, zp_out):
     q = QArray.from_int(np.array(ints, np.int8), s_in, zp_in, "qint8")
     mult = np.float32(s_in) / np.float32(s_out)
-    want = np.clip(np.rint((np.array(ints, np.float64) - zp_in) * np.float64(mult)) + zp_out, 0, 255)
+    want = np.clip(np.rint((np.array(ints, np.float64) - zp_in) * np.float64(mult) + zp_out), 0, 255)
     for numba in (True, False):
         with qarray.config.using(numba=numba):
             r = qarray.requantize(q, s_out, zp_out, "quint8", mode="float")
@@ -159,7 +159,7 @@ def test_per_axis(case, mode, rng, kernels):
                 for v, a, b, c, z in zip(q.int_repr().ravel(), zi.ravel(), si.ravel(), so.ravel(), zo.ravel())]
     else:
         mult = si.astype(np.float32) / so.astype(np.float32)
-        want = np.clip(np.rint((q.int_repr() - zi.astype(np.float64)) * mult.astype(np.float64)) + zo, -128, 127)
+        want = np.clip(np.rint((q.int_repr() - zi.astype(np.float64)) * mult.astype(np.float64) + zo), -128, 127)
     np.testing.assert_array_equal(r.int_repr().ravel(), np.ravel(want))
     assert (r.axis, r.block_size) == (out.get("axis"), out.get("block_size"))
 
@@ -207,3 +207,14 @@ def test_any_dtype_to_any_dtype(src, dst, kernels):
     want = [min(max(ref_fixed(int(c) - (s.qmin + s.qmax) // 2, 0.5 / 0.75, "half_even") + zp, d.qmin), d.qmax) for c in codes]
     np.testing.assert_array_equal(r.int_repr(), want)
     assert r.dtype is d
+
+
+def test_float_mode_rounds_after_the_zero_point(kernels):
+    """As ONNX QLinearMatMul: rint(0.5 + 1) = 2, where rint(0.5) + 1 would be 1."""
+    q = QArray.from_int(np.array([1, 3, 10**9]), 1.0, 0, "qint32")
+    r = qarray.requantize(q, 2.0, 1, "qint8", mode="float")
+    np.testing.assert_array_equal(r.int_repr(), [2, 2, 127])
+    big = QArray.from_int(np.array([2**31 - 1, -(2**31), 0]), 1e20, 0, "qint32")
+    np.testing.assert_array_equal(qarray.requantize(big, 1e-15, 0, "qint32", mode="float").int_repr(), [2**31 - 1, -(2**31), 0])
+    with pytest.raises(ValueError, match="leaves float32's range"):
+        qarray.requantize(big, 1e-30, 0, "qint8", mode="float")

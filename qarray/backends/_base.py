@@ -82,8 +82,9 @@ class Backend:
         """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``.
 
         ``mult`` is ``(m, s)`` (int64, see ``_fixed_point``) with ``rounding`` a
-        rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way:
-        ``rint(float64(q - zp_in) * multiplier)``).
+        rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way,
+        as QLinearMatMul and QLinearConv compute it:
+        ``rint(float64(q - zp_in) * multiplier + zp_out)``).
         """
         xp = self.xp
 
@@ -92,10 +93,9 @@ class Backend:
 
         d = q.astype(xp.int64) - ex(zp_in).astype(xp.int64)
         if rounding is None:
-            v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64))
+            v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64) + ex(zp_out))
         else:
-            v = rescale(d, ex(mult[0]), ex(mult[1]), rounding)
-        v = v + ex(zp_out).astype(v.dtype)
+            v = rescale(d, ex(mult[0]), ex(mult[1]), rounding) + ex(zp_out).astype(xp.int64)
         return xp.clip(v, qd.qmin, qd.qmax).astype(qd.storage)
 
     def minmax(self, x, axis, block_size):
@@ -112,6 +112,21 @@ class Backend:
         x4 = x4.reshape(o, nb, block_size, i)
         want = x.shape[:axis] + (nb,) + x.shape[axis + 1 :]
         return x4.min(axis=2).reshape(want), x4.max(axis=2).reshape(want)
+
+    def lut(self, q, table, axis=None):
+        """``table[u]`` for every element, ``u`` being ``q``'s storage seen as unsigned.
+
+        ``table`` covers the storage's whole unsigned range (``T`` = 256 or 65536
+        entries): shape ``(T,)``, or ``(C, T)`` with one row per index along
+        ``axis`` (per-axis input), looked up at the flat index ``c * T + u``.
+        """
+        xp = self.xp
+        u = q.view(np.dtype(f"u{q.dtype.itemsize}"))
+        if axis is None:
+            return xp.take(table, u)
+        c = xp.arange(q.shape[axis], dtype=xp.int64) * table.shape[1]
+        c = c.reshape((1,) * axis + (-1,) + (1,) * (q.ndim - axis - 1))
+        return xp.take(table.reshape(-1), c + u)
 
     # -- integer matmul ------------------------------------------------------
     def int_matmul(self, a, a_shift, za, w, wsum, zw, kc, acc_dtype):

@@ -152,11 +152,9 @@ def _make_requantize(code, narrow):
         if narrow:
             d = np.int64(np.int32(d))
             m = np.int64(np.int32(m))
-        if code < 0:
-            v = np.int64(np.rint(np.float64(d) * f))
-        else:
-            v = _rescale(d, m, sh, code)
-        return min(max(v + zo, lo), hi)
+        if code < 0:  # clamp in float64: a huge product must not overflow int64
+            return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
+        return min(max(_rescale(d, m, sh, code) + zo, lo), hi)
 
     @njit(inline="always")
     def row(q, p, o, l, po, b, lo, hi, out):

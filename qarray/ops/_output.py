@@ -13,7 +13,7 @@ import numpy as np
 
 from .._config import resolve
 from .._dtypes import qdtype, qint32
-from .._fixed_point import ROUNDINGS, quantize_multiplier
+from .._fixed_point import ROUNDINGS, float_multiplier, quantize_multiplier
 from .._params import check_scale, check_zero_point, to_host
 from .._qarray import QArray
 
@@ -77,7 +77,7 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
         m = factors[0]
         for f in factors[1:]:
             m = m * f
-        mult, code = backend.asarray(np.ascontiguousarray(m / s_out, np.float32)), None
+        mult, code = backend.asarray(np.ascontiguousarray(float_multiplier(m, s_out))), None
     zeros = backend.asarray(np.zeros(want, np.int32))
     zo = backend.asarray(np.broadcast_to(z_out, want).copy())
     data = backend.requantize(acc, zeros, zo, mult, d, axis, None, code)
