@@ -9,6 +9,8 @@ array([  50, -100], dtype=int8)
 from importlib.metadata import PackageNotFoundError, version
 
 from . import backends
+from . import nn
+from . import ops
 from ._api import choose_qparams
 from ._api import dequantize
 from ._api import quantize
@@ -25,6 +27,7 @@ from ._dtypes import quint2, quint4, quint8, quint16
 from ._qarray import QArray
 from .io import load
 from .io import save
+from .ops import *  # noqa: F403  (the ops, re-exported; names in ops.__all__)
 
 try:
     __version__ = version("qarray")  # defined once, in setup.cfg
@@ -33,6 +36,9 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
 
 __all__ = [
     "QArray",
+    "nn",
+    "ops",
+    *ops.__all__,
     "QDType",
     "backends",
     "choose_qparams",

@@ -1,7 +1,14 @@
-"""Quantized ops, one topical module each; all re-exported by ``qarray``."""
+"""Quantized ops, one topical module each; all re-exported by ``qarray``.
+
+concat: cat, stack. elementwise: add, sub, mul, add_scalar, mul_scalar, relu,
+relu6, clamp, hardtanh. lut: lut and the activations built on it. linear:
+matmul, linear. conv: conv2d. pool: max_pool2d, avg_pool2d,
+adaptive_avg_pool2d, mean, sum.
+"""
 
 from .concat import cat
 from .concat import stack
+from .conv import conv2d
 from .elementwise import add
 from .elementwise import add_scalar
 from .elementwise import clamp
@@ -13,19 +20,48 @@ from .elementwise import relu6
 from .elementwise import sub
 from .linear import linear
 from .linear import matmul
+from .lut import elu
+from .lut import exp
+from .lut import gelu
+from .lut import hardswish
+from .lut import leaky_relu
+from .lut import lut
+from .lut import sigmoid
+from .lut import silu
+from .lut import tanh
+from .pool import adaptive_avg_pool2d
+from .pool import avg_pool2d
+from .pool import max_pool2d
+from .pool import mean
+from .pool import sum
 
 __all__ = [
+    "adaptive_avg_pool2d",
     "add",
     "add_scalar",
+    "avg_pool2d",
     "cat",
     "clamp",
+    "conv2d",
+    "elu",
+    "exp",
+    "gelu",
+    "hardswish",
     "hardtanh",
+    "leaky_relu",
     "linear",
+    "lut",
     "matmul",
+    "max_pool2d",
+    "mean",
     "mul",
     "mul_scalar",
     "relu",
     "relu6",
+    "sigmoid",
+    "silu",
     "stack",
     "sub",
+    "sum",
+    "tanh",
 ]

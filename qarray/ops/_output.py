@@ -77,7 +77,7 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
         m = factors[0]
         for f in factors[1:]:
             m = m * f
-        mult, code = backend.asarray(np.ascontiguousarray(float_multiplier(m, s_out))), None
+        mult, code = backend.asarray(np.array(float_multiplier(m, s_out))), None
     zeros = backend.asarray(np.zeros(want, np.int32))
     zo = backend.asarray(np.broadcast_to(z_out, want).copy())
     data = backend.requantize(acc, zeros, zo, mult, d, axis, None, code)

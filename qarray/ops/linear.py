@@ -67,7 +67,9 @@ class PackedWeight:
         self.zp = to_host(w.zero_point).astype(np.int64) - self.shift
         self.scale = to_host(w.scale)
 
-    def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
+    def accumulate(self, op, a: QArray, wide=False):
+        """``(backend, acc)``: the exact integer ``(a - za) @ (w - zw)``, int32, or
+        int64 when ``wide`` or when int32 could overflow (``a`` per-tensor)."""
         b = _backends.common(a.data, self.f32)
         k_len = a.shape[-1]
         if k_len != self.shape[-2]:
@@ -78,9 +80,12 @@ class PackedWeight:
         za = int(to_host(a.zero_point))
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
         ww = int(np.max(np.maximum(self.zp + self.shift - self.dtype.qmin, self.dtype.qmax - self.zp - self.shift)))
-        wide = k_len * wa * ww >= 2**31 - 2**30 or bias is not None
+        wide = wide or k_len * wa * ww >= 2**31 - 2**30
         acc_dtype = np.int64 if wide else np.int32
-        acc = b.int_matmul(a.data, _shift(a.dtype), za, self.f32, self.colsum, b.asarray(self.zp), kc, acc_dtype)
+        return b, b.int_matmul(a.data, _shift(a.dtype), za, self.f32, self.colsum, b.asarray(self.zp), kc, acc_dtype)
+
+    def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
+        b, acc = self.accumulate(op, a, wide=bias is not None)
         factors = [to_host(a.scale), self.scale]
         if bias is not None:
             acc = acc + _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)

@@ -1,0 +1,125 @@
+"""conv2d: exact integer convolution as im2col plus the integer GEMM of ``linear``.
+
+``conv2d(x, w)`` with no output parameters is ONNX ConvInteger (the exact qint32
+accumulator, scale ``x.scale * w.scale``); with ``scale``, ``zero_point`` and
+``dtype`` it is QLinearConv, requantized through :func:`finish` like every op.
+The input is padded with its own zero point, so padding adds exactly 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backends as _backends
+from .._params import to_host
+from .._qarray import QArray
+from ._output import finish
+from .linear import PackedWeight, _bias_ints, _check_operand
+
+__all__ = ["conv2d"]
+
+
+def _pair(op, name, v, least):
+    """``v`` (an int or a pair of ints) as a pair, each ``>= least``."""
+    pair = (v, v) if isinstance(v, (int, np.integer)) else tuple(v) if isinstance(v, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool)
+                                                 for p in pair):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    if min(pair) < least:
+        raise ValueError(f"{op}: {name} must be >= {least}, got {v!r}")
+    return tuple(int(p) for p in pair)
+
+
+def check_conv_args(op, w_shape, stride, padding, dilation, groups):
+    """Validated ``(stride, padding, dilation, groups)`` for weights of shape ``w_shape``."""
+    stride = _pair(op, "stride", stride, 1)
+    padding = _pair(op, "padding", padding, 0)
+    dilation = _pair(op, "dilation", dilation, 1)
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    if w_shape[0] % groups:
+        raise ValueError(f"{op}: groups={groups} does not divide the {w_shape[0]} output channels of w")
+    if min(w_shape) < 1:
+        raise ValueError(f"{op}: w has an empty dimension: {w_shape}")
+    return stride, padding, dilation, int(groups)
+
+
+def pack_conv_weight(op, w: QArray, groups: int) -> list:
+    """One :class:`PackedWeight` per group: ``(C/g * kh * kw, O/g)``, i.e. ``w_g`` flattened and transposed."""
+    _check_operand(op, "w", w, weight=True)
+    if w.ndim != 4:
+        raise ValueError(f"{op}: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
+    if w.axis not in (None, 0):
+        raise ValueError(f"{op}: per-channel weights must have their parameters along axis 0 "
+                         f"(output channels), got axis {w.axis}")
+    og = w.shape[0] // groups
+    return [PackedWeight(w[g * og:(g + 1) * og].reshape(og, -1).T, 1) for g in range(groups)]
+
+
+def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, groups,
+                scale, zero_point, dtype, relu, mode, rounding) -> QArray:
+    """:func:`conv2d` on weights already packed by :func:`pack_conv_weight`."""
+    _check_operand(op, "x", x, weight=False)
+    if x.ndim != 4:
+        raise ValueError(f"{op}: x must have shape (N, C, H, W), got {x.shape}")
+    b = _backends.common(x.data, packs[0].f32)
+    xp = b.xp
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w_shape
+    if c % groups:
+        raise ValueError(f"{op}: groups={groups} does not divide the {c} input channels of x")
+    if cg * groups != c:
+        raise ValueError(f"{op}: x has {c} channels but w expects {cg} x groups={groups} = {cg * groups}")
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1  # the dilated kernel's extent
+    if eh > h + 2 * ph or ew > wd + 2 * pw:
+        raise ValueError(f"{op}: the (dilated) kernel {eh}x{ew} is larger than the padded input "
+                         f"{h + 2 * ph}x{wd + 2 * pw}")
+    za = x.data.dtype.type(int(to_host(x.zero_point)))
+    xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=za)
+    win = xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(2, 3))
+    win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
+    oh, ow = win.shape[2:4]
+    accs = []
+    for g, packed in enumerate(packs):
+        cols = win[:, g * cg:(g + 1) * cg].transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, cg * kh * kw)
+        a = QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
+        accs.append(packed.accumulate(op, a, wide=bias is not None)[1])
+    acc = accs[0] if groups == 1 else xp.concatenate(accs, axis=1)  # (N*OH*OW, O)
+    w_scale = np.concatenate([p.scale.reshape(-1) for p in packs]) if packs[0].scale.ndim else packs[0].scale
+    factors = [to_host(x.scale), w_scale]
+    if bias is not None:
+        acc = acc + _bias_ints(op, b, bias, factors, o, mode, rounding)
+    acc = acc.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+    return finish(op, b, acc, factors, 1, scale, zero_point, dtype,
+                  default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
+           scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized 2-D convolution (cross-correlation, as in PyTorch and ONNX), NCHW.
+
+    ``x`` is ``(N, C, H, W)``, per-tensor; ``w`` is ``(O, C / groups, kh, kw)``,
+    per-tensor or per-channel along axis 0; each may be qint8, quint8, qint4,
+    quint4, qint2 or quint2. ``stride``, ``padding`` and ``dilation`` are ints or
+    pairs; ``groups == C`` is depthwise. Without output parameters the result is
+    the exact qint32 accumulator with scale ``x.scale * w.scale`` (ONNX
+    ConvInteger); with ``scale``, ``zero_point``, ``dtype`` (default ``x.dtype``)
+    it is requantized (QLinearConv). ``bias`` is float (quantized to qint32 at
+    the accumulator's scale) or a qint32 QArray; ``relu=True`` fuses ReLU.
+
+    >>> x = QArray.from_int(numpy.arange(9).reshape(1, 1, 3, 3), 0.5, 0, "quint8")
+    >>> w = QArray.from_int(numpy.ones((1, 1, 2, 2), numpy.int8), 0.25, 0, "qint8")
+    >>> conv2d(x, w).int_repr()
+    array([[[[ 8, 12],
+             [20, 24]]]], dtype=int32)
+    """
+    if not isinstance(w, QArray) or w.ndim != 4:
+        _check_operand("conv2d", "w", w, weight=True)
+        raise ValueError(f"conv2d: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
+    stride, padding, dilation, groups = check_conv_args("conv2d", w.shape, stride, padding, dilation, groups)
+    _check_operand("conv2d", "x", x, weight=False)
+    _backends.common(x.data, w.data)
+    packs = pack_conv_weight("conv2d", w, groups)
+    return conv_packed("conv2d", x, packs, w.shape, bias, stride, padding, dilation, groups,
+                       scale, zero_point, dtype, relu, mode, rounding)

@@ -1,0 +1,271 @@
+"""Pooling and reductions on the integers: max_pool2d, avg_pool2d,
+adaptive_avg_pool2d, mean and sum.
+
+Pools take NCHW (4-D) or CHW (3-D) input. ``max_pool2d`` compares the integers
+themselves (dequantization is monotone), so its output keeps the input's
+parameters. The averages sum ``q - zero_point`` exactly in int64 and round the
+exact rational mean once: the output integer is
+``clamp(R(sum / count * m, s) + zero_point_out)``, ``(m, s)`` being the
+fixed-point form of ``scale_in / scale_out`` that :func:`qarray.requantize`
+uses, with the tie rule ``rounding``. So with the default output parameters
+(the input's) the result is ``zero_point + round_half_even(sum / count)``
+exactly, and with others it is the requantize of the exact mean, with no
+double rounding. ``rounding="tflite"`` rounds ties away from zero, as TFLite's
+average pool does; ``mode="float"`` computes
+``rint(float64(sum) / count * float32(scale_in / scale_out) + zero_point_out)``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+
+from .._config import resolve
+from .._dtypes import qdtype
+from .._fixed_point import float_multiplier, quantize_multiplier
+from .._params import check_scale, check_zero_point, normalize_axis, to_host
+from .._qarray import QArray
+from ._output import finish
+
+__all__ = ["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "mean", "sum"]
+
+def _check(op, q, per_axis=False):
+    """Validate a pooling input; returns the data as 4-D and whether it was 3-D."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"{op}: the input must be a QArray, got {type(q).__name__}; quantize it first")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"{op}: expected a 4-D (N, C, H, W) or 3-D (C, H, W) input, got {q.ndim}-D shape {q.shape}")
+    _check_params(op, q, q.ndim - 3 if per_axis else None)
+    return (q.data if q.ndim == 4 else q.data[None]), q.ndim == 3
+
+
+def _check_params(op, q, axis_ok=None):
+    if q.block_size is not None or (q.axis is not None and q.axis != axis_ok):
+        where = "the channel axis" if axis_ok is not None else "per-tensor"
+        raise ValueError(
+            f"{op}: input parameters must be {where}, got {q.qscheme} along axis {q.axis}; "
+            "requantize it per-tensor first"
+        )
+
+
+def _pair(op, name, v, lo):
+    vals = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    if len(vals) != 2:
+        raise ValueError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    try:
+        vals = tuple(operator.index(x) for x in vals)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}") from None
+    if min(vals) < lo:
+        raise ValueError(f"{op}: {name} must be >= {lo}, got {v!r}")
+    return vals
+
+
+def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
+    """``(N, C, OH, OW, kh, kw)`` window view of ``x`` padded with ``pad_value``."""
+    k = _pair(op, "kernel_size", kernel_size, 1)
+    s = k if stride is None else _pair(op, "stride", stride, 1)
+    p = _pair(op, "padding", padding, 0)
+    d = _pair(op, "dilation", dilation, 1)
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        raise ValueError(f"{op}: padding {p} must be at most half the kernel size {k}")
+    ext = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
+    padded = (x.shape[2] + 2 * p[0], x.shape[3] + 2 * p[1])
+    if ext[0] > padded[0] or ext[1] > padded[1]:
+        raise ValueError(
+            f"{op}: the kernel (extent {ext} with dilation) is larger than the padded input {padded}"
+        )
+    if p != (0, 0):
+        x = xp.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=pad_value)
+    w = xp.lib.stride_tricks.sliding_window_view(x, ext, axis=(2, 3))
+    return w[:, :, :: s[0], :: s[1], :: d[0], :: d[1]]
+
+
+def _out_params(op, q, scale, zero_point, dtype):
+    """Output ``(QDType, scale, zero_point)``: the input's when none is given."""
+    if scale is None and zero_point is None and dtype is None:
+        return q.dtype, check_scale(q.scale), check_zero_point(q.zero_point, q.dtype)
+    if scale is None:
+        raise ValueError(f"{op}: pass the output scale= (zero_point= defaults to 0, dtype= to the input's)")
+    d = q.dtype if dtype is None else qdtype(dtype)
+    return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
+
+
+def _round_mean(acc, count, m, sh, rounding):
+    """``R(acc / count * m, sh)`` exactly: int64 ``acc``, positive integer ``count``
+    (scalar or array), ``|acc / count| < 2**32`` (any mean of 32-bit values),
+    ``m < 2**31``, ``1 <= sh <= 62``.
+
+    With ``acc = count * Q + R`` and ``R * m = count * Q2 + R2``, the value is
+    ``(I + R2 / count) / 2**sh`` with integer ``I = Q * m + Q2``: nothing overflows
+    and the tie test is exact.
+    """
+    q = acc // count
+    t = (acc - q * count) * m
+    q2 = t // count
+    frac = t - q2 * count  # R2: > 0 means strictly above I / 2**sh
+    i = q * m + q2
+    a, rem, half = i >> sh, i & ((1 << sh) - 1), 1 << (sh - 1)
+    tie = (rem == half) & (frac == 0)
+    up = (rem > half) | ((rem == half) & (frac > 0))
+    if rounding == "half_even":
+        up = up | (tie & ((a & 1) == 1))
+    elif rounding == "half_up":
+        up = up | tie
+    else:  # half_away, and tflite (TFLite's average pool rounds ties away from 0)
+        up = up | (tie & (a >= 0))
+    return a + up
+
+
+def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) -> QArray:
+    """The mean ``acc / count`` (int64 sums of ``q - zero_point``) as a QArray."""
+    b, xp = q._backend, q._backend.xp
+    d, s_out, z_out = _out_params(op, q, scale, zero_point, dtype)
+    mode, rounding = resolve(mode, rounding)
+    s_in = to_host(q.scale)
+    if mode == "fixed":
+        m, sh = quantize_multiplier(s_in.astype(np.float64) / s_out.astype(np.float64))
+        v = _round_mean(acc, count, int(m), int(sh), rounding) + int(z_out)
+    else:  # as the requantize primitive: round after adding the zero point, clamp in float
+        mult = float(float_multiplier(s_in, s_out))
+        v = xp.rint(acc.astype(xp.float64) / count * mult + int(z_out))
+    data = xp.clip(v, d.qmin, d.qmax).astype(d.storage)
+    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+
+
+def _centred(q, x):
+    """``x`` (``q``'s data, possibly reshaped) minus the zero point, in int64."""
+    return x.astype(q._backend.xp.int64) - int(to_host(q.zero_point))
+
+
+def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QArray:
+    """2-D max pooling on the integers; the output keeps the input's parameters.
+
+    ``q`` is NCHW or CHW, per-tensor or per-channel (along C). ``stride``
+    defaults to ``kernel_size``; padding (at most half the kernel, as in
+    PyTorch) is never selected. Equals PyTorch's ``max_pool2d`` on the
+    dequantized values.
+
+    >>> q = QArray.from_int(numpy.arange(16).reshape(1, 1, 4, 4), 0.1, 0, "qint8")
+    >>> max_pool2d(q, 2).int_repr()
+    array([[[[ 5,  7],
+             [13, 15]]]], dtype=int8)
+    """
+    x, three = _check("max_pool2d", q, per_axis=True)
+    xp = q._backend.xp
+    out = _windows("max_pool2d", xp, x, q.dtype.qmin, kernel_size, stride, padding, dilation).max(axis=(-2, -1))
+    return QArray._new(out[0] if three else out, q.scale, q.zero_point, q.dtype, q.axis, None, q._backend)
+
+
+def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_pad=True,
+               scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
+    """2-D average pooling: exact integer window sums, one rounding.
+
+    ``q`` is NCHW or CHW, per-tensor. Padding is real 0 (the zero point); with
+    ``count_include_pad`` it counts in the divisor, as in PyTorch. Output
+    parameters default to the input's (then the result is exactly
+    ``zero_point + round_half_even(sum(q - zero_point) / count)``); with others
+    see the module notes.
+
+    >>> q = QArray.from_int(numpy.array([[[[1, 2], [2, 2]]]]), 0.1, 0, "qint8")
+    >>> avg_pool2d(q, 2).int_repr()   # 7 / 4 = 1.75
+    array([[[[2]]]], dtype=int8)
+    """
+    x, three = _check("avg_pool2d", q)
+    xp = q._backend.xp
+    sums = _windows("avg_pool2d", xp, _centred(q, x), 0,
+                    kernel_size, stride, padding).sum(axis=(-2, -1))
+    if count_include_pad:
+        k = _pair("avg_pool2d", "kernel_size", kernel_size, 1)
+        count = k[0] * k[1]
+    else:
+        ones = xp.ones((1, 1) + x.shape[2:], xp.int64)
+        count = _windows("avg_pool2d", xp, ones, 0, kernel_size, stride, padding).sum(axis=(-2, -1))
+    out = _finish_mean("avg_pool2d", q, sums, count, scale, zero_point, dtype, mode, rounding)
+    return out[0] if three else out
+
+
+def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, dtype=None,
+                        mode=None, rounding=None) -> QArray:
+    """2-D average pooling to ``output_size`` (an int, or a pair whose None entries
+    keep that input size), with PyTorch's windows ``[floor(i * H / OH),
+    ceil((i + 1) * H / OH))``. Each window's exact sum is divided by its own
+    count and rounded once, as in :func:`avg_pool2d`.
+
+    >>> q = QArray.from_int(numpy.array([[[1, 2, 4]]]), 0.5, 0, "qint8")
+    >>> adaptive_avg_pool2d(q, (1, 2)).int_repr()   # windows [1, 2] and [2, 4]
+    array([[[2, 3]]], dtype=int8)
+    """
+    x, three = _check("adaptive_avg_pool2d", q)
+    b, xp = q._backend, q._backend.xp
+    size = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size, output_size)
+    if len(size) != 2:
+        raise ValueError(f"adaptive_avg_pool2d: output_size must be an int or a pair, got {output_size!r}")
+    size = tuple(x.shape[2 + i] if n is None else n for i, n in enumerate(size))
+    oh, ow = _pair("adaptive_avg_pool2d", "output_size", size, 1)
+    n, c, h, w = x.shape
+    integral = xp.zeros((n, c, h + 1, w + 1), xp.int64)
+    integral[:, :, 1:, 1:] = _centred(q, x).cumsum(axis=2).cumsum(axis=3)
+
+    def edges(length, out):
+        i = np.arange(out)
+        return b.asarray(i * length // out), b.asarray(-(-(i + 1) * length // out))
+
+    h0, h1 = edges(h, oh)
+    w0, w1 = edges(w, ow)
+    h0, h1 = h0[:, None], h1[:, None]
+    sums = integral[:, :, h1, w1] - integral[:, :, h0, w1] - integral[:, :, h1, w0] + integral[:, :, h0, w0]
+    count = (h1 - h0) * (w1 - w0)
+    out = _finish_mean("adaptive_avg_pool2d", q, sums, count, scale, zero_point, dtype, mode, rounding)
+    return out[0] if three else out
+
+
+def _reduce(op, q, axis, keepdims):
+    if not isinstance(q, QArray):
+        raise TypeError(f"{op}: the input must be a QArray, got {type(q).__name__}; quantize it first")
+    _check_params(op, q)
+    if axis is None:
+        axes = tuple(range(q.ndim))
+    else:
+        axes = tuple(normalize_axis(a, q.ndim) for a in (axis if isinstance(axis, (tuple, list)) else (axis,)))
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{op}: repeated axis in {axis!r}")
+    xp = q._backend.xp
+    acc = xp.asarray(xp.sum(_centred(q, q.data), axis=axes, keepdims=keepdims))
+    return acc, math.prod(q.shape[a] for a in axes)
+
+
+def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
+         mode=None, rounding=None) -> QArray:
+    """Mean over ``axis`` (None: all), rounded once from the exact integer sum.
+
+    Per-tensor input. Output parameters default to the input's: the result is
+    then ``zero_point + round_half_even(sum(q - zero_point) / count)``.
+
+    >>> q = QArray.from_int(numpy.array([[1, 2], [3, 5]]), 0.1, 0, "qint8")
+    >>> mean(q, axis=1).int_repr()   # 1.5 -> 2, 4 -> 4
+    array([2, 4], dtype=int8)
+    """
+    acc, count = _reduce("mean", q, axis, keepdims)
+    if count == 0:
+        raise ValueError(f"mean: the reduction over axis {axis!r} of shape {q.shape} has no elements")
+    return _finish_mean("mean", q, acc, count, scale, zero_point, dtype, mode, rounding)
+
+
+def sum(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
+        mode=None, rounding=None) -> QArray:
+    """Sum over ``axis`` (None: all) of a per-tensor input.
+
+    With no output parameters: the exact qint32 accumulator ``sum(q - zero_point)``
+    at scale ``q.scale``, zero point 0 (ValueError if it does not fit in int32).
+    With them: that sum requantized (``mode=``, ``rounding=``).
+
+    >>> q = QArray.from_int(numpy.array([1, 2, 3]), 0.5, 1, "quint8")
+    >>> sum(q).int_repr(), sum(q).scale
+    (array(3, dtype=int32), array(0.5, dtype=float32))
+    """
+    acc, _ = _reduce("sum", q, axis, keepdims)
+    return finish("sum", q._backend, acc, [to_host(q.scale)], None, scale, zero_point, dtype,
+                  default_dtype=q.dtype, mode=mode, rounding=rounding)

@@ -1,0 +1,233 @@
+"""conv2d: the exact accumulator against an int64 direct-loop reference (and torch),
+requantized outputs against requantizing that accumulator, and the errors."""
+
+import doctest
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qarray
+from qarray import QArray, qint32
+from qarray.ops.conv import conv2d
+
+X_DTYPES = ["quint8", "qint8", "qint4", "quint4"]
+W_DTYPES = ["qint8", "quint8", "qint4"]
+PAIRS = list(itertools.product(X_DTYPES, W_DTYPES))
+
+# (N, C, H, W), (O, kh, kw), stride, padding, dilation, groups, per_channel
+CONFIGS = [
+    ((2, 3, 7, 5), (4, 3, 2), 1, 0, 1, 1, False),
+    ((1, 4, 9, 8), (6, 3, 3), 2, 1, 1, 2, True),
+    ((2, 5, 6, 7), (5, 3, 3), (1, 2), (2, 1), (2, 1), 5, True),  # depthwise
+    ((1, 6, 11, 9), (4, 2, 3), 3, (0, 2), (1, 3), 2, False),
+    ((3, 2, 4, 4), (3, 1, 1), 1, 0, 1, 1, True),  # 1x1
+    ((1, 3, 5, 5), (6, 5, 5), 1, 2, 1, 3, True),  # depthwise, multiplier 2, kernel = padded input - 4
+]
+# scales whose products are exact in float32, so that the fixed-point multiplier
+# of conv2d (float64 product) and of requantize (float32 scale) agree
+X_SCALES = [0.5, 0.375, 0.1875]
+W_SCALES = [0.25, 0.3125, 0.75, 0.140625]
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else v
+
+
+def make_operands(rng, pair, cfg, exact_scales=True):
+    (n, c, h, wd), (o, kh, kw), stride, padding, dilation, groups, per_channel = cfg
+    xd, wdt = (qarray.qdtype(d) for d in pair)
+    xs = rng.choice(X_SCALES) if exact_scales else rng.uniform(0.001, 0.1)
+    x = QArray.from_int(rng.integers(xd.qmin, xd.qmax + 1, (n, c, h, wd)), xs,
+                        int(rng.integers(xd.qmin, xd.qmax + 1)), xd)
+    wshape = (o, c // groups, kh, kw)
+    ints = rng.integers(wdt.qmin, wdt.qmax + 1, wshape)
+    if per_channel:
+        ws = rng.choice(W_SCALES, o) if exact_scales else rng.uniform(0.001, 0.1, o)
+        w = QArray.from_int(ints, ws, rng.integers(wdt.qmin, wdt.qmax + 1, o), wdt, axis=0)
+    else:
+        ws = rng.choice(W_SCALES) if exact_scales else rng.uniform(0.001, 0.1)
+        w = QArray.from_int(ints, ws, int(rng.integers(wdt.qmin, wdt.qmax + 1)), wdt)
+    return x, w, dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
+def reference_acc(x, w, stride=1, padding=0, dilation=1, groups=1):
+    """sum over (c, i, j) of (x - zx) * (w - zw), by direct loops over the kernel, in int64."""
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    xi = x.data.astype(np.int64) - int(x.zero_point)
+    zw = np.asarray(w.zero_point, np.int64)
+    wi = w.data.astype(np.int64) - (zw.reshape(-1, 1, 1, 1) if w.axis is not None else zw)
+    xi = np.pad(xi, ((0, 0), (0, 0), (ph, ph), (pw, pw)))  # (x - zx) padded with 0
+    n, _, h, wd = xi.shape
+    o, cg, kh, kw = wi.shape
+    oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (wd - dw * (kw - 1) - 1) // sw + 1
+    og = o // groups
+    out = np.zeros((n, o, oh, ow), np.int64)
+    for g in range(groups):
+        for i in range(kh):
+            for j in range(kw):
+                patch = xi[:, g * cg:(g + 1) * cg, i * dh:i * dh + sh * (oh - 1) + 1:sh,
+                           j * dw:j * dw + sw * (ow - 1) + 1:sw]
+                out[:, g * og:(g + 1) * og] += np.einsum("nchw,oc->nohw", patch, wi[g * og:(g + 1) * og, :, i, j])
+    return out
+
+
+def acc_scale(x, w):
+    return np.float32(x.scale) * np.asarray(w.scale, np.float32)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+def test_accumulator_is_exact(pair, cfg, kernels):
+    rng = np.random.default_rng(100 * PAIRS.index(pair) + CONFIGS.index(cfg))
+    x, w, kw = make_operands(rng, pair, cfg)
+    out = conv2d(x, w, **kw)
+    ref = reference_acc(x, w, **kw)
+    assert out.dtype is qint32 and out.data.dtype == np.int32
+    np.testing.assert_array_equal(out.int_repr(), ref)
+    np.testing.assert_array_equal(out.scale, acc_scale(x, w))
+    assert not np.any(out.zero_point)
+    assert out.axis == (1 if w.axis is not None else None)
+    relu = conv2d(x, w, **kw, relu=True)
+    np.testing.assert_array_equal(relu.int_repr(), np.maximum(ref, 0))
+
+
+@pytest.mark.parametrize("mode", ["fixed", "float"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+def test_requantized_equals_requantizing_the_accumulator(pair, cfg, mode, kernels):
+    rng = np.random.default_rng(10_000 + 100 * PAIRS.index(pair) + CONFIGS.index(cfg))
+    x, w, kw = make_operands(rng, pair, cfg, exact_scales=mode == "fixed")
+    o = w.shape[0]
+    s_acc = acc_scale(x, w)
+    ref = reference_acc(x, w, **kw)
+    per_channel = w.axis is not None
+    for bias_kind, relu in (("float", False), ("qint32", True), (None, True)):
+        bias, bias_ints = None, 0
+        if bias_kind == "float":
+            bias = rng.normal(0, 2, o).astype(np.float32)
+            bias_ints = np.rint(bias / np.broadcast_to(s_acc, (o,))).astype(np.int64)
+        elif bias_kind == "qint32":
+            bias_ints = rng.integers(-500, 500, o)
+            bias = QArray.from_int(bias_ints, s_acc, 0, qint32, axis=0 if per_channel else None)
+        total = ref + np.reshape(bias_ints, (1, -1, 1, 1))
+        out_d = qarray.qdtype(rng.choice(["quint8", "qint8", "qint4"]))
+        real = total * np.reshape(s_acc, (1, -1, 1, 1) if per_channel else ())
+        s_out = np.float32(max(np.ptp(real), 1e-3) / (out_d.qmax - out_d.qmin) * 0.8)
+        z_out = int(rng.integers(out_d.qmin, out_d.qmax + 1))
+        out = conv2d(x, w, bias, **kw, scale=s_out, zero_point=z_out, dtype=out_d, relu=relu, mode=mode)
+        acc_q = QArray.from_int(total, s_acc, 0, qint32, axis=1 if per_channel else None)
+        want = acc_q.requantize(s_out, z_out, out_d, mode=mode).int_repr()
+        if relu:
+            want = np.maximum(want, z_out)
+        assert out.dtype is out_d and out.axis is None
+        assert out.scale == s_out and out.zero_point == z_out
+        np.testing.assert_array_equal(out.int_repr(), want, err_msg=f"{mode} {bias_kind}")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
+def test_matches_torch(cfg):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    for pair in PAIRS:
+        x, w, kw = make_operands(rng, pair, cfg)
+        xi = torch.from_numpy(x.data.astype(np.float64) - float(x.zero_point))
+        zw = np.asarray(w.zero_point, np.float64)
+        wi = torch.from_numpy(w.data.astype(np.float64) - (zw.reshape(-1, 1, 1, 1) if w.axis is not None else zw))
+        want = torch.nn.functional.conv2d(xi, wi, None, _pair(kw["stride"]), _pair(kw["padding"]),
+                                          _pair(kw["dilation"]), kw["groups"]).numpy()
+        np.testing.assert_array_equal(conv2d(x, w, **kw).int_repr(), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_shapes_property(data):
+    d = data.draw
+    groups = d(st.integers(1, 3))
+    c, o = groups * d(st.integers(1, 3)), groups * d(st.integers(1, 3))
+    kh, kw, dh, dw = d(st.integers(1, 3)), d(st.integers(1, 3)), d(st.integers(1, 2)), d(st.integers(1, 2))
+    ph, pw = d(st.integers(0, 2)), d(st.integers(0, 2))
+    h = d(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 8))
+    wd = d(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 8))
+    stride = (d(st.integers(1, 3)), d(st.integers(1, 3)))
+    cfg = ((d(st.integers(1, 2)), c, h, wd), (o, kh, kw), stride, (ph, pw), (dh, dw), groups, d(st.booleans()))
+    pair = d(st.sampled_from(PAIRS))
+    x, w, kwargs = make_operands(np.random.default_rng(d(st.integers(0, 2**32 - 1))), pair, cfg)
+    np.testing.assert_array_equal(conv2d(x, w, **kwargs).int_repr(), reference_acc(x, w, **kwargs))
+
+
+def test_1x1_conv_equals_linear(kernels):
+    rng = np.random.default_rng(3)
+    x, w, _ = make_operands(rng, ("quint8", "qint8"), CONFIGS[4])
+    bias = rng.normal(size=w.shape[0]).astype(np.float32)
+    out = conv2d(x, w, bias, scale=0.7, zero_point=100, dtype="quint8")
+    n, c, h, wd = x.shape
+    lin = qarray.ops.linear(x.transpose(0, 2, 3, 1).reshape(-1, c), w.reshape(w.shape[0], c), bias,
+                            scale=0.7, zero_point=100, dtype="quint8")
+    np.testing.assert_array_equal(out.int_repr(), lin.int_repr().reshape(n, h, wd, -1).transpose(0, 3, 1, 2))
+
+
+def test_defaults_and_wide_accumulator(kernels):
+    x = QArray.from_int(np.full((1, 64, 6, 6), 255), 0.5, 0, "quint8")
+    w = QArray.from_int(np.full((2, 64, 5, 5), -128), 0.25, 0, "qint8")
+    ref = reference_acc(x, w, padding=2)
+    out = conv2d(x, w, padding=2)
+    np.testing.assert_array_equal(out.int_repr(), ref)
+    q = conv2d(x, w, padding=2, scale=1e4)  # dtype defaults to x.dtype, zero point to 0
+    assert q.dtype is x.dtype and q.zero_point == 0
+    assert conv2d(x, w, padding=(2, 2), stride=[2, 1]).shape == (1, 2, 3, 6)
+
+
+def test_empty_batch():
+    x = QArray.from_int(np.zeros((0, 2, 5, 5), np.uint8), 0.5, 3, "quint8")
+    w = QArray.from_int(np.ones((4, 2, 3, 3), np.int8), 0.5, 0, "qint8")
+    assert conv2d(x, w).shape == (0, 4, 3, 3)
+
+
+def _x(shape=(1, 4, 6, 6), dtype="quint8", **kw):
+    return QArray.from_int(np.ones(shape, np.int64), 0.5, 0, dtype, **kw)
+
+
+def _w(shape=(4, 4, 3, 3), dtype="qint8", **kw):
+    return QArray.from_int(np.ones(shape, np.int64), 0.5, 0, dtype, **kw)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: conv2d(_x(), _w((3, 2, 3, 3)), groups=2), ValueError, "does not divide the 3 output"),
+    (lambda: conv2d(_x((1, 5, 6, 6)), _w((4, 2, 3, 3)), groups=2), ValueError, "does not divide the 5 input"),
+    (lambda: conv2d(_x(), _w((4, 3, 3, 3))), ValueError, "x has 4 channels but w expects 3"),
+    (lambda: conv2d(_x(), _w(), padding=-1), ValueError, "padding must be >= 0"),
+    (lambda: conv2d(_x(), _w(), stride=0), ValueError, "stride must be >= 1"),
+    (lambda: conv2d(_x(), _w(), dilation=(1, 0)), ValueError, "dilation must be >= 1"),
+    (lambda: conv2d(_x(), _w(), stride=(1, 2, 3)), TypeError, "stride must be an int or a pair"),
+    (lambda: conv2d(_x(), _w(), padding=1.5), TypeError, "padding must be an int or a pair"),
+    (lambda: conv2d(_x(), _w(), groups=0), ValueError, "groups must be a positive int"),
+    (lambda: conv2d(_x((1, 4, 2, 6)), _w()), ValueError, "larger than the padded input"),
+    (lambda: conv2d(_x((1, 4, 6, 6)), _w(), dilation=3), ValueError, "larger than the padded input"),
+    (lambda: conv2d(_x((4, 6, 6)), _w()), ValueError, r"x must have shape \(N, C, H, W\)"),
+    (lambda: conv2d(_x(), _w((4, 4, 3))), ValueError, "w must have shape"),
+    (lambda: conv2d(_x(), _w(axis=1)), ValueError, "along axis 0"),
+    (lambda: conv2d(_x(axis=1), _w()), ValueError, "must have per-tensor parameters"),
+    (lambda: conv2d(_x(dtype="qint16"), _w()), TypeError, "qint16"),
+    (lambda: conv2d(_x(), _w(dtype="qint32")), TypeError, "qint32"),
+    (lambda: conv2d(np.ones((1, 4, 6, 6)), _w()), TypeError, "x must be a QArray"),
+    (lambda: conv2d(_x(), np.ones((4, 4, 3, 3))), TypeError, "w must be a QArray"),
+    (lambda: conv2d(_x(), _w(), np.ones(3, np.float32)), ValueError, r"bias must be a float array of shape \(4,\)"),
+    (lambda: conv2d(_x(), _w(), np.ones(4, np.int64)), ValueError, "bias must be a float array"),
+    (lambda: conv2d(_x(), _w(), zero_point=3), ValueError, "pass the output scale="),
+])
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_docstring_examples():
+    import qarray.nn
+    import qarray.ops.conv
+
+    for module in (qarray.ops.conv, qarray.nn):
+        result = doctest.testmod(module, extraglobs={"numpy": np, "qarray": qarray, "QArray": QArray},
+                                 optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

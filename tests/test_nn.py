@@ -1,0 +1,172 @@
+"""qarray.nn: layers equal the ops on the same quantized weights, bit for bit."""
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray, qint32
+from qarray.nn import Conv2d, DynamicLinear, Linear
+from qarray.ops.conv import conv2d
+from qarray.ops.linear import linear
+
+
+def _qx(rng, shape, dtype="quint8"):
+    return qarray.quantize_dynamic(rng.normal(size=shape).astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("weight_dtype", ["qint8", "quint8", "qint4"])
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("x_dtype", ["quint8", "qint8"])
+def test_linear_equals_ops_linear(weight_dtype, per_channel, x_dtype, kernels, rng):
+    w = rng.normal(size=(5, 7)).astype(np.float32)
+    b = rng.normal(size=5).astype(np.float32)
+    layer = Linear.from_float(w, b, weight_dtype=weight_dtype, per_channel=per_channel)
+    want_w = qarray.quantize_dynamic(w, weight_dtype, symmetric=True, axis=0 if per_channel else None)
+    np.testing.assert_array_equal(layer.weight.int_repr(), want_w.int_repr())
+    np.testing.assert_array_equal(layer.weight.scale, want_w.scale)
+    assert layer.weight.axis == (0 if per_channel else None)
+    for shape in [(3, 7), (2, 3, 7), (7,)]:
+        qx = _qx(rng, shape, x_dtype)
+        acc = layer(qx)
+        assert acc.dtype is qint32
+        np.testing.assert_array_equal(acc.int_repr(), linear(qx, layer.weight, layer.bias).int_repr())
+        kw = dict(scale=0.05, zero_point=3, dtype="qint8", relu=True)
+        np.testing.assert_array_equal(layer(qx, **kw).int_repr(),
+                                      linear(qx, layer.weight, layer.bias, **kw).int_repr())
+
+
+def test_linear_calibrate_sets_and_uses_output_params(kernels, rng):
+    w = rng.normal(size=(4, 6)).astype(np.float32)
+    b = rng.normal(size=4).astype(np.float32)
+    layer = Linear.from_float(w, b)
+    assert layer.scale is None and layer.zero_point is None and layer.dtype is None
+    qx = _qx(rng, (8, 6))
+    assert layer.calibrate(qx) is layer
+    ref = qx.dequantize() @ layer.weight.dequantize().T + b
+    s, z = qarray.choose_qparams(ref.min(), ref.max(), "quint8")
+    assert layer.dtype is qarray.quint8 and layer.scale == s and layer.zero_point == z
+    out = layer(qx)
+    np.testing.assert_array_equal(
+        out.int_repr(), linear(qx, layer.weight, b, scale=s, zero_point=z, dtype="quint8").int_repr())
+    np.testing.assert_allclose(out.dequantize(), ref, atol=float(s) * 1.01)
+    per_call = layer(qx, scale=0.1, dtype="qint8")  # per-call parameters replace the layer's three
+    assert per_call.dtype is qarray.qint8 and per_call.scale == np.float32(0.1) and per_call.zero_point == 0
+    # each call widens the range; float input works too; relu keeps the non-negative part
+    layer.calibrate(ref[:, :1].repeat(6, axis=1) * 0 + 100.0)
+    assert layer.scale > s
+    relu_layer = Linear.from_float(w, b).calibrate(qx.dequantize(), dtype="qint8", relu=True)
+    assert relu_layer.dtype is qarray.qint8
+    assert relu_layer.zero_point == qarray.choose_qparams(0.0, max(ref.max(), 0), "qint8")[1]
+
+
+@pytest.mark.parametrize("groups, per_channel, weight_dtype", [(1, True, "qint8"), (2, False, "quint8"),
+                                                               (4, True, "qint4")])
+def test_conv2d_equals_ops_conv2d(groups, per_channel, weight_dtype, kernels, rng):
+    w = rng.normal(size=(8, 4 // groups, 3, 3)).astype(np.float32)
+    b = rng.normal(size=8).astype(np.float32)
+    args = dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=groups)
+    layer = Conv2d.from_float(w, b, **args, weight_dtype=weight_dtype, per_channel=per_channel)
+    assert layer.stride == (2, 1) and layer.padding == (1, 1) and layer.dilation == (1, 2)
+    qx = _qx(rng, (2, 4, 9, 8))
+    np.testing.assert_array_equal(layer(qx).int_repr(), conv2d(qx, layer.weight, b, **args).int_repr())
+    kw = dict(scale=0.1, zero_point=-5, dtype="qint8", relu=True, rounding="half_away")
+    np.testing.assert_array_equal(layer(qx, **kw).int_repr(), conv2d(qx, layer.weight, b, **args, **kw).int_repr())
+    layer.calibrate(qx)
+    out = layer(qx)
+    np.testing.assert_array_equal(out.int_repr(), conv2d(qx, layer.weight, b, **args, scale=layer.scale,
+                                                         zero_point=layer.zero_point, dtype=layer.dtype).int_repr())
+    # the calibration reference is the float convolution: the output is within half a
+    # step of it (plus the bias's rounding), clamped to the calibrated range
+    acc = conv2d(qx, layer.weight, **args)
+    s, z, d = float(layer.scale), int(layer.zero_point), layer.dtype
+    ref = np.clip(acc.dequantize() + b[:, None, None], (d.qmin - z) * s, (d.qmax - z) * s)
+    np.testing.assert_allclose(out.dequantize(), ref, atol=0.5 * s + 0.5 * float(np.max(acc.scale)) + 1e-5)
+
+
+def test_conv2d_reference_matches_torch(rng):
+    torch = pytest.importorskip("torch")
+    w = rng.normal(size=(6, 2, 3, 2)).astype(np.float32)
+    b = rng.normal(size=6).astype(np.float32)
+    layer = Conv2d.from_float(w, b, stride=2, padding=(1, 2), dilation=2, groups=3)
+    x = rng.normal(size=(2, 6, 9, 7)).astype(np.float32)
+    want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(layer.weight.dequantize()),
+                                      torch.from_numpy(b), 2, (1, 2), 2, 3).numpy()
+    np.testing.assert_allclose(layer._reference(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_dynamic_linear_int8(per_channel, kernels, rng):
+    w = rng.normal(size=(6, 40)).astype(np.float32)
+    b = rng.normal(size=6).astype(np.float32)
+    layer = DynamicLinear.from_float(w, b, per_channel=per_channel)
+    x = rng.normal(size=(5, 40)).astype(np.float32)
+    y = layer(x)
+    assert y.dtype == np.float32 and y.shape == (5, 6)
+    # exactly its own formula
+    qx = qarray.quantize_dynamic(x, "quint8")
+    qw = layer.weight
+    zw = np.asarray(qw.zero_point, np.int64)
+    acc = (qx.data.astype(np.int64) - int(qx.zero_point)) @ (qw.data.astype(np.int64) - zw[..., None]).T
+    want = acc.astype(np.float32) * (np.float32(qx.scale) * np.asarray(qw.scale, np.float32)) + b
+    np.testing.assert_array_equal(y, want)
+    # and close to float
+    np.testing.assert_allclose(y, x @ w.T + b, atol=0.15)
+    np.testing.assert_array_equal(layer(x[0]), layer(x[:1])[0])  # 1-d input
+    np.testing.assert_array_equal(layer(x[None])[0], y)
+
+
+def test_dynamic_linear_float16(rng):
+    w = rng.normal(size=(3, 8)).astype(np.float32)
+    layer = DynamicLinear.from_float(w, None, weight_dtype="float16")
+    assert layer.weight.dtype == np.float16
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    y = layer(x)
+    np.testing.assert_array_equal(y, x @ w.astype(np.float16).astype(np.float32).T)
+    np.testing.assert_allclose(y, x @ w.T, rtol=1e-2, atol=1e-2)
+    assert layer(x.astype(np.float64)).dtype == np.float32
+
+
+def test_reprs(rng):
+    lin = Linear.from_float(rng.normal(size=(3, 4)).astype(np.float32))
+    assert repr(lin) == "Linear(in_features=4, out_features=3, weight_dtype=qint8, per_channel, bias=False)"
+    lin.scale, lin.zero_point, lin.dtype = np.float32(0.5), 2, "quint8"
+    assert repr(lin).endswith("scale=0.5, zero_point=2, dtype=quint8)")
+    conv = Conv2d.from_float(rng.normal(size=(4, 1, 3, 3)).astype(np.float32), np.zeros(4, np.float32),
+                             padding=1, groups=2, per_channel=False)
+    assert repr(conv) == ("Conv2d(2, 4, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), "
+                          "groups=2, weight_dtype=qint8, per_tensor, bias=True)")
+    dyn = DynamicLinear.from_float(rng.normal(size=(3, 4)).astype(np.float32), weight_dtype="float16")
+    assert repr(dyn) == "DynamicLinear(in_features=4, out_features=3, weight_dtype=float16, bias=False)"
+
+
+def _errors():
+    rng = np.random.default_rng(0)
+    w2 = rng.normal(size=(3, 4)).astype(np.float32)
+    w4 = rng.normal(size=(4, 2, 3, 3)).astype(np.float32)
+    lin, dyn = Linear.from_float(w2), DynamicLinear.from_float(w2)
+    conv = Conv2d.from_float(w4, groups=2)
+    qx = qarray.quantize_dynamic(rng.normal(size=(2, 4)).astype(np.float32))
+    return [
+        (lambda: Linear.from_float(w4), ValueError, "2-d float array"),
+        (lambda: Linear.from_float(w2.astype(np.int32)), ValueError, "float array"),
+        (lambda: Linear.from_float(w2, np.ones(4, np.float32)), ValueError, r"shape \(3,\)"),
+        (lambda: Linear.from_float(w2, weight_dtype="qint16"), TypeError, "qint16"),
+        (lambda: lin(np.ones((2, 4), np.float32)), TypeError, "x must be a QArray"),
+        (lambda: lin(qx[:, :3]), ValueError, "do not align"),
+        (lambda: lin(qx, zero_point=1), ValueError, "pass the output scale="),
+        (lambda: Conv2d.from_float(w4, groups=3), ValueError, "does not divide the 4 output"),
+        (lambda: Conv2d.from_float(w2), ValueError, "4-d float array"),
+        (lambda: conv(qarray.quantize_dynamic(np.ones((1, 3, 5, 5), np.float32))), ValueError, "does not divide"),
+        (lambda: conv(qarray.quantize_dynamic(np.ones((1, 2, 5, 5), np.float32))), ValueError, "x has 2 channels"),
+        (lambda: conv(qx), ValueError, r"x must have shape \(N, C, H, W\)"),
+        (lambda: dyn(qx), TypeError, "float input"),
+        (lambda: dyn(np.ones((2, 5), np.float32)), ValueError, r"shape \(\.\.\., 4\)"),
+        (lambda: dyn(np.ones((2, 4), np.int32)), ValueError, "must be float"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_errors())))
+def test_errors(case):
+    call, exc, match = _errors()[case]
+    with pytest.raises(exc, match=match):
+        call()
