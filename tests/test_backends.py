@@ -142,3 +142,11 @@ def test_set_num_threads():
     qarray.set_num_threads(2)
     with pytest.raises(ValueError, match="positive integer"):
         qarray.set_num_threads(0)
+
+
+def test_ops_refuse_arrays_of_two_backends(toy):
+    n = qarray.quantize(np.ones((2, 2), np.float32), 0.1, 0, "qint8")
+    t = qarray.quantize(ToyArray(np.ones((2, 2), np.float32)), 0.1, 0, "qint8")
+    for op in (lambda: qarray.add(n, t, scale=0.1), lambda: qarray.cat([n, t]), lambda: qarray.mul(n, t)):
+        with pytest.raises(TypeError, match=r"arrays of two backends \(numpy and toy\) can not be combined"):
+            op()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import qarray
-from qarray import QArray, qint32
+from qarray import qint32
 from qarray.nn import Conv2d, DynamicLinear, Linear
 from qarray.ops.conv import conv2d
 from qarray.ops.linear import linear

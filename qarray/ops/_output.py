@@ -24,13 +24,19 @@ def wants_output(scale, zero_point, dtype) -> bool:
     return not (scale is None and zero_point is None and dtype is None)
 
 
-def output_params(op, scale, zero_point, dtype, default_dtype):
-    """``(QDType, scale float32, zero_point int32)`` of a per-tensor output."""
+def output_params(op, scale, zero_point, dtype, default_dtype, default=None):
+    """``(QDType, scale float32, zero_point int32)`` of a per-tensor output.
+
+    ``default`` is ``(dtype, scale, zero_point)`` to use when none of the three
+    is given (an op's natural output, e.g. sigmoid's quint8 at 1/256); when any
+    is given, ``scale`` is required, ``zero_point`` defaults to 0 and ``dtype``
+    to ``default_dtype``.
+    """
+    if default is not None and not wants_output(scale, zero_point, dtype):
+        dtype, scale, zero_point = default
     if scale is None:
-        raise ValueError(
-            f"{op}: pass the output scale= (with zero_point= and dtype=) to get a requantized "
-            "result, or none of the three for the exact qint32 accumulator"
-        )
+        alt = "or none of the three for the exact qint32 accumulator" if default is None else "zero_point= defaults to 0"
+        raise ValueError(f"{op}: pass the output scale= (with zero_point= and dtype=), {alt}")
     d = qdtype(default_dtype if dtype is None else dtype)
     return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
 

@@ -18,6 +18,7 @@ from .._api import quantize
 from .._dtypes import qdtype, qint8, quint8
 from .._params import check_scale, check_zero_point, to_host
 from .._qarray import QArray
+from ._output import output_params, wants_output
 
 __all__ = ["lut", "sigmoid", "tanh", "hardswish", "gelu", "silu", "exp", "elu", "leaky_relu"]
 
@@ -35,21 +36,15 @@ def _check_input(op, q):
 
 
 def _out_params(op, q, scale, zero_point, dtype, default):
-    """Output ``(QDType, scale, zero_point)``; ``default`` (a triple, or None for
-    the input's own) when none of the three is given."""
-    if scale is None and zero_point is None and dtype is None:
-        if default is None:
-            if q.axis is not None:
-                raise ValueError(
-                    f"{op}: the output is per-tensor, so per-axis input needs output scale=, "
-                    "zero_point= and dtype="
-                )
-            default = (q.dtype, q.scale, q.zero_point)
-        dtype, scale, zero_point = default
-    elif scale is None:
-        raise ValueError(f"{op}: pass the output scale= (zero_point= defaults to 0, dtype= to the default)")
-    d = qdtype((default[0] if default else q.dtype) if dtype is None else dtype)
-    return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
+    """Output parameters; ``default`` is a triple, or None for the input's own."""
+    if default is None:
+        if q.axis is not None and not wants_output(scale, zero_point, dtype):
+            raise ValueError(
+                f"{op}: the output is per-tensor, so per-axis input needs output scale=, "
+                "zero_point= and dtype="
+            )
+        default = (q.dtype, q.scale, q.zero_point)
+    return output_params(op, scale, zero_point, dtype, default[0], default)
 
 
 def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:

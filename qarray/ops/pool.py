@@ -23,11 +23,10 @@ import operator
 import numpy as np
 
 from .._config import resolve
-from .._dtypes import qdtype
 from .._fixed_point import float_multiplier, quantize_multiplier
-from .._params import check_scale, check_zero_point, normalize_axis, to_host
+from .._params import normalize_axis, to_host
 from .._qarray import QArray
-from ._output import finish
+from ._output import finish, output_params
 
 __all__ = ["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "mean", "sum"]
 
@@ -83,16 +82,6 @@ def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
     return w[:, :, :: s[0], :: s[1], :: d[0], :: d[1]]
 
 
-def _out_params(op, q, scale, zero_point, dtype):
-    """Output ``(QDType, scale, zero_point)``: the input's when none is given."""
-    if scale is None and zero_point is None and dtype is None:
-        return q.dtype, check_scale(q.scale), check_zero_point(q.zero_point, q.dtype)
-    if scale is None:
-        raise ValueError(f"{op}: pass the output scale= (zero_point= defaults to 0, dtype= to the input's)")
-    d = q.dtype if dtype is None else qdtype(dtype)
-    return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
-
-
 def _round_mean(acc, count, m, sh, rounding):
     """``R(acc / count * m, sh)`` exactly: int64 ``acc``, positive integer ``count``
     (scalar or array), ``|acc / count| < 2**32`` (any mean of 32-bit values),
@@ -122,7 +111,7 @@ def _round_mean(acc, count, m, sh, rounding):
 def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) -> QArray:
     """The mean ``acc / count`` (int64 sums of ``q - zero_point``) as a QArray."""
     b, xp = q._backend, q._backend.xp
-    d, s_out, z_out = _out_params(op, q, scale, zero_point, dtype)
+    d, s_out, z_out = output_params(op, scale, zero_point, dtype, q.dtype, (q.dtype, q.scale, q.zero_point))
     mode, rounding = resolve(mode, rounding)
     s_in = to_host(q.scale)
     if mode == "fixed":
