@@ -68,7 +68,7 @@ def _common_layout(q: QArray, axis, block_size):
 
 
 def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size=None, *,
-               mode=None, rounding=None) -> QArray:
+               mode=None, rounding=None, out=None) -> QArray:
     """The values of ``q`` at new parameters and dtype, without going through float.
 
     ``mode="fixed"`` (default): ``M = scale_in / scale_out`` becomes an integer
@@ -77,6 +77,8 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     reproduces gemmlowp ("tflite"). ``mode="float"``: ONNX's
     ``rint(float64(q - zp_in) * float32(scale_in / scale_out) + zp_out)``.
     Defaults come from ``qarray.config``. ``dtype`` defaults to ``q.dtype``.
+    ``out``, as in NumPy, is an array (``dtype``'s storage, ``q``'s shape, ``q``'s
+    backend) to write the integers into; the result's ``data`` is then ``out``.
 
     >>> q = QArray.from_int(numpy.array([5, 7]), 1.0, 0, "qint32")
     >>> requantize(q, 2.0, 0, "qint8").int_repr()   # 2.5 -> 2, 3.5 -> 4
@@ -100,8 +102,15 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     else:
         mult, code = q._backend.asarray(float_multiplier(s_in, host(s_out))), None
     b = q._backend
+    if out is not None:
+        if _backends.for_array(out) is not b or out.shape != q.shape or out.dtype != d.storage:
+            raise ValueError(
+                f"requantize: out must be a {b.name} array of shape {q.shape} and dtype {d.storage} "
+                f"(the storage of {d.name}), got {type(out).__name__} {getattr(out, 'shape', '')} "
+                f"{getattr(out, 'dtype', '')}"
+            )
     data = b.requantize(q.data, b.asarray(np.ascontiguousarray(z_in)), b.asarray(np.ascontiguousarray(host(z_out))),
-                        mult, d, lax, lblock, code)
+                        mult, d, lax, lblock, code, out)
     return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, axis, block_size, b)
 
 

@@ -218,3 +218,17 @@ def test_float_mode_rounds_after_the_zero_point(kernels):
     np.testing.assert_array_equal(qarray.requantize(big, 1e-15, 0, "qint32", mode="float").int_repr(), [2**31 - 1, -(2**31), 0])
     with pytest.raises(ValueError, match="leaves float32's range"):
         qarray.requantize(big, 1e-30, 0, "qint8", mode="float")
+
+
+def test_out(kernels):
+    q = QArray.from_int(np.arange(-4, 4).reshape(2, 4), 1.0, 0, "qint8")
+    out = np.zeros((2, 8), np.int8)
+    r = qarray.requantize(q, 2.0, 1, out=out[:, 2:6])  # a non-contiguous view
+    assert np.shares_memory(r.data, out)
+    # -2 -1.5 -1 -0.5 | 0 0.5 1 1.5, half-even, + 1
+    np.testing.assert_array_equal(out[:, 2:6], [[-1, -1, 0, 1], [1, 1, 2, 3]])
+    assert not out[:, :2].any() and not out[:, 6:].any()
+    full = np.empty((2, 4), np.int8)
+    assert qarray.requantize(q, 2.0, 1, out=full).data is full
+    with pytest.raises(ValueError, match=r"out must be a numpy array of shape \(2, 4\) and dtype int8"):
+        qarray.requantize(q, 2.0, 1, out=np.empty((2, 4), np.int16))

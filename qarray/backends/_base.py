@@ -78,8 +78,9 @@ class Backend:
         y = (q.astype(xp.int64) - z).astype(ft) * s
         return y.astype(dtype, copy=False)
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding):
-        """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``.
+    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None):
+        """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``
+        (written into ``out`` when given: ``qd``'s storage, ``q``'s shape).
 
         ``mult`` is ``(m, s)`` (int64, see ``_fixed_point``) with ``rounding`` a
         rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way,
@@ -96,7 +97,11 @@ class Backend:
             v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64) + ex(zp_out))
         else:
             v = rescale(d, ex(mult[0]), ex(mult[1]), rounding) + ex(zp_out).astype(xp.int64)
-        return xp.clip(v, qd.qmin, qd.qmax).astype(qd.storage)
+        v = xp.clip(v, qd.qmin, qd.qmax).astype(qd.storage)
+        if out is None:
+            return v
+        out[...] = v
+        return out
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""
@@ -144,9 +149,7 @@ class Backend:
         """
         xp = self.xp
         k_len = a.shape[-1]
-        af = a.astype(xp.float32)
-        if a_shift:
-            af -= xp.float32(a_shift)
+        af = xp.subtract(a, xp.float32(a_shift), dtype=xp.float32)  # one pass
         acc = None
         for k0 in range(0, k_len, kc):
             part = xp.matmul(af[..., k0 : k0 + kc], w[..., k0 : k0 + kc, :]).astype(acc_dtype)

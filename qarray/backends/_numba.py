@@ -139,6 +139,13 @@ def dequantize(q, s, z, bidx, out):
             _dq_row(q, s, z, 0, l, 0, bidx[l], out)
 
 
+@njit(parallel=True, cache=True)
+def lut(u, table, out):
+    """``out[i] = table[u[i]]`` (flat, ``u`` unsigned so every index is in range)."""
+    for i in prange(u.size):
+        out[i] = table[u[i]]
+
+
 def _make_requantize(code, narrow):
     """The requantize kernel for one rounding code (``-1``: float mode).
 

@@ -123,10 +123,19 @@ class NumpyBackend(Backend):
         self._run(k.dequantize, q, out, axis, block_size, (scale.astype(ft), zero_point.astype(np.int64)))
         return out.astype(dtype, copy=False)
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding):
+    def lut(self, q, table, axis=None):
         k = self._fast(q)
-        if k is None:
-            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding)
+        if k is None or axis is not None:
+            return super().lut(q, table, axis)
+        u = _contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
+        out = np.empty(q.shape, table.dtype)
+        k.lut(u.reshape(-1), table, out.reshape(-1))
+        return out
+
+    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None):
+        k = self._fast(q)
+        if k is None or (out is not None and not out.flags.c_contiguous):
+            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out)
         if rounding is None:
             m, s, f, code = 0, 1, mult, -1
         else:
@@ -135,6 +144,6 @@ class NumpyBackend(Backend):
         params = [np.broadcast_to(np.asarray(p, dt), shape)
                   for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
         narrow = q.dtype.itemsize <= 2 or (q.dtype.itemsize == 4 and not np.any(zp_in))
-        out = np.empty(q.shape, qd.storage)
+        out = np.empty(q.shape, qd.storage) if out is None else out
         self._run(k.requantize[code, narrow], q, out, axis, block_size, params, np.int64(qd.qmin), np.int64(qd.qmax))
         return out

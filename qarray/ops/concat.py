@@ -82,11 +82,18 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
         data = xp.concatenate([q.data for q in qs], axis=axis)
         return QArray._new(data, params[0], params[1], first.dtype, first.axis, first.block_size, backend)
     d, s, z = output_params("cat", scale, zero_point, dtype, first.dtype)
-    parts = []
-    for q in qs:
-        same = q.dtype is d and q.axis is None and _same(q.scale, s) and _same(q.zero_point, z)
-        parts.append(q.data if same else requantize(q, s, z, d, mode=mode, rounding=rounding).data)
-    return QArray._new(xp.concatenate(parts, axis=axis), backend.asarray(s), backend.asarray(z), d, None, None, backend)
+    shape = list(first.shape)
+    shape[axis] = sum(q.shape[axis] for q in qs)
+    out = xp.empty(tuple(shape), d.storage)
+    offset = 0
+    for q in qs:  # each input goes straight into its slice of the result
+        part = out[(slice(None),) * axis + (slice(offset, offset + q.shape[axis]),)]
+        offset += q.shape[axis]
+        if q.dtype is d and q.axis is None and _same(q.scale, s) and _same(q.zero_point, z):
+            part[...] = q.data
+        else:
+            requantize(q, s, z, d, mode=mode, rounding=rounding, out=part)
+    return QArray._new(out, backend.asarray(s), backend.asarray(z), d, None, None, backend)
 
 
 def stack(qs, axis=0, **out) -> QArray:
