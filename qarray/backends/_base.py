@@ -76,7 +76,8 @@ class Backend:
         s = expand(scale, q.shape, axis, block_size, xp).astype(ft)
         z = expand(zero_point, q.shape, axis, block_size, xp).astype(xp.int64)
         y = (q.astype(xp.int64) - z).astype(ft) * s
-        return y.astype(dtype, copy=False)
+        with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
+            return y.astype(dtype, copy=False)
 
     def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None):
         """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``

@@ -1,0 +1,60 @@
+// Shared device helpers for qarray's CUDA kernels.
+//
+// Every kernel sees its data as (outer, n, inner) and its parameters as
+// (outer or 1, blocks, inner or 1), exactly as the CPU kernels do (see
+// qarray/_params.py view3/compact); Layout turns a flat index into the
+// parameter slot. The integer rescale is a line-for-line port of
+// qarray/_fixed_point.py rescale, so both backends give the same integers.
+#pragma once
+
+typedef long long i64;
+
+struct Layout {
+    i64 n, inner;        // data shape (outer, n, inner), outer implied
+    i64 blocks, pinner;  // parameter shape (outer or 1, blocks, pinner)
+    i64 pouter_on;       // 1 when parameters vary along outer
+    __device__ i64 slot(i64 idx, const i64* bidx) const {
+        i64 i = idx % inner;
+        i64 rest = idx / inner;
+        i64 l = rest % n;
+        i64 o = rest / n;
+        return (o * pouter_on * blocks + bidx[l]) * pinner + (pinner > 1 ? i : 0);
+    }
+};
+
+// Rounding codes, as qarray._fixed_point.
+#define QA_HALF_EVEN 0
+#define QA_HALF_AWAY 1
+#define QA_HALF_UP 2
+#define QA_TFLITE 3
+
+__device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
+    const i64 one = 1;
+    if (rounding == QA_TFLITE) {
+        i64 e = 31 - s;
+        i64 a = d << (e > 0 ? e : 0);
+        const i64 lo = -(one << 31), hi = (one << 31) - 1;
+        a = a < lo ? lo : (a > hi ? hi : a);
+        i64 ab = a * m;
+        i64 y = ab + (one << 30) - (ab < 0 ? (one << 31) - 1 : 0);
+        i64 x = (y + (y < 0 ? (one << 31) - 1 : 0)) >> 31;  // C division, toward zero
+        i64 rs = e < 0 ? -e : 0;
+        i64 mask = (one << rs) - 1;
+        return (x >> rs) + (((x & mask) > ((mask >> 1) + (x < 0 ? 1 : 0))) ? 1 : 0);
+    }
+    i64 v = d * m;
+    i64 half = one << (s - 1);
+    i64 q = v >> s;
+    i64 r = v & (half + (half - 1));
+    if (rounding == QA_HALF_UP) return q + ((r + half) >> s);
+    if (rounding == QA_HALF_AWAY) return q + ((r + half + (v >> 63)) >> s);
+    return q + ((r + half - 1 + (q & 1)) >> s);
+}
+
+__device__ __forceinline__ float qa_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double qa_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float qa_rint(float a) { return rintf(a); }
+__device__ __forceinline__ double qa_rint(double a) { return rint(a); }
+
+#define QA_GRID_STRIDE(idx, n) \
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < (n); idx += (i64)blockDim.x * gridDim.x)

@@ -1,0 +1,101 @@
+// Elementwise quantize / dequantize / requantize, bit-identical to the NumPy
+// backend. Grid-stride loops with 64-bit indices; one extern "C" name per
+// dtype pair (quantize_float32_int8, ...), template bodies underneath.
+#include "common.cuh"
+
+// q = clamp(rint(x / s) + z, lo, hi), computed in TC (float for <= 16-bit
+// outputs from float input, double otherwise: exact either way).
+template <typename TIn, typename TC, typename TOut>
+__device__ void quantize_body(const TIn* x, const TIn* s, const int* z, const i64* bidx, i64 total,
+                              Layout lay, TC lo, TC hi, TOut* out, int* nan_seen) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 p = lay.slot(idx, bidx);
+        TIn v = x[idx];
+        if (v != v) *nan_seen = 1;
+        TC w = (TC)qa_rint(qa_div(v, s[p])) + (TC)z[p];
+        w = w < lo ? lo : (w > hi ? hi : w);
+        out[idx] = (TOut)w;
+    }
+}
+
+// out = float(q - z) * s, one rounding in TF.
+template <typename TIn, typename TF>
+__device__ void dequantize_body(const TIn* q, const TF* s, const int* z, const i64* bidx, i64 total,
+                                Layout lay, TF* out) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 p = lay.slot(idx, bidx);
+        TF d = (TF)((i64)q[idx] - (i64)z[p]);
+        out[idx] = d * s[p];
+    }
+}
+
+// Fixed point (rounding >= 0) or float (rounding < 0) requantize.
+template <typename TIn, typename TOut>
+__device__ void requantize_body(const TIn* q, const i64* zi, const i64* zo, const i64* m, const i64* sh,
+                                const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
+                                int rounding, TOut* out) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 p = lay.slot(idx, bidx);
+        i64 d = (i64)q[idx] - zi[p];
+        if (rounding < 0) {
+            double w = rint(__dadd_rn(__dmul_rn((double)d, f[p]), (double)zo[p]));  // no FMA: as the CPU
+            w = w < (double)lo ? (double)lo : (w > (double)hi ? (double)hi : w);
+            out[idx] = (TOut)(i64)w;
+        } else {
+            i64 v = qa_rescale(d, m[p], sh[p], rounding) + zo[p];
+            out[idx] = (TOut)(v < lo ? lo : (v > hi ? hi : v));
+        }
+    }
+}
+
+#define LAYOUT_ARGS i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on
+#define LAYOUT Layout{n, inner, blocks, pinner, pouter_on}
+
+#define QUANTIZE(IN, TIN, TC, OUT, TOUT)                                                          \
+    extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TIN* s, const int* z,     \
+                                                     const i64* bidx, i64 total, LAYOUT_ARGS,      \
+                                                     TC lo, TC hi, TOUT* out, int* nan_seen) {     \
+        quantize_body<TIN, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);         \
+    }
+#define QUANTIZE_ALL(IN, TIN)                                     \
+    QUANTIZE(IN, TIN, TIN, int8, signed char)                     \
+    QUANTIZE(IN, TIN, TIN, uint8, unsigned char)                  \
+    QUANTIZE(IN, TIN, TIN, int16, short)                          \
+    QUANTIZE(IN, TIN, TIN, uint16, unsigned short)                \
+    QUANTIZE(IN, TIN, double, int32, int)
+QUANTIZE_ALL(float32, float)
+QUANTIZE_ALL(float64, double)
+
+#define DEQUANTIZE(IN, TIN, OUT, TF)                                                               \
+    extern "C" __global__ void dequantize_##IN##_##OUT(const TIN* q, const TF* s, const int* z,    \
+                                                       const i64* bidx, i64 total, LAYOUT_ARGS,    \
+                                                       TF* out) {                                  \
+        dequantize_body<TIN, TF>(q, s, z, bidx, total, LAYOUT, out);                               \
+    }
+#define REQUANTIZE(IN, TIN, OUT, TOUT)                                                                \
+    extern "C" __global__ void requantize_##IN##_##OUT(                                               \
+        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,     \
+        const i64* bidx, i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, TOUT* out) {           \
+        requantize_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, LAYOUT, lo, hi, rounding, out);  \
+    }
+#define PER_INT(M, IN, TIN)                   \
+    M(IN, TIN, int8, signed char)             \
+    M(IN, TIN, uint8, unsigned char)          \
+    M(IN, TIN, int16, short)                  \
+    M(IN, TIN, uint16, unsigned short)        \
+    M(IN, TIN, int32, int)
+#define PER_INT_IN(M)                         \
+    PER_INT(M, int8, signed char)             \
+    PER_INT(M, uint8, unsigned char)          \
+    PER_INT(M, int16, short)                  \
+    PER_INT(M, uint16, unsigned short)        \
+    PER_INT(M, int32, int)                    \
+    PER_INT(M, int64, long long)
+PER_INT_IN(REQUANTIZE)
+
+#define DEQ_IN(IN, TIN) DEQUANTIZE(IN, TIN, float32, float) DEQUANTIZE(IN, TIN, float64, double)
+DEQ_IN(int8, signed char)
+DEQ_IN(uint8, unsigned char)
+DEQ_IN(int16, short)
+DEQ_IN(uint16, unsigned short)
+DEQ_IN(int32, int)

@@ -1,0 +1,167 @@
+"""CUDA kernels without a GPU: nvcc compiles them for sm_75/80/90 with warnings as
+errors, and a host build runs them, launched exactly as CupyBackend launches
+them, against the NumPy backend bit for bit."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray, qdtype
+from qarray.backends import cupy as cuda_backend
+from qarray.backends.cupy import CUDA_DIR, CupyBackend, launch_config
+
+SOURCES = sorted(CUDA_DIR.glob("*.cu"))
+HOST_HEADER = __import__("pathlib").Path(__file__).parent / "cuda_host" / "cuda_host.h"
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_nvcc_compiles(source, arch, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    r = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Werror", "all-warnings",
+                        f"-I{CUDA_DIR}", str(source), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    out = tmp_path_factory.mktemp("cuda_host") / "kernels.so"
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-include",
+                        str(HOST_HEADER), "-I", str(CUDA_DIR), "-x", "c++", *map(str, SOURCES), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return ctypes.CDLL(str(out))
+
+
+_CTYPES = {np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.int32): ctypes.c_int,
+           np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+class HostCupyBackend(CupyBackend):
+    """CupyBackend with NumPy arrays for device memory and the host build of the
+    kernels for the GPU: everything else (plans, names, arguments, grid) is the
+    backend's own code."""
+
+    def __init__(self, lib):
+        super().__init__()
+        self._xp = np
+        self.lib = lib
+        self.launches = []
+
+    def _launch(self, source, name, grid, block, args, shared_mem=0):
+        assert (CUDA_DIR / source).exists() and shared_mem == 0
+        (grid,), (block,) = grid, block
+        self.launches.append((name, grid, block))
+        fn = getattr(self.lib, name)
+        cargs = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                assert a.flags.c_contiguous, f"{name}: non-contiguous argument"
+                cargs.append(ctypes.c_void_p(a.ctypes.data))
+            else:
+                cargs.append(_CTYPES[np.asarray(a).dtype](a))
+        for b in range(grid):
+            for t in range(block):
+                self.lib.qa_host_set(grid, block, b, t)
+                fn(*cargs)
+
+
+@pytest.fixture(scope="module")
+def host(host_lib):
+    return HostCupyBackend(host_lib)
+
+
+def _numpy_and_host(host, fn):
+    """Run ``fn(backend)`` on the NumPy backend and the host-run CUDA backend."""
+    from qarray.backends import get
+
+    with qarray.config.using(numba=False):
+        want = fn(get("numpy"))
+    return want, fn(host)
+
+
+LAYOUTS = [((37,), None, None), ((3, 5, 7), None, None), ((6, 7), 0, None), ((6, 7), 1, None),
+           ((2, 5, 3), 1, None), ((3, 10), 1, 4), ((10, 3), 0, 3), ((2, 9, 3), 1, 2), ((0, 4), None, None)]
+
+
+@pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"])
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+def test_quantize_dequantize(host, shape, axis, block_size, dtype, in_dtype, rng):
+    from qarray._params import param_shape
+
+    d = qdtype(dtype)
+    x = (rng.standard_normal(shape) * 60).astype(in_dtype)
+    if x.size:
+        x.reshape(-1)[0] = np.inf
+        x.reshape(-1)[-1] = 0.125  # a tie at scale 0.25
+    ps = param_shape(shape, axis, block_size)
+    scale = np.where(rng.random(ps) < 0.5, 0.25, rng.uniform(0.05, 0.5, ps)).astype(np.float32)
+    zp = rng.integers(d.qmin, min(d.qmax, d.qmin + 100), ps, endpoint=True).astype(np.int32)
+    want, got = _numpy_and_host(host, lambda b: b.quantize(x, scale, zp, d, axis, block_size))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    for ft in (np.float16, np.float32, np.float64):
+        w, g = _numpy_and_host(host, lambda b: b.dequantize(want, scale, zp, axis, block_size, ft))
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+
+
+@pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)
+@pytest.mark.parametrize("src,dst", [("qint32", "qint8"), ("quint8", "qint4"), ("qint16", "quint16"), ("qint8", "qint32")])
+@pytest.mark.parametrize("rounding", [0, 1, 2, 3, None])
+def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
+    from qarray._fixed_point import quantize_multiplier
+    from qarray._params import param_shape
+
+    s, d = qdtype(src), qdtype(dst)
+    q = rng.integers(s.qmin, s.qmax, shape, endpoint=True).astype(s.storage)
+    ps = param_shape(shape, axis, block_size)
+    zi = rng.integers(s.qmin, min(s.qmax, s.qmin + 50), ps, endpoint=True).astype(np.int32)
+    zo = np.full(ps, (d.qmin + d.qmax) // 2, np.int32)
+    # half the slots get multipliers that make exact ties (x.5) common
+    M = np.where(rng.random(ps) < 0.5, rng.choice([0.5, 0.25, 1.5, 0.125], ps), rng.uniform(1e-4, 3.0, ps))
+    mult = tuple(quantize_multiplier(M)) if rounding is not None else M.astype(np.float32)
+    want, got = _numpy_and_host(host, lambda b: b.requantize(q, zi, zo, mult, d, axis, block_size, rounding))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_grid_stride_tail_and_launch(host, rng):
+    """More elements than one grid covers: the grid-stride loop's tail runs."""
+    n = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77
+    x = rng.standard_normal(n).astype(np.float32)
+    s, z = np.float32(0.03), np.int32(5)
+    want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
+    np.testing.assert_array_equal(got, want)
+    assert host.launches[-1] == ("quantize_float32_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+
+
+def test_nan_is_the_cpu_error(host):
+    x = np.zeros((2, 3), np.float32)
+    x[1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"1 NaN value\(s\), the first at index \(1, 2\)"):
+        host.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None)
+
+
+def test_non_contiguous_input_is_handled(host, rng):
+    x = rng.standard_normal((8, 6)).astype(np.float32)[:, ::2]
+    want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_qarray_api_through_the_host_backend(host, rng):
+    """The public API with the CUDA backend's primitives (host-run)."""
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    q = qarray.quantize(x, 0.02, 3, "qint8")
+    data = host.quantize(x, q.scale, q.zero_point, q.dtype, None, None)
+    np.testing.assert_array_equal(data, q.int_repr())
+    r = QArray._new(data, q.scale, q.zero_point, q.dtype, None, None, host)
+    np.testing.assert_array_equal(r.dequantize(), q.dequantize())
