@@ -150,3 +150,21 @@ def test_ops_refuse_arrays_of_two_backends(toy):
     for op in (lambda: qarray.add(n, t, scale=0.1), lambda: qarray.cat([n, t]), lambda: qarray.mul(n, t)):
         with pytest.raises(TypeError, match=r"arrays of two backends \(numpy and toy\) can not be combined"):
             op()
+
+
+def test_cupy_without_a_device_errors_clearly(monkeypatch):
+    """CuPy installed but no GPU (or no driver): a clear RuntimeError, not a crash."""
+    import types
+
+    from qarray.backends.cupy import CupyBackend
+
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_device)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(RuntimeError, match="the cupy backend found no usable CUDA device: cudaErrorNoDevice"):
+        CupyBackend().xp
+    fake.cuda.runtime.getDeviceCount = lambda: 0
+    with pytest.raises(RuntimeError, match="the cupy backend found no CUDA device"):
+        CupyBackend().xp

@@ -82,6 +82,8 @@ def common(*arrays) -> Backend:
                 "move them to one with QArray.to(...)"
             )
         found = b
+    if found is not None:
+        found.check_together(arrays)
     return found
 
 

@@ -51,6 +51,9 @@ class Backend:
     def array_types(self) -> tuple:
         return (self.xp.ndarray,)
 
+    def check_together(self, arrays) -> None:
+        """Raise TypeError if ``arrays`` (all of this backend) cannot meet in one op."""
+
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 

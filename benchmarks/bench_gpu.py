@@ -1,0 +1,106 @@
+"""GPU benchmark: the CuPy backend's kernels against the device's copy bandwidth
+and PyTorch's CUDA quantize/dequantize, measured in one run.
+
+Run on a machine with a CUDA device and CuPy (PyTorch optional):
+
+    PYTHONPATH=. python benchmarks/bench_gpu.py [OUTDIR]
+
+Times come from CUDA events (median of REPEATS after a warm-up). Bandwidth is
+bytes read + bytes written per second; the reference is a device-to-device
+copy of the same input measured in the same run. Targets (issue 4):
+quantize/dequantize/requantize >= 80% of copy bandwidth, LUT and cat >= 70%.
+Writes bench_gpu.{txt,json} to OUTDIR (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import cupy  # noqa: E402
+
+import qarray  # noqa: E402
+
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        torch = None
+except ImportError:
+    torch = None
+
+N = 1 << 28
+REPEATS = 10
+LINES, ROWS = [], []
+
+
+def say(text=""):
+    print(text, flush=True)
+    LINES.append(text)
+
+
+def gpu_ms(fn):
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(REPEATS):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def row(op, ms, nbytes, copy_gbs, target=None, peer=None):
+    gbs = nbytes / ms / 1e6
+    frac = gbs / copy_gbs
+    met = None if target is None else frac >= target
+    ROWS.append(dict(op=op, ms=ms, gbs=gbs, fraction_of_copy=frac, target=target, met=met, peer=peer))
+    extra = f"  torch {peer:.3f} ms ({ms / peer:.2f}x)" if peer else ""
+    say(f"{op:<44} {ms:8.3f} ms {gbs:8.1f} GB/s {100 * frac:6.1f}% of copy"
+        f"{'' if target is None else f'  target {int(100 * target)}%: ' + ('yes' if met else 'no')}{extra}")
+
+
+def main(outdir: Path):
+    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
+    say(f"device: {name}, cupy {cupy.__version__}, torch {getattr(torch, '__version__', None)}, elements {N}")
+    x = cupy.random.standard_normal(N, dtype=cupy.float32)
+    q = qarray.quantize(x, 0.01, 3, "qint8")
+    q32 = qarray.QArray.from_int(cupy.random.randint(-(2**20), 2**20, N, dtype=cupy.int32), 1e-4, 0, "qint32")
+    copy_ms = gpu_ms(lambda: x.copy())
+    copy_gbs = 2 * x.nbytes / copy_ms / 1e6
+    say(f"device-to-device copy of float32: {copy_ms:.3f} ms, {copy_gbs:.1f} GB/s")
+    tq = td = None
+    if torch is not None:
+        xt = torch.as_tensor(x, device="cuda")
+        qt = torch.quantize_per_tensor(xt, 0.01, 3, torch.qint8)
+        tq = gpu_ms(lambda: torch.quantize_per_tensor(xt, 0.01, 3, torch.qint8))
+        td = gpu_ms(lambda: qt.dequantize())
+    row("quantize float32 -> qint8", gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8")), 5 * N, copy_gbs, 0.8, tq)
+    row("dequantize qint8 -> float32", gpu_ms(lambda: q.dequantize()), 5 * N, copy_gbs, 0.8, td)
+    for r in ("half_even", "tflite"):
+        row(f"requantize qint32 -> qint8 ({r})", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", rounding=r)),
+            5 * N, copy_gbs, 0.8)
+    row("requantize qint32 -> qint8 (float mode)", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", mode="float")),
+        5 * N, copy_gbs, 0.8)
+    row("sigmoid (LUT) qint8 -> quint8", gpu_ms(lambda: qarray.sigmoid(q)), 2 * N, copy_gbs, 0.7)
+    half = q[: N // 2]
+    other = qarray.quantize(x[: N // 2], 0.02, 0, "qint8")
+    row("cat 2 x 2^27 qint8, one requantized", gpu_ms(lambda: qarray.cat([half, other], scale=0.01, zero_point=3, dtype="qint8")),
+        2 * N, copy_gbs, 0.7)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "bench_gpu.txt").write_text("\n".join(LINES) + "\n")
+    (outdir / "bench_gpu.json").write_text(json.dumps(dict(device=name, copy_gbs=copy_gbs, rows=ROWS), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results")
