@@ -3,30 +3,55 @@
 // dtype pair (quantize_float32_int8, ...), template bodies underneath.
 #include "common.cuh"
 
+// Apply ``op(value, slot)`` to every element. Per-tensor data whose pointers
+// allow it moves in N-element chunks with one 16-byte vector access on the
+// wider side (N = 16 / the wider element size); the rest, and every per-axis
+// or blocked layout, goes element by element.
+template <typename TIn, typename TOut, typename Op>
+__device__ void qa_map(const TIn* in, TOut* out, i64 total, Layout lay, const i64* bidx, Op op) {
+    constexpr int N = 16 / (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
+    struct alignas(N * sizeof(TIn)) VecIn { TIn v[N]; };
+    struct alignas(N * sizeof(TOut)) VecOut { TOut v[N]; };
+    const bool per_tensor = lay.blocks == 1 && lay.pinner == 1 && lay.pouter_on == 0;
+    const bool aligned = (unsigned long long)in % sizeof(VecIn) == 0 && (unsigned long long)out % sizeof(VecOut) == 0;
+    i64 done = 0;
+    if (per_tensor && aligned) {
+        const i64 chunks = total / N;
+        QA_GRID_STRIDE(k, chunks) {
+            VecIn a = reinterpret_cast<const VecIn*>(in)[k];
+            VecOut b;
+#pragma unroll
+            for (int j = 0; j < N; ++j) b.v[j] = op(a.v[j], 0);
+            reinterpret_cast<VecOut*>(out)[k] = b;
+        }
+        done = chunks * N;
+    }
+    QA_GRID_STRIDE(t, total - done) {
+        const i64 idx = done + t;
+        out[idx] = op(in[idx], lay.slot(idx, bidx));
+    }
+}
+
 // q = clamp(rint(x / s) + z, lo, hi), computed in TC (float for <= 16-bit
 // outputs from float input, double otherwise: exact either way).
 template <typename TIn, typename TC, typename TOut>
 __device__ void quantize_body(const TIn* x, const TIn* s, const int* z, const i64* bidx, i64 total,
                               Layout lay, TC lo, TC hi, TOut* out, int* nan_seen) {
-    QA_GRID_STRIDE(idx, total) {
-        i64 p = lay.slot(idx, bidx);
-        TIn v = x[idx];
+    qa_map(x, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut {
         if (v != v) *nan_seen = 1;
         TC w = (TC)qa_rint(qa_div(v, s[p])) + (TC)z[p];
-        w = w < lo ? lo : (w > hi ? hi : w);
-        out[idx] = (TOut)w;
-    }
+        return (TOut)(w < lo ? lo : (w > hi ? hi : w));
+    });
 }
 
 // out = float(q - z) * s, one rounding in TF.
 template <typename TIn, typename TF>
 __device__ void dequantize_body(const TIn* q, const TF* s, const int* z, const i64* bidx, i64 total,
                                 Layout lay, TF* out) {
-    QA_GRID_STRIDE(idx, total) {
-        i64 p = lay.slot(idx, bidx);
-        TF d = (TF)((i64)q[idx] - (i64)z[p]);
-        out[idx] = d * s[p];
-    }
+    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TF {
+        TF d = (TF)((i64)v - (i64)z[p]);
+        return d * s[p];
+    });
 }
 
 // Fixed point (rounding >= 0) or float (rounding < 0) requantize.
@@ -34,18 +59,9 @@ template <typename TIn, typename TOut>
 __device__ void requantize_body(const TIn* q, const i64* zi, const i64* zo, const i64* m, const i64* sh,
                                 const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
                                 int rounding, TOut* out) {
-    QA_GRID_STRIDE(idx, total) {
-        i64 p = lay.slot(idx, bidx);
-        i64 d = (i64)q[idx] - zi[p];
-        if (rounding < 0) {
-            double w = rint(__dadd_rn(__dmul_rn((double)d, f[p]), (double)zo[p]));  // no FMA: as the CPU
-            w = w < (double)lo ? (double)lo : (w > (double)hi ? (double)hi : w);
-            out[idx] = (TOut)(i64)w;
-        } else {
-            i64 v = qa_rescale(d, m[p], sh[p], rounding) + zo[p];
-            out[idx] = (TOut)(v < lo ? lo : (v > hi ? hi : v));
-        }
-    }
+    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut {
+        return (TOut)qa_requantize((i64)v - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
+    });
 }
 
 #define LAYOUT_ARGS i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on
