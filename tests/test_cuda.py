@@ -2,7 +2,6 @@
 errors, and a host build runs them, launched exactly as CupyBackend launches
 them, against the NumPy backend bit for bit."""
 
-import ctypes
 import shutil
 import subprocess
 
@@ -12,10 +11,9 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 from qarray.backends import cupy as cuda_backend
-from qarray.backends.cupy import CUDA_DIR, CupyBackend, launch_config
+from qarray.backends.cupy import CUDA_DIR
 
-SOURCES = sorted(CUDA_DIR.glob("*.cu"))
-HOST_HEADER = __import__("pathlib").Path(__file__).parent / "cuda_host" / "cuda_host.h"
+from cuda_host.harness import SOURCES, host, host_lib  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
@@ -26,56 +24,6 @@ def test_nvcc_compiles(source, arch, tmp_path):
     r = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Werror", "all-warnings",
                         f"-I{CUDA_DIR}", str(source), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-
-
-@pytest.fixture(scope="module")
-def host_lib(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not installed")
-    out = tmp_path_factory.mktemp("cuda_host") / "kernels.so"
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-include",
-                        str(HOST_HEADER), "-I", str(CUDA_DIR), "-x", "c++", *map(str, SOURCES), "-o", str(out)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return ctypes.CDLL(str(out))
-
-
-_CTYPES = {np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.int32): ctypes.c_int,
-           np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
-
-
-class HostCupyBackend(CupyBackend):
-    """CupyBackend with NumPy arrays for device memory and the host build of the
-    kernels for the GPU: everything else (plans, names, arguments, grid) is the
-    backend's own code."""
-
-    def __init__(self, lib):
-        super().__init__()
-        self._xp = np
-        self.lib = lib
-        self.launches = []
-
-    def _launch(self, source, name, grid, block, args, shared_mem=0):
-        assert (CUDA_DIR / source).exists() and shared_mem == 0
-        (grid,), (block,) = grid, block
-        self.launches.append((name, grid, block))
-        fn = getattr(self.lib, name)
-        cargs = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                assert a.flags.c_contiguous, f"{name}: non-contiguous argument"
-                cargs.append(ctypes.c_void_p(a.ctypes.data))
-            else:
-                cargs.append(_CTYPES[np.asarray(a).dtype](a))
-        for b in range(grid):
-            for t in range(block):
-                self.lib.qa_host_set(grid, block, b, t)
-                fn(*cargs)
-
-
-@pytest.fixture(scope="module")
-def host(host_lib):
-    return HostCupyBackend(host_lib)
 
 
 def _numpy_and_host(host, fn):

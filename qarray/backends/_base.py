@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._dtypes import qint32
 from .._fixed_point import rescale
 from .._params import expand, to_host, view3
 
@@ -106,6 +107,30 @@ class Backend:
             return v
         out[...] = v
         return out
+
+    def clip(self, q, lo, hi):
+        """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
+        return self.xp.clip(q, lo, hi).astype(q.dtype)
+
+    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None):
+        """The exact int64 ``(a - za) op (b - zb)``, ``op`` being "add", "sub" or "mul",
+        with broadcasting; ``za``, ``zb`` are ints.
+
+        With ``mult_a`` and ``mult_b`` (``(m, s)`` as for requantize, with the
+        rounding code ``rounding``) each centred operand is first rescaled by its
+        multiplier and saturated to int32, as requantize to qint32 does (add's
+        common scale).
+        """
+        xp = self.xp
+
+        def centred(q, z, mult):
+            if mult is None:
+                return q.astype(xp.int64) - z
+            zeros = self.asarray(np.zeros((), np.int64))
+            return self.requantize(q, self.asarray(np.int64(z)), zeros, mult, qint32, None, None, rounding).astype(xp.int64)
+
+        x, y = centred(a, za, mult_a), centred(b, zb, mult_b)
+        return x * y if op == "mul" else (x + y if op == "add" else x - y)
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""

@@ -21,11 +21,44 @@ from ._base import Backend, nan_error
 CUDA_DIR = Path(__file__).parent / "cuda"
 BLOCK = 256
 MAX_BLOCKS = 1024  # grid-stride loops cover the rest
+STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
+BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 
 
 def launch_config(total: int):
     """``(grid, block)`` for ``total`` elements."""
     return (max(1, min(-(-total // BLOCK), MAX_BLOCKS)),), (BLOCK,)
+
+
+def _rows(a):
+    """``(row, stride, span)`` in elements when ``a`` is rows of ``row`` contiguous
+    elements ``stride`` apart in C order (a slice along an inner axis of a
+    C-contiguous array), spanning ``span`` elements; else None."""
+    dims = [(n, st // a.itemsize) for n, st in zip(a.shape, a.strides) if n != 1]
+    if any(st % a.itemsize for st in a.strides):
+        return None
+    row = 1
+    while dims and dims[-1][1] == row:
+        row *= dims.pop()[0]
+    if not dims or dims[-1][1] < row:
+        return None
+    stride = expect = dims[-1][1]
+    for n, st in reversed(dims):
+        if st != expect:
+            return None
+        expect *= n
+    return row, stride, (expect // stride - 1) * stride + row
+
+
+def _period(shape, full):
+    """``p`` such that an operand of ``shape`` broadcast to ``full`` has element
+    ``[idx % p]`` at flat index ``idx`` (it equals the trailing dims of ``full``
+    after leading 1s), else None."""
+    s = (1,) * (len(full) - len(shape)) + tuple(shape)
+    k = len(full)
+    while k and s[k - 1] == full[k - 1]:
+        k -= 1
+    return math.prod(s) if all(n == 1 for n in s[:k]) else None
 
 
 def plan(xp, shape, axis, block_size, *params):
@@ -76,6 +109,14 @@ class CupyBackend(Backend):
             raise RuntimeError("the cupy backend found no CUDA device")
         return cupy
 
+    def check_together(self, arrays) -> None:
+        devices = sorted({a.device.id for a in arrays})
+        if len(devices) > 1:
+            raise TypeError(
+                f"CuPy arrays on two devices ({devices[0]} and {devices[1]}) can not be combined; "
+                "copy them to one device first (cupy.asarray under `with cupy.cuda.Device(i):`)"
+            )
+
     def _launch(self, source, name, grid, block, args, shared_mem=0):
         """Launch kernel ``name`` of ``cuda/<source>`` (compiled once per device)."""
         cupy = self.xp
@@ -85,10 +126,10 @@ class CupyBackend(Backend):
             self._modules[key] = cupy.RawModule(code=code, options=("-std=c++17", f"-I{CUDA_DIR}"))
         self._modules[key].get_function(name)(grid, block, args, shared_mem=shared_mem)
 
-    def _elementwise(self, name, total, args):
-        """A grid-stride kernel of ``elementwise.cu`` over ``total`` elements."""
+    def _elementwise(self, name, total, args, source="elementwise.cu"):
+        """A grid-stride kernel of ``cuda/<source>`` over ``total`` elements."""
         grid, block = launch_config(total)
-        self._launch("elementwise.cu", name, grid, block, args)
+        self._launch(source, name, grid, block, args)
 
     @staticmethod
     def _layout_scalars(total, lay):
@@ -135,12 +176,111 @@ class CupyBackend(Backend):
         params = [xp.broadcast_to(xp.asarray(p).astype(dt), shape)
                   for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
         total, lay, bidx, ps = plan(xp, q.shape, axis, block_size, *params)
-        target = xp.empty(q.shape, qd.storage)
+        args = (q, *ps, bidx, *self._layout_scalars(total, lay), np.int64(qd.qmin), np.int64(qd.qmax), np.int32(code))
+        pair = f"{q.dtype.name}_{qd.storage.name}"
+        rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
+        if rows is not None:  # a strided slice (cat along an inner axis): written in place
+            row, stride, span = rows
+            dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
+            self._elementwise(f"requantize_rows_{pair}", total, (*args, np.int64(row), np.int64(stride), dest), "ops.cu")
+            return out
+        target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, qd.storage)
         if total:
-            self._elementwise(f"requantize_{q.dtype.name}_{qd.storage.name}", total,
-                         (q, *ps, bidx, *self._layout_scalars(total, lay), np.int64(qd.qmin), np.int64(qd.qmax),
-                          np.int32(code), target))
-        if out is None:
+            self._elementwise(f"requantize_{pair}", total, (*args, target))
+        if out is None or target is out:
             return target
         out[...] = target
         return out
+
+    def clip(self, q, lo, hi):
+        if np.ndim(lo) or np.ndim(hi) or q.dtype.name not in STORAGE:
+            return super().clip(q, lo, hi)
+        q = self.xp.ascontiguousarray(q)
+        out = self.xp.empty_like(q)
+        if q.size:
+            self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
+        return out
+
+    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None):
+        xp = self.xp
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        pa, pb = _period(a.shape, shape), _period(b.shape, shape)
+        if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE:
+            return super().binary(op, a, za, b, zb, mult_a, mult_b, rounding)
+        (ma, sa), (mb, sb), code = ((0, 0), (0, 0), -1) if mult_a is None else (mult_a, mult_b, rounding)
+        out = xp.empty(shape, np.int64)
+        if out.size:
+            operands = [(xp.ascontiguousarray(x), *(np.int64(int(v)) for v in (p, z, m, s)))
+                        for x, p, z, m, s in ((a, pa, za, ma, sa), (b, pb, zb, mb, sb))]
+            self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", out.size,
+                              (*operands[0], *operands[1], np.int32(code), np.int32(BINARY_OPS[op]),
+                               np.int64(out.size), out), "ops.cu")
+        return out
+
+    def pack(self, q, bits):
+        xp = self.xp
+        if q.dtype.name not in ("int8", "uint8"):
+            return super().pack(q, bits)
+        flat = xp.ascontiguousarray(q).reshape(-1).view(np.uint8)
+        out = xp.empty(-(-flat.size // (8 // bits)), np.uint8)
+        if out.size:
+            self._elementwise("pack_bits", out.size, (flat, np.int64(flat.size), np.int32(bits), np.int64(out.size), out), "ops.cu")
+        return out
+
+    def unpack(self, packed, bits, signed, count):
+        xp = self.xp
+        if packed.dtype != np.uint8:
+            return super().unpack(packed, bits, signed, count)
+        packed = xp.ascontiguousarray(packed).reshape(-1)
+        n = len(range(packed.size * (8 // bits))[:count])  # as the generic slice [:count]
+        out = xp.empty(n, np.int8 if signed else np.uint8)
+        if n:
+            self._elementwise("unpack_bits", n, (packed, np.int32(bits), np.int32(bool(signed)), np.int64(n), out), "ops.cu")
+        return out
+
+    def lut(self, q, table, axis=None):
+        xp = self.xp
+        n_table = 1 << (8 * q.dtype.itemsize)
+        if axis is not None or q.dtype.itemsize > 2 or table.shape != (n_table,) or table.dtype.itemsize not in (1, 2, 4, 8):
+            return super().lut(q, table, axis)
+        q = xp.ascontiguousarray(q)
+        out = xp.empty(q.shape, table.dtype)
+        if q.size:  # the table bits are copied: index and values as unsigned of their widths
+            u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
+            grid, block = launch_config(q.size)
+            self._launch("lut.cu", f"lut_{u.name}_{v.name}", grid, block,
+                         (q.view(u), xp.ascontiguousarray(table).view(v), np.int64(q.size), out.view(v)))
+        return out
+
+    def _minmax_rows(self, x, rows, seg):
+        """Min and max of each ``seg``-long segment of the rows of ``x`` (``rows`` of them)."""
+        length = x.size // rows
+        nseg = -(-length // seg)
+        lo, hi = (self.xp.empty(rows * nseg, x.dtype) for _ in range(2))
+        grid = (max(1, min(rows * nseg, MAX_BLOCKS)),)
+        self._launch("reduce.cu", f"minmax_{x.dtype.name}", grid, (BLOCK,),
+                     (x, np.int64(rows), np.int64(length), np.int64(seg), np.int64(nseg), lo, hi))
+        return lo, hi
+
+    def minmax(self, x, axis, block_size):
+        xp = self.xp
+        if x.dtype not in (np.float16, np.float32, np.float64) or x.size == 0:
+            return super().minmax(x, axis, block_size)
+        dtype = x.dtype
+        x = x.astype(np.float32) if dtype == np.float16 else x  # exact; the result is one of the values
+        if axis is None:  # per-tensor: up to MAX_BLOCKS segments, then their mins and maxes
+            seg = max(-(-x.size // MAX_BLOCKS), BLOCK * 16)
+            lo, hi = self._minmax_rows(xp.ascontiguousarray(x).reshape(-1), 1, seg)
+            if lo.size > 1:
+                lo, hi = self._minmax_rows(xp.concatenate([lo, hi]), 2, lo.size)
+                lo, hi = lo[:1], hi[1:]
+            return lo.reshape(()).astype(dtype), hi.reshape(()).astype(dtype)
+        o, n, i = view3(x.shape, axis)
+        if block_size is None:  # one row per index along axis
+            rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(1, 0, 2))
+            lo, hi = self._minmax_rows(rows, n, o * i)
+            return lo.astype(dtype), hi.astype(dtype)
+        rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(0, 2, 1))  # (o, i, n): blocks along n
+        lo, hi = self._minmax_rows(rows, o * i, block_size)
+        want = x.shape[:axis] + (-1,) + x.shape[axis + 1 :]
+        return tuple(a.reshape(o, i, -1).transpose(0, 2, 1).reshape(want).astype(dtype) for a in (lo, hi))

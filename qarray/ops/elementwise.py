@@ -16,7 +16,7 @@ import numpy as np
 from .. import backends as _backends
 from .._api import quantize, requantize
 from .._config import resolve
-from .._dtypes import qint8, qint32
+from .._dtypes import qint8
 from .._fixed_point import ROUNDINGS, quantize_multiplier
 from .._params import expand, to_host
 from .._qarray import QArray
@@ -41,8 +41,8 @@ def _operands(op, a, b):
     return backend, shape
 
 
-def _centred(q: QArray, xp):
-    return q.data.astype(xp.int64) - int(to_host(q.zero_point))
+def _zp(q: QArray) -> int:
+    return int(to_host(q.zero_point))
 
 
 def _float_op(op, a, b, ufunc, scale, zero_point, dtype, relu):
@@ -63,19 +63,14 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
                 f"{op}: inputs have scales {np.float32(s_a)} and {np.float32(s_b)}; pass the output "
                 "scale= (with zero_point= and dtype=), or give both inputs one scale for the exact qint32 result"
             )
-        acc = _centred(a, xp) + sign * _centred(b, xp)
+        acc = backend.binary(op, a.data, _zp(a), b.data, _zp(b))
         return finish(op, backend, acc, [to_host(a.scale)], None, None, None, None, default_dtype=a.dtype, relu=relu)
     if mode == "float":
         return _float_op(op, a, b, xp.add if sign > 0 else xp.subtract, scale, zero_point, dtype, relu)
     # each input onto the common scale 2 * max / 2**20: an exactly rounded rescale
     common = 2.0 * max(s_a, s_b) / 2.0**_LEFT_SHIFT
-    code = ROUNDINGS[rounding]
-    parts = []
-    for q, s in ((a, s_a), (b, s_b)):
-        mult = tuple(backend.asarray(v) for v in quantize_multiplier(s / common))
-        zeros = backend.asarray(np.zeros((), np.int32))
-        parts.append(backend.requantize(q.data, q.zero_point, zeros, mult, qint32, None, None, code).astype(xp.int64))
-    acc = parts[0] + sign * parts[1]
+    mults = [tuple(backend.asarray(v) for v in quantize_multiplier(s / common)) for s in (s_a, s_b)]
+    acc = backend.binary(op, a.data, _zp(a), b.data, _zp(b), *mults, ROUNDINGS[rounding])
     return finish(op, backend, acc, [np.float32(common)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
@@ -107,7 +102,7 @@ def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=F
     mode, rounding = resolve(mode, rounding)
     if mode == "float" and wants_output(scale, zero_point, dtype):
         return _float_op("mul", a, b, backend.xp.multiply, scale, zero_point, dtype, relu)
-    acc = _centred(a, backend.xp) * _centred(b, backend.xp)
+    acc = backend.binary("mul", a.data, _zp(a), b.data, _zp(b))
     return finish("mul", backend, acc, [to_host(a.scale), to_host(b.scale)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
@@ -182,7 +177,7 @@ def clamp(q: QArray, min=None, max=None, *, scale=None, zero_point=None, dtype=N
     if not isinstance(q, QArray):
         raise TypeError(f"clamp: q must be a QArray, got {type(q).__name__}")
     lo, hi = _bounds(q, min, max, "clamp")
-    data = q._backend.xp.clip(q.data, lo, hi).astype(q.dtype.storage)
+    data = q._backend.clip(q.data, lo, hi)
     out = q._with(data, axis=q.axis, block_size=q.block_size)
     if wants_output(scale, zero_point, dtype):
         return requantize(out, scale, 0 if zero_point is None else zero_point, dtype, mode=mode, rounding=rounding)

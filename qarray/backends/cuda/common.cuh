@@ -51,6 +51,17 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
     return q + ((r + half - 1 + (q & 1)) >> s);
 }
 
+// One requantized value from d = q - zp_in: fixed point (rounding >= 0) or
+// float (rounding < 0, no FMA: as the CPU), plus zo, saturated to [lo, hi].
+__device__ __forceinline__ i64 qa_requantize(i64 d, i64 zo, i64 m, i64 sh, double f, i64 lo, i64 hi, int rounding) {
+    if (rounding < 0) {
+        double w = rint(__dadd_rn(__dmul_rn((double)d, f), (double)zo));
+        return (i64)(w < (double)lo ? (double)lo : (w > (double)hi ? (double)hi : w));
+    }
+    i64 r = qa_rescale(d, m, sh, rounding) + zo;
+    return r < lo ? lo : (r > hi ? hi : r);
+}
+
 __device__ __forceinline__ float qa_div(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double qa_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ float qa_rint(float a) { return rintf(a); }

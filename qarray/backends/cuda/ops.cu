@@ -1,0 +1,112 @@
+// Integer-code kernels behind the elementwise ops, bit-identical to the NumPy
+// backend: clip (relu / clamp), sub-byte pack / unpack, and the exact int64
+// accumulator of add / sub / mul. Grid-stride loops with 64-bit indices.
+#include "common.cuh"
+
+// out = min(max(q, lo), hi), as numpy.clip.
+template <typename T>
+__device__ void clip_body(const T* q, i64 lo, i64 hi, i64 total, T* out) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 v = (i64)q[idx];
+        v = v < lo ? lo : v;
+        out[idx] = (T)(v > hi ? hi : v);
+    }
+}
+
+// One thread per byte: 8 / bits codes, the first in the low bits, zero padding.
+extern "C" __global__ void pack_bits(const unsigned char* q, i64 count, int bits, i64 total, unsigned char* out) {
+    const int per = 8 / bits;
+    const unsigned mask = (1u << bits) - 1;
+    QA_GRID_STRIDE(idx, total) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; ++j) {
+            i64 k = idx * per + j;
+            if (k < count) byte |= ((unsigned)q[k] & mask) << (bits * j);
+        }
+        out[idx] = (unsigned char)byte;
+    }
+}
+
+// One thread per code; sign-extended when is_signed (the bits of an int8).
+extern "C" __global__ void unpack_bits(const unsigned char* packed, int bits, int is_signed, i64 total,
+                                       unsigned char* out) {
+    const int per = 8 / bits;
+    const int sign = 1 << (bits - 1);
+    QA_GRID_STRIDE(idx, total) {
+        int v = (packed[idx / per] >> (bits * (int)(idx % per))) & ((1 << bits) - 1);
+        out[idx] = (unsigned char)(is_signed ? (v ^ sign) - sign : v);
+    }
+}
+
+// One operand of binary: x[idx % period] - z, then (rounding >= 0) rescaled by
+// (m, s) and saturated to int32, as requantize to qint32 does.
+template <typename T>
+__device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, i64 s, int rounding, i64 idx) {
+    i64 d = (i64)x[idx < period ? idx : idx % period] - z;
+    return rounding < 0 ? d : qa_requantize(d, 0, m, s, 0.0, -(1LL << 31), (1LL << 31) - 1, rounding);
+}
+
+// out = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64
+// (the product wraps as NumPy's int64 does). Operands broadcast by period.
+template <typename TA, typename TB>
+__device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, i64 pb, i64 zb, i64 mb,
+                            i64 sb, int rounding, int op, i64 total, i64* out) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 x = qa_operand(a, pa, za, ma, sa, rounding, idx);
+        i64 y = qa_operand(b, pb, zb, mb, sb, rounding, idx);
+        out[idx] = op == 2 ? (i64)((unsigned long long)x * (unsigned long long)y) : (op == 1 ? x - y : x + y);
+    }
+}
+
+// requantize (as elementwise.cu) into rows of a strided destination: element
+// idx goes to out[idx / row * stride + idx % row] (cat along an inner axis).
+template <typename TIn, typename TOut>
+__device__ void requantize_rows_body(const TIn* q, const i64* zi, const i64* zo, const i64* m, const i64* sh,
+                                     const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
+                                     int rounding, i64 row, i64 stride, TOut* out) {
+    QA_GRID_STRIDE(idx, total) {
+        i64 p = lay.slot(idx, bidx);
+        i64 v = qa_requantize((i64)q[idx] - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
+        out[idx / row * stride + idx % row] = (TOut)v;
+    }
+}
+
+#define CLIP(_, N, T)                                                                                   \
+    extern "C" __global__ void clip_##N(const T* q, i64 lo, i64 hi, i64 total, T* out) {               \
+        clip_body<T>(q, lo, hi, total, out);                                                           \
+    }
+#define BINARY(A, TA, B, TB)                                                                            \
+    extern "C" __global__ void binary_##A##_##B(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, \
+                                                i64 pb, i64 zb, i64 mb, i64 sb, int rounding, int op,     \
+                                                i64 total, i64* out) {                                    \
+        binary_body<TA, TB>(a, pa, za, ma, sa, b, pb, zb, mb, sb, rounding, op, total, out);           \
+    }
+#define PER_STORAGE(M, ...)                   \
+    M(__VA_ARGS__, int8, signed char)         \
+    M(__VA_ARGS__, uint8, unsigned char)      \
+    M(__VA_ARGS__, int16, short)              \
+    M(__VA_ARGS__, uint16, unsigned short)    \
+    M(__VA_ARGS__, int32, int)
+PER_STORAGE(CLIP, _)
+#define BINARY_B(A, TA) PER_STORAGE(BINARY, A, TA)
+BINARY_B(int8, signed char)
+BINARY_B(uint8, unsigned char)
+BINARY_B(int16, short)
+BINARY_B(uint16, unsigned short)
+BINARY_B(int32, int)
+
+#define REQUANTIZE_ROWS(IN, TIN, OUT, TOUT)                                                               \
+    extern "C" __global__ void requantize_rows_##IN##_##OUT(                                              \
+        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,         \
+        const i64* bidx, i64 total, i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on, i64 lo,      \
+        i64 hi, int rounding, i64 row, i64 stride, TOUT* out) {                                           \
+        requantize_rows_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, Layout{n, inner, blocks, pinner, \
+                                        pouter_on}, lo, hi, rounding, row, stride, out);                  \
+    }
+#define REQUANTIZE_ROWS_OUT(IN, TIN) PER_STORAGE(REQUANTIZE_ROWS, IN, TIN)
+REQUANTIZE_ROWS_OUT(int8, signed char)
+REQUANTIZE_ROWS_OUT(uint8, unsigned char)
+REQUANTIZE_ROWS_OUT(int16, short)
+REQUANTIZE_ROWS_OUT(uint16, unsigned short)
+REQUANTIZE_ROWS_OUT(int32, int)
+REQUANTIZE_ROWS_OUT(int64, long long)

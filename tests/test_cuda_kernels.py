@@ -1,0 +1,175 @@
+"""CUDA kernels with barriers and warp shuffles (LUT, min/max) run on the host
+through fibers, against the NumPy backend bit for bit; and the harness's
+fibers themselves: kernels that are wrong without their barriers."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray
+from qarray.backends import cupy as cuda_backend
+from qarray.backends.cupy import CUDA_DIR
+
+from cuda_host.harness import HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
+
+BIG = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77  # beyond one grid: the grid-stride tail runs
+HARNESS_KERNELS = Path(__file__).parent / "cuda_host" / "harness_test.cu"
+
+
+def _numpy_and_host(host, fn):
+    from qarray.backends import get
+
+    with qarray.config.using(numba=False):
+        want = fn(get("numpy"))
+    return want, fn(host)
+
+
+@pytest.fixture(scope="module")
+def broken_barrier(tmp_path_factory):
+    """The LUT, reduce and harness-test kernels built with __syncthreads a no-op."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    out = tmp_path_factory.mktemp("broken") / "kernels.so"
+    return build(out, [CUDA_DIR / "lut.cu", CUDA_DIR / "reduce.cu", HARNESS_KERNELS], ["-DQA_HOST_BROKEN_BARRIER"])
+
+
+@pytest.fixture(scope="module")
+def harness_lib(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    return build(tmp_path_factory.mktemp("harness") / "kernels.so", [HARNESS_KERNELS])
+
+
+# -- LUT ----------------------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 37, 1000, BIG])
+@pytest.mark.parametrize("storage", ["int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("out", ["int8", "uint16", "int32", "float64"])
+def test_lut(host, rng, size, storage, out):
+    info = np.iinfo(storage)
+    q = rng.integers(info.min, info.max, size, endpoint=True).astype(storage)
+    q[0] = info.min
+    table = rng.integers(-100, 100, 1 << (8 * q.itemsize)).astype(out)
+    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    assert host.launches[-1][0] == f"lut_u{storage.lstrip('u')}_{np.dtype(f'u{np.dtype(out).itemsize}').name}"
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 5, 7)])
+def test_lut_shapes_and_per_axis(host, rng, shape):
+    q = rng.integers(-128, 127, shape, endpoint=True).astype(np.int8)
+    table = rng.integers(0, 255, 256, endpoint=True).astype(np.uint8)
+    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    np.testing.assert_array_equal(got, want)
+    if q.size:  # per-axis: the generic code (one table per channel)
+        tables = rng.integers(0, 255, (shape[1], 256), endpoint=True).astype(np.uint8)
+        want, got = _numpy_and_host(host, lambda b: b.lut(q, tables, 1))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_lut_through_the_api(host, rng):
+    q = qarray.quantize(rng.standard_normal((5, 67)).astype(np.float32), 0.05, 3, "qint8")
+    hq = QArray._new(q.int_repr(), q.scale, q.zero_point, q.dtype, None, None, host)
+    np.testing.assert_array_equal(qarray.sigmoid(hq).int_repr(), qarray.sigmoid(q).int_repr())
+    assert host.launches[-1][0] == "lut_uint8_uint8"
+
+
+# -- min / max ----------------------------------------------------------------
+def _data(rng, shape, dtype, special):
+    x = (rng.standard_normal(shape) * 100).astype(dtype)
+    flat = x.reshape(-1)
+    if special == "inf" and flat.size:
+        flat[rng.integers(0, flat.size, 3)] = [np.inf, -np.inf, np.inf]
+    if special == "nan" and flat.size:
+        flat[rng.integers(0, flat.size, 2)] = np.nan
+    if special == "last":  # the extremes at the very end: the last segment and thread count
+        flat[-1], flat[-2 if flat.size > 1 else -1] = 1e4, -1e4
+    return x
+
+
+def _assert_minmax(want, got, dtype):
+    for w, g in zip(want, got):
+        assert np.asarray(g).dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("size", [1, 37, 256 * 16, 256 * 16 + 1, 100_003, BIG])
+@pytest.mark.parametrize("special", ["none", "inf", "nan", "last"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_minmax_per_tensor(host, rng, size, special, dtype):
+    x = _data(rng, (size,), dtype, special)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(x, None, None))
+    _assert_minmax(want, got, dtype)
+    assert host.launches[-1][0] == f"minmax_{'float64' if dtype == np.float64 else 'float32'}"
+
+
+def test_minmax_all_nan_and_one_nan_per_slot(host):
+    x = np.full((4, 300), np.nan, np.float32)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(x, None, None))
+    _assert_minmax(want, got, np.float32)
+    x = np.arange(1200, dtype=np.float32).reshape(4, 300)
+    x[1, 299] = np.nan
+    x[3, 0] = np.nan
+    for axis in (0, 1):
+        want, got = _numpy_and_host(host, lambda b: b.minmax(x, axis, None))
+        _assert_minmax(want, got, np.float32)
+
+
+AXES = [((6, 7), 0, None), ((6, 7), 1, None), ((2, 5, 3), 1, None), ((3, 1000), 0, None), ((1000, 3), 1, None),
+        ((3, 10), 1, 4), ((10, 3), 0, 3), ((2, 9, 3), 1, 2), ((2, 700, 3), 1, 300), ((5,), 0, 5)]
+
+
+@pytest.mark.parametrize("shape,axis,block_size", AXES)
+@pytest.mark.parametrize("special", ["none", "inf", "nan"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_minmax_per_axis_and_blocked(host, rng, shape, axis, block_size, special, dtype):
+    x = _data(rng, shape, dtype, special)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(x, axis, block_size))
+    for w, g in zip(want, got):
+        assert g.shape == w.shape
+    _assert_minmax(want, got, dtype)
+
+
+def test_minmax_falls_back(host):
+    x = np.arange(12, dtype=np.int32).reshape(3, 4)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(x, 1, None))
+    _assert_minmax(want, got, np.int32)
+
+
+# -- the fibers ---------------------------------------------------------------
+def test_barriers_are_needed_and_kept(host, broken_barrier, rng):
+    """Without __syncthreads the LUT and the reduction give wrong results; the
+    same sources with the fibers' barriers give the right ones."""
+    broken = HostCupyBackend(broken_barrier)
+    q = rng.integers(-128, 127, 5000, endpoint=True).astype(np.int8)
+    table = np.arange(256, dtype=np.int16) + 1000
+    assert not np.array_equal(broken.lut(q, table), host.lut(q, table))
+    np.testing.assert_array_equal(host.lut(q, table), table[q.view(np.uint8)])
+    x = np.arange(1, 20_001, dtype=np.float32)
+    # in the last block's last warp, which its first warp reads through shared memory
+    # (the segments have 4096 values; thread 255 starts at 255)
+    x[4 * 4096 + 255] = 1e6
+    assert [float(v) for v in broken.minmax(x, None, None)] != [1.0, 1e6]
+    assert [float(v) for v in host.minmax(x, None, None)] == [1.0, 1e6]
+
+
+@pytest.mark.parametrize("block", [32, 256, 1024])
+def test_block_scan_with_dynamic_shared_memory(harness_lib, broken_barrier, rng, block):
+    x = rng.integers(-1000, 1000, 3 * block).astype(np.int32)
+    want = np.cumsum(x.reshape(3, block), axis=1).reshape(-1)
+    for lib, ok in ((harness_lib, True), (broken_barrier, False)):
+        out = np.zeros_like(x)
+        HostCupyBackend(lib).run("block_scan", (3,), (block,), (x, out), shared_mem=8 * block)
+        assert np.array_equal(out, want) == ok
+
+
+def test_warp_shuffles(harness_lib, rng):
+    x = rng.integers(-1000, 1000, 2 * 128).astype(np.int32)
+    s, f = np.zeros_like(x), np.zeros_like(x)
+    HostCupyBackend(harness_lib).run("warp_ops", (2,), (128,), (x, s, f))
+    w = x.reshape(-1, 32)
+    np.testing.assert_array_equal(s.reshape(-1, 32), np.repeat(w.sum(axis=1, keepdims=True), 32, axis=1))
+    np.testing.assert_array_equal(f.reshape(-1, 32), np.repeat(w[:, :1], 32, axis=1))
