@@ -20,10 +20,8 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -31,19 +29,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _timing import timeit  # noqa: E402  (sets OMP_WAIT_POLICY before torch loads)
 import qarray  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
-# OpenMP threads that spin after a parallel call (torch's, and Numba's when its
-# threading layer is OpenMP) steal the two cores from whatever runs next:
-# make every pool wait passively, for all contenders alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 try:
     import torch
 except ImportError:
     torch = None
 try:
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 except ImportError:
@@ -61,23 +56,6 @@ LINES: list[str] = []
 def say(text=""):
     print(text, flush=True)
     LINES.append(text)
-
-
-def timeit(**fns):
-    """{name: (median ms, min ms)}: after one warm-up each, the functions take turns
-    in blocks of consecutive calls (three rounds). Blocks, not single calls,
-    because a peer's thread pool that spins after a call would otherwise tax
-    whichever function runs next."""
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(3):
-        for k, f in fns.items():
-            for _ in range(REPEATS // 3):
-                t0 = time.perf_counter()
-                f()
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
 ROWS: list[dict] = []
@@ -162,7 +140,7 @@ def main():
         qi = q.int_repr()
         qfns["onnxruntime"] = lambda: sq.run(None, {"x": x})
         dfns["onnxruntime"] = lambda: sd.run(None, {"x": qi})
-    tq, td = timeit(**qfns), timeit(**dfns)
+    tq, td = timeit(REPEATS, **qfns), timeit(REPEATS, **dfns)
     for op, t, target in (("quantize per-tensor", tq, 0.7), ("dequantize per-tensor", td, 0.5)):
         if len(t) == 1:
             row(op, t["qarray"])
@@ -185,7 +163,7 @@ def main():
         st, zt = torch.from_numpy(s0.astype(np.float64)), torch.from_numpy(z0.astype(np.int64))
         fns["torch axis=0"] = lambda: torch.quantize_per_channel(xt2, st, zt, 0, torch.qint8)
         fns["torch axis=1"] = lambda: torch.quantize_per_channel(xt2, st, zt, 1, torch.qint8)
-    t = timeit(**fns)
+    t = timeit(REPEATS, **fns)
     for k in ("axis=0", "axis=1", "axis=1 block 32", "axis=1 block 128"):
         row(f"quantize {k}", t[k], "qarray quantize per-tensor", t["per-tensor"], 1.3)
         if f"torch {k}" in t:
@@ -203,7 +181,7 @@ def main():
     fns["fixed half_even axis=0"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=0)
     fns["fixed half_even axis=1"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=1)
     fns["float axis=1"] = lambda: qarray.requantize(q32_2, s_out, 0, "qint8", axis=1, mode="float")
-    t = timeit(**fns)
+    t = timeit(REPEATS, **fns)
     for k in fns:
         if k != "quantize":
             row(f"requantize i32->i8 {k}", t[k], "qarray quantize per-tensor", t["quantize"], 1.5)
@@ -223,7 +201,7 @@ def main():
             with qarray.config.using(numba=False):
                 return f()
         return g
-    t = timeit(gq=generic(qfns["qarray"]), gd=generic(dfns["qarray"]), q=qfns["qarray"], d=dfns["qarray"])
+    t = timeit(REPEATS, gq=generic(qfns["qarray"]), gd=generic(dfns["qarray"]), q=qfns["qarray"], d=dfns["qarray"])
     row("quantize generic NumPy (numba=False)", t["gq"], "qarray numba", t["q"])
     row("dequantize generic NumPy (numba=False)", t["gd"], "qarray numba", t["d"])
 

@@ -19,17 +19,16 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning pools stealing the 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _timing import timeit  # noqa: E402  (sets OMP_WAIT_POLICY before torch loads)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
 from qarray.ops import cat, conv2d, matmul, sigmoid  # noqa: E402
@@ -55,20 +54,6 @@ ROWS: list[dict] = []
 def say(text=""):
     print(text, flush=True)
     LINES.append(text)
-
-
-def timeit(**fns):
-    """{name: (median ms, min ms)}; contenders take turns in blocks of calls."""
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(3):
-        for k, f in fns.items():
-            for _ in range(REPEATS // 3):
-                t0 = time.perf_counter()
-                f()
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
 def report(op, t, ref, target=None):
@@ -124,7 +109,7 @@ def bench_linear(rng, m, k, n):
         fns["torch quantized.linear (fbgemm)"] = lambda: torch.ops.quantized.linear(tx, packed, 0.5, 0)
     if ort is not None:
         fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, w_int.T.copy())
-    report(f"linear {m}x{k}x{n}", timeit(**fns), "numpy float32 matmul", 1.2)
+    report(f"linear {m}x{k}x{n}", timeit(REPEATS, **fns), "numpy float32 matmul", 1.2)
 
 
 def im2col_f32(x, kh, kw, pad):
@@ -161,7 +146,7 @@ def bench_conv(rng):
         fns["torch quantized.conv2d (fbgemm)"] = lambda: torch.ops.quantized.conv2d(tx, packed, 0.5, 0)
         tf, twf = torch.from_numpy(xf), torch.from_numpy(wf32)
         fns["torch float32 conv2d"] = lambda: torch.nn.functional.conv2d(tf, twf, padding=1)
-    report("conv2d 1x64x56x56, 64x3x3, pad 1", timeit(**fns), "numpy float32 im2col+matmul", 1.5)
+    report("conv2d 1x64x56x56, 64x3x3, pad 1", timeit(REPEATS, **fns), "numpy float32 im2col+matmul", 1.5)
 
 
 def bench_cat_lut(rng):
@@ -169,7 +154,7 @@ def bench_cat_lut(rng):
     a = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.01, 0, "qint8")
     b = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.02, 3, "qint8")
     da, db = a.int_repr(), b.int_repr()
-    report("cat 2x2^23 int8, b requantized", timeit(**{
+    report("cat 2x2^23 int8, b requantized", timeit(REPEATS, **{
         "numpy.concatenate": lambda: np.concatenate([da, db]),
         "qarray cat (requantize b)": lambda: cat([a, b], scale=0.01, zero_point=0, dtype="qint8"),
         "qarray cat (same params)": lambda: cat([a, a]),
@@ -181,7 +166,7 @@ def bench_cat_lut(rng):
     if torch is not None:
         tq = torch.quantize_per_tensor(torch.from_numpy(q.dequantize()), 0.05, 0, torch.qint8)
         fns["torch quantized sigmoid"] = lambda: torch.sigmoid(tq)
-    report("sigmoid 2^24 int8 -> uint8", timeit(**fns), "numpy.take", 2.0)
+    report("sigmoid 2^24 int8 -> uint8", timeit(REPEATS, **fns), "numpy.take", 2.0)
 
 
 def main():

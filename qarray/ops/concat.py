@@ -16,6 +16,17 @@ from ._output import output_params, wants_output
 __all__ = ["cat", "stack"]
 
 
+def _inputs(op, qs) -> list:
+    """``qs`` as a non-empty list of QArrays, else the error that says so."""
+    qs = list(qs)
+    if not qs:
+        raise ValueError(f"{op} needs at least one QArray")
+    for i, q in enumerate(qs):
+        if not isinstance(q, QArray):
+            raise TypeError(f"{op}: input {i} is a {type(q).__name__}, not a QArray")
+    return qs
+
+
 def _same(p, r) -> bool:
     p, r = to_host(p), to_host(r)
     return p.shape == r.shape and bool(np.all(p == r))
@@ -51,12 +62,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
     >>> cat([a, b], scale=0.1, zero_point=0, dtype="qint8").int_repr()
     array([10, 20], dtype=int8)
     """
-    qs = list(qs)
-    if not qs:
-        raise ValueError("cat needs at least one QArray")
-    for i, q in enumerate(qs):
-        if not isinstance(q, QArray):
-            raise TypeError(f"cat: input {i} is a {type(q).__name__}, not a QArray")
+    qs = _inputs("cat", qs)
     backend = _backends.common(*[q.data for q in qs])
     first = qs[0]
     if any(q.ndim != first.ndim for q in qs):
@@ -98,12 +104,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
 
 def stack(qs, axis=0, **out) -> QArray:
     """Join QArrays along a new ``axis``; parameter rules as :func:`cat`."""
-    qs = list(qs)
-    if not qs:
-        raise ValueError("stack needs at least one QArray")
-    for i, q in enumerate(qs):
-        if not isinstance(q, QArray):
-            raise TypeError(f"stack: input {i} is a {type(q).__name__}, not a QArray")
+    qs = _inputs("stack", qs)
     if any(q.shape != qs[0].shape for q in qs):
         raise ValueError(f"stack: inputs must have one shape, got {sorted({q.shape for q in qs})}")
     axis = normalize_axis(axis, qs[0].ndim + 1)

@@ -1,0 +1,30 @@
+"""What the CPU benchmarks share: the import order that keeps thread pools from
+spinning, and the block-interleaved timer."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+# OpenMP threads that spin after a parallel call (torch's, and Numba's when its
+# threading layer is OpenMP) steal the two cores from whatever runs next: make
+# every pool wait passively, for all contenders alike. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def timeit(repeats, **fns):
+    """{name: (median ms, min ms)}: after one warm-up each, the functions take
+    turns in blocks of consecutive calls (three rounds). Blocks, not single
+    calls, because a peer's thread pool that spins after a call would otherwise
+    tax whichever function runs next."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(3):
+        for k, f in fns.items():
+            for _ in range(max(1, repeats // 3)):
+                t0 = time.perf_counter()
+                f()
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
