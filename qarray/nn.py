@@ -62,7 +62,8 @@ def _quantize_weight(w, weight_dtype, per_channel):
 
 
 class _Quantized:
-    """Shared by Linear and Conv2d: weights, bias, output params and calibration."""
+    """Shared by Linear and Conv2d: weights, bias, output params and calibration.
+    Subclasses define ``_reference(x)``, the float computation calibrate runs."""
 
     weight: QArray
     bias: np.ndarray | None
@@ -71,9 +72,6 @@ class _Quantized:
         self.weight, self.bias = weight, bias
         self.scale = self.zero_point = self.dtype = None
         self._range = None  # the float output range seen by calibrate, (min, max)
-
-    def _reference(self, x):
-        raise NotImplementedError
 
     def _float_bias(self):
         b = self.bias
