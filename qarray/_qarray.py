@@ -8,7 +8,7 @@ import operator
 import numpy as np
 
 from . import backends as _backends
-from ._dtypes import QDType, qdtype
+from ._dtypes import qdtype
 from ._params import check_params, normalize_axis
 
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
@@ -305,8 +305,4 @@ def _rebuild(data, scale, zero_point, dtype_name, axis, block_size):
     return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size)
 
 
-def is_qarray(x) -> bool:
-    return isinstance(x, QArray)
-
-
-__all__ = ["QArray", "QDType"]
+__all__ = ["QArray"]
