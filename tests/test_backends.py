@@ -168,3 +168,24 @@ def test_cupy_without_a_device_errors_clearly(monkeypatch):
     fake.cuda.runtime.getDeviceCount = lambda: 0
     with pytest.raises(RuntimeError, match="the cupy backend found no CUDA device"):
         CupyBackend().xp
+
+
+def test_cupy_imported_without_a_device_leaves_other_arrays_alone(monkeypatch, toy):
+    """With CuPy imported on a machine with no GPU, arrays of other backends are
+    still recognised (the registry asks CuPy for its array type, not for a device)."""
+    import types
+
+    def no_device():
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    class FakeCupyArray:
+        pass
+
+    fake = types.SimpleNamespace(ndarray=FakeCupyArray,
+                                 cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_device)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backends, "_by_type", {})
+    monkeypatch.delitem(backends._by_name, "cupy", raising=False)
+    assert backends.for_array(ToyArray(np.zeros(3))).name == "toy"
+    assert backends.for_array(FakeCupyArray()).name == "cupy"
+    assert backends.available() == ["numpy", "toy"]

@@ -23,6 +23,7 @@ BLOCK = 256
 MAX_BLOCKS = 1024  # grid-stride loops cover the rest
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
+NVRTC_OPTIONS = ("-std=c++17", f"-I{CUDA_DIR}")  # CuPy adds -ftz=true: see cuda/common.cuh
 
 
 def launch_config(total: int):
@@ -109,6 +110,11 @@ class CupyBackend(Backend):
             raise RuntimeError("the cupy backend found no CUDA device")
         return cupy
 
+    def array_types(self) -> tuple:
+        import cupy  # asked only once CuPy is imported; a CPU-only machine may have it
+
+        return (cupy.ndarray,)
+
     def check_together(self, arrays) -> None:
         devices = sorted({a.device.id for a in arrays})
         if len(devices) > 1:
@@ -123,7 +129,7 @@ class CupyBackend(Backend):
         key = (cupy.cuda.Device().id, source)
         if key not in self._modules:
             code = (CUDA_DIR / source).read_text()
-            self._modules[key] = cupy.RawModule(code=code, options=("-std=c++17", f"-I{CUDA_DIR}"))
+            self._modules[key] = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
         self._modules[key].get_function(name)(grid, block, args, shared_mem=shared_mem)
 
     def _elementwise(self, name, total, args, source="elementwise.cu"):

@@ -225,7 +225,6 @@ template <class T> T __ldg(const T* p) { return *p; }
 
 // IEEE round-to-nearest arithmetic: plain operators on the host (built with
 // -ffp-contract=off, so nothing is fused).
-inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }

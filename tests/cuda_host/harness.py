@@ -37,10 +37,15 @@ def _run(cmd):
     return r.stdout
 
 
+def kernel_names(source: Path, defines=()) -> list:
+    """The ``extern "C"`` kernels of a ``.cu`` file, macros expanded."""
+    pre = _run(["g++", "-std=c++17", "-E", "-P", *defines, "-include", str(HOST_HEADER), "-x", "c++", str(source)])
+    return sorted(set(_KERNEL.findall(pre)))
+
+
 def _translation_unit(source: Path, work: Path, defines) -> Path:
     """The generated C++ file for one ``.cu`` file (its rewritten copy is in ``work``)."""
-    pre = _run(["g++", "-std=c++17", "-E", "-P", *defines, "-include", str(HOST_HEADER), "-x", "c++", str(work / source.name)])
-    names = sorted(set(_KERNEL.findall(pre)))
+    names = kernel_names(work / source.name, defines)
     tu = work / f"{source.stem}_host.cpp"
     tu.write_text(f'#include "{source.name}"\n' + "".join(f"QA_HOST_LAUNCHER({n})\n" for n in names))
     return tu

@@ -62,8 +62,37 @@ __device__ __forceinline__ i64 qa_requantize(i64 d, i64 zo, i64 m, i64 sh, doubl
     return r < lo ? lo : (r > hi ? hi : r);
 }
 
-__device__ __forceinline__ float qa_div(float a, float b) { return __fdiv_rn(a, b); }
+// CuPy compiles every RawModule with -ftz=true, which flushes float32
+// subnormals to zero in arithmetic and comparisons; NumPy keeps them. So the
+// float32 operations whose operands or results can be subnormal (x / scale,
+// code * scale, the comparisons of min/max) are PTX without .ftz here. The
+// float32 adds, compares and conversions left to the compiler see only
+// integer values (rint results, zero points, bounds), where flushing changes
+// nothing; tests/test_cuda_nvrtc.py checks CuPy's own PTX for this.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float qa_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float qa_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ bool qa_lt(float a, float b) {
+    int r;
+    asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\tselp.s32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(a), "f"(b));
+    return r;
+}
+#else
+__device__ __forceinline__ float qa_div(float a, float b) { return a / b; }
+__device__ __forceinline__ float qa_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ bool qa_lt(float a, float b) { return a < b; }
+#endif
 __device__ __forceinline__ double qa_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ double qa_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ bool qa_lt(double a, double b) { return a < b; }
 __device__ __forceinline__ float qa_rint(float a) { return rintf(a); }
 __device__ __forceinline__ double qa_rint(double a) { return rint(a); }
 

@@ -50,7 +50,7 @@ __device__ void dequantize_body(const TIn* q, const TF* s, const int* z, const i
                                 Layout lay, TF* out) {
     qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TF {
         TF d = (TF)((i64)v - (i64)z[p]);
-        return d * s[p];
+        return qa_mul(d, s[p]);
     });
 }
 

@@ -7,8 +7,8 @@
 
 #define QA_FULL_MASK 0xffffffffu
 
-template <typename T> __device__ __forceinline__ T qa_min(T a, T b) { return (a != a || a < b) ? a : b; }
-template <typename T> __device__ __forceinline__ T qa_max(T a, T b) { return (a != a || a > b) ? a : b; }
+template <typename T> __device__ __forceinline__ T qa_min(T a, T b) { return (a != a || qa_lt(a, b)) ? a : b; }
+template <typename T> __device__ __forceinline__ T qa_max(T a, T b) { return (a != a || qa_lt(b, a)) ? a : b; }
 
 template <typename T>
 __device__ __forceinline__ void qa_warp_minmax(T& lo, T& hi) {

@@ -1,0 +1,83 @@
+"""The kernels as CuPy itself compiles them, without a GPU: every ``.cu`` file goes
+through ``cupy.cuda.compiler`` (NVRTC) with the options ``CupyBackend`` gives
+``RawModule``, plus whatever CuPy adds, up to the point where CuPy would load the
+module onto a device.
+
+This catches what nvcc and the host harness can not: a source NVRTC rejects, a
+kernel name missing from the module, and CuPy's ``-ftz=true``, which would flush
+float32 subnormals where NumPy keeps them (see ``common.cuh``).
+"""
+
+import re
+import shutil
+
+import pytest
+
+from cuda_host.harness import SOURCES, kernel_names
+from qarray.backends import cupy as cuda_backend
+
+cupy = pytest.importorskip("cupy")
+compiler = pytest.importorskip("cupy.cuda.compiler")
+
+ARCH = "90"
+# PTX instructions that may flush float32 subnormals, by file: NaN tests never
+# care; in elementwise.cu the adds, compares and conversions of quantize see
+# only integer values (rint results, zero points, bounds).
+FLUSH_HARMLESS = {"setp.nan", "setp.num"}
+FLUSH_HARMLESS_IN = {"elementwise.cu": {"add", "cvt", "setp"}}
+_OPCODE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s", re.M)
+
+
+class _Compiled(Exception):
+    """Raised by the spy once NVRTC has produced the PTX (no device to load it on)."""
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    """``{file name: (options CuPy passed to NVRTC, PTX text)}``, compiled once."""
+    hooks = ("_compile_module_with_cache", "_compile_using_nvrtc_no_warning", "_get_arch_for_options_for_nvrtc")
+    if not all(hasattr(compiler, h) for h in hooks):
+        pytest.skip(f"CuPy {cupy.__version__} compiles differently")
+    try:
+        compiler._get_nvrtc_version()
+    except Exception as e:  # CuPy without the NVRTC library
+        pytest.skip(f"NVRTC is not available: {e}")
+    compiled = {}
+    real = compiler._compile_using_nvrtc_no_warning
+
+    def spy(source, options, arch, *args, **kwargs):
+        out = real(source, options, arch, *args, **kwargs)[0]
+        raise _Compiled(options, out.decode() if isinstance(out, bytes) else out)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CUPY_CACHE_IN_MEMORY", "1")
+        # CuPy asks the current device for its architecture: there is none here
+        m.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=compute_{arch}", "ptx"))
+        m.setattr(compiler, "_compile_using_nvrtc_no_warning", spy)
+        for source in SOURCES:
+            with pytest.raises(_Compiled) as done:
+                compiler._compile_module_with_cache(source.read_text(), cuda_backend.NVRTC_OPTIONS, arch=ARCH)
+            compiled[source.name] = done.value.args
+    return compiled
+
+
+def test_cupy_passes_the_backend_options(ptx):
+    for options, _ in ptx.values():
+        assert tuple(options[: len(cuda_backend.NVRTC_OPTIONS)]) == cuda_backend.NVRTC_OPTIONS
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_every_kernel_is_in_the_module(ptx, source):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    entries = re.findall(r"\.entry\s+(\w+)\s*\(", ptx[source.name][1])
+    assert sorted(entries) == kernel_names(source)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_no_float32_subnormal_is_flushed(ptx, source):
+    options, text = ptx[source.name]
+    flushing = {op for op in _OPCODE.findall(text) if ".ftz" in op}
+    allowed = FLUSH_HARMLESS | FLUSH_HARMLESS_IN.get(source.name, set())
+    bad = {op for op in flushing if op.split(".")[0] not in allowed and ".".join(op.split(".")[:2]) not in allowed}
+    assert not bad, f"{source.name} flushes float32 subnormals in {sorted(bad)} (options {options})"
