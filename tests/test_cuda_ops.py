@@ -156,6 +156,44 @@ def test_binary_views_and_tail(host, rng):
     assert host.launches[-1] == ("binary_int16_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
 
 
+def _requant(rng, shape, out, rounding, relu, axis=None):
+    """``requant`` keyword arguments for binary: random parameters, per tensor or along ``axis``."""
+    d = qdtype(out)
+    n = () if axis is None else (shape[axis],)
+    zo = rng.integers(d.qmin, d.qmax, n, endpoint=True).astype(np.int32)
+    mult = rng.choice([0.5, 0.25, 2.0**-7, 3e-3], n) * rng.choice([1.0, 1.0 + 2.0**-20], n)  # ties and not
+    return dict(zp_in=rng.integers(-3, 3, n).astype(np.int32), zp_out=zo, qd=d, axis=axis, block_size=None,
+                mult=tuple(quantize_multiplier(mult)) if rounding is not None else mult.astype(np.float32),
+                rounding=rounding, floor=int(zo) if relu and axis is None else None)
+
+
+@pytest.mark.parametrize("sa,sb", SHAPES)
+@pytest.mark.parametrize("out", ["qint8", "quint8", "qint4", "qint16", "quint16", "qint32"])
+@pytest.mark.parametrize("rounding,relu", [(0, False), (1, True), (2, False), (3, True), (None, True)])
+def test_binary_requantized_in_one_kernel(host, sa, sb, out, rounding, relu, rng):
+    a, za, b, zb = _binary_cases(rng, ("qint8", "quint8"), sa, sb)
+    shape = np.broadcast_shapes(sa, sb)
+    for op in ("add", "mul"):
+        requant = _requant(rng, shape, out, rounding, relu)
+        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, za, b, zb, requant=requant))
+        _same(got, want)
+        if want.size and sb != (3, 4):
+            assert [n for n, *_ in host.launches][-1:] == ["binary_int8_uint8"]
+    if relu:  # the floor is the output zero point: real 0
+        assert (want.astype(np.int64) >= int(requant["zp_out"])).all()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_binary_requantized_per_axis_and_rescaled(host, axis, rng):
+    a, za, b, zb = _binary_cases(rng, ("quint16", "qint8"), (6, 5), (5,))
+    mults = [tuple(quantize_multiplier(m)) for m in (rng.uniform(1, 2.0**19), 0.5)]
+    for rounding in (0, 3, None):
+        requant = _requant(rng, (6, 5), "qint8", rounding, False, axis)
+        want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, za, b, zb, *mults, 1, requant=requant))
+        _same(got, want)
+        assert host.launches[-1][0] == "binary_uint16_int8"
+
+
 @pytest.mark.parametrize("op", [qarray.add, qarray.sub, qarray.mul])
 @pytest.mark.parametrize("out", [{}, {"scale": 0.05, "zero_point": 3, "dtype": "qint8"},
                                  {"scale": 0.01, "zero_point": 128, "dtype": "quint8", "relu": True},
@@ -165,7 +203,7 @@ def test_binary_ops(host, on_host, op, out, rng):
     a = qarray.quantize(x, 0.03, -5, "qint8")
     b = qarray.quantize(y, 0.03 if not out else 0.07, 120, "quint8")
     _same(on_host(lambda: op(a, b, **out)).int_repr(), op(a, b, **out).int_repr())
-    assert any(name == "binary_int8_uint8" for name, *_ in host.launches)
+    assert [name for name, *_ in host.launches] == ["binary_int8_uint8"]  # requantize and ReLU fused
 
 
 # -- requantize into strided slices (cat) ------------------------------------------

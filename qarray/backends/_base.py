@@ -83,9 +83,11 @@ class Backend:
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return y.astype(dtype, copy=False)
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None):
+    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None, floor=None):
         """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``
         (written into ``out`` when given: ``qd``'s storage, ``q``'s shape).
+        ``floor`` (an int) raises the lower bound above ``qd.qmin``: a fused ReLU
+        passes the output zero point.
 
         ``mult`` is ``(m, s)`` (int64, see ``_fixed_point``) with ``rounding`` a
         rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way,
@@ -102,7 +104,7 @@ class Backend:
             v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64) + ex(zp_out))
         else:
             v = rescale(d, ex(mult[0]), ex(mult[1]), rounding) + ex(zp_out).astype(xp.int64)
-        v = xp.clip(v, qd.qmin, qd.qmax).astype(qd.storage)
+        v = xp.clip(v, qd.qmin if floor is None else max(qd.qmin, floor), qd.qmax).astype(qd.storage)
         if out is None:
             return v
         out[...] = v
@@ -112,14 +114,15 @@ class Backend:
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
         return self.xp.clip(q, lo, hi).astype(q.dtype)
 
-    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None):
+    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None, requant=None):
         """The exact int64 ``(a - za) op (b - zb)``, ``op`` being "add", "sub" or "mul",
         with broadcasting; ``za``, ``zb`` are ints.
 
         With ``mult_a`` and ``mult_b`` (``(m, s)`` as for requantize, with the
         rounding code ``rounding``) each centred operand is first rescaled by its
         multiplier and saturated to int32, as requantize to qint32 does (add's
-        common scale).
+        common scale). With ``requant`` (the keyword arguments of ``requantize``
+        after ``q``) the result is requantized: one pass on the GPU.
         """
         xp = self.xp
 
@@ -130,7 +133,8 @@ class Backend:
             return self.requantize(q, self.asarray(np.int64(z)), zeros, mult, qint32, None, None, rounding).astype(xp.int64)
 
         x, y = centred(a, za, mult_a), centred(b, zb, mult_b)
-        return x * y if op == "mul" else (x + y if op == "add" else x - y)
+        acc = x * y if op == "mul" else (x + y if op == "add" else x - y)
+        return acc if requant is None else self.requantize(acc, **requant)
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""

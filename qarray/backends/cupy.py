@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._dtypes import qint32
 from .._params import compact, view3
 from ._base import Backend, nan_error
 
@@ -23,6 +24,7 @@ BLOCK = 256
 MAX_BLOCKS = 1024  # grid-stride loops cover the rest
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
+OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # ops.cu qa_store
 NVRTC_OPTIONS = ("-std=c++17", f"-I{CUDA_DIR}")  # CuPy adds -ftz=true: see cuda/common.cuh
 
 
@@ -169,30 +171,37 @@ class CupyBackend(Backend):
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype, copy=False)
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None):
+    def _requant_args(self, shape, zp_in, zp_out, mult, qd, axis, block_size, rounding, floor):
+        """``(total, args)``: the arguments every requantizing kernel takes after its
+        data, from ``zp_in`` to the rounding code (see ``requantize``)."""
+        xp = self.xp
+        pshape = zp_in.shape
+        if rounding is None:
+            m, s, f, code = xp.zeros(pshape, np.int64), xp.ones(pshape, np.int64), mult, -1
+        else:
+            (m, s), f, code = mult, xp.zeros(pshape, np.float64), rounding
+        params = [xp.broadcast_to(xp.asarray(p).astype(dt), pshape)
+                  for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
+        total, lay, bidx, ps = plan(xp, shape, axis, block_size, *params)
+        lo = qd.qmin if floor is None else max(qd.qmin, floor)
+        return total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(lo), np.int64(qd.qmax), np.int32(code))
+
+    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None, floor=None):
         xp = self.xp
         q = xp.ascontiguousarray(q)
         if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64"):
-            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out)
-        shape = zp_in.shape
-        if rounding is None:
-            m, s, f, code = xp.zeros(shape, np.int64), xp.ones(shape, np.int64), mult, -1
-        else:
-            (m, s), f, code = mult, xp.zeros(shape, np.float64), rounding
-        params = [xp.broadcast_to(xp.asarray(p).astype(dt), shape)
-                  for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
-        total, lay, bidx, ps = plan(xp, q.shape, axis, block_size, *params)
-        args = (q, *ps, bidx, *self._layout_scalars(total, lay), np.int64(qd.qmin), np.int64(qd.qmax), np.int32(code))
+            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out, floor)
+        total, args = self._requant_args(q.shape, zp_in, zp_out, mult, qd, axis, block_size, rounding, floor)
         pair = f"{q.dtype.name}_{qd.storage.name}"
         rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
         if rows is not None:  # a strided slice (cat along an inner axis): written in place
             row, stride, span = rows
             dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
-            self._elementwise(f"requantize_rows_{pair}", total, (*args, np.int64(row), np.int64(stride), dest), "ops.cu")
+            self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
             return out
         target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, qd.storage)
         if total:
-            self._elementwise(f"requantize_{pair}", total, (*args, target))
+            self._elementwise(f"requantize_{pair}", total, (q, *args, target))
         if out is None or target is out:
             return target
         out[...] = target
@@ -207,20 +216,26 @@ class CupyBackend(Backend):
             self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
         return out
 
-    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None):
+    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None, requant=None):
         xp = self.xp
         shape = np.broadcast_shapes(a.shape, b.shape)
         pa, pb = _period(a.shape, shape), _period(b.shape, shape)
-        if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE:
-            return super().binary(op, a, za, b, zb, mult_a, mult_b, rounding)
+        out_dtype = np.dtype(np.int64) if requant is None else requant["qd"].storage
+        if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE or out_dtype.name not in OUT_KINDS:
+            return super().binary(op, a, za, b, zb, mult_a, mult_b, rounding, requant)
         (ma, sa), (mb, sb), code = ((0, 0), (0, 0), -1) if mult_a is None else (mult_a, mult_b, rounding)
-        out = xp.empty(shape, np.int64)
-        if out.size:
+        if requant is None:  # the kernel stores the accumulator and reads no parameters: any will do
+            zero = xp.zeros((), np.int64)
+            requant = dict(zp_in=zero, zp_out=zero, mult=(zero, zero), qd=qint32, axis=None, block_size=None,
+                           rounding=0, floor=None)
+        total, args = self._requant_args(shape, **requant)
+        out = xp.empty(shape, out_dtype)
+        if total:
             operands = [(xp.ascontiguousarray(x), *(np.int64(int(v)) for v in (p, z, m, s)))
                         for x, p, z, m, s in ((a, pa, za, ma, sa), (b, pb, zb, mb, sb))]
-            self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", out.size,
-                              (*operands[0], *operands[1], np.int32(code), np.int32(BINARY_OPS[op]),
-                               np.int64(out.size), out), "ops.cu")
+            self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", total,
+                              (*operands[0], *operands[1], np.int32(code), np.int32(BINARY_OPS[op]), *args,
+                               np.int32(OUT_KINDS[out_dtype.name]), out), "ops.cu")
         return out
 
     def pack(self, q, bits):

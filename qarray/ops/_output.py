@@ -9,6 +9,8 @@ through the backend's one requantize primitive (``mode=``, ``rounding=``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .._config import resolve
@@ -47,15 +49,21 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
 
     ``factors`` are host float32 arrays, each a scalar or of length
     ``acc.shape[axis]`` (per-channel weights). ``relu`` clamps at real 0 (at the
-    output zero point), fused as in PyTorch's ``linear_relu``.
+    output zero point), fused into the requantize as in PyTorch's ``linear_relu``.
+    ``acc`` may also be a function ``acc(requant)`` that returns the integers
+    (``requant=None``) or computes and requantizes them in one pass, ``requant``
+    being the keyword arguments of ``backend.requantize`` (the binary ops).
     """
     xp = backend.xp
+    if not callable(acc):
+        acc = functools.partial(_requantized, backend, acc)
     factors = [np.asarray(to_host(f), np.float32) for f in factors]
     if all(f.ndim == 0 for f in factors):
         axis = None
-    want = () if axis is None else (acc.shape[axis],)
+    want = () if axis is None else next(f.shape for f in factors if f.ndim)  # acc.shape[axis]
     factors = [np.broadcast_to(f, want) for f in factors]
     if not wants_output(scale, zero_point, dtype):
+        acc = acc(requant=None)
         if relu:
             acc = xp.maximum(acc, 0)
         if acc.dtype != np.int32 and acc.size:
@@ -86,7 +94,10 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
         mult, code = backend.asarray(np.array(float_multiplier(m, s_out))), None
     zeros = backend.asarray(np.zeros(want, np.int32))
     zo = backend.asarray(np.broadcast_to(z_out, want).copy())
-    data = backend.requantize(acc, zeros, zo, mult, d, axis, None, code)
-    if relu:
-        data = xp.maximum(data, d.storage.type(z_out))
+    data = acc(requant=dict(zp_in=zeros, zp_out=zo, mult=mult, qd=d, axis=axis, block_size=None,
+                            rounding=code, floor=int(z_out) if relu else None))
     return QArray._new(data, backend.asarray(s_out), backend.asarray(z_out), d, None, None, backend)
+
+
+def _requantized(backend, acc, requant):
+    return acc if requant is None else backend.requantize(acc, **requant)

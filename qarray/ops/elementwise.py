@@ -11,6 +11,8 @@ integers directly (exact); pass output parameters to requantize as well.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import backends as _backends
@@ -70,7 +72,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
     # each input onto the common scale 2 * max / 2**20: an exactly rounded rescale
     common = 2.0 * max(s_a, s_b) / 2.0**_LEFT_SHIFT
     mults = [tuple(backend.asarray(v) for v in quantize_multiplier(s / common)) for s in (s_a, s_b)]
-    acc = backend.binary(op, a.data, _zp(a), b.data, _zp(b), *mults, ROUNDINGS[rounding])
+    acc = functools.partial(backend.binary, op, a.data, _zp(a), b.data, _zp(b), *mults, ROUNDINGS[rounding])
     return finish(op, backend, acc, [np.float32(common)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
@@ -102,7 +104,7 @@ def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=F
     mode, rounding = resolve(mode, rounding)
     if mode == "float" and wants_output(scale, zero_point, dtype):
         return _float_op("mul", a, b, backend.xp.multiply, scale, zero_point, dtype, relu)
-    acc = backend.binary("mul", a.data, _zp(a), b.data, _zp(b))
+    acc = functools.partial(backend.binary, "mul", a.data, _zp(a), b.data, _zp(b))
     return finish("mul", backend, acc, [to_host(a.scale), to_host(b.scale)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 

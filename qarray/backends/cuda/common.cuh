@@ -22,6 +22,10 @@ struct Layout {
     }
 };
 
+// A kernel's Layout parameters, as CupyBackend passes them, and the Layout.
+#define LAYOUT_ARGS i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on
+#define LAYOUT Layout{n, inner, blocks, pinner, pouter_on}
+
 // Rounding codes, as qarray._fixed_point.
 #define QA_HALF_EVEN 0
 #define QA_HALF_AWAY 1

@@ -64,9 +64,6 @@ __device__ void requantize_body(const TIn* q, const i64* zi, const i64* zo, cons
     });
 }
 
-#define LAYOUT_ARGS i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on
-#define LAYOUT Layout{n, inner, blocks, pinner, pouter_on}
-
 #define QUANTIZE(IN, TIN, TC, OUT, TOUT)                                                          \
     extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TIN* s, const int* z,     \
                                                      const i64* bidx, i64 total, LAYOUT_ARGS,      \

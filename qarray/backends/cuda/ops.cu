@@ -1,6 +1,7 @@
 // Integer-code kernels behind the elementwise ops, bit-identical to the NumPy
-// backend: clip (relu / clamp), sub-byte pack / unpack, and the exact int64
-// accumulator of add / sub / mul. Grid-stride loops with 64-bit indices.
+// backend: clip (relu / clamp), sub-byte pack / unpack, add / sub / mul (the
+// exact int64 accumulator, or requantized with a fused ReLU in the same pass)
+// and the strided requantize of cat. Grid-stride loops with 64-bit indices.
 #include "common.cuh"
 
 // out = min(max(q, lo), hi), as numpy.clip.
@@ -46,15 +47,37 @@ __device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, 
     return rounding < 0 ? d : qa_requantize(d, 0, m, s, 0.0, -(1LL << 31), (1LL << 31) - 1, rounding);
 }
 
-// out = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64
-// (the product wraps as NumPy's int64 does). Operands broadcast by period.
+// Store v as the storage type numbered `kind` (CupyBackend's OUT_KINDS).
+__device__ __forceinline__ void qa_store(void* out, int kind, i64 idx, i64 v) {
+    switch (kind) {
+        case 1: static_cast<signed char*>(out)[idx] = (signed char)v; break;
+        case 2: static_cast<unsigned char*>(out)[idx] = (unsigned char)v; break;
+        case 3: static_cast<short*>(out)[idx] = (short)v; break;
+        case 4: static_cast<unsigned short*>(out)[idx] = (unsigned short)v; break;
+        case 5: static_cast<int*>(out)[idx] = (int)v; break;
+        default: static_cast<i64*>(out)[idx] = v;
+    }
+}
+
+// v = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64 (the
+// product wraps as NumPy's int64 does); operands broadcast by period. With
+// out_kind 0, out is v itself (int64); otherwise v is requantized in the same
+// pass, exactly as elementwise.cu's requantize (zi .. rounding, lo > qmin being
+// a fused ReLU), and stored as out_kind's type.
 template <typename TA, typename TB>
 __device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, i64 pb, i64 zb, i64 mb,
-                            i64 sb, int rounding, int op, i64 total, i64* out) {
+                            i64 sb, int in_rounding, int op, const i64* zi, const i64* zo, const i64* m,
+                            const i64* sh, const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
+                            int rounding, int out_kind, void* out) {
     QA_GRID_STRIDE(idx, total) {
-        i64 x = qa_operand(a, pa, za, ma, sa, rounding, idx);
-        i64 y = qa_operand(b, pb, zb, mb, sb, rounding, idx);
-        out[idx] = op == 2 ? (i64)((unsigned long long)x * (unsigned long long)y) : (op == 1 ? x - y : x + y);
+        i64 x = qa_operand(a, pa, za, ma, sa, in_rounding, idx);
+        i64 y = qa_operand(b, pb, zb, mb, sb, in_rounding, idx);
+        i64 v = op == 2 ? (i64)((unsigned long long)x * (unsigned long long)y) : (op == 1 ? x - y : x + y);
+        if (out_kind) {
+            i64 p = lay.slot(idx, bidx);
+            v = qa_requantize(v - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
+        }
+        qa_store(out, out_kind, idx, v);
     }
 }
 
@@ -75,11 +98,13 @@ __device__ void requantize_rows_body(const TIn* q, const i64* zi, const i64* zo,
     extern "C" __global__ void clip_##N(const T* q, i64 lo, i64 hi, i64 total, T* out) {               \
         clip_body<T>(q, lo, hi, total, out);                                                           \
     }
-#define BINARY(A, TA, B, TB)                                                                            \
-    extern "C" __global__ void binary_##A##_##B(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, \
-                                                i64 pb, i64 zb, i64 mb, i64 sb, int rounding, int op,     \
-                                                i64 total, i64* out) {                                    \
-        binary_body<TA, TB>(a, pa, za, ma, sa, b, pb, zb, mb, sb, rounding, op, total, out);           \
+#define BINARY(A, TA, B, TB)                                                                                       \
+    extern "C" __global__ void binary_##A##_##B(                                                                   \
+        const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, i64 pb, i64 zb, i64 mb, i64 sb, int in_rounding, \
+        int op, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f, const i64* bidx,       \
+        i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, int out_kind, void* out) {                           \
+        binary_body<TA, TB>(a, pa, za, ma, sa, b, pb, zb, mb, sb, in_rounding, op, zi, zo, m, sh, f, bidx, total,  \
+                            LAYOUT, lo, hi, rounding, out_kind, out);                                              \
     }
 #define PER_STORAGE(M, ...)                   \
     M(__VA_ARGS__, int8, signed char)         \
@@ -95,13 +120,12 @@ BINARY_B(int16, short)
 BINARY_B(uint16, unsigned short)
 BINARY_B(int32, int)
 
-#define REQUANTIZE_ROWS(IN, TIN, OUT, TOUT)                                                               \
-    extern "C" __global__ void requantize_rows_##IN##_##OUT(                                              \
-        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,         \
-        const i64* bidx, i64 total, i64 n, i64 inner, i64 blocks, i64 pinner, i64 pouter_on, i64 lo,      \
-        i64 hi, int rounding, i64 row, i64 stride, TOUT* out) {                                           \
-        requantize_rows_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, Layout{n, inner, blocks, pinner, \
-                                        pouter_on}, lo, hi, rounding, row, stride, out);                  \
+#define REQUANTIZE_ROWS(IN, TIN, OUT, TOUT)                                                                      \
+    extern "C" __global__ void requantize_rows_##IN##_##OUT(                                                     \
+        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,                \
+        const i64* bidx, i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, i64 row, i64 stride, TOUT* out) { \
+        requantize_rows_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, LAYOUT, lo, hi, rounding, row, stride, \
+                                        out);                                                                    \
     }
 #define REQUANTIZE_ROWS_OUT(IN, TIN) PER_STORAGE(REQUANTIZE_ROWS, IN, TIN)
 REQUANTIZE_ROWS_OUT(int8, signed char)
