@@ -262,15 +262,19 @@ class CupyBackend(Backend):
     def lut(self, q, table, axis=None):
         xp = self.xp
         n_table = 1 << (8 * q.dtype.itemsize)
-        if axis is not None or q.dtype.itemsize > 2 or table.shape != (n_table,) or table.dtype.itemsize not in (1, 2, 4, 8):
+        rows = 1 if axis is None else q.shape[axis]
+        if q.dtype.itemsize > 2 or table.shape != ((n_table,) if axis is None else (rows, n_table)) \
+                or table.dtype.itemsize not in (1, 2, 4, 8):
             return super().lut(q, table, axis)
         q = xp.ascontiguousarray(q)
         out = xp.empty(q.shape, table.dtype)
         if q.size:  # the table bits are copied: index and values as unsigned of their widths
             u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
+            inner = 1 if axis is None else math.prod(q.shape[axis + 1:])
             grid, block = launch_config(q.size)
             self._launch("lut.cu", f"lut_{u.name}_{v.name}", grid, block,
-                         (q.view(u), xp.ascontiguousarray(table).view(v), np.int64(q.size), out.view(v)))
+                         (q.view(u), xp.ascontiguousarray(table).view(v), np.int64(rows), np.int64(inner),
+                          np.int64(q.size), out.view(v)))
         return out
 
     def _minmax_rows(self, x, rows, seg):
