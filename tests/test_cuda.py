@@ -113,3 +113,27 @@ def test_qarray_api_through_the_host_backend(host, rng):
     np.testing.assert_array_equal(data, q.int_repr())
     r = QArray._new(data, q.scale, q.zero_point, q.dtype, None, None, host)
     np.testing.assert_array_equal(r.dequantize(), q.dequantize())
+
+
+def test_float16_in_and_out_without_widening(host, rng):
+    """float16 goes straight into quantize and out of dequantize (no extra pass):
+    subnormal halves, infinities, -0, and float32 results that round to a half
+    subnormal, overflow to inf or sit on a rounding tie, all as NumPy gives them."""
+    tiny = np.float16(2.0**-24)  # the smallest subnormal half
+    specials = np.array([tiny, -tiny, 3 * tiny, np.float16(6.1e-5), -0.0, np.inf, -np.inf, 65504, 0.5], np.float16)
+    x = np.concatenate([specials, (rng.standard_normal(1000) * 30).astype(np.float16)])
+    for scale in (2.0**-25, 2.0**-24 * 3, 0.1, 0.25):
+        for dtype in ("qint8", "quint4", "qint16", "qint32"):
+            want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.float32(scale), np.int32(1), qdtype(dtype), None, None))
+            np.testing.assert_array_equal(got, want)
+            assert host.launches[-1][0] == f"quantize_float16_{qdtype(dtype).storage.name}"
+    q = np.arange(-32768, 32768, dtype=np.int16)
+    seen = []
+    for scale in (2.0**-30, 2.0**-24 / 3, 1.0 + 2.0**-11, 3.0):  # subnormal, inexact, ties, overflow
+        want, got = _numpy_and_host(host, lambda b: b.dequantize(q, np.float32(scale), np.int32(5), None, None, np.float16))
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert host.launches[-1][0] == "dequantize_int16_float16"
+        seen.append(want)
+    seen = np.concatenate(seen)
+    assert np.isinf(seen).any() and ((seen.view(np.uint16) & 0x7C00) == 0).sum() > 1000  # overflow, subnormals

@@ -145,11 +145,10 @@ class CupyBackend(Backend):
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
-        if x.dtype == np.float16:  # the kernels take float32/float64: widen (exact)
-            x = x.astype(np.float32)
         x = xp.ascontiguousarray(x)
-        ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
-        total, lay, bidx, (s, z) = plan(xp, x.shape, axis, block_size, scale.astype(x.dtype), zero_point.astype(np.int32))
+        ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
+        ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
+        total, lay, bidx, (s, z) = plan(xp, x.shape, axis, block_size, scale.astype(ft), zero_point.astype(np.int32))
         out = xp.empty(x.shape, qd.storage)
         nan = xp.zeros(1, np.int32)
         if total:
@@ -162,14 +161,13 @@ class CupyBackend(Backend):
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp
         q = xp.ascontiguousarray(q)
-        ft = np.float64 if dtype == np.float64 else np.float32
+        ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
         total, lay, bidx, (s, z) = plan(xp, q.shape, axis, block_size, scale.astype(ft), zero_point.astype(np.int32))
-        out = xp.empty(q.shape, ft)
+        out = xp.empty(q.shape, dtype)
         if total:
-            self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(ft).name}", total,
-                         (q, s, z, bidx, *self._layout_scalars(total, lay), out))
-        with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
-            return out.astype(dtype, copy=False)
+            self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
+                              (q, s, z, bidx, *self._layout_scalars(total, lay), out))
+        return out
 
     def _requant_args(self, shape, zp_in, zp_out, mult, qd, axis, block_size, rounding, floor):
         """``(total, args)``: the arguments every requantizing kernel takes after its

@@ -94,6 +94,41 @@ __device__ __forceinline__ float qa_div(float a, float b) { return a / b; }
 __device__ __forceinline__ float qa_mul(float a, float b) { return a * b; }
 __device__ __forceinline__ bool qa_lt(float a, float b) { return a < b; }
 #endif
+// float16 travels as its 16 bits; the conversions round as NumPy's (to nearest
+// even) and never flush (PTX cvt without .ftz; _Float16 on the host).
+struct __align__(2) qa_half {
+    unsigned short bits;
+};
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float qa_float(qa_half h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h.bits));
+    return r;
+}
+__device__ __forceinline__ qa_half qa_to_half(float f) {
+    qa_half r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}
+#else
+__device__ __forceinline__ float qa_float(qa_half h) {
+    _Float16 v;
+    __builtin_memcpy(&v, &h.bits, 2);
+    return (float)v;
+}
+__device__ __forceinline__ qa_half qa_to_half(float f) {
+    _Float16 v = (_Float16)f;
+    qa_half r;
+    __builtin_memcpy(&r.bits, &v, 2);
+    return r;
+}
+#endif
+__device__ __forceinline__ float qa_float(float f) { return f; }
+__device__ __forceinline__ double qa_float(double f) { return f; }
+// (T)v, float16 included.
+template <typename T, typename F> __device__ __forceinline__ T qa_cast(F v) { return (T)v; }
+template <> __device__ __forceinline__ qa_half qa_cast<qa_half, float>(float v) { return qa_to_half(v); }
+
 __device__ __forceinline__ double qa_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ double qa_mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ bool qa_lt(double a, double b) { return a < b; }

@@ -32,25 +32,28 @@ __device__ void qa_map(const TIn* in, TOut* out, i64 total, Layout lay, const i6
     }
 }
 
-// q = clamp(rint(x / s) + z, lo, hi), computed in TC (float for <= 16-bit
+// q = clamp(rint(x / s) + z, lo, hi): x and s in TF (float for float16 and
+// float32 input, as NumPy computes), the sum and clamp in TC (float for <= 16-bit
 // outputs from float input, double otherwise: exact either way).
-template <typename TIn, typename TC, typename TOut>
-__device__ void quantize_body(const TIn* x, const TIn* s, const int* z, const i64* bidx, i64 total,
+template <typename TIn, typename TF, typename TC, typename TOut>
+__device__ void quantize_body(const TIn* x, const TF* s, const int* z, const i64* bidx, i64 total,
                               Layout lay, TC lo, TC hi, TOut* out, int* nan_seen) {
-    qa_map(x, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut {
+    qa_map(x, out, total, lay, bidx, [=](TIn in, i64 p) -> TOut {
+        TF v = qa_float(in);
         if (v != v) *nan_seen = 1;
         TC w = (TC)qa_rint(qa_div(v, s[p])) + (TC)z[p];
         return (TOut)(w < lo ? lo : (w > hi ? hi : w));
     });
 }
 
-// out = float(q - z) * s, one rounding in TF.
-template <typename TIn, typename TF>
+// out = float(q - z) * s, one rounding in TF, then (float16 output) one more,
+// as NumPy's float32 result cast to float16.
+template <typename TIn, typename TF, typename TOut>
 __device__ void dequantize_body(const TIn* q, const TF* s, const int* z, const i64* bidx, i64 total,
-                                Layout lay, TF* out) {
-    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TF {
+                                Layout lay, TOut* out) {
+    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut {
         TF d = (TF)((i64)v - (i64)z[p]);
-        return qa_mul(d, s[p]);
+        return qa_cast<TOut>(qa_mul(d, s[p]));
     });
 }
 
@@ -64,26 +67,27 @@ __device__ void requantize_body(const TIn* q, const i64* zi, const i64* zo, cons
     });
 }
 
-#define QUANTIZE(IN, TIN, TC, OUT, TOUT)                                                          \
-    extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TIN* s, const int* z,     \
+#define QUANTIZE(IN, TIN, TF, TC, OUT, TOUT)                                                      \
+    extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TF* s, const int* z,      \
                                                      const i64* bidx, i64 total, LAYOUT_ARGS,      \
                                                      TC lo, TC hi, TOUT* out, int* nan_seen) {     \
-        quantize_body<TIN, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);         \
+        quantize_body<TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);     \
     }
-#define QUANTIZE_ALL(IN, TIN)                                     \
-    QUANTIZE(IN, TIN, TIN, int8, signed char)                     \
-    QUANTIZE(IN, TIN, TIN, uint8, unsigned char)                  \
-    QUANTIZE(IN, TIN, TIN, int16, short)                          \
-    QUANTIZE(IN, TIN, TIN, uint16, unsigned short)                \
-    QUANTIZE(IN, TIN, double, int32, int)
-QUANTIZE_ALL(float32, float)
-QUANTIZE_ALL(float64, double)
+#define QUANTIZE_ALL(IN, TIN, TF)                                 \
+    QUANTIZE(IN, TIN, TF, TF, int8, signed char)                  \
+    QUANTIZE(IN, TIN, TF, TF, uint8, unsigned char)               \
+    QUANTIZE(IN, TIN, TF, TF, int16, short)                       \
+    QUANTIZE(IN, TIN, TF, TF, uint16, unsigned short)             \
+    QUANTIZE(IN, TIN, TF, double, int32, int)
+QUANTIZE_ALL(float16, qa_half, float)
+QUANTIZE_ALL(float32, float, float)
+QUANTIZE_ALL(float64, double, double)
 
-#define DEQUANTIZE(IN, TIN, OUT, TF)                                                               \
+#define DEQUANTIZE(IN, TIN, OUT, TF, TOUT)                                                         \
     extern "C" __global__ void dequantize_##IN##_##OUT(const TIN* q, const TF* s, const int* z,    \
                                                        const i64* bidx, i64 total, LAYOUT_ARGS,    \
-                                                       TF* out) {                                  \
-        dequantize_body<TIN, TF>(q, s, z, bidx, total, LAYOUT, out);                               \
+                                                       TOUT* out) {                                \
+        dequantize_body<TIN, TF, TOUT>(q, s, z, bidx, total, LAYOUT, out);                         \
     }
 #define REQUANTIZE(IN, TIN, OUT, TOUT)                                                                \
     extern "C" __global__ void requantize_##IN##_##OUT(                                               \
@@ -106,7 +110,10 @@ QUANTIZE_ALL(float64, double)
     PER_INT(M, int64, long long)
 PER_INT_IN(REQUANTIZE)
 
-#define DEQ_IN(IN, TIN) DEQUANTIZE(IN, TIN, float32, float) DEQUANTIZE(IN, TIN, float64, double)
+#define DEQ_IN(IN, TIN)                          \
+    DEQUANTIZE(IN, TIN, float16, float, qa_half) \
+    DEQUANTIZE(IN, TIN, float32, float, float)   \
+    DEQUANTIZE(IN, TIN, float64, double, double)
 DEQ_IN(int8, signed char)
 DEQ_IN(uint8, unsigned char)
 DEQ_IN(int16, short)
