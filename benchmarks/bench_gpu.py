@@ -85,6 +85,10 @@ def main(outdir: Path):
         td = gpu_ms(lambda: qt.dequantize())
     row("quantize float32 -> qint8", gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8")), 5 * N, copy_gbs, 0.8, tq)
     row("dequantize qint8 -> float32", gpu_ms(lambda: q.dequantize()), 5 * N, copy_gbs, 0.8, td)
+    x16 = x.astype(cupy.float16)
+    row("quantize float16 -> qint8", gpu_ms(lambda: qarray.quantize(x16, 0.01, 3, "qint8")), 3 * N, copy_gbs, 0.8)
+    row("dequantize qint8 -> float16", gpu_ms(lambda: q.dequantize("float16")), 3 * N, copy_gbs, 0.8)
+    del x16
     for r in ("half_even", "tflite"):
         row(f"requantize qint32 -> qint8 ({r})", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", rounding=r)),
             5 * N, copy_gbs, 0.8)
@@ -95,6 +99,11 @@ def main(outdir: Path):
     other = qarray.quantize(x[: N // 2], 0.02, 0, "qint8")
     row("cat 2 x 2^27 qint8, one requantized", gpu_ms(lambda: qarray.cat([half, other], scale=0.01, zero_point=3, dtype="qint8")),
         2 * N, copy_gbs, 0.7)
+    # add/mul: two int8 inputs, int8 output, requantize and ReLU in the same kernel (no target in the issue)
+    row("add qint8 + qint8 -> qint8, relu (fused)",
+        gpu_ms(lambda: qarray.add(half, other, scale=0.02, zero_point=0, dtype="qint8", relu=True)), 3 * N // 2, copy_gbs)
+    row("mul qint8 * qint8 -> qint8 (fused)",
+        gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_gpu.txt").write_text("\n".join(LINES) + "\n")
     (outdir / "bench_gpu.json").write_text(json.dumps(dict(device=name, copy_gbs=copy_gbs, rows=ROWS), indent=1) + "\n")

@@ -119,3 +119,47 @@ def test_two_devices():
         b = qarray.quantize(cupy.ones(4, cupy.float32), 0.1, 0, "qint8")
     with pytest.raises(TypeError, match="CuPy arrays on two devices"):
         qarray.cat([a, b])
+
+
+def test_float32_subnormals_are_kept(rng):
+    """CuPy compiles with -ftz=true; the kernels must still keep subnormals as NumPy does."""
+    tiny = np.float32(2.0**-149)
+    x = np.array([tiny, 3 * tiny, -5 * tiny, 2.0**-127, 0.0, 1e-39, -1e-38, 1.0], np.float32)
+    for scale in (2.0**-149, 2.0**-140, 2.0**-126):  # subnormal, subnormal, the smallest normal
+        want, got = both(lambda a: qarray.quantize(a, scale, 1, "qint16"), x)
+        np.testing.assert_array_equal(ints(got), ints(want))
+        np.testing.assert_array_equal(got.dequantize().get().view(np.uint32), want.dequantize().view(np.uint32))
+    want, got = both(lambda a: qarray.quantize_dynamic(a, "quint8"), x[:6])
+    np.testing.assert_array_equal(got.scale.get(), want.scale)
+    np.testing.assert_array_equal(ints(got), ints(want))
+
+
+@pytest.mark.parametrize("op", [qarray.add, qarray.sub, qarray.mul])
+@pytest.mark.parametrize("shapes", [((300, 257), (300, 257)), ((300, 257), (257,)), ((5, 1, 7), (5, 3, 7))])
+@pytest.mark.parametrize("relu", [False, True])
+def test_binary_ops_fused(op, shapes, relu, rng):
+    a = qarray.quantize(rng.standard_normal(shapes[0]).astype(np.float32), 0.03, -5, "qint8")
+    b = qarray.quantize(rng.standard_normal(shapes[1]).astype(np.float32), 0.07, 120, "quint8")
+    out = dict(scale=0.05, zero_point=-3, dtype="qint8", relu=relu)
+    np.testing.assert_array_equal(ints(op(a.to("cupy"), b.to("cupy"), **out)), ints(op(a, b, **out)))
+
+
+def test_lut_per_axis_and_float16(rng):
+    x = rng.standard_normal((64, 129)).astype(np.float16)
+    q = qarray.quantize(x, rng.uniform(0.01, 0.1, 64).astype(np.float32), 3, "qint8", axis=0)
+    out = dict(scale=0.01, zero_point=0, dtype="qint8")
+    np.testing.assert_array_equal(ints(qarray.gelu(q.to("cupy"), **out)), ints(qarray.gelu(q, **out)))
+    np.testing.assert_array_equal(q.to("cupy").dequantize("float16").get().view(np.uint16),
+                                  q.dequantize("float16").view(np.uint16))
+
+
+def test_beyond_2_31_elements():
+    """64-bit indices: the last elements of a 2**31 + 5 element array."""
+    n = 2**31 + 5
+    x = cupy.ones(n, cupy.float16)
+    x[-3:] = cupy.asarray([2.0, -3.0, 0.25], cupy.float16)
+    q = qarray.quantize(x, 0.25, 1, "qint8")
+    np.testing.assert_array_equal(q.data[-4:].get(), [5, 9, -11, 2])
+    r = qarray.requantize(q, 0.5, 0, "qint8")
+    np.testing.assert_array_equal(r.data[-4:].get(), [2, 4, -6, 0])
+    del x, q, r
