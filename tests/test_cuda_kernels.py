@@ -66,6 +66,18 @@ def test_lut_shapes(host, rng, shape):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("start", [0, 1, 3, 8])
+@pytest.mark.parametrize("storage,out", [("int8", "uint8"), ("int8", "int32"), ("uint16", "float64")])
+def test_lut_vector_path_and_misaligned_starts(host, rng, start, storage, out):
+    """Per-tensor lookups move 16 bytes at a time where both pointers allow it,
+    element by element otherwise; the tail after the last whole vector too."""
+    info = np.iinfo(storage)
+    q = rng.integers(info.min, info.max, 16 * 41 + 13, endpoint=True).astype(storage)[start:]
+    table = rng.integers(-1000, 1000, 1 << (8 * q.itemsize)).astype(out)
+    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("shape,axis", [((3, 5, 7), 1), ((3, 5, 7), 0), ((3, 5, 7), 2), ((6,), 0), ((BIG // 64, 64), 1)])
 @pytest.mark.parametrize("storage,out", [("int8", "uint8"), ("uint8", "float32"), ("int16", "int16")])
 def test_lut_per_axis(host, rng, shape, axis, storage, out):

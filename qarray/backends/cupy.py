@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .._dtypes import qint32
-from .._params import compact, view3
+from .._params import compact, param_shape, view3
 from ._base import Backend, nan_error
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -268,11 +268,10 @@ class CupyBackend(Backend):
         out = xp.empty(q.shape, table.dtype)
         if q.size:  # the table bits are copied: index and values as unsigned of their widths
             u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
-            inner = 1 if axis is None else math.prod(q.shape[axis + 1:])
-            grid, block = launch_config(q.size)
-            self._launch("lut.cu", f"lut_{u.name}_{v.name}", grid, block,
-                         (q.view(u), xp.ascontiguousarray(table).view(v), np.int64(rows), np.int64(inner),
-                          np.int64(q.size), out.view(v)))
+            total, lay, bidx, _ = plan(xp, q.shape, axis, None, xp.empty(param_shape(q.shape, axis, None), np.int8))
+            self._elementwise(f"lut_{u.name}_{v.name}", total,
+                              (q.view(u), xp.ascontiguousarray(table).view(v), bidx,
+                               *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
         return out
 
     def _minmax_rows(self, x, rows, seg):

@@ -137,3 +137,32 @@ __device__ __forceinline__ double qa_rint(double a) { return rint(a); }
 
 #define QA_GRID_STRIDE(idx, n) \
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < (n); idx += (i64)blockDim.x * gridDim.x)
+
+// Apply ``op(value, slot)`` to every element. Per-tensor data whose pointers
+// allow it moves in N-element chunks with one 16-byte vector access on the
+// wider side (N = 16 / the wider element size); the rest, and every per-axis
+// or blocked layout, goes element by element.
+template <typename TIn, typename TOut, typename Op>
+__device__ void qa_map(const TIn* in, TOut* out, i64 total, Layout lay, const i64* bidx, Op op) {
+    constexpr int N = 16 / (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
+    struct alignas(N * sizeof(TIn)) VecIn { TIn v[N]; };
+    struct alignas(N * sizeof(TOut)) VecOut { TOut v[N]; };
+    const bool per_tensor = lay.blocks == 1 && lay.pinner == 1 && lay.pouter_on == 0;
+    const bool aligned = (unsigned long long)in % sizeof(VecIn) == 0 && (unsigned long long)out % sizeof(VecOut) == 0;
+    i64 done = 0;
+    if (per_tensor && aligned) {
+        const i64 chunks = total / N;
+        QA_GRID_STRIDE(k, chunks) {
+            VecIn a = reinterpret_cast<const VecIn*>(in)[k];
+            VecOut b;
+#pragma unroll
+            for (int j = 0; j < N; ++j) b.v[j] = op(a.v[j], 0);
+            reinterpret_cast<VecOut*>(out)[k] = b;
+        }
+        done = chunks * N;
+    }
+    QA_GRID_STRIDE(t, total - done) {
+        const i64 idx = done + t;
+        out[idx] = op(in[idx], lay.slot(idx, bidx));
+    }
+}
