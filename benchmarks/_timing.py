@@ -1,16 +1,29 @@
 """What the CPU benchmarks share: the import order that keeps thread pools from
-spinning, and the block-interleaved timer."""
+spinning, the optional peers (torch, onnxruntime), and the block-interleaved timer."""
 
 from __future__ import annotations
 
 import os
 import statistics
 import time
+import warnings
 
 # OpenMP threads that spin after a parallel call (torch's, and Numba's when its
 # threading layer is OpenMP) steal the two cores from whatever runs next: make
 # every pool wait passively, for all contenders alike. Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The optional peers, None where not installed.
+warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
+try:
+    import torch
+except ImportError:
+    torch = None
+try:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+except ImportError:
+    ort = TensorProto = helper = None
 
 
 def timeit(repeats, **fns):

@@ -22,7 +22,6 @@ import os
 import platform
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import timeit  # noqa: E402  (sets OMP_WAIT_POLICY before torch loads)
+from _timing import TensorProto, helper, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 
-warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
-try:
-    import torch
-except ImportError:
-    torch = None
-try:
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-except ImportError:
-    ort = None
 
 N = 1 << 24
 SIDE = 4096  # N == SIDE * SIDE

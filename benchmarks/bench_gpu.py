@@ -88,7 +88,6 @@ def main(outdir: Path):
     x16 = x.astype(cupy.float16)
     row("quantize float16 -> qint8", gpu_ms(lambda: qarray.quantize(x16, 0.01, 3, "qint8")), 3 * N, copy_gbs, 0.8)
     row("dequantize qint8 -> float16", gpu_ms(lambda: q.dequantize("float16")), 3 * N, copy_gbs, 0.8)
-    del x16
     for r in ("half_even", "tflite"):
         row(f"requantize qint32 -> qint8 ({r})", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", rounding=r)),
             5 * N, copy_gbs, 0.8)

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,21 +27,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import timeit  # noqa: E402  (sets OMP_WAIT_POLICY before torch loads)
+from _timing import TensorProto, helper, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
 from qarray.ops import cat, conv2d, matmul, sigmoid  # noqa: E402
 
-warnings.filterwarnings("ignore", message=".*deprecated.*")
-try:
-    import torch
-except ImportError:
-    torch = None
-try:
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-except ImportError:
-    ort = None
 
 THREADS = 2
 REPEATS = 9
