@@ -7,7 +7,7 @@ import numpy as np
 from . import backends as _backends
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
-from ._fixed_point import ROUNDINGS, float_multiplier, quantize_multiplier
+from ._fixed_point import plan
 from ._params import check_params, param_shape, to_host
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
@@ -95,12 +95,8 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     def host(p):
         return np.broadcast_to(to_host(p), want)
 
-    s_in, z_in = host(q.scale), host(q.zero_point)
-    if mode == "fixed":
-        m, sh = quantize_multiplier(s_in.astype(np.float64) / host(s_out).astype(np.float64))
-        mult, code = (q._backend.asarray(m), q._backend.asarray(sh)), ROUNDINGS[rounding]
-    else:
-        mult, code = q._backend.asarray(float_multiplier(s_in, host(s_out))), None
+    rq = plan([host(q.scale)], host(s_out), host(q.zero_point), host(z_out), d, mode, rounding,
+              axis=lax, block_size=lblock)
     b = q._backend
     if out is not None:
         if _backends.for_array(out) is not b or out.shape != q.shape or out.dtype != d.storage:
@@ -109,8 +105,7 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
                 f"(the storage of {d.name}), got {type(out).__name__} {getattr(out, 'shape', '')} "
                 f"{getattr(out, 'dtype', '')}"
             )
-    data = b.requantize(q.data, b.asarray(np.ascontiguousarray(z_in)), b.asarray(np.ascontiguousarray(host(z_out))),
-                        mult, d, lax, lblock, code, out)
+    data = b.requantize(q.data, rq, out)
     return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, axis, block_size, b)
 
 

@@ -1,4 +1,5 @@
-"""Integer-only requantization: multiplier decomposition and rounding shifts.
+"""Integer-only requantization: the multiplier, the 128-bit rounding shift, and
+``Requant``, the one record that carries a requantize from an op to a kernel.
 
 A real multiplier ``M = scale_in / scale_out`` becomes an integer ``m`` in
 ``[2**30, 2**31)`` and a right shift ``s`` so that ``M ~= m / 2**s`` (TFLite's
@@ -6,54 +7,69 @@ QuantizeMultiplier, TVM's GetFixedPointMultiplierShift). Then
 
     q_out = clamp(R((q - zp_in) * m, s) + zp_out, qmin, qmax)
 
-computed exactly in int64, where ``R(v, s)`` divides by ``2**s`` and breaks ties
-by the chosen rounding. Worked example: ``M = 0.3`` gives ``frexp = (0.6, -1)``,
+where ``R(v, s)`` divides by ``2**s`` and breaks ties by the chosen rounding.
+The product ``(q - zp_in) * m`` needs up to 94 bits (int64 accumulators times a
+31-bit multiplier), so it is formed exactly as ``h * 2**32 + l`` from two
+64-bit products. Worked example: ``M = 0.3`` gives ``frexp = (0.6, -1)``,
 ``m = round(0.6 * 2**31) = 1288490189``, ``s = 32``; ``q - zp_in = 5`` gives
 ``5 * 1288490189 / 2**32 = 1.50000000...`` which ``half_even`` rounds to 2.
 
-The element functions below use only operators and NumPy ufuncs, so the same
-source runs on NumPy or CuPy arrays and, compiled by Numba, inside the CPU
-kernels: one definition of the arithmetic for every backend.
+``rescale`` uses only operators, so the same source runs on NumPy or CuPy
+arrays and, compiled by Numba, inside the CPU kernels; ``cuda/common.cuh``
+ports it line for line. One definition of the arithmetic for every backend.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from ._dtypes import QDType
+
 HALF_EVEN, HALF_AWAY, HALF_UP, TFLITE = 0, 1, 2, 3
+FLOAT = -1  # mode="float": rint(float64(d) * f + zp_out)
+IDENTITY = -2  # no scaling: d + zp_out (an operand that is only centred)
 ROUNDINGS = {"half_even": HALF_EVEN, "half_away": HALF_AWAY, "half_up": HALF_UP, "tflite": TFLITE}
 
+# The shift range. Beyond SHIFT_MAX every |d * m| < 2**94 rounds to 0, so
+# m = 0 is exact there; below SHIFT_MIN (M >= 2**34) every d != 0 lands beyond
+# 2**33, outside any output after its zero point is added, so capping the
+# shift keeps every saturated result.
+SHIFT_MIN, SHIFT_MAX = -3, 94
+
 _ONE = np.int64(1)
+_M31 = np.int64(2**31 - 1)
+_M32 = np.int64(2**32 - 1)
 _I32_MIN = np.int64(-(2**31))
 _I32_MAX = np.int64(2**31 - 1)
-_MAX_MULTIPLIER = 2.0**30
 
 
-def quantize_multiplier(multiplier):
+def quantize_multiplier(multiplier, tflite=False):
     """Split positive float64 multipliers into ``(m, s)``, both int64 arrays.
 
-    ``m`` is in ``[2**30, 2**31)`` and ``s`` in ``[1, 62]``. A multiplier below
-    2**-32 becomes ``m = 0`` (everything rounds to 0), as in TFLite's
-    QuantizeMultiplier; only a qint32 input with a zero point far from its
-    values could tell the difference.
+    ``m`` is in ``[2**30, 2**31)`` and ``s`` in ``[SHIFT_MIN, SHIFT_MAX]``; every
+    multiplier of two float32 scales is represented (``m = 0`` only where all
+    products round to 0). ``tflite=True`` applies TFLite's QuantizeMultiplier
+    caps instead: below 2**-32 the multiplier is 0, from 2**30 on it is
+    ``(2**31 - 1) / 2**1``.
 
     >>> quantize_multiplier(0.3)
     (array(1288490189), array(32))
     """
     M = np.asarray(multiplier, dtype=np.float64)
-    if np.any(M >= _MAX_MULTIPLIER):
-        raise ValueError(
-            f"the requantize multiplier scale_in / scale_out = {float(np.max(M)):g} is too "
-            "large for fixed-point arithmetic (it must be < 2**30); use a larger output "
-            "scale or mode='float'"
-        )
+    if not np.all(np.isfinite(M) & (M > 0)):
+        raise ValueError(f"the requantize multiplier scale_in / scale_out must be finite and > 0, got {M}")
     f, e = np.frexp(M)
     m = np.floor(f * 2.0**31 + 0.5).astype(np.int64)  # round half away, as std::round
     carry = m == 2**31
     m = np.where(carry, np.int64(2**30), m)
     s = 31 - (e.astype(np.int64) + carry)
-    m = np.where(s > 62, np.int64(0), m)
-    return m, np.asarray(np.minimum(s, 62))
+    if tflite:
+        m = np.where(s > 62, np.int64(0), np.where(s < 1, np.int64(2**31 - 1), m))
+        return m, np.asarray(np.clip(s, 1, 62))
+    m = np.where(s > SHIFT_MAX, np.int64(0), m)
+    return m, np.asarray(np.clip(s, SHIFT_MIN, SHIFT_MAX))
 
 
 def float_multiplier(scale_in, scale_out):
@@ -64,43 +80,137 @@ def float_multiplier(scale_in, scale_out):
     if not np.all(np.isfinite(M) & (M > 0)):
         raise ValueError(
             "the requantize multiplier scale_in / scale_out leaves float32's range; "
-            "choose an output scale closer to the input's"
+            "choose an output scale closer to the input's or mode='fixed'"
         )
     return M
 
 
 def rescale(d, m, s, rounding):
-    """``d * m / 2**s`` rounded to an integer (int64 in, int64 out).
+    """``d * m / 2**s`` rounded to an integer, exactly (int64 in, int64 out).
 
-    ``rounding`` is one of the codes ``HALF_EVEN``, ``HALF_AWAY``, ``HALF_UP``
-    (ties of ``R(d * m, s)``) or ``TFLITE``: gemmlowp's
-    SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with ``d`` taken
-    to int32 after TFLite's left shift (for multipliers >= 1), saturating where
-    TFLite's int32 arithmetic would overflow. One self-contained function, so
-    Numba can compile it as it stands.
+    ``d`` is any int64, ``m`` in ``[0, 2**31)``, ``s`` in ``[SHIFT_MIN,
+    SHIFT_MAX]`` (``quantize_multiplier``). ``rounding`` is ``HALF_EVEN``,
+    ``HALF_AWAY`` or ``HALF_UP`` (ties of the exact quotient) or ``TFLITE``:
+    gemmlowp's SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with
+    ``d`` saturated to int32 after TFLite's left shift (``s`` in ``[1, 62]``).
+    Results beyond ``2**60`` in magnitude are saturated there (they are outside
+    every output range). One self-contained function, so Numba compiles it as
+    it stands; ``(bool * int)`` stands in for ``where``: it works on arrays and
+    scalars and, unlike ufunc calls, lets Numba hoist and vectorize.
     """
     if rounding == TFLITE:
-        # (bool * int) stands in for max/min: it works on arrays and scalars and,
-        # unlike NumPy ufunc calls, lets Numba hoist and vectorize.
         e = 31 - s
-        a = d << (e * (e > 0))
-        a = a + (_I32_MIN - a) * (a < _I32_MIN)
-        a = a - (a - _I32_MAX) * (a > _I32_MAX)
+        a = d + (_I32_MIN - d) * (d < _I32_MIN) - (d - _I32_MAX) * (d > _I32_MAX)
+        a = a << (e * (e > 0))
+        a = a + (_I32_MIN - a) * (a < _I32_MIN) - (a - _I32_MAX) * (a > _I32_MAX)
         ab = a * m
         y = ab + (_ONE << 30) - (ab < 0) * ((_ONE << 31) - 1)
         x = (y + (y < 0) * ((_ONE << 31) - 1)) >> 31  # C division, toward zero
         rs = -e * (e < 0)
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
-    # floor q and remainder r; the carry (0 or 1) comes from adding the tie
-    # rule's threshold to r. No compares, so it vectorizes; with s <= 62 and
-    # |v| < 2**63 nothing overflows.
-    v = d * m
-    half = _ONE << (s - 1)
-    q = v >> s
-    r = v & (half + (half - 1))
+    # A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30) (the result
+    # passes 2**60 there), then shift d left so that the shift is 32.
+    lt = s < 32
+    u = (32 - s) * lt
+    t = s + u - 32
+    b = _ONE << ((s + 30) * lt)
+    x = (d - (d - b) * ((d > b) & lt) - (d + b) * ((d < -b) & lt)) << u
+    # x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
+    lo = (x & _M32) * m
+    h = (x >> 32) * m + (lo >> 32)
+    l = lo & _M32
+    q = h >> t  # the floor of x * m / 2**(t + 32)
+    # The remainder (h mod 2**t) * 2**32 + l against half = 2**(t + 31): w is
+    # the remainder in units of 2**31, sticky whether any bit below is set.
+    w = ((h & ((_ONE << t) - 1)) << 1) + (l >> 31)
+    p = _ONE << t
+    sticky = (l & _M31) != 0
     if rounding == HALF_UP:
-        return q + ((r + half) >> s)
-    if rounding == HALF_AWAY:  # v >> 63 is -1 for negative v: ties go down there
-        return q + ((r + half + (v >> 63)) >> s)
-    return q + ((r + half - 1 + (q & 1)) >> s)
+        return q + (w >= p)
+    if rounding == HALF_AWAY:  # a tie goes up when the product is >= 0
+        return q + ((w > p) | ((w == p) & (sticky | (h >= 0))))
+    return q + ((w > p) | ((w == p) & (sticky | ((q & 1) == 1))))
+
+
+@dataclass(frozen=True, eq=False)
+class Requant:
+    """One requantize, resolved once by an op and taken whole by a backend:
+
+        out = clamp(R((q - zp_in) * M) + zp_out, lo, hi)   in qd's storage
+
+    ``zp_in``, ``zp_out``, ``m``, ``shift`` (int64) and ``f`` (float64) are host
+    arrays of one parameter shape: ``()`` per tensor, else the parameter shape
+    of ``axis`` / ``block_size`` (``qarray._params.param_shape``). ``rounding``
+    is a code: ``HALF_EVEN``/``HALF_AWAY``/``HALF_UP``/``TFLITE`` use
+    ``(m, shift)``; ``FLOAT`` computes ``rint(float64(d) * f + zp_out)``;
+    ``IDENTITY`` scales nothing. ``lo > qd.qmin`` is a fused ReLU. ``qd`` None
+    means an int64 intermediate (the operands of add), never clamped.
+    """
+
+    zp_in: np.ndarray
+    zp_out: np.ndarray
+    m: np.ndarray
+    shift: np.ndarray
+    f: np.ndarray
+    rounding: int
+    qd: QDType | None
+    lo: int
+    hi: int
+    axis: int | None = None
+    block_size: int | None = None
+
+    @property
+    def params(self) -> tuple:
+        """The per-slot parameters, in the order every kernel takes them."""
+        return self.zp_in, self.zp_out, self.m, self.shift, self.f
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return np.dtype(np.int64) if self.qd is None else np.dtype(self.qd.storage)
+
+
+_I64 = np.iinfo(np.int64)
+
+
+def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, block_size=None, relu=False):
+    """The ``Requant`` taking integers whose real value is ``q * prod(factors)``
+    (``zp_in`` subtracted first) to ``(scale_out, zp_out, qd)``.
+
+    ``factors`` are host arrays (float32 scales, or float64 where a power of 2
+    scales one) broadcastable to one parameter shape (``a.scale * b.scale``
+    for matmul); ``mode`` and ``rounding`` are the
+    resolved names. In fixed mode the multiplier is their float64 product over
+    ``scale_out``; in float mode it is computed in float32, as ONNX's
+    ``a_scale * b_scale / y_scale``. ``qd`` None gives an unclamped int64 result.
+    """
+    shape = np.broadcast_shapes(*(np.shape(v) for v in (*factors, scale_out, zp_in, zp_out)))
+    zeros = np.zeros(shape, np.int64)
+    if mode == "fixed":
+        M = np.float64(1)
+        for f in factors:
+            M = M * np.asarray(f, np.float64)  # float32 scales convert exactly
+        code = ROUNDINGS[rounding]
+        m, s = quantize_multiplier(M / np.asarray(scale_out, np.float64), tflite=code == TFLITE)
+        fm = np.zeros(shape)
+    else:
+        M = np.float32(1)
+        for f in factors:
+            M = M * np.asarray(f, np.float32)
+        m, s, fm, code = zeros, zeros, float_multiplier(M, scale_out).astype(np.float64), FLOAT
+    lo, hi = (_I64.min, _I64.max) if qd is None else (qd.qmin, qd.qmax)
+    if relu:  # ReLU clamps at real 0, the output zero point: one per op
+        z = np.unique(np.asarray(zp_out))
+        if z.size != 1:
+            raise ValueError("a fused ReLU needs one output zero point")
+        lo = max(lo, int(z[0]))
+    return Requant(*(np.broadcast_to(np.asarray(v, dt), shape).copy()
+                     for v, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (fm, np.float64))),
+                   code, qd, int(lo), int(hi), axis, block_size)
+
+
+def identity(zp_in) -> Requant:
+    """The operand ``q - zp_in`` as it is (int64, nothing scaled or clamped)."""
+    z = np.asarray(zp_in, np.int64)
+    zero = np.zeros(z.shape, np.int64)
+    return Requant(z, zero, zero, zero, np.zeros(z.shape), IDENTITY, None, int(_I64.min), int(_I64.max))

@@ -10,6 +10,7 @@ import pytest
 
 import qarray
 from qarray import QArray, qdtype
+from qarray._fixed_point import FLOAT, Requant, quantize_multiplier
 from qarray.backends import cupy as cuda_backend
 from qarray.backends.cupy import CUDA_DIR
 
@@ -24,6 +25,21 @@ def test_nvcc_compiles(source, arch, tmp_path):
     r = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Werror", "all-warnings",
                         f"-I{CUDA_DIR}", str(source), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def make_rq(zi, zo, M, d, axis=None, block_size=None, rounding=0, floor=None):
+    """A ``Requant`` from the real multiplier(s) ``M`` (float32 in float mode,
+    ``rounding=None``), as the ops build them, for calling primitives directly."""
+    shape = np.shape(M)
+    zeros = np.zeros(shape, np.int64)
+    if rounding is None:
+        m, s, f, code = zeros, zeros, np.asarray(M, np.float32).astype(np.float64), FLOAT
+    else:
+        (m, s), f, code = quantize_multiplier(M, tflite=rounding == 3), np.zeros(shape), rounding
+    lo, hi = (-(2**63), 2**63 - 1) if d is None else (d.qmin, d.qmax)
+    return Requant(*(np.broadcast_to(np.asarray(v, dt), shape).copy()
+                     for v, dt in ((zi, np.int64), (zo, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))),
+                   code, d, lo if floor is None else max(lo, floor), hi, axis, block_size)
 
 
 def _numpy_and_host(host, fn):
@@ -66,7 +82,6 @@ def test_quantize_dequantize(host, shape, axis, block_size, dtype, in_dtype, rng
 @pytest.mark.parametrize("src,dst", [("qint32", "qint8"), ("quint8", "qint4"), ("qint16", "quint16"), ("qint8", "qint32")])
 @pytest.mark.parametrize("rounding", [0, 1, 2, 3, None])
 def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
-    from qarray._fixed_point import quantize_multiplier
     from qarray._params import param_shape
 
     s, d = qdtype(src), qdtype(dst)
@@ -76,8 +91,8 @@ def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
     zo = np.full(ps, (d.qmin + d.qmax) // 2, np.int32)
     # half the slots get multipliers that make exact ties (x.5) common
     M = np.where(rng.random(ps) < 0.5, rng.choice([0.5, 0.25, 1.5, 0.125], ps), rng.uniform(1e-4, 3.0, ps))
-    mult = tuple(quantize_multiplier(M)) if rounding is not None else M.astype(np.float32)
-    want, got = _numpy_and_host(host, lambda b: b.requantize(q, zi, zo, mult, d, axis, block_size, rounding))
+    rq = make_rq(zi, zo, M, d, axis, block_size, rounding)
+    want, got = _numpy_and_host(host, lambda b: b.requantize(q, rq))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
 

@@ -5,11 +5,11 @@ backend bit for bit."""
 import numpy as np
 import pytest
 from cuda_host.harness import host, host_lib  # noqa: F401 (fixtures)
-from test_cuda import _numpy_and_host
+from test_cuda import _numpy_and_host, make_rq
 
 import qarray
 from qarray import QArray, qdtype
-from qarray._fixed_point import quantize_multiplier
+from qarray._fixed_point import identity
 from qarray.backends import cupy as cuda_backend
 
 TAIL = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77  # more than one grid covers
@@ -126,7 +126,7 @@ def _binary_cases(rng, pair, sa, sb):
 @pytest.mark.parametrize("op", ["add", "sub", "mul"])
 def test_binary_exact(host, op, pair, sa, sb, rng):
     a, za, b, zb = _binary_cases(rng, pair, sa, sb)
-    want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, za, b, zb))
+    want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb)))
     _same(got, want)
     if want.size and sb != (3, 4):
         _last_kernel(host, f"binary_{a.dtype.name}_{b.dtype.name}")
@@ -138,9 +138,9 @@ def test_binary_exact(host, op, pair, sa, sb, rng):
 def test_binary_rescaled(host, pair, sa, sb, rounding, rng):
     a, za, b, zb = _binary_cases(rng, pair, sa, sb)
     # one multiplier near 2**19 (add's largest), one with exact ties
-    mults = [tuple(quantize_multiplier(m)) for m in (rng.uniform(1, 2.0**19), 0.5)]
+    ra, rb = (make_rq(z, 0, m, None, rounding=rounding) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for op in ("add", "sub"):
-        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, za, b, zb, *mults, rounding))
+        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, ra, rb))
         _same(got, want)
 
 
@@ -148,23 +148,22 @@ def test_binary_views_and_tail(host, rng):
     a, za, b, zb = _binary_cases(rng, ("qint8", "quint8"), (9, 8), (9, 8))
     for x in _views(a):
         for y in (b[: x.shape[0], : x.shape[1]], b[-x.shape[0]:, -x.shape[1]:][::-1]):
-            want, got = _numpy_and_host(host, lambda bk: bk.binary("mul", x, za, y, zb))
+            want, got = _numpy_and_host(host, lambda bk: bk.binary("mul", x, y, identity(za), identity(zb)))
             _same(got, want)
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
-    want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, za, b, zb))
+    want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
     _same(got, want)
     assert host.launches[-1] == ("binary_int16_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
 
 
 def _requant(rng, shape, out, rounding, relu, axis=None):
-    """``requant`` keyword arguments for binary: random parameters, per tensor or along ``axis``."""
+    """A Requant for binary: random parameters, per tensor or along ``axis``."""
     d = qdtype(out)
     n = () if axis is None else (shape[axis],)
     zo = rng.integers(d.qmin, d.qmax, n, endpoint=True).astype(np.int32)
     mult = rng.choice([0.5, 0.25, 2.0**-7, 3e-3], n) * rng.choice([1.0, 1.0 + 2.0**-20], n)  # ties and not
-    return dict(zp_in=rng.integers(-3, 3, n).astype(np.int32), zp_out=zo, qd=d, axis=axis, block_size=None,
-                mult=tuple(quantize_multiplier(mult)) if rounding is not None else mult.astype(np.float32),
-                rounding=rounding, floor=int(zo) if relu and axis is None else None)
+    return make_rq(rng.integers(-3, 3, n), zo, mult, d, axis, None, rounding,
+                   floor=int(zo) if relu and axis is None else None)
 
 
 @pytest.mark.parametrize("sa,sb", SHAPES)
@@ -175,21 +174,21 @@ def test_binary_requantized_in_one_kernel(host, sa, sb, out, rounding, relu, rng
     shape = np.broadcast_shapes(sa, sb)
     for op in ("add", "mul"):
         requant = _requant(rng, shape, out, rounding, relu)
-        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, za, b, zb, requant=requant))
+        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb), requant))
         _same(got, want)
         if want.size and sb != (3, 4):
             assert [n for n, *_ in host.launches][-1:] == ["binary_int8_uint8"]
     if relu:  # the floor is the output zero point: real 0
-        assert (want.astype(np.int64) >= int(requant["zp_out"])).all()
+        assert (want.astype(np.int64) >= int(requant.zp_out)).all()
 
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_binary_requantized_per_axis_and_rescaled(host, axis, rng):
     a, za, b, zb = _binary_cases(rng, ("quint16", "qint8"), (6, 5), (5,))
-    mults = [tuple(quantize_multiplier(m)) for m in (rng.uniform(1, 2.0**19), 0.5)]
+    ra, rb = (make_rq(z, 0, m, None, rounding=1) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for rounding in (0, 3, None):
         requant = _requant(rng, (6, 5), "qint8", rounding, False, axis)
-        want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, za, b, zb, *mults, 1, requant=requant))
+        want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, b, ra, rb, requant))
         _same(got, want)
         assert host.launches[-1][0] == "binary_uint16_int8"
 
@@ -212,9 +211,7 @@ def _requantize_args(rng, q, src, dst, axis=None, rounding=0):
     ps = () if axis is None else (q.shape[axis],)
     zi = rng.integers(s.qmin, min(s.qmax, s.qmin + 50), ps, endpoint=True).astype(np.int32)
     zo = np.full(ps, (d.qmin + d.qmax) // 2, np.int32)
-    M = rng.uniform(1e-3, 2.0, ps)
-    mult = tuple(quantize_multiplier(M)) if rounding is not None else M.astype(np.float32)
-    return zi, zo, mult, d, axis, None, rounding
+    return (make_rq(zi, zo, rng.uniform(1e-3, 2.0, ps), d, axis, None, rounding),)
 
 
 @pytest.mark.parametrize("src,dst", [("qint32", "qint8"), ("quint8", "qint4"), ("qint16", "quint16")])

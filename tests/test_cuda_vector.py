@@ -3,10 +3,9 @@ per-tensor data moves in vectors, misaligned starts and tails element by element
 
 import numpy as np
 import pytest
-from test_cuda import _numpy_and_host, host, host_lib  # noqa: F401  (fixtures)
+from test_cuda import _numpy_and_host, host, host_lib, make_rq  # noqa: F401  (fixtures)
 
 import qarray
-from qarray._fixed_point import quantize_multiplier
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
@@ -22,7 +21,6 @@ def test_aligned_and_misaligned(host, rng, offset, n):  # noqa: F811
         want, got = _numpy_and_host(host, lambda b: b.dequantize(qb, s, z, None, None, ft))
         np.testing.assert_array_equal(got, want)
     q64 = rng.integers(-(2**40), 2**40, n + 8)[offset : offset + n]
-    mult = tuple(quantize_multiplier(np.float64(2.0**-33) * 3))
-    zi, zo = np.asarray(np.int32(0)), np.asarray(np.int32(1))
-    want, got = _numpy_and_host(host, lambda b: b.requantize(q64, zi, zo, mult, qarray.qint16, None, None, 0))
+    rq = make_rq(0, 1, np.float64(2.0**-33) * 3, qarray.qint16)
+    want, got = _numpy_and_host(host, lambda b: b.requantize(q64, rq))
     np.testing.assert_array_equal(got, want)

@@ -52,12 +52,22 @@ def test_quantize_multiplier():
         m, s = (int(v) for v in quantize_multiplier(M))
         assert 2**30 <= m < 2**31
         assert abs(Fraction(m, 2**s) - Fraction(M)) <= Fraction(1, 2 ** (s + 1))
-    m, s = quantize_multiplier(2.0**-33)  # below 2**-32: zero, as TFLite
-    assert int(m) == 0 and int(s) == 62
-    m, s = quantize_multiplier(2.0**-32)
-    assert int(m) == 2**30 and int(s) == 62
-    with pytest.raises(ValueError, match=r"too large for fixed-point arithmetic \(it must be < 2\*\*30\)"):
-        quantize_multiplier(2.0**30)
+    # far below TFLite's 2**-32 the multiplier is kept ...
+    for M in [2.0**-33, 2.0**-63, 2.0**-64]:
+        m, s = (int(v) for v in quantize_multiplier(M))
+        assert Fraction(m, 2**s) == Fraction(M)
+    # ... until every |d * m| < 2**94 rounds to 0 (an exact zero), and up to 2**34,
+    # beyond which every d != 0 saturates every output (a capped shift)
+    assert [int(v) for v in quantize_multiplier(2.0**-64 * 0.75)] == [0, 94]
+    assert [int(v) for v in quantize_multiplier(2.0**-64)] == [2**30, 94]
+    assert [int(v) for v in quantize_multiplier(2.0**33)] == [2**30, -3]
+    assert [int(v) for v in quantize_multiplier(2.0**40)] == [2**30, -3]
+    # tflite=True: TFLite's QuantizeMultiplier caps (0 below 2**-32, 2**31 - 1 with shift 30 from 2**30)
+    assert [int(v) for v in quantize_multiplier(2.0**-33, tflite=True)] == [0, 62]
+    assert [int(v) for v in quantize_multiplier(2.0**-32, tflite=True)] == [2**30, 62]
+    assert [int(v) for v in quantize_multiplier(2.0**30, tflite=True)] == [2**31 - 1, 1]
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        quantize_multiplier(0.0)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -181,8 +191,8 @@ def test_errors():
         qarray.requantize(q, [0.1, 0.2, 0.3], 0, axis=1)
     with pytest.raises(ValueError, match=r"zero_point 200 is outside the range \[-128, 127\] of qint8"):
         qarray.requantize(q, 0.1, 200, "qint8")
-    with pytest.raises(ValueError, match=r"too large for fixed-point"):
-        qarray.requantize(q, 1e-12, 0, "qint32")
+    # a huge multiplier (1e11) is no error: it saturates
+    np.testing.assert_array_equal(qarray.requantize(q, 1e-12, 0, "qint32").int_repr(), np.full((2, 3), 2**31 - 1))
     with pytest.raises(ValueError, match="rounding must be one of"):
         qarray.requantize(q, 0.1, rounding="nearest")
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -194,6 +204,16 @@ def test_errors():
     with pytest.raises(TypeError, match="no setting 'speed'"):
         with qarray.config.using(speed=1):
             pass
+
+
+@pytest.mark.parametrize("M", [2.0**29, 2.0**30, 2.0**31, 2.0**32, 2.0**33, 2.0**40, 2.0**90])
+def test_multipliers_beyond_2_30_are_exact(M, kernels):
+    """Codes -1, 0, 1 at scale M into qint32 at scale 1 and zero point -2**31 (or
+    2**31 - 1): in range while M <= 2**32, saturated beyond, never an error."""
+    q = QArray.from_int(np.array([-1, 0, 1, 2], np.int32), np.float32(M), 0, "qint32")
+    for zp in (-(2**31), 2**31 - 1):
+        got = qarray.requantize(q, 1.0, zp, "qint32").int_repr().tolist()
+        assert got == [min(max(v * int(M) + zp, -(2**31)), 2**31 - 1) for v in (-1, 0, 1, 2)]
 
 
 @pytest.mark.parametrize("src", ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"])

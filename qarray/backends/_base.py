@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._dtypes import qint32
-from .._fixed_point import rescale
+from .._fixed_point import FLOAT, IDENTITY, rescale
 from .._params import expand, to_host, view3
 
 
@@ -83,28 +82,22 @@ class Backend:
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return y.astype(dtype, copy=False)
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None, floor=None):
-        """Rescale ``q - zp_in`` by ``mult`` and add ``zp_out``, saturating to ``qd``
-        (written into ``out`` when given: ``qd``'s storage, ``q``'s shape).
-        ``floor`` (an int) raises the lower bound above ``qd.qmin``: a fused ReLU
-        passes the output zero point.
-
-        ``mult`` is ``(m, s)`` (int64, see ``_fixed_point``) with ``rounding`` a
-        rounding code, or a float32 multiplier with ``rounding=None`` (the ONNX way,
-        as QLinearMatMul and QLinearConv compute it:
-        ``rint(float64(q - zp_in) * multiplier + zp_out)``).
-        """
+    def requantize(self, q, rq, out=None):
+        """``rq`` (a ``qarray._fixed_point.Requant``) applied to every element of
+        ``q``: ``clamp(R((q - zp_in) * M) + zp_out, lo, hi)`` in ``rq``'s output
+        dtype, written into ``out`` when given (that dtype, ``q``'s shape)."""
         xp = self.xp
 
         def ex(p):
-            return expand(p, q.shape, axis, block_size, xp)
+            return expand(self.asarray(p), q.shape, rq.axis, rq.block_size, xp)
 
-        d = q.astype(xp.int64) - ex(zp_in).astype(xp.int64)
-        if rounding is None:
-            v = xp.rint(d.astype(xp.float64) * ex(mult).astype(xp.float64) + ex(zp_out))
+        zi, zo, m, s, f = (ex(p) for p in rq.params)
+        d = q.astype(xp.int64) - zi
+        if rq.rounding == FLOAT:  # clamped in float64: a huge product must not overflow int64
+            v = xp.clip(xp.rint(d.astype(xp.float64) * f + zo), rq.lo, rq.hi)
         else:
-            v = rescale(d, ex(mult[0]), ex(mult[1]), rounding) + ex(zp_out).astype(xp.int64)
-        v = xp.clip(v, qd.qmin if floor is None else max(qd.qmin, floor), qd.qmax).astype(qd.storage)
+            v = xp.clip((d if rq.rounding == IDENTITY else rescale(d, m, s, rq.rounding)) + zo, rq.lo, rq.hi)
+        v = v.astype(rq.out_dtype, copy=False)
         if out is None:
             return v
         out[...] = v
@@ -114,27 +107,16 @@ class Backend:
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
         return self.xp.clip(q, lo, hi).astype(q.dtype)
 
-    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None, requant=None):
-        """The exact int64 ``(a - za) op (b - zb)``, ``op`` being "add", "sub" or "mul",
-        with broadcasting; ``za``, ``zb`` are ints.
-
-        With ``mult_a`` and ``mult_b`` (``(m, s)`` as for requantize, with the
-        rounding code ``rounding``) each centred operand is first rescaled by its
-        multiplier and saturated to int32, as requantize to qint32 does (add's
-        common scale). With ``requant`` (the keyword arguments of ``requantize``
-        after ``q``) the result is requantized: one pass on the GPU.
+    def binary(self, op, a, b, ra, rb, rq=None):
+        """``x op y`` with broadcasting, ``op`` being "add", "sub" or "mul": ``x`` and
+        ``y`` are the operands taken by the per-tensor Requants ``ra`` and ``rb``
+        to int64 (centred, and for add rescaled onto a common scale), exact;
+        then ``rq`` applied when given (one pass on the GPU), else the int64
+        result. The op makes sure nothing overflows int64.
         """
-        xp = self.xp
-
-        def centred(q, z, mult):
-            if mult is None:
-                return q.astype(xp.int64) - z
-            zeros = self.asarray(np.zeros((), np.int64))
-            return self.requantize(q, self.asarray(np.int64(z)), zeros, mult, qint32, None, None, rounding).astype(xp.int64)
-
-        x, y = centred(a, za, mult_a), centred(b, zb, mult_b)
+        x, y = self.requantize(a, ra), self.requantize(b, rb)
         acc = x * y if op == "mul" else (x + y if op == "add" else x - y)
-        return acc if requant is None else self.requantize(acc, **requant)
+        return acc if rq is None else self.requantize(acc, rq)
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""

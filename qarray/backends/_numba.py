@@ -11,8 +11,8 @@ only arithmetic in them, so LLVM vectorizes them.
 
 The integer arithmetic of requantize is ``qarray._fixed_point.rescale``
 compiled as it stands: the same source as the generic NumPy and CuPy code.
-One requantize kernel is compiled per rounding and operand width (closure
-constants, so their branches fold away; Numba's cache keys include them).
+One requantize kernel is compiled per rounding code (a closure constant, so
+its branches fold away; Numba's cache key includes it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import hashlib
 import inspect
 
 from .. import _fixed_point
-from .._fixed_point import ROUNDINGS
+from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
 _rescale = njit(inline="always")(_fixed_point.rescale)
 # Numba's cache sees only this file's timestamp, not _fixed_point.py's; closure
@@ -146,48 +146,43 @@ def lut(u, table, out):
         out[i] = table[u[i]]
 
 
-def _make_requantize(code, narrow):
-    """The requantize kernel for one rounding code (``-1``: float mode).
+@njit(inline="always")
+def _rq(d, zo, m, sh, f, lo, hi, code):
+    """One requantized value from ``d = q - zp_in`` (``qarray._fixed_point.Requant``)."""
+    if code == FLOAT:  # clamp in float64: a huge product must not overflow int64
+        return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
+    if code == IDENTITY:
+        return min(max(d + zo, lo), hi)
+    return min(max(_rescale(d, m, sh, code) + zo, lo), hi)
 
-    ``narrow``: ``q - zp_in`` fits in int32 (inputs of 16 bits or less, or a
-    zero ``zp_in``); saying so lets LLVM use a 32x32->64-bit multiply.
-    """
 
-    @njit(inline="always")
-    def rq(qv, zi, zo, m, sh, f, lo, hi):
-        d = np.int64(qv) - zi
-        if narrow:
-            d = np.int64(np.int32(d))
-            m = np.int64(np.int32(m))
-        if code < 0:  # clamp in float64: a huge product must not overflow int64
-            return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
-        return min(max(_rescale(d, m, sh, code) + zo, lo), hi)
+@njit(inline="always")
+def _rq_row(q, p, o, l, po, b, lo, hi, code, out):
+    zi, zo, m, sh, f = p
+    if zi.shape[2] > 1:
+        for i in range(q.shape[2]):
+            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zi[po, b, i], zo[po, b, i], m[po, b, i],
+                               sh[po, b, i], f[po, b, i], lo, hi, code)
+    else:
+        zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
+        for i in range(q.shape[2]):
+            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zir, zor, mr, shr, fr, lo, hi, code)
 
-    @njit(inline="always")
-    def row(q, p, o, l, po, b, lo, hi, out):
-        zi, zo, m, sh, f = p
-        if zi.shape[2] > 1:
-            for i in range(q.shape[2]):
-                out[o, l, i] = rq(q[o, l, i], zi[po, b, i], zo[po, b, i], m[po, b, i],
-                                  sh[po, b, i], f[po, b, i], lo, hi)
-        else:
-            zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
-            for i in range(q.shape[2]):
-                out[o, l, i] = rq(q[o, l, i], zir, zor, mr, shr, fr, lo, hi)
 
-    @njit(inline="always")
-    def col(q, p, o, po, bidx, lo, hi, out):
-        zi, zo, m, sh, f = p
-        if zi.shape[1] == q.shape[1]:
-            for l in range(q.shape[1]):
-                out[o, l, 0] = rq(q[o, l, 0], zi[po, l, 0], zo[po, l, 0], m[po, l, 0],
-                                  sh[po, l, 0], f[po, l, 0], lo, hi)
-        else:
-            for l in range(q.shape[1]):
-                b = bidx[l]
-                out[o, l, 0] = rq(q[o, l, 0], zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
-                                  sh[po, b, 0], f[po, b, 0], lo, hi)
+@njit(inline="always")
+def _rq_col(q, p, o, po, bidx, lo, hi, code, out):
+    zi, zo, m, sh, f = p
+    for l in range(q.shape[1]):
+        b = bidx[l]
+        out[o, l, 0] = _rq(np.int64(q[o, l, 0]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
+                           sh[po, b, 0], f[po, b, 0], lo, hi, code)
 
+
+def _make_requantize(code):
+    """The requantize kernel for one rounding code (a closure constant, so the
+    branches on it fold away). The closure holds plain values only: Numba's
+    cache key includes it, and a function in it would change the key in every
+    process (a cache that never hits)."""
     source = _RESCALE_SOURCE
 
     @njit(parallel=True, cache=True)
@@ -198,17 +193,16 @@ def _make_requantize(code, narrow):
         p = (zi, zo, m, sh, f)
         if i_n == 1:
             for o in prange(o_n):
-                col(q, p, o, np.int64(o) * pos, bidx, lo, hi, out)
+                _rq_col(q, p, o, np.int64(o) * pos, bidx, lo, hi, code, out)
         elif o_n > 1:
             for o in prange(o_n):
                 for l in range(n):
-                    row(q, p, o, l, np.int64(o) * pos, bidx[l], lo, hi, out)
+                    _rq_row(q, p, o, l, np.int64(o) * pos, bidx[l], lo, hi, code, out)
         else:
             for l in prange(n):
-                row(q, p, 0, l, 0, bidx[l], lo, hi, out)
+                _rq_row(q, p, 0, l, 0, bidx[l], lo, hi, code, out)
 
     return requantize
 
 
-requantize = {(code, narrow): _make_requantize(code, narrow)
-              for code in (-1, *ROUNDINGS.values()) for narrow in (False, True)}
+requantize = {code: _make_requantize(code) for code in (FLOAT, IDENTITY, *ROUNDINGS.values())}

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .._dtypes import qint32
 from .._params import compact, param_shape, view3
 from ._base import Backend, nan_error
 
@@ -169,35 +168,27 @@ class CupyBackend(Backend):
                               (q, s, z, bidx, *self._layout_scalars(total, lay), out))
         return out
 
-    def _requant_args(self, shape, zp_in, zp_out, mult, qd, axis, block_size, rounding, floor):
-        """``(total, args)``: the arguments every requantizing kernel takes after its
-        data, from ``zp_in`` to the rounding code (see ``requantize``)."""
+    def _requant_args(self, shape, rq):
+        """``(total, args)``: what every requantizing kernel takes after its data,
+        ``REQUANT_PARAMS`` to ``REQUANT_BOUNDS`` (``cuda/common.cuh``)."""
         xp = self.xp
-        pshape = zp_in.shape
-        if rounding is None:
-            m, s, f, code = xp.zeros(pshape, np.int64), xp.ones(pshape, np.int64), mult, -1
-        else:
-            (m, s), f, code = mult, xp.zeros(pshape, np.float64), rounding
-        params = [xp.broadcast_to(xp.asarray(p).astype(dt), pshape)
-                  for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
-        total, lay, bidx, ps = plan(xp, shape, axis, block_size, *params)
-        lo = qd.qmin if floor is None else max(qd.qmin, floor)
-        return total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(lo), np.int64(qd.qmax), np.int32(code))
+        total, lay, bidx, ps = plan(xp, shape, rq.axis, rq.block_size, *(xp.asarray(p) for p in rq.params))
+        return total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None, floor=None):
+    def requantize(self, q, rq, out=None):
         xp = self.xp
         q = xp.ascontiguousarray(q)
-        if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64"):
-            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out, floor)
-        total, args = self._requant_args(q.shape, zp_in, zp_out, mult, qd, axis, block_size, rounding, floor)
-        pair = f"{q.dtype.name}_{qd.storage.name}"
+        if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
+            return super().requantize(q, rq, out)
+        total, args = self._requant_args(q.shape, rq)
+        pair = f"{q.dtype.name}_{rq.qd.storage.name}"
         rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
         if rows is not None:  # a strided slice (cat along an inner axis): written in place
             row, stride, span = rows
             dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
             self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
             return out
-        target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, qd.storage)
+        target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, rq.qd.storage)
         if total:
             self._elementwise(f"requantize_{pair}", total, (q, *args, target))
         if out is None or target is out:
@@ -214,26 +205,22 @@ class CupyBackend(Backend):
             self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
         return out
 
-    def binary(self, op, a, za, b, zb, mult_a=None, mult_b=None, rounding=None, requant=None):
+    def binary(self, op, a, b, ra, rb, rq=None):
         xp = self.xp
         shape = np.broadcast_shapes(a.shape, b.shape)
         pa, pb = _period(a.shape, shape), _period(b.shape, shape)
-        out_dtype = np.dtype(np.int64) if requant is None else requant["qd"].storage
+        out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
         if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE or out_dtype.name not in OUT_KINDS:
-            return super().binary(op, a, za, b, zb, mult_a, mult_b, rounding, requant)
-        (ma, sa), (mb, sb), code = ((0, 0), (0, 0), -1) if mult_a is None else (mult_a, mult_b, rounding)
-        if requant is None:  # the kernel stores the accumulator and reads no parameters: any will do
-            zero = xp.zeros((), np.int64)
-            requant = dict(zp_in=zero, zp_out=zero, mult=(zero, zero), qd=qint32, axis=None, block_size=None,
-                           rounding=0, floor=None)
-        total, args = self._requant_args(shape, **requant)
+            return super().binary(op, a, b, ra, rb, rq)
+        # without rq the kernel stores the int64 result and reads no parameters: any will do
+        total, args = self._requant_args(shape, ra if rq is None else rq)
         out = xp.empty(shape, out_dtype)
         if total:
-            operands = [(xp.ascontiguousarray(x), *(np.int64(int(v)) for v in (p, z, m, s)))
-                        for x, p, z, m, s in ((a, pa, za, ma, sa), (b, pb, zb, mb, sb))]
+            operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
+                         np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
             self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", total,
-                              (*operands[0], *operands[1], np.int32(code), np.int32(BINARY_OPS[op]), *args,
-                               np.int32(OUT_KINDS[out_dtype.name]), out), "ops.cu")
+                              (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
+                               np.int32(OUT_KINDS[out_dtype.name] if rq is not None else 0), out), "ops.cu")
         return out
 
     def pack(self, q, bits):

@@ -133,19 +133,10 @@ class NumpyBackend(Backend):
         k.lut(u.reshape(-1), table, out.reshape(-1))
         return out
 
-    def requantize(self, q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out=None, floor=None):
+    def requantize(self, q, rq, out=None):
         k = self._fast(q)
         if k is None or (out is not None and not out.flags.c_contiguous):
-            return super().requantize(q, zp_in, zp_out, mult, qd, axis, block_size, rounding, out, floor)
-        if rounding is None:
-            m, s, f, code = 0, 1, mult, -1
-        else:
-            (m, s), f, code = mult, 0.0, rounding
-        shape = np.shape(zp_in)
-        params = [np.broadcast_to(np.asarray(p, dt), shape)
-                  for p, dt in ((zp_in, np.int64), (zp_out, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))]
-        narrow = q.dtype.itemsize <= 2 or (q.dtype.itemsize == 4 and not np.any(zp_in))
-        out = np.empty(q.shape, qd.storage) if out is None else out
-        lo = qd.qmin if floor is None else max(qd.qmin, floor)
-        self._run(k.requantize[code, narrow], q, out, axis, block_size, params, np.int64(lo), np.int64(qd.qmax))
+            return super().requantize(q, rq, out)
+        out = np.empty(q.shape, rq.out_dtype) if out is None else out
+        self._run(k.requantize[rq.rounding], q, out, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
         return out

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._config import resolve
 from .._dtypes import qdtype, qint32
-from .._fixed_point import ROUNDINGS, float_multiplier, quantize_multiplier
+from .._fixed_point import plan
 from .._params import check_scale, check_zero_point, to_host
 from .._qarray import QArray
 
@@ -50,20 +50,19 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
     ``factors`` are host float32 arrays, each a scalar or of length
     ``acc.shape[axis]`` (per-channel weights). ``relu`` clamps at real 0 (at the
     output zero point), fused into the requantize as in PyTorch's ``linear_relu``.
-    ``acc`` may also be a function ``acc(requant)`` that returns the integers
-    (``requant=None``) or computes and requantizes them in one pass, ``requant``
-    being the keyword arguments of ``backend.requantize`` (the binary ops).
+    ``acc`` may also be a function ``acc(rq)`` that returns the integers
+    (``rq=None``) or computes and requantizes them in one pass, ``rq`` being
+    the op's ``Requant`` (the binary ops).
     """
     xp = backend.xp
     if not callable(acc):
         acc = functools.partial(_requantized, backend, acc)
-    factors = [np.asarray(to_host(f), np.float32) for f in factors]
+    factors = [np.asarray(to_host(f)) for f in factors]
     if all(f.ndim == 0 for f in factors):
         axis = None
     want = () if axis is None else next(f.shape for f in factors if f.ndim)  # acc.shape[axis]
-    factors = [np.broadcast_to(f, want) for f in factors]
     if not wants_output(scale, zero_point, dtype):
-        acc = acc(requant=None)
+        acc = acc(None)
         if relu:
             acc = xp.maximum(acc, 0)
         if acc.dtype != np.int32 and acc.size:
@@ -73,31 +72,17 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                     f"{op}: the exact result reaches {hi if hi > _I32.max else lo}, beyond qint32; "
                     "pass output scale=, zero_point= and dtype= to requantize it instead"
                 )
-        s = factors[0]
-        for f in factors[1:]:
-            s = s * f
-        s = check_scale(s, want, axis)
+        s = np.float32(1)
+        for f in factors:
+            s = s * f.astype(np.float32)
+        s = check_scale(np.broadcast_to(s, want), want, axis)
         return QArray._new(acc.astype(np.int32), backend.asarray(s),
                            backend.asarray(np.zeros(want, np.int32)), qint32, axis, None, backend)
     mode, rounding = resolve(mode, rounding)
     d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
-    if mode == "fixed":
-        m = np.ones(want, np.float64)
-        for f in factors:
-            m = m * f.astype(np.float64)
-        mult = tuple(backend.asarray(v) for v in quantize_multiplier(m / np.float64(s_out)))
-        code = ROUNDINGS[rounding]
-    else:  # ONNX: a_scale * b_scale / y_scale, each step in float32
-        m = factors[0]
-        for f in factors[1:]:
-            m = m * f
-        mult, code = backend.asarray(np.array(float_multiplier(m, s_out))), None
-    zeros = backend.asarray(np.zeros(want, np.int32))
-    zo = backend.asarray(np.broadcast_to(z_out, want).copy())
-    data = acc(requant=dict(zp_in=zeros, zp_out=zo, mult=mult, qd=d, axis=axis, block_size=None,
-                            rounding=code, floor=int(z_out) if relu else None))
-    return QArray._new(data, backend.asarray(s_out), backend.asarray(z_out), d, None, None, backend)
+    rq = plan(factors, s_out, np.zeros(want, np.int64), z_out, d, mode, rounding, axis=axis, relu=relu)
+    return QArray._new(acc(rq), backend.asarray(s_out), backend.asarray(z_out), d, None, None, backend)
 
 
-def _requantized(backend, acc, requant):
-    return acc if requant is None else backend.requantize(acc, **requant)
+def _requantized(backend, acc, rq):
+    return acc if rq is None else backend.requantize(acc, rq)

@@ -3,8 +3,9 @@
 Integer-only by default (``mode="fixed"``): ``mul`` forms the exact products
 ``(a - za) * (b - zb)`` at scale ``a.scale * b.scale`` and requantizes them once;
 ``add`` / ``sub`` first rescale each input exactly-rounded onto a common fine
-scale ``2 * max(a.scale, b.scale) / 2**20`` (TFLite's scheme), add, and
-requantize. ``mode="float"`` is the ONNX way: dequantize, compute in float32,
+scale ``2 * max(a.scale, b.scale) / 2**shift`` (TFLite's scheme: ``shift`` 20
+for 8-bit inputs, 15 for 16-bit, 28 for 32-bit, int64 operands never
+clamped), add exactly, and requantize once. ``mode="float"`` is the ONNX way: dequantize, compute in float32,
 quantize. The relu family keeps the input's parameters and works on the
 integers directly (exact); pass output parameters to requantize as well.
 """
@@ -19,14 +20,12 @@ from .. import backends as _backends
 from .._api import quantize, requantize
 from .._config import resolve
 from .._dtypes import qint8
-from .._fixed_point import ROUNDINGS, quantize_multiplier
+from .._fixed_point import identity, plan
 from .._params import expand, to_host
 from .._qarray import QArray
 from ._output import finish, output_params, wants_output
 
 __all__ = ["add", "sub", "mul", "add_scalar", "mul_scalar", "relu", "relu6", "clamp", "hardtanh"]
-
-_LEFT_SHIFT = 20  # bits of headroom for add's common scale (TFLite uses 20 for 8-bit inputs)
 
 
 def _operands(op, a, b):
@@ -54,26 +53,34 @@ def _float_op(op, a, b, ufunc, scale, zero_point, dtype, relu):
     return relu_(out) if relu else out
 
 
+def _left_shift(a: QArray, b: QArray) -> int:
+    """Bits of headroom on add's common scale, from the wider input: TFLite's 20
+    for 8-bit inputs and 15 for 16-bit; 28 for 32-bit inputs (int64 operands
+    below 2**59). The operands are never clamped."""
+    return {8: 20, 16: 15, 32: 28}[max(8, a.dtype.bits, b.dtype.bits)]
+
+
 def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
     backend, _ = _operands(op, a, b)
     xp = backend.xp
     mode, rounding = resolve(mode, rounding)
-    s_a, s_b = (np.float64(to_host(q.scale)) for q in (a, b))
+    s_a, s_b = (to_host(q.scale) for q in (a, b))
     if not wants_output(scale, zero_point, dtype):
         if s_a != s_b:
             raise ValueError(
-                f"{op}: inputs have scales {np.float32(s_a)} and {np.float32(s_b)}; pass the output "
+                f"{op}: inputs have scales {s_a} and {s_b}; pass the output "
                 "scale= (with zero_point= and dtype=), or give both inputs one scale for the exact qint32 result"
             )
-        acc = backend.binary(op, a.data, _zp(a), b.data, _zp(b))
-        return finish(op, backend, acc, [to_host(a.scale)], None, None, None, None, default_dtype=a.dtype, relu=relu)
+        acc = backend.binary(op, a.data, b.data, identity(_zp(a)), identity(_zp(b)))
+        return finish(op, backend, acc, [s_a], None, None, None, None, default_dtype=a.dtype, relu=relu)
     if mode == "float":
         return _float_op(op, a, b, xp.add if sign > 0 else xp.subtract, scale, zero_point, dtype, relu)
-    # each input onto the common scale 2 * max / 2**20: an exactly rounded rescale
-    common = 2.0 * max(s_a, s_b) / 2.0**_LEFT_SHIFT
-    mults = [tuple(backend.asarray(v) for v in quantize_multiplier(s / common)) for s in (s_a, s_b)]
-    acc = functools.partial(backend.binary, op, a.data, _zp(a), b.data, _zp(b), *mults, ROUNDINGS[rounding])
-    return finish(op, backend, acc, [np.float32(common)], None, scale, zero_point, dtype,
+    # each input onto the common scale 2 * max / 2**shift (exact in float64),
+    # rounded once, then the exact int64 sum requantized once
+    common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(a, b)
+    ra, rb = (plan([q.scale], common, _zp(q), 0, None, mode, rounding) for q in (a, b))
+    acc = functools.partial(backend.binary, op, a.data, b.data, ra, rb)
+    return finish(op, backend, acc, [np.float64(common)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
 
@@ -104,9 +111,31 @@ def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=F
     mode, rounding = resolve(mode, rounding)
     if mode == "float" and wants_output(scale, zero_point, dtype):
         return _float_op("mul", a, b, backend.xp.multiply, scale, zero_point, dtype, relu)
-    acc = functools.partial(backend.binary, "mul", a.data, _zp(a), b.data, _zp(b))
+    _check_product(a, b)
+    acc = functools.partial(backend.binary, "mul", a.data, b.data, identity(_zp(a)), identity(_zp(b)))
     return finish("mul", backend, acc, [to_host(a.scale), to_host(b.scale)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+def _check_product(a: QArray, b: QArray) -> None:
+    """ValueError unless every product ``(a - za) * (b - zb)`` fits in int64:
+    from the dtypes and zero points, else (two 32-bit inputs) from the data."""
+    def reach(q, data):
+        z = _zp(q)
+        if data:
+            if q.size == 0:
+                return 0
+            lo, hi = (int(v) for v in to_host(q._backend.xp.stack([q.data.min(), q.data.max()])))
+        else:
+            lo, hi = q.dtype.qmin, q.dtype.qmax
+        return max(z - lo, hi - z)
+
+    if reach(a, False) * reach(b, False) < 2**63 or reach(a, True) * reach(b, True) < 2**63:
+        return
+    raise ValueError(
+        f"mul: the exact products of these {a.dtype.name} and {b.dtype.name} inputs reach "
+        f"{reach(a, True) * reach(b, True)}, beyond int64; requantize one input to 16 bits first"
+    )
 
 
 def _constant(q: QArray, value, op):

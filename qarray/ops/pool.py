@@ -85,7 +85,7 @@ def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
 def _round_mean(acc, count, m, sh, rounding):
     """``R(acc / count * m, sh)`` exactly: int64 ``acc``, positive integer ``count``
     (scalar or array), ``|acc / count| < 2**32`` (any mean of 32-bit values),
-    ``m < 2**31``, ``1 <= sh <= 62``.
+    ``m < 2**31``, ``1 <= sh <= 63``.
 
     With ``acc = count * Q + R`` and ``R * m = count * Q2 + R2``, the value is
     ``(I + R2 / count) / 2**sh`` with integer ``I = Q * m + Q2``: nothing overflows
@@ -115,8 +115,15 @@ def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) ->
     mode, rounding = resolve(mode, rounding)
     s_in = to_host(q.scale)
     if mode == "fixed":
-        m, sh = quantize_multiplier(s_in.astype(np.float64) / s_out.astype(np.float64))
-        v = _round_mean(acc, count, int(m), int(sh), rounding) + int(z_out)
+        m, sh = (int(v) for v in quantize_multiplier(s_in.astype(np.float64) / s_out.astype(np.float64)))
+        if sh < 1:
+            raise ValueError(
+                f"{op}: scale_in / scale_out = {float(s_in) / float(s_out):g} is too large for an exact "
+                "average (it must be below 2**30); choose a larger output scale or mode='float'"
+            )
+        if sh > 63:  # |mean * m| < 2**63: every value rounds to 0
+            m, sh = 0, 63
+        v = _round_mean(acc, count, m, sh, rounding) + int(z_out)
     else:  # as the requantize primitive: round after adding the zero point, clamp in float
         mult = float(float_multiplier(s_in, s_out))
         v = xp.rint(acc.astype(xp.float64) / count * mult + int(z_out))

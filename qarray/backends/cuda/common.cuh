@@ -31,13 +31,21 @@ struct Layout {
 #define QA_HALF_AWAY 1
 #define QA_HALF_UP 2
 #define QA_TFLITE 3
+#define QA_FLOAT -1
+#define QA_IDENTITY -2
+
+// d * m / 2**s rounded, exactly: d * m (up to 94 bits) is h * 2**32 + l from
+// two 64-bit products. A line-for-line port of qarray/_fixed_point.py rescale;
+// shifts of negative values go through unsigned (defined in C++17).
+__device__ __forceinline__ i64 qa_shl(i64 v, i64 n) { return (i64)((unsigned long long)v << n); }
 
 __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
-    const i64 one = 1;
+    const i64 one = 1, m31 = (one << 31) - 1, m32 = (one << 32) - 1;
     if (rounding == QA_TFLITE) {
         i64 e = 31 - s;
-        i64 a = d << (e > 0 ? e : 0);
         const i64 lo = -(one << 31), hi = (one << 31) - 1;
+        i64 a = d < lo ? lo : (d > hi ? hi : d);
+        a = qa_shl(a, e > 0 ? e : 0);
         a = a < lo ? lo : (a > hi ? hi : a);
         i64 ab = a * m;
         i64 y = ab + (one << 30) - (ab < 0 ? (one << 31) - 1 : 0);
@@ -46,25 +54,54 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
         i64 mask = (one << rs) - 1;
         return (x >> rs) + (((x & mask) > ((mask >> 1) + (x < 0 ? 1 : 0))) ? 1 : 0);
     }
-    i64 v = d * m;
-    i64 half = one << (s - 1);
-    i64 q = v >> s;
-    i64 r = v & (half + (half - 1));
-    if (rounding == QA_HALF_UP) return q + ((r + half) >> s);
-    if (rounding == QA_HALF_AWAY) return q + ((r + half + (v >> 63)) >> s);
-    return q + ((r + half - 1 + (q & 1)) >> s);
+    // A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30), then shift
+    // d left so that the shift is 32.
+    const bool lt = s < 32;
+    const i64 u = lt ? 32 - s : 0;
+    const i64 t = s + u - 32;
+    const i64 b = one << (lt ? s + 30 : 0);
+    const i64 x = qa_shl(lt ? (d > b ? b : (d < -b ? -b : d)) : d, u);
+    // x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
+    const i64 lo = (x & m32) * m;
+    const i64 h = (x >> 32) * m + (lo >> 32);
+    const i64 l = lo & m32;
+    const i64 q = h >> t;
+    // the remainder against half = 2**(t + 31): w in units of 2**31, and sticky
+    const i64 w = qa_shl(h & ((one << t) - 1), 1) + (l >> 31);
+    const i64 p = one << t;
+    const bool sticky = (l & m31) != 0;
+    if (rounding == QA_HALF_UP) return q + (w >= p ? 1 : 0);
+    if (rounding == QA_HALF_AWAY) return q + ((w > p || (w == p && (sticky || h >= 0))) ? 1 : 0);
+    return q + ((w > p || (w == p && (sticky || (q & 1)))) ? 1 : 0);
 }
 
-// One requantized value from d = q - zp_in: fixed point (rounding >= 0) or
-// float (rounding < 0, no FMA: as the CPU), plus zo, saturated to [lo, hi].
+// One requantized value from d = q - zp_in: fixed point (rounding >= 0),
+// float (QA_FLOAT, no FMA: as the CPU) or none (QA_IDENTITY), plus zo,
+// saturated to [lo, hi].
 __device__ __forceinline__ i64 qa_requantize(i64 d, i64 zo, i64 m, i64 sh, double f, i64 lo, i64 hi, int rounding) {
-    if (rounding < 0) {
+    if (rounding == QA_FLOAT) {
         double w = rint(__dadd_rn(__dmul_rn((double)d, f), (double)zo));
         return (i64)(w < (double)lo ? (double)lo : (w > (double)hi ? (double)hi : w));
     }
-    i64 r = qa_rescale(d, m, sh, rounding) + zo;
+    i64 r = (rounding == QA_IDENTITY ? d : qa_rescale(d, m, sh, rounding)) + zo;
     return r < lo ? lo : (r > hi ? hi : r);
 }
+
+// qarray._fixed_point.Requant: out = clamp(R((v - zi) * M) + zo, lo, hi) with
+// the parameters of slot p. Kernels take it as REQUANT_ARGS and build it with
+// REQUANT; CupyBackend._requant_args passes them in this order.
+struct Requant {
+    const i64 *zi, *zo, *m, *sh;
+    const double* f;
+    i64 lo, hi;
+    int rounding;
+    __device__ i64 operator()(i64 v, i64 p) const {
+        return qa_requantize(v - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
+    }
+};
+#define REQUANT_PARAMS const i64 *zi, const i64 *zo, const i64 *m, const i64 *sh, const double *f
+#define REQUANT_BOUNDS i64 lo, i64 hi, int rounding
+#define REQUANT Requant{zi, zo, m, sh, f, lo, hi, rounding}
 
 // CuPy compiles every RawModule with -ftz=true, which flushes float32
 // subnormals to zero in arithmetic and comparisons; NumPy keeps them. So the

@@ -28,14 +28,10 @@ __device__ void dequantize_body(const TIn* q, const TF* s, const int* z, const i
     });
 }
 
-// Fixed point (rounding >= 0) or float (rounding < 0) requantize.
+// out = rq(q) in every slot (see Requant in common.cuh).
 template <typename TIn, typename TOut>
-__device__ void requantize_body(const TIn* q, const i64* zi, const i64* zo, const i64* m, const i64* sh,
-                                const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
-                                int rounding, TOut* out) {
-    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut {
-        return (TOut)qa_requantize((i64)v - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
-    });
+__device__ void requantize_body(const TIn* q, Requant rq, const i64* bidx, i64 total, Layout lay, TOut* out) {
+    qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut { return (TOut)rq((i64)v, p); });
 }
 
 #define QUANTIZE(IN, TIN, TF, TC, OUT, TOUT)                                                      \
@@ -60,11 +56,10 @@ QUANTIZE_ALL(float64, double, double)
                                                        TOUT* out) {                                \
         dequantize_body<TIN, TF, TOUT>(q, s, z, bidx, total, LAYOUT, out);                         \
     }
-#define REQUANTIZE(IN, TIN, OUT, TOUT)                                                                \
-    extern "C" __global__ void requantize_##IN##_##OUT(                                               \
-        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,     \
-        const i64* bidx, i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, TOUT* out) {           \
-        requantize_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, LAYOUT, lo, hi, rounding, out);  \
+#define REQUANTIZE(IN, TIN, OUT, TOUT)                                                                   \
+    extern "C" __global__ void requantize_##IN##_##OUT(const TIN* q, REQUANT_PARAMS, const i64* bidx,    \
+                                                       i64 total, LAYOUT_ARGS, REQUANT_BOUNDS, TOUT* out) { \
+        requantize_body<TIN, TOUT>(q, REQUANT, bidx, total, LAYOUT, out);                                 \
     }
 #define PER_INT(M, IN, TIN)                   \
     M(IN, TIN, int8, signed char)             \

@@ -39,12 +39,13 @@ extern "C" __global__ void unpack_bits(const unsigned char* packed, int bits, in
     }
 }
 
-// One operand of binary: x[idx % period] - z, then (rounding >= 0) rescaled by
-// (m, s) and saturated to int32, as requantize to qint32 does.
+// One operand of binary: x[idx % period] - z, then rescaled by (m, s) with
+// rounding code `code` (QA_IDENTITY: as it is), as qarray._fixed_point.Requant
+// with no clamp: add's operands on their common scale.
 template <typename T>
-__device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, i64 s, int rounding, i64 idx) {
+__device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, i64 s, int code, i64 idx) {
     i64 d = (i64)x[idx < period ? idx : idx % period] - z;
-    return rounding < 0 ? d : qa_requantize(d, 0, m, s, 0.0, -(1LL << 31), (1LL << 31) - 1, rounding);
+    return qa_requantize(d, 0, m, s, 0.0, -0x7fffffffffffffffLL - 1, 0x7fffffffffffffffLL, code);
 }
 
 // Store v as the storage type numbered `kind` (CupyBackend's OUT_KINDS).
@@ -59,24 +60,20 @@ __device__ __forceinline__ void qa_store(void* out, int kind, i64 idx, i64 v) {
     }
 }
 
-// v = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64 (the
-// product wraps as NumPy's int64 does); operands broadcast by period. With
-// out_kind 0, out is v itself (int64); otherwise v is requantized in the same
-// pass, exactly as elementwise.cu's requantize (zi .. rounding, lo > qmin being
-// a fused ReLU), and stored as out_kind's type.
+// v = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64
+// (the ops refuse operands whose product could pass 2**63); operands
+// broadcast by period. With out_kind 0, out is v itself (int64); otherwise
+// rq(v) in the same pass (lo > qmin being a fused ReLU), stored as out_kind's
+// type.
 template <typename TA, typename TB>
-__device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, i64 pb, i64 zb, i64 mb,
-                            i64 sb, int in_rounding, int op, const i64* zi, const i64* zo, const i64* m,
-                            const i64* sh, const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
-                            int rounding, int out_kind, void* out) {
+__device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, int ca, const TB* b, i64 pb, i64 zb,
+                            i64 mb, i64 sb, int cb, int op, Requant rq, const i64* bidx, i64 total, Layout lay,
+                            int out_kind, void* out) {
     QA_GRID_STRIDE(idx, total) {
-        i64 x = qa_operand(a, pa, za, ma, sa, in_rounding, idx);
-        i64 y = qa_operand(b, pb, zb, mb, sb, in_rounding, idx);
-        i64 v = op == 2 ? (i64)((unsigned long long)x * (unsigned long long)y) : (op == 1 ? x - y : x + y);
-        if (out_kind) {
-            i64 p = lay.slot(idx, bidx);
-            v = qa_requantize(v - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
-        }
+        i64 x = qa_operand(a, pa, za, ma, sa, ca, idx);
+        i64 y = qa_operand(b, pb, zb, mb, sb, cb, idx);
+        i64 v = op == 2 ? x * y : (op == 1 ? x - y : x + y);
+        if (out_kind) v = rq(v, lay.slot(idx, bidx));
         qa_store(out, out_kind, idx, v);
     }
 }
@@ -84,13 +81,10 @@ __device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const T
 // requantize (as elementwise.cu) into rows of a strided destination: element
 // idx goes to out[idx / row * stride + idx % row] (cat along an inner axis).
 template <typename TIn, typename TOut>
-__device__ void requantize_rows_body(const TIn* q, const i64* zi, const i64* zo, const i64* m, const i64* sh,
-                                     const double* f, const i64* bidx, i64 total, Layout lay, i64 lo, i64 hi,
-                                     int rounding, i64 row, i64 stride, TOut* out) {
+__device__ void requantize_rows_body(const TIn* q, Requant rq, const i64* bidx, i64 total, Layout lay, i64 row,
+                                     i64 stride, TOut* out) {
     QA_GRID_STRIDE(idx, total) {
-        i64 p = lay.slot(idx, bidx);
-        i64 v = qa_requantize((i64)q[idx] - zi[p], zo[p], m[p], sh[p], f[p], lo, hi, rounding);
-        out[idx / row * stride + idx % row] = (TOut)v;
+        out[idx / row * stride + idx % row] = (TOut)rq((i64)q[idx], lay.slot(idx, bidx));
     }
 }
 
@@ -98,13 +92,13 @@ __device__ void requantize_rows_body(const TIn* q, const i64* zi, const i64* zo,
     extern "C" __global__ void clip_##N(const T* q, i64 lo, i64 hi, i64 total, T* out) {               \
         clip_body<T>(q, lo, hi, total, out);                                                           \
     }
-#define BINARY(A, TA, B, TB)                                                                                       \
-    extern "C" __global__ void binary_##A##_##B(                                                                   \
-        const TA* a, i64 pa, i64 za, i64 ma, i64 sa, const TB* b, i64 pb, i64 zb, i64 mb, i64 sb, int in_rounding, \
-        int op, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f, const i64* bidx,       \
-        i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, int out_kind, void* out) {                           \
-        binary_body<TA, TB>(a, pa, za, ma, sa, b, pb, zb, mb, sb, in_rounding, op, zi, zo, m, sh, f, bidx, total,  \
-                            LAYOUT, lo, hi, rounding, out_kind, out);                                              \
+#define BINARY(A, TA, B, TB)                                                                                    \
+    extern "C" __global__ void binary_##A##_##B(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, int ca, const TB* b,  \
+                                                i64 pb, i64 zb, i64 mb, i64 sb, int cb, int op, REQUANT_PARAMS,       \
+                                                const i64* bidx, i64 total, LAYOUT_ARGS, REQUANT_BOUNDS,              \
+                                                int out_kind, void* out) {                                            \
+        binary_body<TA, TB>(a, pa, za, ma, sa, ca, b, pb, zb, mb, sb, cb, op, REQUANT, bidx, total, LAYOUT,         \
+                            out_kind, out);                                                                           \
     }
 #define PER_STORAGE(M, ...)                   \
     M(__VA_ARGS__, int8, signed char)         \
@@ -120,12 +114,11 @@ BINARY_B(int16, short)
 BINARY_B(uint16, unsigned short)
 BINARY_B(int32, int)
 
-#define REQUANTIZE_ROWS(IN, TIN, OUT, TOUT)                                                                      \
-    extern "C" __global__ void requantize_rows_##IN##_##OUT(                                                     \
-        const TIN* q, const i64* zi, const i64* zo, const i64* m, const i64* sh, const double* f,                \
-        const i64* bidx, i64 total, LAYOUT_ARGS, i64 lo, i64 hi, int rounding, i64 row, i64 stride, TOUT* out) { \
-        requantize_rows_body<TIN, TOUT>(q, zi, zo, m, sh, f, bidx, total, LAYOUT, lo, hi, rounding, row, stride, \
-                                        out);                                                                    \
+#define REQUANTIZE_ROWS(IN, TIN, OUT, TOUT)                                                                \
+    extern "C" __global__ void requantize_rows_##IN##_##OUT(const TIN* q, REQUANT_PARAMS, const i64* bidx,  \
+                                                            i64 total, LAYOUT_ARGS, REQUANT_BOUNDS, i64 row, \
+                                                            i64 stride, TOUT* out) {                         \
+        requantize_rows_body<TIN, TOUT>(q, REQUANT, bidx, total, LAYOUT, row, stride, out);                 \
     }
 #define REQUANTIZE_ROWS_OUT(IN, TIN) PER_STORAGE(REQUANTIZE_ROWS, IN, TIN)
 REQUANTIZE_ROWS_OUT(int8, signed char)

@@ -1,0 +1,51 @@
+"""Numba's on-disk cache must hit in a fresh process: every kernel the second
+process uses is loaded, none compiled or written again (read from Numba's own
+NUMBA_DEBUG_CACHE report, not from timing)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+SCRIPT = r"""
+import numpy as np
+import qarray as qa
+
+x = np.linspace(-3, 3, 1 << 15, dtype=np.float32).reshape(128, 256)
+q = qa.quantize(x, 0.05, 3, "qint8")
+q.dequantize()
+qa.quantize(x, np.full(256, 0.05, np.float32), 0, "quint8", axis=1)
+acc = qa.QArray.from_int(np.arange(1 << 15, dtype=np.int32), 0.5, 0, "qint32")
+for rounding in ("half_even", "half_away", "half_up", "tflite"):
+    qa.requantize(acc, 3.0, 1, "qint8", rounding=rounding)
+qa.requantize(acc, 3.0, 1, "qint8", mode="float")
+qa.add(q, q, scale=0.1, zero_point=0, dtype="qint8")
+qa.mul(q, q, scale=0.1, zero_point=0, dtype="qint8", relu=True)
+qa.sigmoid(q)
+"""
+
+_EVENT = re.compile(r"\[cache\] (index|data) (saved to|loaded from) (\S+)")
+
+
+def _run(cache: Path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), NUMBA_DEBUG_CACHE="1")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent).stdout
+    events = _EVENT.findall(out)
+    saved = {p for kind, what, p in events if kind == "data" and what == "saved to"}
+    loaded = {p for kind, what, p in events if kind == "data" and what == "loaded from"}
+    return saved, loaded, sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file())
+
+
+def test_second_process_loads_every_kernel_and_writes_nothing(tmp_path):
+    saved, loaded, files = _run(tmp_path)
+    assert saved and not loaded  # the first process compiles and writes
+    saved2, loaded2, files2 = _run(tmp_path)
+    assert saved2 == set()  # nothing compiled again ...
+    assert loaded2 == saved  # ... every kernel from the cache ...
+    assert files2 == files  # ... and no new file
