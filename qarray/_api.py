@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import backends as _backends
@@ -168,6 +170,13 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
     return quantize(x, scale, zp, d, axis, block_size)
 
 
+def packed_layout(d: QDType, count: int):
+    """How ``QArray.pack()`` stores ``count`` values of ``d``: ``(NumPy dtype, number of items)``."""
+    if d.packed:
+        return np.dtype(np.uint8), -(-count // (8 // d.bits))
+    return d.storage, count
+
+
 def unpack(packed, dtype, shape):
     """Integers from ``QArray.pack()`` bytes: ``dtype``'s storage, reshaped to ``shape``.
 
@@ -180,16 +189,12 @@ def unpack(packed, dtype, shape):
         packed = np.frombuffer(bytes(packed), np.uint8) if isinstance(packed, (bytes, bytearray)) else np.asarray(packed)
     b = _backends.for_array(packed)
     shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    count = int(np.prod(shape))
-    want_dtype = np.uint8 if d.packed else d.storage
+    count = math.prod(shape)  # a Python int: no int64 wrap-around for huge shapes
+    want_dtype, items = packed_layout(d, count)
     if packed.dtype != want_dtype:
-        raise TypeError(f"unpack: {d.name} data comes as {np.dtype(want_dtype).name}, got {packed.dtype}")
-    per = 8 // d.bits if d.packed else 1
-    if packed.size != -(-count // per):
-        raise ValueError(
-            f"unpack: {count} {d.name} values need {-(-count // per)} items, got {packed.size}"
-        )
+        raise TypeError(f"unpack: {d.name} data comes as {want_dtype.name}, got {packed.dtype}")
+    if packed.size != items:
+        raise ValueError(f"unpack: {count} {d.name} values need {items} items, got {packed.size}")
     if not d.packed:
         return packed.reshape(shape).copy()
     return b.unpack(packed.reshape(-1), d.bits, d.signed, count).reshape(shape)
-

@@ -1,25 +1,45 @@
 """save / load QArrays as ``.npz``: packed sub-byte data, no pickle, every field checked.
 
 Layout: for each name, ``NAME.data`` (``QArray.pack()`` bytes), ``NAME.scale``,
-``NAME.zero_point`` and ``NAME.meta`` (a JSON string: format, dtype, shape, axis,
-block_size).
+``NAME.zero_point`` and ``NAME.meta`` (a JSON string: format, version, dtype, shape,
+axis, block_size), each an uncompressed ``.npy`` member of the zip archive that
+``numpy.savez`` writes.
+
+Versions: ``save`` writes ``{"format": "qarray", "version": 1, ...}``; ``load`` reads
+the versions in ``VERSIONS``. Files written before the version field existed say
+``{"format": "qarray-1"}`` with no version; they are read as version 1.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
+import tokenize
+import warnings
 import zipfile
 import zlib
 
 import numpy as np
 
-from ._api import unpack
+from ._api import packed_layout, unpack
 from ._dtypes import qdtype
-from ._params import check_params, to_host
+from ._params import check_params, normalize_axis, normalize_block_size, param_shape, to_host
 from ._qarray import QArray
 
-FORMAT = "qarray-1"
+FORMAT = "qarray"
+VERSION = 1  # what save writes
+VERSIONS = (1,)  # what load reads
+_LEGACY_FORMAT = "qarray-1"  # version 1 before the version field: no "version" key
+_KEYS = {"format", "version", "dtype", "shape", "axis", "block_size"}
 _FIELDS = ("data", "scale", "zero_point", "meta")
+_MEMBER = re.compile(r"([^./]+)\.(data|scale|zero_point|meta)\.npy")
+_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+# What zipfile, numpy's npy header parser (tokenize, ast.literal_eval) and a damaged
+# file can raise; warnings are made errors while reading, so they are here too.
+_READ_ERRORS = (ValueError, TypeError, KeyError, IndexError, SyntaxError, RuntimeError, OverflowError,
+                OSError, EOFError, struct.error, zipfile.BadZipFile, zlib.error, tokenize.TokenError, Warning)
 
 
 def save(path, arrays: dict) -> None:
@@ -32,7 +52,7 @@ def save(path, arrays: dict) -> None:
             raise ValueError(f"save: names must be non-empty strings without '.' or '/', got {name!r}")
         if not isinstance(q, QArray):
             raise TypeError(f"save: {name!r} is a {type(q).__name__}, not a QArray")
-        meta = {"format": FORMAT, "dtype": q.dtype.name, "shape": list(q.shape),
+        meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape),
                 "axis": q.axis, "block_size": q.block_size}
         out[f"{name}.data"] = to_host(q.pack())
         out[f"{name}.scale"] = to_host(q.scale)
@@ -41,73 +61,190 @@ def save(path, arrays: dict) -> None:
     np.savez(path, **out)
 
 
+def load(path) -> dict:
+    """Read a file written by :func:`save` as ``{name: QArray}``.
+
+    Anything off raises ValueError naming the file and the member or field
+    (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
+    a member missing, doubled or unexpected, an npy header or a value that does not
+    fit. Every size is checked against the npy headers and the archive before data is
+    read, so memory use stays within the file's size; nothing is unpickled. The
+    format versions read are those in ``VERSIONS`` (see the module docstring).
+    """
+    with open(path, "rb") as fh, _open(path, fh) as zf:
+        members = _members(path, fh, zf)
+        return {name: _load_one(path, zf, name, fields) for name, fields in members.items()}
+
+
+def _open(path, fh) -> zipfile.ZipFile:
+    """The archive in ``fh``. Its end record must close the file with no comment, as
+    ``numpy.savez`` writes it: otherwise (a damaged comment length, bytes appended)
+    zipfile searches backwards for an end record and may take a stale one."""
+    head = fh.read(6)
+    size = fh.seek(0, 2)
+    fh.seek(max(size - 22, 0))
+    tail = fh.read(22)
+    if head == b"\x93NUMPY":
+        raise ValueError(f"{path} is not a qarray file: it holds a single array, not an .npz archive")
+    if len(tail) < 22 or tail[:4] != b"PK\x05\x06" or tail[20:] != b"\0\0":
+        raise ValueError(f"{path} is not a readable qarray file: no zip end record (with an empty comment) "
+                         "closes it; it is truncated, extended, damaged or not .npz")
+    try:
+        return zipfile.ZipFile(fh)
+    except _READ_ERRORS as e:
+        raise ValueError(f"{path} is not a readable qarray file: {type(e).__name__}: {e}") from None
+
+
+def _members(path, fh, zf) -> dict:
+    """``{name: {field: ZipInfo}}``: every member lying where the directory says, a
+    plainly stored ``NAME.FIELD.npy``, there once, and all four fields of each name."""
+    _check_layout(path, fh, zf.infolist())
+    members = {}
+    for info in zf.infolist():
+        m = _MEMBER.fullmatch(info.filename)
+        if m is None:
+            raise ValueError(f"{path}: unexpected member {info.filename!r}")
+        fields = members.setdefault(m[1], {})
+        if m[2] in fields:
+            raise ValueError(f"{path}: member {info.filename!r} appears twice")
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x9 or info.file_size != info.compress_size:
+            raise ValueError(f"{path}: member {info.filename!r} is compressed, encrypted, streamed or "
+                             "has inconsistent sizes; qarray.save stores members plainly")
+        fields[m[2]] = info
+    for name, fields in members.items():
+        missing = [f for f in _FIELDS if f not in fields]
+        if missing:
+            raise ValueError(f"{path}: field {name}.{missing[0]} is missing")
+    return members
+
+
+def _check_layout(path, fh, infos) -> None:
+    """The members' local headers must lie back to back from byte 0, each where the
+    directory puts it, with the directory right after them: no member is hidden from
+    the directory zipfile read (a damaged end record can make it read a shorter one)."""
+    at = {info.header_offset: info for info in infos}
+    size = fh.seek(0, 2)
+    pos = found = 0
+    while pos in at:
+        fh.seek(min(pos, size))  # past the end (sizes can claim 2**64): reads nothing
+        local = fh.read(30)
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            break
+        name_len, extra_len = struct.unpack("<HH", local[26:])
+        pos += 30 + name_len + extra_len + at[pos].compress_size
+        found += 1
+    fh.seek(min(pos, size))
+    if found != len(infos) or fh.read(4) != (b"PK\x01\x02" if infos else b"PK\x05\x06"):
+        raise ValueError(f"{path} is not a readable qarray file: its zip directory does not match "
+                         f"the members in it (at byte {pos})")
+
+
+def _load_one(path, zf, name, fields) -> QArray:
+    text = _read(path, zf, fields["meta"], f"{name}.meta",
+                 lambda dtype, shape: None if dtype.kind == "U" and shape == () else "expected a JSON string")
+    dtype, shape, axis, block_size = _parse_meta(path, name, str(text[()]))
+    count = math.prod(shape)
+    pshape = param_shape(shape, axis, block_size)
+    scale = _read(path, zf, fields["scale"], f"{name}.scale", _exactly(np.dtype(np.float32), pshape))
+    zero_point = _read(path, zf, fields["zero_point"], f"{name}.zero_point", _exactly(np.dtype(np.int32), pshape))
+    try:
+        s, z, _, _ = check_params(scale, zero_point, dtype, shape, axis, block_size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: field {name}.scale/zero_point/meta is invalid: {e}") from None
+    storage, items = packed_layout(dtype, count)
+    packed = _read(path, zf, fields["data"], f"{name}.data",
+                   _exactly(storage, (items,), f" ({count} {dtype.name} values)"))
+    try:
+        data = unpack(packed, dtype, shape)
+    except (TypeError, ValueError) as e:
+        raise _bad(path, name, "data", e) from None
+    if not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
+        raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
+    return QArray._new(data, s, z, dtype, axis, block_size)
+
+
+def _exactly(dtype, shape, what=""):
+    """A header check for :func:`_read`: exactly ``dtype`` and ``shape``."""
+    def check(d, s):
+        if d != dtype or s != shape:
+            return f"holds {d} of shape {s}, expected {dtype} of shape {shape}{what}"
+    return check
+
+
+def _read(path, zf, info, key, check) -> np.ndarray:
+    """The array in member ``info`` (field ``key``). ``check(dtype, shape)`` sees its npy
+    header before any data is read and says what is wrong with it, or returns None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy's header repairs, zipfile's doubts
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version not in _HEADERS:
+                    raise ValueError(f"npy format version {version} is not one qarray reads")
+                shape, fortran, dtype = _HEADERS[version](f)
+                why = check(dtype, shape)
+                if why is None:
+                    nbytes, left = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+                    if left != nbytes:
+                        why = f"holds {left} bytes of data, its header ({dtype}, shape {shape}) says {nbytes}"
+                    else:  # reading to the end checks the CRC
+                        a = np.frombuffer(f.read(), dtype)
+                        a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
+    except _READ_ERRORS as e:
+        raise ValueError(f"{path}: field {key} is unreadable: {type(e).__name__}: {e}") from None
+    if why is not None:
+        raise ValueError(f"{path}: field {key} is invalid: {why}")
+    return a
+
+
 def _bad(path, name, field, why) -> ValueError:
     return ValueError(f"{path}: field {name}.{field} is invalid: {why}")
 
 
-def _read_meta(path, name, raw):
-    if raw.dtype.kind != "U" or raw.ndim != 0:
-        raise _bad(path, name, "meta", "expected a JSON string")
+def _unique_keys(pairs) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _parse_meta(path, name, text):
     try:
-        meta = json.loads(str(raw))
-    except ValueError as e:
+        meta = json.loads(text, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:
         raise _bad(path, name, "meta", f"not JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise _bad(path, name, "meta", f"format is not {FORMAT!r}")
+    if not isinstance(meta, dict):
+        raise _bad(path, name, "meta", "expected a JSON object")
+    legacy = meta.get("format") == _LEGACY_FORMAT and "version" not in meta  # version 1
+    if not legacy:
+        reads = f"this qarray reads version {', '.join(map(str, VERSIONS))}"
+        if meta.get("format") != FORMAT:
+            raise _bad(path, name, "meta", f"format is not {FORMAT!r}")
+        if "version" not in meta:
+            raise _bad(path, name, "meta", f"version is missing; {reads}")
+        if type(meta["version"]) is not int or meta["version"] not in VERSIONS:
+            raise _bad(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
+    want = _KEYS - {"version"} if legacy else _KEYS
+    if meta.keys() != want:
+        raise _bad(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
+    if not isinstance(meta["dtype"], str):
+        raise _bad(path, name, "meta", f"dtype must be a string, got {meta['dtype']!r}")
     try:
-        dtype = qdtype(meta.get("dtype"))
+        dtype = qdtype(meta["dtype"])
     except TypeError as e:
         raise _bad(path, name, "meta", f"dtype: {e}") from None
-    shape = meta.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise _bad(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
     for key in ("axis", "block_size"):
-        v = meta.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        v = meta[key]
+        if v is not None and type(v) is not int:
             raise _bad(path, name, "meta", f"{key} must be an integer or null, got {v!r}")
-    return dtype, tuple(shape), meta.get("axis"), meta.get("block_size")
-
-
-def load(path) -> dict:
-    """Read a file written by :func:`save`; ValueError naming the field if anything is off."""
-    with open(path, "rb") as fh:  # ours to close, whatever np.load makes of it
-        try:
-            f = np.load(fh, allow_pickle=False)
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-            raise ValueError(f"{path} is not a readable qarray file (truncated or not .npz): {e}") from None
-        if not isinstance(f, np.lib.npyio.NpzFile):
-            raise ValueError(f"{path} is not a qarray file: it holds a single array, not an .npz archive")
-        with f:
-            raw = {}
-            for key in f.files:
-                try:
-                    raw[key] = f[key]
-                except ValueError as e:  # an object array: a pickle in disguise
-                    raise ValueError(f"{path}: field {key} is invalid: {e}") from None
-                except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:
-                    raise ValueError(f"{path}: field {key} is unreadable (truncated file?): {e}") from None
-    names = {}
-    for key in raw:
-        name, _, field = key.rpartition(".")
-        if not name or field not in _FIELDS:
-            raise ValueError(f"{path}: unexpected field {key!r}")
-        names.setdefault(name, set()).add(field)
-    result = {}
-    for name, fields in names.items():
-        missing = set(_FIELDS) - fields
-        if missing:
-            raise ValueError(f"{path}: field {name}.{sorted(missing)[0]} is missing")
-        dtype, shape, axis, block_size = _read_meta(path, name, raw[f"{name}.meta"])
-        try:
-            s, z, axis, block_size = check_params(raw[f"{name}.scale"], raw[f"{name}.zero_point"],
-                                                  dtype, shape, axis, block_size)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: field {name}.scale/zero_point/meta is invalid: {e}") from None
-        try:
-            data = unpack(raw[f"{name}.data"], dtype, shape)
-        except (TypeError, ValueError) as e:
-            raise _bad(path, name, "data", e) from None
-        if not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
-            raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
-        result[name] = QArray._new(data, s, z, dtype, axis, block_size)
-    return result
+    try:
+        axis = normalize_axis(meta["axis"], len(shape))
+        block_size = normalize_block_size(meta["block_size"], axis)
+    except ValueError as e:
+        raise _bad(path, name, "meta", e) from None
+    return dtype, tuple(shape), axis, block_size
