@@ -85,7 +85,7 @@ def float_multiplier(scale_in, scale_out):
     return M
 
 
-def rescale(d, m, s, rounding):
+def rescale(d, m, s, rounding, narrow=False):
     """``d * m / 2**s`` rounded to an integer, exactly (int64 in, int64 out).
 
     ``d`` is any int64, ``m`` in ``[0, 2**31)``, ``s`` in ``[SHIFT_MIN,
@@ -94,9 +94,11 @@ def rescale(d, m, s, rounding):
     gemmlowp's SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with
     ``d`` saturated to int32 after TFLite's left shift (``s`` in ``[1, 62]``).
     Results beyond ``2**60`` in magnitude are saturated there (they are outside
-    every output range). One self-contained function, so Numba compiles it as
-    it stands; ``(bool * int)`` stands in for ``where``: it works on arrays and
-    scalars and, unlike ufunc calls, lets Numba hoist and vectorize.
+    every output range). ``narrow=True`` promises ``|d| < 2**32`` and
+    ``s >= 32``: then ``d * m`` fits in int64 and one product does (a CPU
+    fast path; the result is the same). One self-contained function, so Numba
+    compiles it as it stands; ``(bool * int)`` stands in for ``where``: it
+    works on arrays and scalars and lets Numba hoist and vectorize.
     """
     if rounding == TFLITE:
         e = 31 - s
@@ -110,27 +112,32 @@ def rescale(d, m, s, rounding):
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
     # A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30) (the result
-    # passes 2**60 there), then shift d left so that the shift is 32.
+    # passes 2**60 there), then shift d left so that the shift is 32 + t.
     lt = s < 32
     u = (32 - s) * lt
     t = s + u - 32
-    b = _ONE << ((s + 30) * lt)
-    x = (d - (d - b) * ((d > b) & lt) - (d + b) * ((d < -b) & lt)) << u
-    # x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
-    lo = (x & _M32) * m
-    h = (x >> 32) * m + (lo >> 32)
-    l = lo & _M32
-    q = h >> t  # the floor of x * m / 2**(t + 32)
-    # The remainder (h mod 2**t) * 2**32 + l against half = 2**(t + 31): w is
-    # the remainder in units of 2**31, sticky whether any bit below is set.
-    w = ((h & ((_ONE << t) - 1)) << 1) + (l >> 31)
-    p = _ONE << t
-    sticky = (l & _M31) != 0
+    # x * m = h * 2**32 + l with 0 <= l < 2**32; m & _M31 (== m) tells the
+    # compiler that both products below are 32 x 32 bits
+    m = m & _M31
+    if narrow:
+        v = d * m
+        h, l = v >> 32, v & _M32
+    else:
+        b = _ONE << ((s + 30) * lt)
+        x = (d - (d - b) * ((d > b) & lt) - (d + b) * ((d < -b) & lt)) << u
+        lo = (x & _M32) * m
+        h, l = (x >> 32) * m + (lo >> 32), lo & _M32
+    # floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
+    # {-1, 0} the tie rule's: the half and delta go into the high word, the
+    # low word gives only its borrow or carry
     if rounding == HALF_UP:
-        return q + (w >= p)
-    if rounding == HALF_AWAY:  # a tie goes up when the product is >= 0
-        return q + ((w > p) | ((w == p) & (sticky | (h >= 0))))
-    return q + ((w > p) | ((w == p) & (sticky | ((q & 1) == 1))))
+        delta = 0
+    elif rounding == HALF_AWAY:  # ties down below 0
+        delta = h >> 63
+    else:  # ties down when the floor is even
+        delta = ((h >> t) & 1) - 1
+    half_hi, half_lo = (_ONE << t) >> 1, (t == 0) * (_ONE << 31)
+    return (h + half_hi + ((l + half_lo + delta) >> 32)) >> t
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,6 +171,11 @@ class Requant:
     def params(self) -> tuple:
         """The per-slot parameters, in the order every kernel takes them."""
         return self.zp_in, self.zp_out, self.m, self.shift, self.f
+
+    def narrow(self, dtype) -> bool:
+        """Whether ``rescale(..., narrow=True)`` holds for inputs of ``dtype``:
+        ``|q - zp_in| < 2**32`` (32 bits or less) and every shift >= 32."""
+        return np.dtype(dtype).itemsize <= 4 and bool(np.all(self.shift >= 32))
 
     @property
     def out_dtype(self) -> np.dtype:

@@ -96,7 +96,8 @@ class Backend:
         if rq.rounding == FLOAT:  # clamped in float64: a huge product must not overflow int64
             v = xp.clip(xp.rint(d.astype(xp.float64) * f + zo), rq.lo, rq.hi)
         else:
-            v = xp.clip((d if rq.rounding == IDENTITY else rescale(d, m, s, rq.rounding)) + zo, rq.lo, rq.hi)
+            v = d if rq.rounding == IDENTITY else rescale(d, m, s, rq.rounding, rq.narrow(q.dtype))
+            v = xp.clip(v + zo, rq.lo, rq.hi)
         v = v.astype(rq.out_dtype, copy=False)
         if out is None:
             return v

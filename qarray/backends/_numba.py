@@ -147,40 +147,41 @@ def lut(u, table, out):
 
 
 @njit(inline="always")
-def _rq(d, zo, m, sh, f, lo, hi, code):
+def _rq(d, zo, m, sh, f, lo, hi, code, narrow):
     """One requantized value from ``d = q - zp_in`` (``qarray._fixed_point.Requant``)."""
     if code == FLOAT:  # clamp in float64: a huge product must not overflow int64
         return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
     if code == IDENTITY:
         return min(max(d + zo, lo), hi)
-    return min(max(_rescale(d, m, sh, code) + zo, lo), hi)
+    return min(max(_rescale(d, m, sh, code, narrow) + zo, lo), hi)
 
 
 @njit(inline="always")
-def _rq_row(q, p, o, l, po, b, lo, hi, code, out):
+def _rq_row(q, p, o, l, po, b, lo, hi, code, narrow, out):
     zi, zo, m, sh, f = p
     if zi.shape[2] > 1:
         for i in range(q.shape[2]):
             out[o, l, i] = _rq(np.int64(q[o, l, i]) - zi[po, b, i], zo[po, b, i], m[po, b, i],
-                               sh[po, b, i], f[po, b, i], lo, hi, code)
+                               sh[po, b, i], f[po, b, i], lo, hi, code, narrow)
     else:
         zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
         for i in range(q.shape[2]):
-            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zir, zor, mr, shr, fr, lo, hi, code)
+            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zir, zor, mr, shr, fr, lo, hi, code, narrow)
 
 
 @njit(inline="always")
-def _rq_col(q, p, o, po, bidx, lo, hi, code, out):
+def _rq_col(q, p, o, po, bidx, lo, hi, code, narrow, out):
     zi, zo, m, sh, f = p
     for l in range(q.shape[1]):
         b = bidx[l]
         out[o, l, 0] = _rq(np.int64(q[o, l, 0]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
-                           sh[po, b, 0], f[po, b, 0], lo, hi, code)
+                           sh[po, b, 0], f[po, b, 0], lo, hi, code, narrow)
 
 
-def _make_requantize(code):
-    """The requantize kernel for one rounding code (a closure constant, so the
-    branches on it fold away). The closure holds plain values only: Numba's
+def _make_requantize(code, narrow):
+    """The requantize kernel for one rounding code and operand width
+    (``narrow``: ``Requant.narrow``); closure constants, so the branches on
+    them fold away. The closure holds plain values only: Numba's
     cache key includes it, and a function in it would change the key in every
     process (a cache that never hits)."""
     source = _RESCALE_SOURCE
@@ -193,16 +194,17 @@ def _make_requantize(code):
         p = (zi, zo, m, sh, f)
         if i_n == 1:
             for o in prange(o_n):
-                _rq_col(q, p, o, np.int64(o) * pos, bidx, lo, hi, code, out)
+                _rq_col(q, p, o, np.int64(o) * pos, bidx, lo, hi, code, narrow, out)
         elif o_n > 1:
             for o in prange(o_n):
                 for l in range(n):
-                    _rq_row(q, p, o, l, np.int64(o) * pos, bidx[l], lo, hi, code, out)
+                    _rq_row(q, p, o, l, np.int64(o) * pos, bidx[l], lo, hi, code, narrow, out)
         else:
             for l in prange(n):
-                _rq_row(q, p, 0, l, 0, bidx[l], lo, hi, code, out)
+                _rq_row(q, p, 0, l, 0, bidx[l], lo, hi, code, narrow, out)
 
     return requantize
 
 
-requantize = {code: _make_requantize(code) for code in (FLOAT, IDENTITY, *ROUNDINGS.values())}
+requantize = {(code, narrow): _make_requantize(code, narrow)
+              for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}

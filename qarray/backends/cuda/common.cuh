@@ -55,24 +55,23 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
         return (x >> rs) + (((x & mask) > ((mask >> 1) + (x < 0 ? 1 : 0))) ? 1 : 0);
     }
     // A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30), then shift
-    // d left so that the shift is 32.
+    // d left so that the shift is 32 + t. (The CPU's narrow fast path, one
+    // product where |d| < 2**32, gives the same result and is left out.)
     const bool lt = s < 32;
     const i64 u = lt ? 32 - s : 0;
     const i64 t = s + u - 32;
+    // x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
+    const i64 mm = m & m31;
     const i64 b = one << (lt ? s + 30 : 0);
     const i64 x = qa_shl(lt ? (d > b ? b : (d < -b ? -b : d)) : d, u);
-    // x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
-    const i64 lo = (x & m32) * m;
-    const i64 h = (x >> 32) * m + (lo >> 32);
-    const i64 l = lo & m32;
-    const i64 q = h >> t;
-    // the remainder against half = 2**(t + 31): w in units of 2**31, and sticky
-    const i64 w = qa_shl(h & ((one << t) - 1), 1) + (l >> 31);
-    const i64 p = one << t;
-    const bool sticky = (l & m31) != 0;
-    if (rounding == QA_HALF_UP) return q + (w >= p ? 1 : 0);
-    if (rounding == QA_HALF_AWAY) return q + ((w > p || (w == p && (sticky || h >= 0))) ? 1 : 0);
-    return q + ((w > p || (w == p && (sticky || (q & 1)))) ? 1 : 0);
+    const i64 lo = (x & m32) * mm;
+    const i64 h = (x >> 32) * mm + (lo >> 32), l = lo & m32;
+    // floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
+    // {-1, 0} the tie rule's: the half and delta go into the high word, the
+    // low word gives only its borrow or carry
+    const i64 delta = rounding == QA_HALF_UP ? 0 : (rounding == QA_HALF_AWAY ? h >> 63 : ((h >> t) & 1) - 1);
+    const i64 half_hi = (one << t) >> 1, half_lo = t == 0 ? one << 31 : 0;
+    return (h + half_hi + ((l + half_lo + delta) >> 32)) >> t;
 }
 
 // One requantized value from d = q - zp_in: fixed point (rounding >= 0),
