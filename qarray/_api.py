@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -10,7 +11,7 @@ from . import backends as _backends
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, param_shape, to_host
+from ._params import check_params, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -18,9 +19,7 @@ __all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "choose_q
 
 
 def _float_input(x, what):
-    if isinstance(x, (list, tuple, float, int, np.generic)):
-        x = np.asarray(x)
-    b = _backends.for_array(x)
+    x, b = user_array(x, what)
     if x.dtype.kind != "f" or x.dtype.itemsize > 8:
         raise TypeError(
             f"{what} takes float16, float32 or float64 input, got {x.dtype}; "
@@ -107,6 +106,8 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
                 f"(the storage of {d.name}), got {type(out).__name__} {getattr(out, 'shape', '')} "
                 f"{getattr(out, 'dtype', '')}"
             )
+        if not getattr(out.flags, "writeable", True):
+            raise ValueError("requantize: out is read-only; pass a writeable array (or out=None for a new one)")
     data = b.requantize(q.data, rq, out)
     return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, axis, block_size, b)
 
@@ -126,21 +127,38 @@ def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
     (array(0.01568628, dtype=float32), array(64, dtype=int32))
     """
     d = qdtype(dtype)
-    lo = np.asarray(to_host(min_val), dtype=np.float32)
-    hi = np.asarray(to_host(max_val), dtype=np.float32)
+    lo, hi = (np.asarray(to_host(v)) for v in (min_val, max_val))
+    for name, v in (("min_val", lo), ("max_val", hi)):
+        if v.dtype.kind not in "fiu":
+            raise TypeError(f"choose_qparams: {name} must be real (float or integer), got dtype {v.dtype}")
     if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
         raise ValueError("choose_qparams needs finite min_val and max_val (got NaN or inf)")
     if (lo > hi).any():
         raise ValueError(f"choose_qparams needs min_val <= max_val, got {lo} > {hi}")
+    return _qparams(lo, hi, d, symmetric, "choose_qparams: the range")
+
+
+def _qparams(min_val, max_val, d: QDType, symmetric, what):
+    """choose_qparams on checked (finite, ordered) bounds; ``what`` starts the
+    error message for a range too wide for float32."""
+    with np.errstate(over="ignore"):  # beyond float32: inf, reported below
+        lo, hi = np.asarray(min_val, np.float32), np.asarray(max_val, np.float32)
     lo = np.minimum(np.float32(0), lo)
     hi = np.maximum(np.float32(0), hi)
     qmin, qmax = np.float32(d.qmin), np.float32(d.qmax)
     tiny = np.float32(1e-45)  # the smallest float32 above 0 (ONNX can give subnormal scales)
-    if symmetric:
-        amax = np.maximum(-lo, hi)
-        scale = np.where(amax == 0, np.float32(1), amax) / np.float32((d.qmax - d.qmin) / 2)
-    else:
-        scale = np.where(hi == lo, np.float32(1), hi - lo) / (qmax - qmin)
+    with np.errstate(over="ignore"):  # max - min beyond float32: reported below
+        if symmetric:
+            amax = np.maximum(-lo, hi)
+            scale = np.where(amax == 0, np.float32(1), amax) / np.float32((d.qmax - d.qmin) / 2)
+        else:
+            scale = np.where(hi == lo, np.float32(1), hi - lo) / (qmax - qmin)
+    if not np.isfinite(scale).all():
+        i = np.unravel_index(int(np.argmax(~np.isfinite(scale))), scale.shape)
+        a, b, fa, fb = (np.broadcast_to(v, scale.shape)[i] for v in (min_val, max_val, lo, hi))
+        hint = ", or use symmetric=True" if not symmetric and np.isfinite(fa) and np.isfinite(fb) else ""
+        raise ValueError(f"{what} [{a!s}, {b!s}] is too wide for float32 scales "
+                         f"((max - min) / {d.qmax - d.qmin} overflows float32); clip it{hint}")
     scale = np.maximum(scale, tiny).astype(np.float32)
     if symmetric:
         zp = np.full(scale.shape, 0 if d.signed else (d.qmin + d.qmax + 1) // 2, np.int32)
@@ -166,7 +184,7 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
         if bool(b.xp.isnan(x).any()):
             raise nan_error(x)
         raise ValueError("quantize_dynamic needs finite input to choose parameters; x has inf")
-    scale, zp = choose_qparams(lo, hi, d, symmetric)
+    scale, zp = _qparams(lo, hi, d, symmetric, "quantize_dynamic: the data's range")
     return quantize(x, scale, zp, d, axis, block_size)
 
 
@@ -177,6 +195,18 @@ def packed_layout(d: QDType, count: int):
     return d.storage, count
 
 
+def _shape(op, shape) -> tuple:
+    """``shape`` (an integer or a sequence of them) as a tuple of non-negative ints."""
+    dims = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    try:
+        dims = tuple(operator.index(n) for n in dims)
+    except TypeError:
+        raise TypeError(f"{op}: shape must hold integers, got {shape!r}") from None
+    if any(n < 0 for n in dims):
+        raise ValueError(f"{op}: shape must hold non-negative integers, got {shape!r}")
+    return dims
+
+
 def unpack(packed, dtype, shape):
     """Integers from ``QArray.pack()`` bytes: ``dtype``'s storage, reshaped to ``shape``.
 
@@ -185,10 +215,10 @@ def unpack(packed, dtype, shape):
     array([ 1, -2,  3], dtype=int8)
     """
     d: QDType = qdtype(dtype)
-    if isinstance(packed, (bytes, bytearray, list, tuple)):
-        packed = np.frombuffer(bytes(packed), np.uint8) if isinstance(packed, (bytes, bytearray)) else np.asarray(packed)
-    b = _backends.for_array(packed)
-    shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    if isinstance(packed, (bytes, bytearray)):
+        packed = np.frombuffer(bytes(packed), np.uint8)
+    packed, b = user_array(packed, "unpack")
+    shape = _shape("unpack", shape)
     count = math.prod(shape)  # a Python int: no int64 wrap-around for huge shapes
     want_dtype, items = packed_layout(d, count)
     if packed.dtype != want_dtype:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+
+import numpy as np
 
 from ._fixed_point import ROUNDINGS
 
@@ -21,6 +24,40 @@ def check_rounding(rounding):
     return rounding
 
 
+def check_numba(value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"numba must be True or False, got {value!r}")
+    return bool(value)
+
+
+_CHECKS = {"mode": check_mode, "rounding": check_rounding, "numba": check_numba}
+
+# The settings of the ``using`` blocks active in this context (thread, asyncio
+# task): a tuple of ``(key, settings)`` layers, innermost last, never mutated;
+# ``key`` is a fresh object per block. New threads start with none.
+_layers: contextvars.ContextVar = contextvars.ContextVar("qarray_config_layers", default=())
+
+
+def _setting(name):
+    def get(self):
+        for _, settings in reversed(_layers.get()):
+            if name in settings:
+                return settings[name]
+        return self._defaults[name]
+
+    def set(self, value):
+        value = _CHECKS[name](value)
+        layers = _layers.get()
+        for i in range(len(layers) - 1, -1, -1):
+            key, settings = layers[i]
+            if name in settings:  # inside a block that sets it: change it there, until the block ends
+                _layers.set(layers[:i] + ((key, {**settings, name: value}),) + layers[i + 1 :])
+                return
+        self._defaults[name] = value  # else the default of every context that does not override it
+
+    return property(get, set)
+
+
 class Config:
     """Defaults for every op that requantizes, plus the CPU fast-path switch.
 
@@ -34,47 +71,38 @@ class Config:
         Use the Numba kernels of the NumPy backend when Numba is installed.
         ``False`` runs the generic NumPy code (same results, slower).
 
+    Assigning an attribute sets the default for every thread; ``using(...)``
+    overrides settings in the current context only (thread or asyncio task, as
+    NumPy's ``errstate``), so other threads keep seeing the defaults. Blocks may
+    nest or even overlap: leaving one removes exactly its own settings. Assigning
+    inside a ``using`` block that sets the same attribute changes it until the
+    block ends.
+
     >>> with qarray.config.using(rounding="half_away"):
     ...     r = qarray.requantize(q, 0.5, 0, "int8")
     """
 
-    __slots__ = ("_mode", "_rounding", "numba")
+    __slots__ = ("_defaults",)
+
+    mode = _setting("mode")
+    rounding = _setting("rounding")
+    numba = _setting("numba")
 
     def __init__(self):
-        self._mode = "fixed"
-        self._rounding = "half_even"
-        self.numba = True
-
-    @property
-    def mode(self):
-        return self._mode
-
-    @mode.setter
-    def mode(self, value):
-        self._mode = check_mode(value)
-
-    @property
-    def rounding(self):
-        return self._rounding
-
-    @rounding.setter
-    def rounding(self, value):
-        self._rounding = check_rounding(value)
+        self._defaults = {"mode": "fixed", "rounding": "half_even", "numba": True}
 
     @contextlib.contextmanager
     def using(self, **settings):
-        """Change settings inside a ``with`` block only."""
+        """Change settings inside a ``with`` block only, in this thread (context) only."""
         for k in settings:
-            if k not in ("mode", "rounding", "numba"):
+            if k not in _CHECKS:
                 raise TypeError(f"qarray.config has no setting {k!r}")
-        old = {k: getattr(self, k) for k in settings}
+        key = object()
+        _layers.set(_layers.get() + ((key, {k: _CHECKS[k](v) for k, v in settings.items()}),))
         try:
-            for k, v in settings.items():
-                setattr(self, k, v)
             yield self
-        finally:
-            for k, v in old.items():
-                setattr(self, k, v)
+        finally:  # this block's layer only: overlapping blocks may end in any order
+            _layers.set(tuple(layer for layer in _layers.get() if layer[0] is not key))
 
     def __repr__(self):
         return f"Config(mode={self.mode!r}, rounding={self.rounding!r}, numba={self.numba})"

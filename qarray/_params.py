@@ -33,6 +33,30 @@ def to_host(a):
     return np.asarray(a)
 
 
+def user_array(x, what: str):
+    """``x`` as an array a backend accepts, and that backend: the one place user
+    data is normalised (quantize, quantize_dynamic, from_int, unpack, ``nn``);
+    ``what`` names the caller in errors.
+
+    Python numbers, lists and tuples become NumPy arrays; NumPy subclasses such as
+    ``numpy.matrix`` become plain ndarrays (their own reshape and ``*`` rules
+    would break the kernels); non-native byte order (``'>f4'``) is converted to
+    native. Masked arrays are refused: their masked slots hold arbitrary values.
+    """
+    from . import backends as _backends
+
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} does not take masked arrays (the masked slots hold arbitrary values); "
+            "fill the masked values first, e.g. x.filled(0)"
+        )
+    if isinstance(x, (list, tuple, int, float, np.generic)) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray):
+        x = np.asarray(x)
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
+    return x, _backends.for_array(x)
+
+
 def normalize_axis(axis, ndim: int, what: str = "axis"):
     """``axis`` as a non-negative int (or None), with a clear error."""
     if axis is None:
@@ -127,11 +151,17 @@ def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=N
 def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
     """Validate user parameters for an array of ``shape``.
 
+    A ``block_size`` above ``shape[axis]`` means one block along the axis and
+    comes back as ``shape[axis]`` (the same layout, no size taken from it).
     Returns ``(scale float32, zero_point int32, axis, block_size)`` on the host,
     with axis made non-negative.
     """
     axis = normalize_axis(axis, len(shape))
     block_size = normalize_block_size(block_size, axis)
+    if block_size is not None:
+        # a block longer than the axis is one block (ONNX: ceil(n / B) == 1); recording
+        # it as shape[axis] keeps every later size computation bounded by the data
+        block_size = min(block_size, max(shape[axis], 1))
     want = param_shape(shape, axis, block_size)
     return (
         check_scale(scale, want, axis, block_size),

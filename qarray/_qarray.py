@@ -9,7 +9,7 @@ import numpy as np
 
 from . import backends as _backends
 from ._dtypes import qdtype
-from ._params import check_params, normalize_axis
+from ._params import check_params, normalize_axis, user_array
 
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
@@ -64,9 +64,7 @@ class QArray:
         array([ 0.5, -1. ], dtype=float32)
         """
         d = qdtype(dtype)
-        if isinstance(ints, (list, tuple, int, np.generic)):
-            ints = np.asarray(ints)
-        b = _backends.for_array(ints)
+        ints, b = user_array(ints, "from_int")
         if ints.dtype.kind not in "iu":
             raise TypeError(
                 f"from_int takes integer data, got dtype {ints.dtype}; use qarray.quantize for floats"

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backends as _backends
-from ._api import choose_qparams, quantize_dynamic
+from ._api import choose_qparams, quantize, quantize_dynamic
 from ._dtypes import qdtype, qint8, quint8
-from ._params import to_host
+from ._params import to_host, user_array
 from ._qarray import QArray
 from .ops.conv import check_conv_args, conv_packed, pack_conv_weight
 from .ops.linear import PackedWeight, _check_operand
@@ -34,7 +33,7 @@ __all__ = ["Linear", "Conv2d", "DynamicLinear"]
 
 
 def _float_weight(name, w, ndim):
-    w = np.asarray(to_host(w)) if not isinstance(w, np.ndarray) else w
+    w = to_host(user_array(w, f"{name}.from_float")[0])
     if w.dtype.kind != "f" or w.ndim != ndim:
         raise ValueError(f"{name}.from_float: w must be a {ndim}-d float array, got {w.dtype} of shape {w.shape}")
     return w.astype(np.float32)
@@ -43,7 +42,7 @@ def _float_weight(name, w, ndim):
 def _float_bias(name, b, n):
     if b is None:
         return None
-    b = np.asarray(to_host(b))
+    b = to_host(user_array(b, f"{name}.from_float")[0])
     if b.dtype.kind != "f" or b.shape != (n,):
         raise ValueError(f"{name}.from_float: b must be a float array of shape ({n},), got {b.dtype} {b.shape}")
     return b.astype(np.float32)
@@ -56,9 +55,30 @@ def _is_float16(d) -> bool:
         return False
 
 
+# Per-channel weight scales are floored at this fraction of the largest channel's.
+WEIGHT_SCALE_FLOOR = 2.0**-8
+
+
 def _quantize_weight(w, weight_dtype, per_channel):
-    """Symmetric quantization, per output channel (axis 0) or per tensor."""
-    return quantize_dynamic(w, qdtype(weight_dtype), symmetric=True, axis=0 if per_channel else None)
+    """Symmetric quantization, per output channel (axis 0) or per tensor.
+
+    Per channel, each channel's scale is at least ``WEIGHT_SCALE_FLOOR`` (1/256)
+    times the largest channel's. Without a floor a dead unit (max |w| ~ 1e-13)
+    gets a scale so small that its bias, at ``x.scale * w.scale``, overflows int32.
+    The floor only touches channels more than 256 times smaller than the largest:
+    their step is 1/256 of the largest channel's step, where per-tensor
+    quantization would give them that step itself, so for 8-bit weights their
+    error stays below 2**-16 of the largest channel's weight range, under one
+    step of an 8- or 16-bit output. With the floor the bias of a dead unit fits
+    whenever ``|b| < 2**23 * x.scale * (the largest channel's scale)``.
+    """
+    d = qdtype(weight_dtype)
+    q = quantize_dynamic(w, d, symmetric=True, axis=0 if per_channel else None)
+    if not per_channel:
+        return q
+    s = to_host(q.scale)
+    floor = np.float32(s.max() * WEIGHT_SCALE_FLOOR)
+    return q if (s >= floor).all() else quantize(w, np.maximum(s, floor), to_host(q.zero_point), d, axis=0)
 
 
 class _Quantized:
@@ -132,7 +152,9 @@ class Linear(_Quantized):
     @classmethod
     def from_float(cls, w, b=None, weight_dtype=qint8, per_channel=True) -> "Linear":
         """Quantize float ``w`` ``(out, in)`` symmetrically (per output channel
-        when ``per_channel``) and keep float ``b`` ``(out,)``."""
+        when ``per_channel``, each channel's scale at least ``WEIGHT_SCALE_FLOOR``
+        = 1/256 of the largest, so dead units keep a usable bias) and keep float
+        ``b`` ``(out,)``."""
         w = _float_weight("Linear", w, 2)
         return cls(_quantize_weight(w, weight_dtype, per_channel), _float_bias("Linear", b, w.shape[0]))
 
@@ -172,7 +194,8 @@ class Conv2d(_Quantized):
     def from_float(cls, w, b=None, stride=1, padding=0, dilation=1, groups=1,
                    weight_dtype=qint8, per_channel=True) -> "Conv2d":
         """Quantize float ``w`` ``(O, C / groups, kh, kw)`` symmetrically (per output
-        channel when ``per_channel``) and keep float ``b`` ``(O,)``."""
+        channel when ``per_channel``, each channel's scale at least
+        ``WEIGHT_SCALE_FLOOR`` = 1/256 of the largest) and keep float ``b`` ``(O,)``."""
         w = _float_weight("Conv2d", w, 4)
         return cls(_quantize_weight(w, weight_dtype, per_channel), _float_bias("Conv2d", b, w.shape[0]),
                    stride, padding, dilation, groups)
@@ -224,7 +247,8 @@ class DynamicLinear:
 
     @classmethod
     def from_float(cls, w, b=None, weight_dtype="qint8", per_channel=True) -> "DynamicLinear":
-        """Quantize (or cast to float16) float ``w`` ``(out, in)``; keep float ``b``."""
+        """Quantize (or cast to float16) float ``w`` ``(out, in)``; keep float ``b``.
+        Per-channel scales are floored as in :meth:`Linear.from_float`."""
         w = _float_weight("DynamicLinear", w, 2)
         b = _float_bias("DynamicLinear", b, w.shape[0])
         if _is_float16(weight_dtype):
@@ -234,7 +258,8 @@ class DynamicLinear:
     def __call__(self, x):
         if isinstance(x, QArray):
             raise TypeError("DynamicLinear takes float input; use Linear for quantized input")
-        xp = _backends.for_array(x).xp
+        x, backend = user_array(x, "DynamicLinear")
+        xp = backend.xp
         if x.dtype.kind != "f" or x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"DynamicLinear: x must be float of shape (..., {self.in_features}), "
                              f"got {x.dtype} {x.shape}")

@@ -114,3 +114,59 @@ def test_errors():
         add(a, 1.0)
     with pytest.raises(ValueError, match="per-axis parameters"):
         mul(QArray.from_int(np.ones((2, 2), int), [1.0, 2.0], 0, "qint8", axis=0), a[:2])
+
+
+def _slot_index(shape, axis, block_size):
+    """For each element, its parameter's index (a tuple into the scale array)."""
+    idx = np.indices(shape)
+    if block_size is None:
+        return (idx[axis],)
+    idx[axis] //= block_size
+    return tuple(idx)
+
+
+@pytest.mark.parametrize("axis,block_size", [(0, None), (1, None), (2, None), (-1, None), (1, 2), (2, 3), (0, 1)])
+def test_clamp_per_axis_and_blocked(axis, block_size, rng, kernels):
+    shape = (3, 4, 5)
+    ax = axis % 3
+    pshape = (shape[ax],) if block_size is None else \
+        tuple(-(-n // block_size) if i == ax else n for i, n in enumerate(shape))
+    scale = rng.uniform(0.01, 0.1, pshape).astype(np.float32)
+    zp = rng.integers(-20, 20, pshape)
+    codes = rng.integers(-128, 128, shape)
+    q = QArray.from_int(codes, scale, zp, "qint8", axis=axis, block_size=block_size)
+    where = _slot_index(shape, ax, block_size)
+    s, z = scale[where], zp[where]
+
+    def bound(v):  # quantize's rule, in float32, per element
+        return np.clip(np.rint(np.float32(v) / s) + z, -128, 127)
+
+    np.testing.assert_array_equal(clamp(q, -0.3, 0.5).int_repr(), np.clip(codes, bound(-0.3), bound(0.5)))
+    np.testing.assert_array_equal(relu(q).int_repr(), np.maximum(codes, z))
+    np.testing.assert_array_equal(hardtanh(q, -1.0, 0.25).int_repr(), np.clip(codes, bound(-1.0), bound(0.25)))
+    r = relu6(q)
+    np.testing.assert_array_equal(r.int_repr(), np.clip(codes, z, bound(6.0)))
+    assert (r.axis, r.block_size) == (q.axis, q.block_size)
+
+
+@pytest.mark.parametrize(
+    "call,exc,message",
+    [(lambda q: clamp(q, [0.1, 0.2]), TypeError, "clamp: min must be a real number or None, got list"),
+     (lambda q: clamp(q, "low"), TypeError, "clamp: min must be a real number or None, got str"),
+     (lambda q: clamp(q, None, np.array([1.0])), TypeError, "clamp: max must be a real number or None, got ndarray"),
+     (lambda q: clamp(q, True), TypeError, "clamp: min must be a real number or None, got bool"),
+     (lambda q: clamp(q, float("nan")), ValueError, "clamp: min must not be NaN"),
+     (lambda q: hardtanh(q, [1.0]), TypeError, "hardtanh: min_val must be a real number or None, got list"),
+     (lambda q: hardtanh(q, max_val="1"), TypeError, "hardtanh: max_val must be a real number or None, got str"),
+     (lambda q: hardtanh(q, 2, 1), ValueError, "hardtanh: min_val 2 is greater than max_val 1"),
+     (lambda q: relu6(np.ones(3)), TypeError, "relu6: q must be a QArray, got ndarray")],
+)
+def test_clamp_bounds_checked(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call(q_of([1, 2, 3], 0.1, 0, "qint8"))
+
+
+def test_clamp_bounds_beyond_float():
+    a = q_of([-128, 0, 127], 0.1, 0, "qint8")
+    np.testing.assert_array_equal(clamp(a, -(10**400), 10**400).int_repr(), [-128, 0, 127])
+    np.testing.assert_array_equal(clamp(a, np.float64(1e300)).int_repr(), [127, 127, 127])

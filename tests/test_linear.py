@@ -131,3 +131,31 @@ def test_errors(rng):
         linear(rand_q(rng, (2, 4), "qint8"), rand_q(rng, (3, 4), "qint8"), np.ones(2))
     with pytest.raises(ValueError, match="pass the output scale="):
         matmul(a, rand_q(rng, (3, 2), "qint8"), dtype="qint8")
+
+
+def test_empty_k_gives_zeros(kernels):
+    """As NumPy: a sum over nothing is 0; then bias and output params as usual."""
+    a = QArray.from_int(np.zeros((2, 0), np.int8), 0.5, 3, "quint8")
+    w = QArray.from_int(np.zeros((0, 3), np.int8), [1.0, 2.0, 3.0], [1, 0, -1], "qint8", axis=1)
+    r = matmul(a, w)
+    assert r.dtype is qarray.qint32 and r.shape == (2, 3)
+    np.testing.assert_array_equal(r.int_repr(), np.zeros((2, 3)))
+    np.testing.assert_array_equal(r.scale, [0.5, 1.0, 1.5])
+    bias = np.array([1.0, 2.0, -3.0], np.float32)
+    np.testing.assert_array_equal(matmul(a, w, bias=bias).int_repr(), [[2, 2, -2]] * 2)  # bias / (0.5 * w.scale)
+    r = matmul(a, w, bias=bias, scale=0.5, zero_point=5, dtype="quint8")
+    np.testing.assert_array_equal(r.int_repr(), [[7, 9, 0]] * 2)  # 1/0.5 + 5, 2/0.5 + 5, -3/0.5 + 5 -> 0
+    assert matmul(a.reshape(1, 2, 0), w).shape == (1, 2, 3)
+    w2 = QArray.from_int(np.zeros((3, 0), np.int8), 1.0, 0, "qint8")
+    np.testing.assert_array_equal(linear(a, w2, scale=1.0, zero_point=-7, dtype="qint8").int_repr(), [[-7] * 3] * 2)
+
+
+def test_bias_that_does_not_fit_names_the_channels(rng):
+    x = rand_q(rng, (2, 4), "quint8", scale=0.01)
+    w = QArray.from_int(rng.integers(-5, 5, (3, 4)), [0.1, 1e-12, 0.2], 0, "qint8", axis=0)
+    with pytest.raises(ValueError, match=r"linear: bias / \(input scale \* weight scale\) does not fit in int32 for "
+                                         r"output channel\(s\) \[1\] \(channel 1: bias 1\.0, input scale \* weight scale 1e-14\)"):
+        linear(x, w, np.array([1.0, 1.0, 1.0], np.float32))
+    w5 = QArray.from_int(rng.integers(-5, 5, (5, 4)), 1e-12, 0, "qint8")
+    with pytest.raises(ValueError, match=r"output channel\(s\) \[0, 1, 2\] and 2 more"):
+        linear(x, w5, np.ones(5, np.float32))

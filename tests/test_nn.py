@@ -162,6 +162,9 @@ def _errors():
         (lambda: dyn(qx), TypeError, "float input"),
         (lambda: dyn(np.ones((2, 5), np.float32)), ValueError, r"shape \(\.\.\., 4\)"),
         (lambda: dyn(np.ones((2, 4), np.int32)), ValueError, "must be float"),
+        (lambda: dyn(np.ma.array(np.ones((2, 4), np.float32), mask=np.eye(2, 4))), TypeError,
+         r"^DynamicLinear does not take masked arrays .* fill the masked values first, e\.g\. x\.filled\(0\)"),
+        (lambda: Linear.from_float(np.ma.array(w2)), TypeError, r"^Linear\.from_float does not take masked arrays"),
     ]
 
 
@@ -170,3 +173,29 @@ def test_errors(case):
     call, exc, match = _errors()[case]
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("weight_dtype", ["qint8", "qint4"])
+def test_dead_unit_gets_a_floored_scale_and_works(weight_dtype, kernels, rng):
+    """A trained model's dead unit (max |w| ~ 3e-13) with an ordinary bias: its
+    weight scale is floored at 1/256 of the largest channel's, so the bias fits."""
+    w = rng.normal(size=(4, 16)).astype(np.float32)
+    w[2] = 3e-13
+    b = np.array([0.5, -1.0, -3.0, 2.0], np.float32)
+    layer = Linear.from_float(w, b, weight_dtype=weight_dtype)
+    plain = qarray.quantize_dynamic(w, weight_dtype, symmetric=True, axis=0)
+    s = layer.weight.scale
+    assert s[2] == s.max() / np.float32(256) and s[2] > 1000 * plain.scale[2]
+    np.testing.assert_array_equal(np.delete(s, 2), np.delete(plain.scale, 2))  # the others as before
+    np.testing.assert_array_equal(np.delete(layer.weight.int_repr(), 2, 0), np.delete(plain.int_repr(), 2, 0))
+    assert not layer.weight.int_repr()[2].any()
+    qx = _qx(rng, (3, 16))
+    acc_scale = np.float32(qx.scale) * s
+    want = (qx.int_repr().astype(np.int64) - int(qx.zero_point)) @ layer.weight.int_repr().astype(np.int64).T \
+        + np.rint(b / acc_scale).astype(np.int64)
+    np.testing.assert_array_equal(layer(qx).int_repr(), want)
+    np.testing.assert_array_equal(linear(qx, layer.weight, b).int_repr(), want)
+    y = layer.calibrate(qx)(qx).dequantize()
+    np.testing.assert_allclose(y[:, 2], -3.0, atol=float(layer.scale))
+    per_tensor = Linear.from_float(w, b, weight_dtype=weight_dtype, per_channel=False)
+    assert per_tensor.weight.scale == plain.scale.max()

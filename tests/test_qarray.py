@@ -195,3 +195,22 @@ def test_to_numpy_is_identity_and_cupy_errors_clearly(q3, monkeypatch):
         qarray.backends._by_name.pop("cupy", None)
         with pytest.raises(ImportError, match=r"the cupy backend needs CuPy: pip install 'qarray\[cuda12\]'"):
             q3.to("cupy")
+
+
+def test_from_int_masked_refused_and_byte_order_converted(kernels):
+    with pytest.raises(TypeError, match=r"from_int does not take masked arrays .* e\.g\. x\.filled\(0\)"):
+        QArray.from_int(np.ma.array([1, 1000], mask=[False, True]), 1.0, 0, "qint8")
+    ints = (np.arange(20000) % 200 - 100).astype(">i2")
+    q = QArray.from_int(ints, 1.0, 0, "qint16")
+    assert q.data.dtype == np.int16 and q.data.dtype.isnative
+    np.testing.assert_array_equal(q.requantize(2.0, 0, "qint8").int_repr(), np.rint((np.arange(20000) % 200 - 100) / 2))
+
+
+def test_unpack_shape_checked():
+    with pytest.raises(ValueError, match=r"unpack: shape must hold non-negative integers, got \(-1,\)"):
+        qarray.unpack(np.zeros(1, np.uint8), "qint4", (-1,))
+    with pytest.raises(TypeError, match=r"unpack: shape must hold integers, got \(2\.5,\)"):
+        qarray.unpack(np.zeros(2, np.uint8), "qint4", (2.5,))
+    with pytest.raises(ValueError, match="unpack: 18446744073709551616 qint8 values need 18446744073709551616 items, got 2"):
+        qarray.unpack(np.zeros(2, np.int8), "qint8", (2**33, 2**31))
+    assert qarray.unpack(np.array([0x21], np.uint8), "quint4", np.int64(2)).tolist() == [1, 2]

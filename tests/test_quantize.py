@@ -112,7 +112,8 @@ def test_per_axis_and_blocked_match_reference(shape, axis, block_size, rng, kern
     scale = rng.uniform(0.01, 0.1, pshape).astype(np.float32)
     zp = rng.integers(-20, 20, pshape).astype(np.int32)
     q = qarray.quantize(x, scale, zp, "qint8", axis=axis, block_size=block_size)
-    assert q.axis == ax and q.block_size == block_size
+    # a block longer than the axis is recorded as the axis length (one block, the same layout)
+    assert q.axis == ax and q.block_size == (None if block_size is None else min(block_size, shape[ax]))
     s_full = np.broadcast_to(expand(scale, shape, ax, block_size, np), shape)
     z_full = np.broadcast_to(expand(zp, shape, ax, block_size, np), shape)
     np.testing.assert_array_equal(q.int_repr(), ref_quantize(x, s_full, z_full, "qint8"))
@@ -265,3 +266,69 @@ def test_list_and_scalar_input():
     assert qarray.quantize(0.3, 0.1).shape == ()
     assert qarray.quantize(0.3, 0.1).int_repr().tolist() == 3
     assert math.isclose(float(qarray.quantize(0.3, 0.1).dequantize()), 0.3, rel_tol=1e-6)
+
+
+# -- user arrays reach the kernels in a form they take --------------------------
+# (above 16384 elements, so the NumPy backend's Numba path runs even without conftest)
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_non_native_byte_order(order, kernels):
+    x = (np.arange(20000) * 0.25).astype(order + "f4")
+    want = np.rint(np.arange(20000) * 0.5).astype(np.int64)  # x / 0.5, ties to even
+    np.testing.assert_array_equal(qarray.quantize(x, 0.5, 0, "qint16").int_repr(), want)
+    q = qarray.quantize_dynamic(x, "quint16")
+    s = np.float32(4999.75) / np.float32(65535)
+    np.testing.assert_array_equal(q.int_repr(), ref_quantize(x.astype(np.float32), s, 0, "quint16"))
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_matrix_becomes_an_ndarray(kernels):
+    m = np.matrix((np.arange(20000, dtype=np.float32) * 0.25).reshape(200, 100))
+    q = qarray.quantize(m, 0.5, 0, "qint16")
+    assert type(q.data) is np.ndarray and q.shape == (200, 100)
+    np.testing.assert_array_equal(q.int_repr().ravel(), np.rint(np.arange(20000) * 0.5))
+    assert qarray.quantize_dynamic(m, "qint8", axis=0).shape == (200, 100)
+
+
+@pytest.mark.parametrize("fn", [lambda x: qarray.quantize(x, 0.1), qarray.quantize_dynamic])
+def test_masked_arrays_refused(fn):
+    x = np.ma.array([1.0, np.nan], mask=[False, True], dtype=np.float32)
+    with pytest.raises(TypeError, match=r"does not take masked arrays .* fill the masked values first, e\.g\. x\.filled\(0\)"):
+        fn(x)
+
+
+@pytest.mark.parametrize("block_size", [8, 9, 2**40, 2**64])
+def test_block_size_beyond_the_axis_is_one_block(block_size, kernels):
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    scale = np.array([[0.5], [1.0], [2.0], [4.0]], np.float32)
+    q = qarray.quantize(x, scale, 0, "qint8", axis=1, block_size=block_size)
+    assert q.block_size == 8 and q.scale.shape == (4, 1)
+    np.testing.assert_array_equal(q.int_repr(), ref_quantize(x, np.broadcast_to(scale, (4, 8)), 0, "qint8"))
+    qd = qarray.quantize_dynamic(x, "qint8", symmetric=True, axis=1, block_size=block_size)
+    np.testing.assert_array_equal(qd.scale.ravel(), x.max(axis=1) / np.float32(127.5))
+    r = qarray.requantize(q, 1.0, 0, "qint16", axis=1, block_size=block_size)  # q's own layout
+    np.testing.assert_array_equal(r.int_repr(), np.rint(q.dequantize()))  # the real values at scale 1
+
+
+def test_choose_qparams_refuses_complex_and_too_wide_ranges():
+    with pytest.raises(TypeError, match=r"choose_qparams: min_val must be real \(float or integer\), got dtype complex128"):
+        qarray.choose_qparams(-1 + 1j, 3.0)
+    with pytest.raises(TypeError, match="choose_qparams: max_val must be real"):
+        qarray.choose_qparams(-1.0, np.array([3j]))
+    with pytest.raises(ValueError, match=r"choose_qparams: the range \[-3e\+38, 3e\+38\] is too wide for float32 "
+                                         r"scales .*; clip it, or use symmetric=True"):
+        qarray.choose_qparams(-3e38, 3e38)
+    with pytest.raises(ValueError, match=r"the range \[-1e\+300, 1\.0\] is too wide for float32 scales .*; clip it$"):
+        qarray.choose_qparams(-1e300, 1.0)
+    s, z = qarray.choose_qparams(-3e38, 3e38, "qint8", symmetric=True)
+    assert s == np.float32(3e38) / np.float32(127.5) and z == 0
+
+
+def test_quantize_dynamic_too_wide_a_range_names_the_data():
+    x = np.array([-3e38, 0.0, 3e38], np.float32)
+    with pytest.raises(ValueError, match=r"^quantize_dynamic: the data's range \[-3e\+38, 3e\+38\] is too wide for float32 scales"):
+        qarray.quantize_dynamic(x)
+    with pytest.raises(ValueError, match=r"^quantize_dynamic: the data's range \[-1e\+300, 1\.0\] is too wide"):
+        qarray.quantize_dynamic(np.array([-1e300, 1.0]))
+    q = qarray.quantize_dynamic(x, "qint8", symmetric=True)  # the symmetric scale fits
+    np.testing.assert_array_equal(q.int_repr(), [-128, 0, 127])

@@ -1,3 +1,4 @@
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -252,3 +253,96 @@ def test_out(kernels):
     assert qarray.requantize(q, 2.0, 1, out=full).data is full
     with pytest.raises(ValueError, match=r"out must be a numpy array of shape \(2, 4\) and dtype int8"):
         qarray.requantize(q, 2.0, 1, out=np.empty((2, 4), np.int16))
+
+
+def test_read_only_out_refused(kernels):
+    q = QArray.from_int(np.arange(20000) % 100, 1.0, 0, "qint8")
+    out = np.empty(20000, np.int8)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match=r"requantize: out is read-only; pass a writeable array"):
+        qarray.requantize(q, 2.0, 0, out=out)
+
+
+def test_zero_d_keeps_its_shape(kernels):
+    q = QArray.from_int(np.int32(5), 1.0, 0, "qint32")
+    r = qarray.requantize(q, 2.0, 1, "qint8")
+    assert r.shape == () and r.int_repr().shape == () and int(r.int_repr()) == 3  # 2.5 -> 2, + 1
+    out = np.empty((), np.int8)
+    assert qarray.requantize(q, 2.0, 0, "qint8", out=out).data is out and int(out) == 2
+
+
+# -- qarray.config is context-local -----------------------------------------------
+
+TIE = QArray.from_int(np.array([5]), 1.0, 0, "qint32")  # 2.5 at scale 2: half_even 2, half_away 3
+
+
+def _tie():
+    return int(qarray.requantize(TIE, 2.0, 0, "qint8").int_repr()[0])
+
+
+def test_config_using_is_local_to_its_thread():
+    entered, done = threading.Event(), threading.Event()
+    inside, seen = [], []
+
+    def a():
+        with qarray.config.using(rounding="half_away"):
+            inside.append(_tie())
+            entered.set()
+            done.wait(60)  # stays inside while b runs
+            inside.append(qarray.config.rounding)
+
+    def b():
+        entered.wait(60)
+        seen.extend(_tie() for _ in range(300))  # one thread runs kernels at a time
+        done.set()
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+    ta.start(), tb.start()
+    tb.join(), ta.join()
+    assert inside == [3, "half_away"]
+    assert seen == [2] * 300
+    assert qarray.config.rounding == "half_even"
+
+
+def test_config_overlapping_blocks_restore():
+    def block(**settings):
+        with qarray.config.using(**settings):
+            yield
+            yield qarray.config.rounding
+
+    g1, g2 = block(rounding="half_away"), block(rounding="half_up", mode="float")
+    next(g1), next(g2)  # g1 enters, then g2: interleaved, not nested
+    assert (qarray.config.rounding, qarray.config.mode) == ("half_up", "float")
+    assert next(g1) == "half_up"
+    next(g1, None)  # g1 leaves first: g2's settings stay, g1's are gone
+    assert (qarray.config.rounding, qarray.config.mode) == ("half_up", "float")
+    next(g2), next(g2, None)
+    assert (qarray.config.rounding, qarray.config.mode) == ("half_even", "fixed")
+    with qarray.config.using(rounding="half_away"):
+        with qarray.config.using(rounding="tflite"):
+            assert qarray.config.rounding == "tflite"
+        assert qarray.config.rounding == "half_away"
+    assert qarray.config.rounding == "half_even"
+
+
+def test_config_assignment_sets_the_default_for_every_thread():
+    seen = []
+    try:
+        qarray.config.rounding = "half_away"
+        t = threading.Thread(target=lambda: seen.append(_tie()))
+        t.start(), t.join()
+        assert seen == [3]
+        with qarray.config.using(rounding="half_up"):
+            qarray.config.rounding = "tflite"  # inside a block that sets it: until the block ends
+            assert qarray.config.rounding == "tflite"
+            qarray.config.mode = "fixed"  # a setting the block leaves alone: the default
+        assert qarray.config.rounding == "half_away"
+    finally:
+        qarray.config.rounding = "half_even"
+    assert _tie() == 2
+    with pytest.raises(TypeError, match="numba must be True or False, got 'no'"):
+        qarray.config.numba = "no"
+    with pytest.raises(TypeError, match="numba must be True or False, got 1"):
+        with qarray.config.using(numba=1):
+            pass
+    assert qarray.config.numba is True

@@ -167,7 +167,7 @@ class Backend:
         k_len = a.shape[-1]
         af = xp.subtract(a, xp.float32(a_shift), dtype=xp.float32)  # one pass
         acc = None
-        for k0 in range(0, k_len, kc):
+        for k0 in range(0, max(k_len, 1), kc):  # K = 0: one empty product, zeros as in NumPy
             part = xp.matmul(af[..., k0 : k0 + kc], w[..., k0 : k0 + kc, :]).astype(acc_dtype)
             if acc is None:
                 acc = part

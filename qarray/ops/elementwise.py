@@ -13,6 +13,8 @@ integers directly (exact); pass output parameters to requantize as well.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import numpy as np
 
@@ -181,43 +183,58 @@ def mul_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, rel
     return relu_(out) if relu else out
 
 
-def _bounds(q: QArray, lo, hi, op):
-    """Real bounds as codes of ``q``'s own parameters (quantized the way quantize does)."""
-    xp = q._backend.xp
-    shape = q.shape
-
-    def code(v, default):
-        if v is None:
-            return default
-        t = np.float32(v)
-        if np.isnan(t):
-            raise ValueError(f"{op}: bounds must not be NaN")
-        full = np.full(q.scale.shape, t, np.float32)
-        c = quantize(full, to_host(q.scale), to_host(q.zero_point), q.dtype, axis=q.axis, block_size=q.block_size).data
-        return expand(q._backend.asarray(c), shape, q.axis, q.block_size, xp)
-
-    lo_c, hi_c = code(lo, q.dtype.qmin), code(hi, q.dtype.qmax)
-    if lo is not None and hi is not None and float(lo) > float(hi):
-        raise ValueError(f"{op}: min {lo} is greater than max {hi}")
-    return lo_c, hi_c
+def _bound(op, name, v):
+    """A clamp bound as float32, or None; TypeError / ValueError that name it."""
+    if v is None:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a real number or None, got {type(v).__name__}")
+    try:
+        with np.errstate(over="ignore"):  # beyond float32: +-inf, which clamps nothing away
+            t = np.float32(v)
+    except OverflowError:  # an int beyond float64
+        t = np.float32(math.inf if v > 0 else -math.inf)
+    if np.isnan(t):
+        raise ValueError(f"{op}: {name} must not be NaN")
+    return t
 
 
-def clamp(q: QArray, min=None, max=None, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
-    """Clamp to real ``[min, max]`` (either may be None). The bounds are quantized
-    with ``q``'s parameters and the codes clipped: exact, parameters kept."""
+def _codes(q: QArray, t, default):
+    """Real bound ``t`` as codes of ``q``'s own parameters (quantized the way quantize
+    does), broadcastable against ``q``; ``default`` when ``t`` is None."""
+    if t is None:
+        return default
+    # one element per parameter slot: per-axis slots are a vector, blocked ones blocks of 1
+    axis, block = (None, None) if q.axis is None else (0, None) if q.block_size is None else (q.axis, 1)
+    s = to_host(q.scale)
+    c = quantize(np.full(s.shape, t, np.float32), s, to_host(q.zero_point), q.dtype, axis=axis, block_size=block).data
+    return expand(q._backend.asarray(c), q.shape, q.axis, q.block_size, q._backend.xp)
+
+
+def _clamp(op, q, lo, hi, names=("min", "max"), *, scale=None, zero_point=None, dtype=None, mode=None,
+           rounding=None) -> QArray:
+    """The relu family: bounds quantized with ``q``'s parameters, codes clipped."""
     if not isinstance(q, QArray):
-        raise TypeError(f"clamp: q must be a QArray, got {type(q).__name__}")
-    lo, hi = _bounds(q, min, max, "clamp")
-    data = q._backend.clip(q.data, lo, hi)
+        raise TypeError(f"{op}: q must be a QArray, got {type(q).__name__}")
+    lo_t, hi_t = _bound(op, names[0], lo), _bound(op, names[1], hi)
+    if lo_t is not None and hi_t is not None and lo > hi:
+        raise ValueError(f"{op}: {names[0]} {lo} is greater than {names[1]} {hi}")
+    data = q._backend.clip(q.data, _codes(q, lo_t, q.dtype.qmin), _codes(q, hi_t, q.dtype.qmax))
     out = q._with(data, axis=q.axis, block_size=q.block_size)
     if wants_output(scale, zero_point, dtype):
         return requantize(out, scale, 0 if zero_point is None else zero_point, dtype, mode=mode, rounding=rounding)
     return out
 
 
+def clamp(q: QArray, min=None, max=None, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
+    """Clamp to real ``[min, max]`` (real numbers; either may be None). The bounds are
+    quantized with ``q``'s parameters and the codes clipped: exact, parameters kept."""
+    return _clamp("clamp", q, min, max, scale=scale, zero_point=zero_point, dtype=dtype, mode=mode, rounding=rounding)
+
+
 def relu(q: QArray, **out) -> QArray:
     """``max(q, 0)``: codes below the zero point become the zero point."""
-    return clamp(q, 0.0, None, **out)
+    return _clamp("relu", q, 0.0, None, **out)
 
 
 relu_ = relu
@@ -225,9 +242,9 @@ relu_ = relu
 
 def relu6(q: QArray, **out) -> QArray:
     """``min(max(q, 0), 6)``."""
-    return clamp(q, 0.0, 6.0, **out)
+    return _clamp("relu6", q, 0.0, 6.0, **out)
 
 
 def hardtanh(q: QArray, min_val=-1.0, max_val=1.0, **out) -> QArray:
     """``min(max(q, min_val), max_val)``."""
-    return clamp(q, min_val, max_val, **out)
+    return _clamp("hardtanh", q, min_val, max_val, ("min_val", "max_val"), **out)

@@ -109,8 +109,15 @@ def _bias_ints(op, b, bias, factors, n, mode, rounding):
         raise ValueError(f"{op}: bias must be a float array of shape ({n},) or a qint32 QArray, got {bias_h.dtype} {bias_h.shape}")
     with np.errstate(over="ignore"):
         q = np.rint(bias_h.astype(np.float32) / acc_scale)
-    if not np.all(np.abs(q) < 2**31):
-        raise ValueError(f"{op}: bias / (input scale * weight scale) does not fit in int32")
+    bad = np.flatnonzero(~(np.abs(q) < 2**31))
+    if bad.size:
+        c = bad[0]
+        more = f" and {bad.size - 3} more" if bad.size > 3 else ""
+        raise ValueError(
+            f"{op}: bias / (input scale * weight scale) does not fit in int32 for output channel(s) "
+            f"{bad[:3].tolist()}{more} (channel {c}: bias {bias_h[c]!s}, input scale * weight scale "
+            f"{acc_scale[c]!s}); quantize x, or that channel's weights, with a larger scale"
+        )
     return b.asarray(q.astype(np.int64))
 
 
