@@ -33,7 +33,8 @@ __all__ = ["Linear", "Conv2d", "DynamicLinear"]
 
 
 def _float_weight(name, w, ndim):
-    w = to_host(user_array(w, f"{name}.from_float")[0])
+    """``w`` as float32 on its own backend: CuPy weights make a layer on the GPU."""
+    w = user_array(w, f"{name}.from_float")[0]
     if w.dtype.kind != "f" or w.ndim != ndim:
         raise ValueError(f"{name}.from_float: w must be a {ndim}-d float array, got {w.dtype} of shape {w.shape}")
     return w.astype(np.float32)
@@ -100,11 +101,11 @@ class _Quantized:
     def calibrate(self, x, dtype=None, relu=False):
         """Set ``scale``, ``zero_point`` and ``dtype`` from the float output range.
 
-        Runs the float reference (``x`` dequantized when it is a QArray, the
-        dequantized weights, the float bias) and maps the range seen so far
-        (each call widens it) onto ``dtype``: the given one, else the layer's,
-        else ``x.dtype`` for a QArray ``x``, else quint8. ``relu=True`` keeps only
-        the non-negative part of the range. Returns ``self``.
+        Runs the float reference on the host (``x`` dequantized when it is a
+        QArray, the dequantized weights, the float bias) and maps the range seen
+        so far (each call widens it) onto ``dtype``: the given one, else the
+        layer's, else ``x.dtype`` for a QArray ``x``, else quint8. ``relu=True``
+        keeps only the non-negative part of the range. Returns ``self``.
         """
         y = self._reference(x.dequantize() if isinstance(x, QArray) else x)
         lo, hi = float(y.min()), float(y.max())
@@ -168,7 +169,7 @@ class Linear(_Quantized):
         return out if x.ndim > 1 else out.reshape(-1)
 
     def _reference(self, x):
-        y = np.asarray(x, np.float32) @ to_host(self.weight.dequantize()).T
+        y = np.asarray(to_host(x), np.float32) @ to_host(self.weight.dequantize()).T
         return y if self.bias is None else y + self._float_bias()
 
     def __repr__(self):
@@ -206,7 +207,7 @@ class Conv2d(_Quantized):
                            self.dilation, self.groups, *self._out(scale, zero_point, dtype), relu, mode, rounding)
 
     def _reference(self, x):
-        x = np.asarray(x, np.float32)
+        x = np.asarray(to_host(x), np.float32)
         if x.ndim != 4:
             raise ValueError(f"Conv2d: x must have shape (N, C, H, W), got {x.shape}")
         w = to_host(self.weight.dequantize())

@@ -4,6 +4,7 @@ them, against the NumPy backend bit for bit."""
 
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -25,6 +26,40 @@ def test_nvcc_compiles(source, arch, tmp_path):
     r = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Werror", "all-warnings",
                         f"-I{CUDA_DIR}", str(source), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_rawmodule_gets_every_header_inlined(tmp_path, monkeypatch):
+    """CuPy's kernel cache is keyed by the code RawModule gets, not by the headers
+    it includes: the headers go into that code (recursively, each once), so an
+    edited header is a new key."""
+    (tmp_path / "inner.cuh").write_text("#pragma once\nint inner;\n")
+    (tmp_path / "outer.cuh").write_text('#pragma once\n#include "inner.cuh"\nint outer;\n')
+    (tmp_path / "k.cu").write_text('#include "outer.cuh"\n  #include "inner.cuh"  // again\n#include <cuda_fp16.h>\nint k;\n')
+    monkeypatch.setattr(cuda_backend, "CUDA_DIR", tmp_path)
+    given = []
+
+    class Module:
+        def __init__(self, code, options):
+            given.append((code, options))
+
+        def get_function(self, name):
+            return lambda grid, block, args, shared_mem=0: None
+
+    def compile_k():
+        backend = cuda_backend.CupyBackend()
+        backend._xp = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
+            Device=lambda: types.SimpleNamespace(id=0)))
+        backend._launch("k.cu", "k", (1,), (32,), ())
+        return given[-1]
+
+    assert compile_k() == ("#pragma once\n#pragma once\nint inner;\n\nint outer;\n\n\n#include <cuda_fp16.h>\nint k;\n",
+                           cuda_backend.NVRTC_OPTIONS)
+    (tmp_path / "inner.cuh").write_text("#pragma once\nint inner2;\n")
+    assert "int inner2;" in compile_k()[0]
+    monkeypatch.undo()
+    for source in SOURCES:  # the real kernels: common.cuh once, no include of ours left
+        code = cuda_backend.kernel_source(source.name)
+        assert '#include "' not in code and code.count("struct Layout {") == 1, source.name
 
 
 def make_rq(zi, zo, M, d, axis=None, block_size=None, rounding=0, floor=None):

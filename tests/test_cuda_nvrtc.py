@@ -1,7 +1,7 @@
-"""The kernels as CuPy itself compiles them, without a GPU: every ``.cu`` file goes
-through ``cupy.cuda.compiler`` (NVRTC) with the options ``CupyBackend`` gives
-``RawModule``, plus whatever CuPy adds, up to the point where CuPy would load the
-module onto a device.
+"""The kernels as CuPy itself compiles them, without a GPU: every ``.cu`` file, as
+``CupyBackend`` hands it to ``RawModule`` (headers inlined), goes through
+``cupy.cuda.compiler`` (NVRTC) with the backend's options, plus whatever CuPy
+adds, up to the point where CuPy would load the module onto a device.
 
 This catches what nvcc and the host harness can not: a source NVRTC rejects, a
 kernel name missing from the module, and CuPy's ``-ftz=true``, which would flush
@@ -56,7 +56,8 @@ def ptx():
         m.setattr(compiler, "_compile_using_nvrtc_no_warning", spy)
         for source in SOURCES:
             with pytest.raises(_Compiled) as done:
-                compiler._compile_module_with_cache(source.read_text(), cuda_backend.NVRTC_OPTIONS, arch=ARCH)
+                compiler._compile_module_with_cache(cuda_backend.kernel_source(source.name),
+                                                    cuda_backend.NVRTC_OPTIONS, arch=ARCH)
             compiled[source.name] = done.value.args
     return compiled
 

@@ -31,6 +31,16 @@ def ints(q):
     return qarray.backends.get(q.backend).to_host(q.data)
 
 
+def same(got, want):
+    """``got`` (on the GPU) is ``want`` (NumPy) bit for bit: integers, parameters and dtype."""
+    assert got.backend == "cupy" and isinstance(got.data, cupy.ndarray), got.backend
+    assert (got.dtype, got.axis, got.block_size) == (want.dtype, want.axis, want.block_size)
+    np.testing.assert_array_equal(ints(got), ints(want))
+    for p, r in ((got.scale, want.scale), (got.zero_point, want.zero_point)):
+        np.testing.assert_array_equal(p.get(), r)
+        assert p.dtype == r.dtype
+
+
 def test_seed_use_case():
     x = cupy.random.rand(10, dtype=cupy.float32)
     q = qarray.quantize(x, 0.01, 0, qarray.qint8)
@@ -117,7 +127,8 @@ def test_two_devices():
         a = qarray.quantize(cupy.ones(4, cupy.float32), 0.1, 0, "qint8")
     with cupy.cuda.Device(1):
         b = qarray.quantize(cupy.ones(4, cupy.float32), 0.1, 0, "qint8")
-    with pytest.raises(TypeError, match="CuPy arrays on two devices"):
+    with pytest.raises(TypeError, match=r"^CuPy arrays on two devices \(0 and 1\) can not be combined; copy them "
+                                        r"to one device first \(cupy\.asarray under `with cupy\.cuda\.Device\(i\):`\)$"):
         qarray.cat([a, b])
 
 
@@ -151,6 +162,137 @@ def test_lut_per_axis_and_float16(rng):
     np.testing.assert_array_equal(ints(qarray.gelu(q.to("cupy"), **out)), ints(qarray.gelu(q, **out)))
     np.testing.assert_array_equal(q.to("cupy").dequantize("float16").get().view(np.uint16),
                                   q.dequantize("float16").view(np.uint16))
+
+
+def test_no_implicit_host_conversion():
+    """CuPy's arrays are no NumPy arrays (nor are the stand-in's of the dry run):
+    NumPy refuses to convert them and to mix them with its own."""
+    x = cupy.ones(3, cupy.float32)
+    assert not isinstance(x, np.ndarray)
+    implicit = r"^Implicit conversion to a NumPy array is not allowed\. Please use `\.get\(\)` to construct a NumPy array explicitly\.$"
+    for convert in (np.asarray, np.array, lambda a: np.asarray(a, np.float64), lambda a: a.__array__()):
+        with pytest.raises(TypeError, match=implicit):
+            convert(x)
+    host = np.ones(3, np.float32)
+    for mix in (np.add, lambda a, b: a + b, lambda a, b: b * a, lambda a, b: np.maximum(b, a)):
+        with pytest.raises(TypeError, match=r"^Unsupported type <class 'numpy\.ndarray'>$"):
+            mix(x, host)
+    np.testing.assert_array_equal(np.add(x, x).get(), [2, 2, 2])  # NumPy's functions on CuPy arrays alone: CuPy's
+    assert isinstance(np.add(x, x), cupy.ndarray) and isinstance(np.concatenate([x, x]), cupy.ndarray)
+
+
+@pytest.mark.parametrize("groups,stride,padding,dilation", [
+    (1, 1, 0, 1), (2, (2, 1), (1, 2), (1, 2)), (6, 2, 1, 1), (3, (1, 3), 2, (2, 1))], ids=str)
+@pytest.mark.parametrize("out", [{}, dict(scale=0.05, zero_point=3, dtype="quint8", relu=True)], ids=["acc", "requant"])
+def test_conv2d(groups, stride, padding, dilation, out, rng):
+    x = qarray.quantize(rng.standard_normal((2, 6, 9, 11)).astype(np.float32), 0.05, 3, "quint8")
+    w = qarray.quantize(rng.standard_normal((12, 6 // groups, 3, 2)).astype(np.float32),
+                        rng.uniform(0.01, 0.05, 12).astype(np.float32), 0, "qint8", axis=0)
+    bias = rng.standard_normal(12).astype(np.float32)
+    want = qarray.conv2d(x, w, bias, stride, padding, dilation, groups, **out)
+    same(qarray.conv2d(x.to("cupy"), w.to("cupy"), bias, stride, padding, dilation, groups, **out), want)
+    w4 = qarray.quantize(rng.standard_normal((12, 6 // groups, 2, 2)).astype(np.float32), 0.3, 0, "qint4")
+    same(qarray.conv2d(x.to("cupy"), w4.to("cupy"), cupy.asarray(bias), stride, padding, dilation, groups, **out),
+         qarray.conv2d(x, w4, bias, stride, padding, dilation, groups, **out))
+
+
+POOLS = {
+    "max": lambda q: qarray.max_pool2d(q, 3, 2, 1),
+    "max_dilated": lambda q: qarray.max_pool2d(q, (2, 3), (1, 2), dilation=(2, 1)),
+    "avg": lambda q: qarray.avg_pool2d(q, 3, 2, 1),
+    "avg_no_pad_out": lambda q: qarray.avg_pool2d(q, (3, 2), 1, (1, 0), count_include_pad=False,
+                                                  scale=0.02, zero_point=-1, dtype="qint8", rounding="tflite"),
+    "avg_float": lambda q: qarray.avg_pool2d(q, 2, mode="float", scale=0.03, zero_point=0, dtype="quint8"),
+    "adaptive": lambda q: qarray.adaptive_avg_pool2d(q, (4, 3)),
+    "adaptive_3d": lambda q: qarray.adaptive_avg_pool2d(q[1], (None, 2), scale=0.01, zero_point=0, dtype="qint16"),
+    "mean": lambda q: qarray.mean(q, axis=(2, 3)),
+    "mean_out": lambda q: qarray.mean(q, keepdims=True, scale=0.001, zero_point=5, dtype="qint8", rounding="half_up"),
+    "sum": lambda q: qarray.sum(q, axis=1),
+    "sum_out": lambda q: qarray.sum(q, axis=(0, 3), scale=0.5, zero_point=0, dtype="qint16"),
+}
+
+
+@pytest.mark.parametrize("name", POOLS)
+def test_pooling_and_reductions(name, rng):
+    q = qarray.quantize(rng.standard_normal((2, 3, 10, 9)).astype(np.float32), 0.05, -3, "qint8")
+    same(POOLS[name](q.to("cupy")), POOLS[name](q))
+
+
+def test_max_pool_per_channel(rng):
+    q = qarray.quantize(rng.standard_normal((3, 7, 8)).astype(np.float32), np.float32([0.1, 0.2, 0.05]),
+                        np.int32([0, 4, -2]), "qint8", axis=0)
+    same(qarray.max_pool2d(q.to("cupy"), 2), qarray.max_pool2d(q, 2))
+
+
+def test_nn_layers_from_cupy_weights(rng):
+    """``from_float`` on CuPy weights makes a layer on the GPU; calibrate and every
+    call give the NumPy layer's results bit for bit."""
+    from qarray.nn import Conv2d, DynamicLinear, Linear
+
+    w, b = rng.standard_normal((16, 24)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    qx = qarray.quantize_dynamic(x, "quint8")
+    want = Linear.from_float(w, b).calibrate(qx)
+    got = Linear.from_float(cupy.asarray(w), cupy.asarray(b)).calibrate(qx.to("cupy"))
+    same(got.weight, want.weight)
+    assert (got.scale, got.zero_point, got.dtype) == (want.scale, want.zero_point, want.dtype)
+    for kw in ({}, dict(relu=True), dict(scale=0.1, zero_point=0, dtype="qint8")):
+        same(got(qx.to("cupy"), **kw), want(qx, **kw))
+    same(got(qx[0].to("cupy")), want(qx[0]))
+
+    wc, bc = rng.standard_normal((8, 2, 3, 3)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    xc = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+    qc = qarray.quantize_dynamic(xc, "quint8")
+    want = Conv2d.from_float(wc, bc, stride=2, padding=1, groups=2).calibrate(xc, relu=True)
+    got = Conv2d.from_float(cupy.asarray(wc), cupy.asarray(bc), stride=2, padding=1, groups=2)
+    got.calibrate(cupy.asarray(xc), relu=True)
+    same(got.weight, want.weight)
+    assert (got.scale, got.zero_point, got.dtype) == (want.scale, want.zero_point, want.dtype)
+    same(got(qc.to("cupy")), want(qc))
+
+    for weight_dtype in ("qint8", "quint4", "float16"):
+        want = DynamicLinear.from_float(w, b, weight_dtype=weight_dtype)
+        got = DynamicLinear.from_float(cupy.asarray(w), cupy.asarray(b), weight_dtype=weight_dtype)
+        y = got(cupy.asarray(x))
+        assert isinstance(y, cupy.ndarray) and y.dtype == np.float32
+        if weight_dtype == "float16":  # a float32 matmul: cuBLAS and the CPU's BLAS may round differently
+            np.testing.assert_allclose(y.get(), want(x), rtol=1e-5, atol=1e-5)
+        else:  # exact integers, then elementwise float32
+            np.testing.assert_array_equal(y.get(), want(x))
+
+
+def test_primitives_run_on_their_datas_device(rng):
+    """With device 0 current, work on device 1's data is allocated and launched on device 1."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two CUDA devices")
+    x = (rng.standard_normal((33, 65)) * 5).astype(np.float32)
+    with cupy.cuda.Device(1):
+        gx = cupy.asarray(x)
+        q = qarray.quantize(gx, 0.05, 3, "qint8")
+    host = getattr(qarray.backends.get("cupy"), "host", None)  # the dry run's stand-in records each launch's device
+    before = len(host.devices) if host else 0
+    ops = {
+        "quantize": lambda x, q: qarray.quantize(x, 0.05, 3, "qint8"),
+        "quantize_dynamic": lambda x, q: qarray.quantize_dynamic(x, "quint8", axis=0),
+        "requantize": lambda x, q: qarray.requantize(q, 0.1, 120, "quint8"),
+        "add": lambda x, q: qarray.add(q, q, scale=0.1, zero_point=0, dtype="qint8"),
+        "relu": lambda x, q: qarray.relu(q),
+        "gelu": lambda x, q: qarray.gelu(q, scale=0.02, zero_point=0, dtype="qint8"),
+        "qint4_pack": lambda x, q: qarray.quantize(x, 0.5, 0, "qint4"),
+    }
+    with cupy.cuda.Device(0):
+        got = {name: op(gx, q) for name, op in ops.items()}
+        deq = q.dequantize()
+        packed = got["qint4_pack"].pack()
+    assert cupy.cuda.Device().id == 0
+    for name, op in ops.items():
+        assert got[name].data.device.id == 1, name
+        np.testing.assert_array_equal(ints(got[name]), ints(op(x, q.get())), err_msg=name)
+    assert deq.device.id == 1 and packed.device.id == 1
+    np.testing.assert_array_equal(deq.get(), q.get().dequantize())
+    np.testing.assert_array_equal(packed.get(), qarray.quantize(x, 0.5, 0, "qint4").pack())
+    if host:
+        assert len(host.devices) > before and set(host.devices[before:]) == {1}
 
 
 def test_beyond_2_31_elements():

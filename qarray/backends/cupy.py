@@ -2,15 +2,17 @@
 quantize, dequantize and requantize. CuPy is imported on first use only.
 
 Kernel sources live in ``qarray/backends/cuda/`` and are compiled with
-``cupy.RawModule`` once per device. ``plan`` and ``launch_config`` decide every
-argument and the grid; the host-execution harness in the tests calls this same
-class with NumPy arrays and a CPU build of the kernels, so it checks this launch
-logic too.
+``cupy.RawModule`` once per device, their headers inlined (``kernel_source``).
+Each primitive here runs with its data's device current, whichever device is
+the caller's. ``plan`` and ``launch_config`` decide every argument and the grid;
+the host-execution harness in the tests calls this same class with NumPy arrays
+and a CPU build of the kernels, so it checks this launch logic too.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,24 @@ MAX_BLOCKS = 1024  # grid-stride loops cover the rest
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # ops.cu qa_store
-NVRTC_OPTIONS = ("-std=c++17", f"-I{CUDA_DIR}")  # CuPy adds -ftz=true: see cuda/common.cuh
+NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``cuda/<name>`` with its ``#include "x.cuh"`` headers inlined,
+    recursively, each once: CuPy's compile cache is keyed by the code it is
+    given, so an edited header must change that code."""
+    seen = set()
+
+    def inline(match):
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _INCLUDE.sub(inline, (CUDA_DIR / header).read_text())
+
+    return _INCLUDE.sub(inline, (CUDA_DIR / name).read_text())
 
 
 def launch_config(total: int):
@@ -124,13 +143,17 @@ class CupyBackend(Backend):
                 "copy them to one device first (cupy.asarray under `with cupy.cuda.Device(i):`)"
             )
 
+    def _on(self, x):
+        """``x``'s device, to enter around a primitive: CuPy allocates and launches
+        on the current device, which need not be the data's."""
+        return x.device
+
     def _launch(self, source, name, grid, block, args, shared_mem=0):
         """Launch kernel ``name`` of ``cuda/<source>`` (compiled once per device)."""
         cupy = self.xp
         key = (cupy.cuda.Device().id, source)
         if key not in self._modules:
-            code = (CUDA_DIR / source).read_text()
-            self._modules[key] = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+            self._modules[key] = cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
         self._modules[key].get_function(name)(grid, block, args, shared_mem=shared_mem)
 
     def _elementwise(self, name, total, args, source="elementwise.cu"):
@@ -144,29 +167,33 @@ class CupyBackend(Backend):
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
-        x = xp.ascontiguousarray(x)
-        ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
-        ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
-        total, lay, bidx, (s, z) = plan(xp, x.shape, axis, block_size, scale.astype(ft), zero_point.astype(np.int32))
-        out = xp.empty(x.shape, qd.storage)
-        nan = xp.zeros(1, np.int32)
-        if total:
-            self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
-                         (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
-        if int(nan[0]):
-            raise nan_error(x)
-        return out
+        with self._on(x):
+            x = xp.ascontiguousarray(x)
+            ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
+            ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
+            s, z = xp.asarray(scale, ft), xp.asarray(zero_point, np.int32)  # copied here if on another device
+            total, lay, bidx, (s, z) = plan(xp, x.shape, axis, block_size, s, z)
+            out = xp.empty(x.shape, qd.storage)
+            nan = xp.zeros(1, np.int32)
+            if total:
+                self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
+                                  (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
+            if int(nan[0]):
+                raise nan_error(x)
+            return out
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp
-        q = xp.ascontiguousarray(q)
-        ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
-        total, lay, bidx, (s, z) = plan(xp, q.shape, axis, block_size, scale.astype(ft), zero_point.astype(np.int32))
-        out = xp.empty(q.shape, dtype)
-        if total:
-            self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
-                              (q, s, z, bidx, *self._layout_scalars(total, lay), out))
-        return out
+        with self._on(q):
+            q = xp.ascontiguousarray(q)
+            ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
+            s, z = xp.asarray(scale, ft), xp.asarray(zero_point, np.int32)  # copied here if on another device
+            total, lay, bidx, (s, z) = plan(xp, q.shape, axis, block_size, s, z)
+            out = xp.empty(q.shape, dtype)
+            if total:
+                self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
+                                  (q, s, z, bidx, *self._layout_scalars(total, lay), out))
+            return out
 
     def _requant_args(self, shape, rq):
         """``(total, args)``: what every requantizing kernel takes after its data,
@@ -177,89 +204,95 @@ class CupyBackend(Backend):
 
     def requantize(self, q, rq, out=None):
         xp = self.xp
-        q = xp.ascontiguousarray(q)
-        if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
-            return super().requantize(q, rq, out)
-        total, args = self._requant_args(q.shape, rq)
-        pair = f"{q.dtype.name}_{rq.qd.storage.name}"
-        rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
-        if rows is not None:  # a strided slice (cat along an inner axis): written in place
-            row, stride, span = rows
-            dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
-            self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
+        with self._on(q):
+            q = xp.ascontiguousarray(q)
+            if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
+                return super().requantize(q, rq, out)
+            total, args = self._requant_args(q.shape, rq)
+            pair = f"{q.dtype.name}_{rq.qd.storage.name}"
+            rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
+            if rows is not None:  # a strided slice (cat along an inner axis): written in place
+                row, stride, span = rows
+                dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
+                self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
+                return out
+            target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, rq.qd.storage)
+            if total:
+                self._elementwise(f"requantize_{pair}", total, (q, *args, target))
+            if out is None or target is out:
+                return target
+            out[...] = target
             return out
-        target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, rq.qd.storage)
-        if total:
-            self._elementwise(f"requantize_{pair}", total, (q, *args, target))
-        if out is None or target is out:
-            return target
-        out[...] = target
-        return out
 
     def clip(self, q, lo, hi):
-        if np.ndim(lo) or np.ndim(hi) or q.dtype.name not in STORAGE:
-            return super().clip(q, lo, hi)
-        q = self.xp.ascontiguousarray(q)
-        out = self.xp.empty_like(q)
-        if q.size:
-            self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
-        return out
+        with self._on(q):
+            if np.ndim(lo) or np.ndim(hi) or q.dtype.name not in STORAGE:
+                return super().clip(q, lo, hi)
+            q = self.xp.ascontiguousarray(q)
+            out = self.xp.empty_like(q)
+            if q.size:
+                self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
+            return out
 
     def binary(self, op, a, b, ra, rb, rq=None):
         xp = self.xp
-        shape = np.broadcast_shapes(a.shape, b.shape)
-        pa, pb = _period(a.shape, shape), _period(b.shape, shape)
-        out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
-        if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE or out_dtype.name not in OUT_KINDS:
-            return super().binary(op, a, b, ra, rb, rq)
-        # without rq the kernel stores the int64 result and reads no parameters: any will do
-        total, args = self._requant_args(shape, ra if rq is None else rq)
-        out = xp.empty(shape, out_dtype)
-        if total:
-            operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
-                         np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
-            self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", total,
-                              (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
-                               np.int32(OUT_KINDS[out_dtype.name] if rq is not None else 0), out), "ops.cu")
-        return out
+        with self._on(a):
+            shape = np.broadcast_shapes(a.shape, b.shape)
+            pa, pb = _period(a.shape, shape), _period(b.shape, shape)
+            out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
+            if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE or out_dtype.name not in OUT_KINDS:
+                return super().binary(op, a, b, ra, rb, rq)
+            # without rq the kernel stores the int64 result and reads no parameters: any will do
+            total, args = self._requant_args(shape, ra if rq is None else rq)
+            out = xp.empty(shape, out_dtype)
+            if total:
+                operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
+                             np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
+                self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", total,
+                                  (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
+                                   np.int32(OUT_KINDS[out_dtype.name] if rq is not None else 0), out), "ops.cu")
+            return out
 
     def pack(self, q, bits):
         xp = self.xp
-        if q.dtype.name not in ("int8", "uint8"):
-            return super().pack(q, bits)
-        flat = xp.ascontiguousarray(q).reshape(-1).view(np.uint8)
-        out = xp.empty(-(-flat.size // (8 // bits)), np.uint8)
-        if out.size:
-            self._elementwise("pack_bits", out.size, (flat, np.int64(flat.size), np.int32(bits), np.int64(out.size), out), "ops.cu")
-        return out
+        with self._on(q):
+            if q.dtype.name not in ("int8", "uint8"):
+                return super().pack(q, bits)
+            flat = xp.ascontiguousarray(q).reshape(-1).view(np.uint8)
+            out = xp.empty(-(-flat.size // (8 // bits)), np.uint8)
+            if out.size:
+                self._elementwise("pack_bits", out.size, (flat, np.int64(flat.size), np.int32(bits), np.int64(out.size), out), "ops.cu")
+            return out
 
     def unpack(self, packed, bits, signed, count):
         xp = self.xp
-        if packed.dtype != np.uint8:
-            return super().unpack(packed, bits, signed, count)
-        packed = xp.ascontiguousarray(packed).reshape(-1)
-        n = len(range(packed.size * (8 // bits))[:count])  # as the generic slice [:count]
-        out = xp.empty(n, np.int8 if signed else np.uint8)
-        if n:
-            self._elementwise("unpack_bits", n, (packed, np.int32(bits), np.int32(bool(signed)), np.int64(n), out), "ops.cu")
-        return out
+        with self._on(packed):
+            if packed.dtype != np.uint8:
+                return super().unpack(packed, bits, signed, count)
+            packed = xp.ascontiguousarray(packed).reshape(-1)
+            n = len(range(packed.size * (8 // bits))[:count])  # as the generic slice [:count]
+            out = xp.empty(n, np.int8 if signed else np.uint8)
+            if n:
+                self._elementwise("unpack_bits", n, (packed, np.int32(bits), np.int32(bool(signed)), np.int64(n), out), "ops.cu")
+            return out
 
     def lut(self, q, table, axis=None):
         xp = self.xp
-        n_table = 1 << (8 * q.dtype.itemsize)
-        rows = 1 if axis is None else q.shape[axis]
-        if q.dtype.itemsize > 2 or table.shape != ((n_table,) if axis is None else (rows, n_table)) \
-                or table.dtype.itemsize not in (1, 2, 4, 8):
-            return super().lut(q, table, axis)
-        q = xp.ascontiguousarray(q)
-        out = xp.empty(q.shape, table.dtype)
-        if q.size:  # the table bits are copied: index and values as unsigned of their widths
-            u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
-            total, lay, bidx, _ = plan(xp, q.shape, axis, None, xp.empty(param_shape(q.shape, axis, None), np.int8))
-            self._elementwise(f"lut_{u.name}_{v.name}", total,
-                              (q.view(u), xp.ascontiguousarray(table).view(v), bidx,
-                               *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
-        return out
+        with self._on(q):
+            n_table = 1 << (8 * q.dtype.itemsize)
+            rows = 1 if axis is None else q.shape[axis]
+            if q.dtype.itemsize > 2 or table.shape != ((n_table,) if axis is None else (rows, n_table)) \
+                    or table.dtype.itemsize not in (1, 2, 4, 8):
+                return super().lut(q, table, axis)
+            q = xp.ascontiguousarray(q)
+            out = xp.empty(q.shape, table.dtype)
+            if q.size:  # the table bits are copied: index and values as unsigned of their widths
+                u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
+                total, lay, bidx, _ = plan(xp, q.shape, axis, None, xp.empty(param_shape(q.shape, axis, None), np.int8))
+                self._elementwise(f"lut_{u.name}_{v.name}", total,
+                                  (q.view(u), xp.ascontiguousarray(xp.asarray(table)).view(v), bidx,
+                                   *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
+            return out
 
     def _minmax_rows(self, x, rows, seg):
         """Min and max of each ``seg``-long segment of the rows of ``x`` (``rows`` of them)."""
@@ -273,23 +306,24 @@ class CupyBackend(Backend):
 
     def minmax(self, x, axis, block_size):
         xp = self.xp
-        if x.dtype not in (np.float16, np.float32, np.float64) or x.size == 0:
-            return super().minmax(x, axis, block_size)
-        dtype = x.dtype
-        x = x.astype(np.float32) if dtype == np.float16 else x  # exact; the result is one of the values
-        if axis is None:  # per-tensor: up to MAX_BLOCKS segments, then their mins and maxes
-            seg = max(-(-x.size // MAX_BLOCKS), BLOCK * 16)
-            lo, hi = self._minmax_rows(xp.ascontiguousarray(x).reshape(-1), 1, seg)
-            if lo.size > 1:
-                lo, hi = self._minmax_rows(xp.concatenate([lo, hi]), 2, lo.size)
-                lo, hi = lo[:1], hi[1:]
-            return lo.reshape(()).astype(dtype), hi.reshape(()).astype(dtype)
-        o, n, i = view3(x.shape, axis)
-        if block_size is None:  # one row per index along axis
-            rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(1, 0, 2))
-            lo, hi = self._minmax_rows(rows, n, o * i)
-            return lo.astype(dtype), hi.astype(dtype)
-        rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(0, 2, 1))  # (o, i, n): blocks along n
-        lo, hi = self._minmax_rows(rows, o * i, block_size)
-        want = x.shape[:axis] + (-1,) + x.shape[axis + 1 :]
-        return tuple(a.reshape(o, i, -1).transpose(0, 2, 1).reshape(want).astype(dtype) for a in (lo, hi))
+        with self._on(x):
+            if x.dtype not in (np.float16, np.float32, np.float64) or x.size == 0:
+                return super().minmax(x, axis, block_size)
+            dtype = x.dtype
+            x = x.astype(np.float32) if dtype == np.float16 else x  # exact; the result is one of the values
+            if axis is None:  # per-tensor: up to MAX_BLOCKS segments, then their mins and maxes
+                seg = max(-(-x.size // MAX_BLOCKS), BLOCK * 16)
+                lo, hi = self._minmax_rows(xp.ascontiguousarray(x).reshape(-1), 1, seg)
+                if lo.size > 1:
+                    lo, hi = self._minmax_rows(xp.concatenate([lo, hi]), 2, lo.size)
+                    lo, hi = lo[:1], hi[1:]
+                return lo.reshape(()).astype(dtype), hi.reshape(()).astype(dtype)
+            o, n, i = view3(x.shape, axis)
+            if block_size is None:  # one row per index along axis
+                rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(1, 0, 2))
+                lo, hi = self._minmax_rows(rows, n, o * i)
+                return lo.astype(dtype), hi.astype(dtype)
+            rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(0, 2, 1))  # (o, i, n): blocks along n
+            lo, hi = self._minmax_rows(rows, o * i, block_size)
+            want = x.shape[:axis] + (-1,) + x.shape[axis + 1 :]
+            return tuple(a.reshape(o, i, -1).transpose(0, 2, 1).reshape(want).astype(dtype) for a in (lo, hi))

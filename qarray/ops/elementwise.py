@@ -80,7 +80,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
     # each input onto the common scale 2 * max / 2**shift (exact in float64),
     # rounded once, then the exact int64 sum requantized once
     common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(a, b)
-    ra, rb = (plan([q.scale], common, _zp(q), 0, None, mode, rounding) for q in (a, b))
+    ra, rb = (plan([s], common, _zp(q), 0, None, mode, rounding) for q, s in ((a, s_a), (b, s_b)))
     acc = functools.partial(backend.binary, op, a.data, b.data, ra, rb)
     return finish(op, backend, acc, [np.float64(common)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)

@@ -1,6 +1,7 @@
-"""pytest plugin: the fake CuPy of ``fake_cupy/`` on the path and a
-``HostCupyBackend`` registered as the "cupy" backend for its arrays, so that
-tests/test_gpu.py runs its GPU tests through the host-run kernels.
+"""pytest plugin: the fake CuPy of ``fake_cupy/`` on the path and ``CupyBackend``
+registered as the "cupy" backend for its arrays, its ``RawModule`` running the
+kernels on the host build, so that tests/test_gpu.py runs its GPU tests through
+the host-run kernels.
 
     python -m pytest -p cuda_host.gpu_dryrun -m gpu tests/test_gpu.py
 """
@@ -14,18 +15,37 @@ sys.path.insert(0, str(Path(__file__).parent / "fake_cupy"))
 import cupy  # noqa: E402  (the fake)
 
 import qarray.backends as qb  # noqa: E402
+from qarray.backends.cupy import CupyBackend  # noqa: E402
 
 from .harness import HostCupyBackend, build  # noqa: E402
 
 assert cupy.__version__ == "0+fake", cupy.__file__
 
 
+class HostModule:
+    """``cupy.RawModule`` for the current (fake) device, its kernels run by ``host``
+    (a ``HostCupyBackend``, which checks every launch); each launch is recorded in
+    ``host.devices``, and its arrays must be on that device, as on a GPU."""
+
+    def __init__(self, host, code, options):
+        self.host, self.device = host, cupy.cuda.Device().id
+
+    def get_function(self, name):
+        def launch(grid, block, args, shared_mem=0):
+            assert cupy.cuda.Device().id == self.device, f"{name}: module of device {self.device} launched elsewhere"
+            cupy._check_devices([a for a in args if isinstance(a, cupy.ndarray)])
+            self.host.devices.append(self.device)
+            self.host.run(name, grid, block, args, shared_mem)
+
+        return launch
+
+
 @pytest.fixture(autouse=True, scope="session")
 def fake_device(tmp_path_factory):
-    backend = HostCupyBackend(build(tmp_path_factory.mktemp("cuda_host") / "kernels.so"))
-    backend.name, backend._xp = "cupy", cupy
-    backend.array_types = lambda: (cupy.ndarray,)
-    qb.register(backend)
-    qb._by_type[cupy.ndarray] = backend  # before the NumPy backend, which would take any ndarray subclass
+    host = HostCupyBackend(build(tmp_path_factory.mktemp("cuda_host") / "kernels.so"))
+    host.devices = []
+    cupy.RawModule = lambda code, options: HostModule(host, code, options)
+    backend = qb.register(CupyBackend())
+    backend.host = host
     yield backend
-    assert backend.launches, "no kernel ran"
+    assert host.launches, "no kernel ran"

@@ -1,68 +1,238 @@
 """A stand-in for CuPy made of NumPy, for running tests/test_gpu.py without a GPU
-(see tests/test_gpu_dryrun.py). Arrays are ``ndarray``, a NumPy subclass with
-CuPy's ``get()``, ``device`` and ``__cuda_array_interface__``; every NumPy
-function is here, returning such arrays. ``gpu_dryrun.py`` registers a
-``HostCupyBackend`` for them, so the kernels run through the host harness.
+(see tests/test_gpu_dryrun.py).
+
+``ndarray`` holds a NumPy array but, like CuPy's, is no NumPy array: NumPy
+refuses to convert it (``numpy.asarray``, ``__array__``: CuPy's TypeError), and
+NumPy functions, ufuncs and operators take it only with no NumPy array mixed in
+(CuPy's ``TypeError: Unsupported type``); the ``cupy.*`` functions refuse NumPy
+arrays too, except ``asarray`` and ``array``, which copy host data over. So code
+that needs a host value must ask for one (``.get()``), as on a GPU.
+
+Two devices: ``cuda.Device(i)`` makes device ``i`` current; an array remembers
+the device it was made on (a view, its base's), and work that reads or writes an
+array of another device raises CuPy's no-peer-access ValueError. ``gpu_dryrun.py``
+supplies ``RawModule``, whose kernels run through the host harness.
 """
 
+import functools
 import time
 import types
 
 import numpy as _np
 
 __version__ = "0+fake"
+IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly.")
+_current = [0]  # the current device
 
 
-class ndarray(_np.ndarray):
-    @property
-    def __cuda_array_interface__(self):
-        return {}
-
-    @property
-    def device(self):
-        return types.SimpleNamespace(id=0)
-
-    def get(self):
-        return _np.asarray(self).copy()
+def _check_devices(arrays):
+    """CuPy's error for work on the current device that touches another's memory."""
+    for a in arrays:
+        if a._dev != _current[0]:
+            raise ValueError(f"The device where the array resides ({a._dev}) is different from the current "
+                             f"device ({_current[0]}). Peer access is unavailable between these devices.")
 
 
-def _wrap(x):
-    if isinstance(x, _np.ndarray) and not isinstance(x, ndarray):
-        return x.view(ndarray)
+def _unwrap(x, found, host_ok=False):
+    """``x`` with the NumPy arrays behind our arrays (collected in ``found``);
+    a NumPy array is refused unless ``host_ok``."""
+    if isinstance(x, ndarray):
+        found.append(x)
+        return x._a
+    if isinstance(x, _np.ndarray) and not host_ok:
+        raise TypeError(f"Unsupported type {type(x)}")
     if isinstance(x, (tuple, list)):
-        return type(x)(_wrap(v) for v in x)
+        return type(x)(_unwrap(v, found, host_ok) for v in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v, found, host_ok) for k, v in x.items()}
     return x
 
 
-def __getattr__(name):
+def _wrap(r, inputs):
+    """NumPy results as our arrays (scalars as 0-d arrays, as CuPy returns them):
+    a view stays on its base's device; new memory is on the current device, and
+    made there from inputs that must be there too."""
+    if isinstance(r, (tuple, list)):
+        return type(r)(_wrap(v, inputs) for v in r)
+    if not isinstance(r, (_np.ndarray, _np.generic)):
+        return r
+    for a in inputs:
+        if r is a._a:
+            return a
+    r = _np.asarray(r)
+    base = next((a for a in inputs if _np.may_share_memory(r, a._a)), None)
+    if base is not None:
+        return ndarray._of(r, base._dev)
+    _check_devices(inputs)
+    return ndarray._of(r, _current[0])
+
+
+def _apply(fn, args, kwargs, found=()):
+    """NumPy's ``fn`` on our arrays (and on ``found``, e.g. a method's own array)."""
+    found = list(found)
+    args, kwargs = _unwrap(args, found), _unwrap(kwargs, found)
+    return _wrap(fn(*args, **kwargs), found)
+
+
+def _numpy_function(f):
+    return functools.wraps(f)(lambda *args, **kwargs: _apply(f, args, kwargs))
+
+
+class ndarray:
+    """An array on a (fake) device: NumPy array ``_a`` on device ``_dev``."""
+
+    __slots__ = ("_a", "_dev")
+
+    def __init__(self, shape, dtype=float):
+        self._a, self._dev = _np.empty(shape, dtype), _current[0]
+
+    @classmethod
+    def _of(cls, a, dev):
+        self = object.__new__(cls)
+        self._a, self._dev = a, dev
+        return self
+
+    @property
+    def device(self):
+        return _Device(self._dev)
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self._a
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.__array_interface__["data"][0], False),
+                "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
+
+    def get(self):
+        return self._a.copy()
+
+    def copy(self, order="C"):  # from any device to the current one, as CuPy's
+        return ndarray._of(self._a.copy(order), _current[0])
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(IMPLICIT)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:  # in place: a kernel on the current device
+            _check_devices([a for a in (*inputs, *kwargs["out"]) if isinstance(a, ndarray)])
+        return _apply(getattr(ufunc, method), inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _apply(func, args, kwargs)
+
+    def __getattr__(self, name):  # NumPy's attributes and methods, except the host's own
+        if name.startswith("__") or name in ("ctypes", "data"):
+            raise AttributeError(f"'cupy.ndarray' object has no attribute '{name}'")
+        attr = getattr(self._a, name)
+        return (lambda *args, **kwargs: _apply(attr, args, kwargs, [self])) if callable(attr) else _wrap(attr, [self])
+
+    def __getitem__(self, key):
+        found = [self]
+        key = _unwrap(key if isinstance(key, tuple) else (key,), found, host_ok=True)  # index arrays may be on the host
+        if not any(k is Ellipsis for k in key):
+            key += (Ellipsis,)  # a 0-d view, not a NumPy scalar
+        return _wrap(self._a[key], found)
+
+    def __setitem__(self, key, value):
+        if not isinstance(value, ndarray) and _np.ndim(value):
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+        found = [self]
+        key, value = _unwrap(key, found, host_ok=True), _unwrap(value, found, host_ok=True)
+        _check_devices(found)
+        self._a[key] = value
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __float__(self):
+        return float(self._a)
+
+    def __repr__(self):
+        return repr(self._a)
+
+
+def _operators():
+    binary = dict(add=_np.add, sub=_np.subtract, mul=_np.multiply, truediv=_np.true_divide,
+                  floordiv=_np.floor_divide, mod=_np.remainder, pow=_np.power, matmul=_np.matmul,
+                  lshift=_np.left_shift, rshift=_np.right_shift, and_=_np.bitwise_and, or_=_np.bitwise_or,
+                  xor=_np.bitwise_xor)
+    for name, f in binary.items():
+        name = name.rstrip("_")
+        setattr(ndarray, f"__{name}__", lambda self, other, f=f: f(self, other))
+        setattr(ndarray, f"__r{name}__", lambda self, other, f=f: f(other, self))
+        setattr(ndarray, f"__i{name}__", lambda self, other, f=f: f(self, other, out=(self,)))
+    compare = dict(eq=_np.equal, ne=_np.not_equal, lt=_np.less, le=_np.less_equal, gt=_np.greater,
+                   ge=_np.greater_equal)
+    for name, f in compare.items():
+        setattr(ndarray, f"__{name}__", lambda self, other, f=f: f(self, other))
+    for name, f in dict(neg=_np.negative, pos=_np.positive, abs=_np.absolute, invert=_np.invert).items():
+        setattr(ndarray, f"__{name}__", lambda self, f=f: f(self))
+
+
+_operators()
+ndarray.__hash__ = None
+
+
+def asarray(a, dtype=None, order=None):
+    """``a`` on the current device: host data copied over, another device's array too."""
+    if isinstance(a, ndarray) and a._dev == _current[0]:
+        return a if dtype is None or _np.dtype(dtype) == a.dtype else a.astype(dtype)
+    return array(a, dtype, order=order)
+
+
+def array(a, dtype=None, copy=True, order="K"):  # always a copy here
+    return ndarray._of(_np.array(_unwrap(a, [], host_ok=True), dtype, order=order), _current[0])
+
+
+def asnumpy(a):
+    return a.get() if isinstance(a, ndarray) else _np.asarray(a)
+
+
+def __getattr__(name):  # every other NumPy name; functions refuse NumPy arrays
     obj = getattr(_np, name)
-    if callable(obj) and not isinstance(obj, type):
-        return lambda *a, **k: _wrap(obj(*a, **k))
-    return obj
+    return _numpy_function(obj) if callable(obj) and not isinstance(obj, type) else obj
 
 
 class _Random:
     _rng = _np.random.default_rng(0)
 
     def rand(self, *shape, dtype=_np.float64):
-        return _wrap(self._rng.random(shape).astype(dtype))
+        return array(self._rng.random(shape).astype(dtype))
 
     def standard_normal(self, n, dtype=_np.float64):
-        return _wrap(self._rng.standard_normal(n).astype(dtype))
+        return array(self._rng.standard_normal(n).astype(dtype))
 
     def randint(self, lo, hi, n, dtype=_np.int64):
-        return _wrap(self._rng.integers(lo, hi, n).astype(dtype))
+        return array(self._rng.integers(lo, hi, n).astype(dtype))
 
 
 class _Device:
-    def __init__(self, i=0):
-        self.id = i
+    """``with Device(i):`` makes device ``i`` current; ``Device()`` is the current one."""
+
+    def __init__(self, device=None):
+        self.id = _current[0] if device is None else int(device)
+        self._before = []
 
     def __enter__(self):
+        self._before.append(_current[0])
+        _current[0] = self.id
         return self
 
     def __exit__(self, *exc):
+        _current[0] = self._before.pop()
         return False
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
 
     def synchronize(self):
         pass
@@ -78,7 +248,8 @@ class _Event:
 
 random = _Random()
 lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
-    as_strided=lambda *a, **k: _wrap(_np.lib.stride_tricks.as_strided(*a, **k))))
+    as_strided=_numpy_function(_np.lib.stride_tricks.as_strided),
+    sliding_window_view=_numpy_function(_np.lib.stride_tricks.sliding_window_view)))
 cuda = types.SimpleNamespace(
     Device=_Device, Event=_Event, get_elapsed_time=lambda a, b: 1000 * (b.t - a.t),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"host harness"}))
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda i: {"name": b"host harness"}))
