@@ -195,3 +195,38 @@ def test_to_numpy_is_identity_and_cupy_errors_clearly(q3, monkeypatch):
         qarray.backends._by_name.pop("cupy", None)
         with pytest.raises(ImportError, match=r"the cupy backend needs CuPy: pip install 'qarray\[cuda12\]'"):
             q3.to("cupy")
+
+
+def _full_repr_body(q):
+    """The values' text as repr printed them before: the whole array dequantized."""
+    return np.array2string(q.dequantize(), separator=", ", prefix="QArray(")
+
+
+@pytest.mark.parametrize("shape,axis,block_size", [((1000, 1000), None, None), ((3000,), 0, None), ((7, 1001), 1, None),
+                                                   ((40, 50, 3), 0, 7), ((2, 1, 1500), 2, 64), ((1001, 1), None, None)])
+def test_repr_of_a_big_array_dequantizes_only_what_it_prints(shape, axis, block_size, rng, monkeypatch):
+    from qarray._params import param_shape
+
+    ps = param_shape(shape, axis, block_size)
+    q = qarray.quantize(rng.standard_normal(shape).astype(np.float32), rng.uniform(0.01, 0.1, ps).astype(np.float32),
+                        rng.integers(-5, 5, ps), "qint8", axis, block_size)
+    want = _full_repr_body(q)
+    b = q._backend
+    sizes = []
+    original = type(b).dequantize
+
+    def recording(self, data, *args):
+        sizes.append(data.size)
+        return original(self, data, *args)
+
+    monkeypatch.setattr(type(b), "dequantize", recording)
+    text = repr(q)
+    assert text.startswith("QArray(" + want + ",\n") and "..." in text
+    e = np.get_printoptions()["edgeitems"]
+    assert sizes and max(sizes) <= (2 * e + 1) ** len(shape)
+    with np.printoptions(threshold=q.size):  # below the threshold: everything, as NumPy prints it
+        sizes.clear()
+        assert repr(q).startswith("QArray(" + _full_repr_body(q) + ",\n")
+        assert sizes[0] == q.size
+    with np.printoptions(edgeitems=1, threshold=5, linewidth=50, precision=3):
+        assert repr(q).startswith("QArray(" + _full_repr_body(q) + ",\n")
