@@ -171,17 +171,121 @@ def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
     )
 
 
-def view3(shape, axis) -> tuple:
-    """``shape`` seen as ``(outer, shape[axis], inner)``."""
-    return (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
+class Layout:
+    """Where each element's parameter lies: the one layout of the NumPy, Numba
+    and CUDA code.
 
+    The data is seen as ``(outer, n, inner)`` and its parameters (stored in
+    ``param_shape``) as ``(pouter, blocks, pinner)``: element ``(o, l, i)`` uses
+    parameter ``(o if pouter > 1 else 0, bidx[l], i if pinner > 1 else 0)``
+    with ``bidx[l] = l // step``.
 
-def compact(p, shape, axis, block_size):
-    """A parameter array as ``(outer or 1, blocks, inner or 1)``, to go with ``view3``."""
-    if block_size is None:
-        return p.reshape(1, -1, 1)
-    o, _, i = view3(shape, axis)
-    return p.reshape(o, -1, i)
+    - per-tensor: data ``(1, 1, size)``, parameters ``(1, 1, 1)``, step 1;
+    - per-axis along k: data ``(prod(shape[:k]), shape[k], prod(shape[k+1:]))``,
+      parameters ``(1, n, 1)``, step 1;
+    - blocked along k: the same data, parameters ``(outer, ceil(n / B), inner)``,
+      step B.
+
+    Example: shape ``(2, 5)``, ``axis=1, block_size=2``: data ``(2, 5, 1)``,
+    parameters ``(2, 3, 1)``, ``bidx = [0, 0, 1, 1, 2]``.
+    """
+
+    __slots__ = ("outer", "n", "inner", "pouter", "blocks", "pinner", "step")
+
+    def __init__(self, shape, axis=None, block_size=None):
+        shape = tuple(shape)
+        if axis is None:
+            self._set(1, 1, math.prod(shape), 1, 1, 1, 1)
+            return
+        o, n, i = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+        if block_size is None:
+            self._set(o, n, i, 1, n, 1, 1)
+        else:
+            self._set(o, n, i, o, -(-n // block_size), i, block_size)
+
+    @classmethod
+    def _of(cls, *fields):
+        """A Layout with these fields (``_set``'s order): a re-view for ``pieces``."""
+        return object.__new__(cls)._set(*fields)
+
+    def _set(self, outer, n, inner, pouter, blocks, pinner, step):
+        self.outer, self.n, self.inner = outer, n, inner
+        self.pouter, self.blocks, self.pinner, self.step = pouter, blocks, pinner, step
+        return self
+
+    def __repr__(self):
+        return f"Layout(data={self.dims}, params={self.pshape}, step={self.step})"
+
+    @property
+    def dims(self) -> tuple:
+        """The data as ``(outer, n, inner)``."""
+        return self.outer, self.n, self.inner
+
+    @property
+    def size(self) -> int:
+        return self.outer * self.n * self.inner
+
+    @property
+    def pshape(self) -> tuple:
+        """The parameters as ``(pouter, blocks, pinner)``."""
+        return self.pouter, self.blocks, self.pinner
+
+    def compact(self, p):
+        """A parameter array (``param_shape``, or a scalar per tensor) as ``pshape``."""
+        return p.reshape(self.pshape)
+
+    def bidx(self, xp=np):
+        """``bidx[l]``: the parameter block of position ``l`` along ``n`` (int64)."""
+        return xp.arange(self.n, dtype=xp.int64) // self.step
+
+    @property
+    def ints(self) -> tuple:
+        """``(n, inner, blocks, pinner, pouter_on)``: the CUDA ``Layout`` struct
+        (``cuda/common.cuh``); ``inner`` at least 1, so it always divides."""
+        return self.n, max(self.inner, 1), self.blocks, self.pinner, int(self.pouter > 1)
+
+    def pieces(self, cols=None):
+        """``[(flat slice, Layout)]`` covering the data with the same parameters,
+        shaped so that inner loops run long with one parameter: data blocked
+        along its last axis in whole blocks as ``(outer, blocks, block_size)``;
+        with ``cols``, data with one parameter as ``(1, rows, cols)`` plus a
+        short tail (rows for the Numba kernels' threads), else as one row."""
+        if self.pshape == (1, 1, 1):  # one parameter for all
+            if cols is None:
+                return [(slice(None), Layout._of(1, 1, self.size, 1, 1, 1, 1))]
+            rows, tail = divmod(self.size, cols)
+            out = []
+            if rows:
+                out.append((slice(0, rows * cols), Layout._of(1, rows, cols, 1, 1, 1, rows)))
+            if tail:
+                out.append((slice(rows * cols, self.size), Layout._of(1, 1, tail, 1, 1, 1, 1)))
+            return out
+        if self.inner == 1 and self.step > 1 and self.n % self.step == 0:
+            return [(slice(None), Layout._of(self.outer, self.blocks, self.step, self.pouter, self.blocks, 1, 1))]
+        return [(slice(None), self)]
+
+    def chunks(self, limit):
+        """The data seen as ``(outer * n, inner)`` rows, in pieces of about ``limit``
+        elements: ``(rows, cols, prow)`` with ``rows``, ``cols`` slices of that
+        view and ``prow`` (int64) the row of each of those rows in the
+        parameters seen as ``(pouter * blocks, pinner)``. Where the parameters
+        repeat every ``n`` rows (or are one row), pieces hold whole periods and
+        share one ``prow`` object (a caller may reuse what it gathered with it)."""
+        total_rows, inner = self.outer * self.n, self.inner
+        nrows = max(1, limit // max(inner, 1))
+        periodic = self.pouter == 1 and (self.blocks == 1 or nrows >= self.n)
+        if periodic and self.blocks > 1:
+            nrows -= nrows % self.n
+        width = max(1, min(inner, limit))
+        on = self.blocks if self.pouter > 1 else 0
+        prow = None
+        for r0 in range(0, total_rows, nrows):
+            r1 = min(r0 + nrows, total_rows)
+            if not (periodic and prow is not None and len(prow) == r1 - r0):
+                r = np.arange(r0, r1, dtype=np.int64)
+                prow = r // self.n * on + r % self.n // self.step
+            for c0 in range(0, inner, width):
+                yield slice(r0, r1), slice(c0, c0 + width), prow
 
 
 def expand(p, shape, axis, block_size, xp):
@@ -195,7 +299,7 @@ def expand(p, shape, axis, block_size, xp):
         return p
     if block_size is None:
         return p.reshape((1,) * axis + (-1,) + (1,) * (len(shape) - axis - 1))
-    p3 = compact(p, shape, axis, block_size)
+    p3 = Layout(shape, axis, block_size).compact(p)
     if block_size > 1:
         p3 = xp.repeat(p3, block_size, axis=1)[:, : shape[axis]]
     return p3.reshape(shape)

@@ -272,10 +272,38 @@ class QArray:
                 new_axis, block = 0, 1
         return self._with(data, scale, zp, new_axis, block if new_axis is not None else None)
 
+    def _shown(self):
+        """``(values, summarise)``: the dequantized values NumPy's printing shows.
+
+        Below the print threshold, all of them. Above it NumPy shows ``edgeitems``
+        from each end of every longer axis: only those are dequantized, plus one
+        middle item per such axis (never printed) so the axis stays longer than
+        ``2 * edgeitems`` and still gets its "...". Printed with summarising on,
+        that array gives NumPy's text for the whole one.
+        """
+        opts = np.get_printoptions()
+        e = opts["edgeitems"]
+        if self.size <= opts["threshold"] or e < 1:
+            return self._backend.to_host(self.dequantize()), False
+        idx = [np.r_[0:e + 1, n - e:n] if n > 2 * e else np.arange(n) for n in self.shape]
+        b = self._backend
+        scale, zp, block = self._scale, self._zero_point, self._block_size
+        if self._axis is not None:
+            a = self._axis
+            if block is None:  # per-axis: the parameters of the items taken
+                pick = b.asarray(idx[a])
+                scale, zp = scale[pick], zp[pick]
+            else:  # blocked: one parameter per item taken along the axis
+                pidx = tuple(b.asarray(i) for i in np.ix_(*(i // block if k == a else i for k, i in enumerate(idx))))
+                scale, zp, block = scale[pidx], zp[pidx], 1
+        data = self._data[tuple(b.asarray(i) for i in np.ix_(*idx))]
+        corners = QArray._new(data, scale, zp, self._dtype, self._axis, block, b)
+        return b.to_host(corners.dequantize()), True
+
     def __repr__(self):
-        values = self._backend.to_host(self.dequantize())
+        values, summarise = self._shown()
         head = "QArray("
-        body = np.array2string(values, separator=", ", prefix=head)
+        body = np.array2string(values, separator=", ", prefix=head, **({"threshold": 0} if summarise else {}))
         params = f"dtype={self._dtype.name}, scale={_show(self._backend, self._scale)}, " \
                  f"zero_point={_show(self._backend, self._zero_point)}"
         if self._axis is not None:

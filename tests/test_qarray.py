@@ -214,3 +214,38 @@ def test_unpack_shape_checked():
     with pytest.raises(ValueError, match="unpack: 18446744073709551616 qint8 values need 18446744073709551616 items, got 2"):
         qarray.unpack(np.zeros(2, np.int8), "qint8", (2**33, 2**31))
     assert qarray.unpack(np.array([0x21], np.uint8), "quint4", np.int64(2)).tolist() == [1, 2]
+
+
+def _full_repr_body(q):
+    """The values' text as repr printed them before: the whole array dequantized."""
+    return np.array2string(q.dequantize(), separator=", ", prefix="QArray(")
+
+
+@pytest.mark.parametrize("shape,axis,block_size", [((1000, 1000), None, None), ((3000,), 0, None), ((7, 1001), 1, None),
+                                                   ((40, 50, 3), 0, 7), ((2, 1, 1500), 2, 64), ((1001, 1), None, None)])
+def test_repr_of_a_big_array_dequantizes_only_what_it_prints(shape, axis, block_size, rng, monkeypatch):
+    from qarray._params import param_shape
+
+    ps = param_shape(shape, axis, block_size)
+    q = qarray.quantize(rng.standard_normal(shape).astype(np.float32), rng.uniform(0.01, 0.1, ps).astype(np.float32),
+                        rng.integers(-5, 5, ps), "qint8", axis, block_size)
+    want = _full_repr_body(q)
+    b = q._backend
+    sizes = []
+    original = type(b).dequantize
+
+    def recording(self, data, *args):
+        sizes.append(data.size)
+        return original(self, data, *args)
+
+    monkeypatch.setattr(type(b), "dequantize", recording)
+    text = repr(q)
+    assert text.startswith("QArray(" + want + ",\n") and "..." in text
+    e = np.get_printoptions()["edgeitems"]
+    assert sizes and max(sizes) <= (2 * e + 1) ** len(shape)
+    with np.printoptions(threshold=q.size):  # below the threshold: everything, as NumPy prints it
+        sizes.clear()
+        assert repr(q).startswith("QArray(" + _full_repr_body(q) + ",\n")
+        assert sizes[0] == q.size
+    with np.printoptions(edgeitems=1, threshold=5, linewidth=50, precision=3):
+        assert repr(q).startswith("QArray(" + _full_repr_body(q) + ",\n")

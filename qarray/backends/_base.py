@@ -1,8 +1,9 @@
 """The generic backend: every primitive written once against ``self.xp``.
 
-Any array library with a NumPy-like namespace works through this class as it
-stands; ``NumpyBackend`` and ``CupyBackend`` override only what they can do
-faster. Primitives take arrays of their own backend and parameters in their
+Any array library with a NumPy-like namespace (and slice assignment: the
+elementwise primitives work in pieces written into one output) works through
+this class as it stands; ``NumpyBackend`` and ``CupyBackend`` override only
+what they can do faster. Primitives take arrays of their own backend and parameters in their
 stored shape (see ``qarray._params``); ops validate and resolve everything
 before they call one.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._fixed_point import FLOAT, IDENTITY, rescale
-from .._params import expand, to_host, view3
+from .._params import Layout, to_host
 
 
 def nan_error(x) -> ValueError:
@@ -61,26 +62,62 @@ class Backend:
         return to_host(a)
 
     # -- elementwise primitives ------------------------------------------
+    # Elements per pass of the generic elementwise code (and of the chunked
+    # ops, avg_pool2d): its temporaries, up to about a dozen int64 arrays in
+    # requantize, stay a few MB whatever the size (and in the CPU caches).
+    chunk = 1 << 16
+
+    def _chunked(self, fn, a, out, layout, params):
+        """``out = fn(a, *params)``, elementwise, ``chunk`` elements at a time.
+
+        ``a`` and ``out`` have the shape ``layout`` describes (``out`` C-contiguous);
+        ``params`` are parameter arrays (``qarray._params.param_shape``). ``fn``
+        gets a 2-D piece of ``a`` (rows of ``Layout.pieces``, cut by
+        ``Layout.chunks``) and each parameter sliced to broadcast against it,
+        and returns that piece of the result.
+        """
+        xp = self.xp
+        af, of = a.reshape(-1), out.reshape(-1)
+        for sl, lay in layout.pieces():
+            rows = (lay.outer * lay.n, lay.inner)
+            a2, out2 = af[sl].reshape(rows), of[sl].reshape(rows)
+            p2 = [self.asarray(p).reshape(lay.pouter * lay.blocks, lay.pinner) for p in params]
+            seen = None
+            for r, c, prow in lay.chunks(self.chunk):
+                pc = c if lay.pinner > 1 else slice(None)
+                if seen is None or seen[0] is not prow or seen[1] != pc:  # else the same parameters again
+                    pr = xp.asarray(prow)
+                    seen = prow, pc, [p[pr, pc] for p in p2]
+                out2[r, c] = fn(a2[r, c], *seen[2])
+        return out
+
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         """``clamp(rint(x / scale) + zero_point)`` in ``qd``'s storage dtype."""
         xp = self.xp
-        if bool(xp.isnan(x).any()):
-            raise nan_error(x)
         ft = xp.float64 if x.dtype == xp.float64 else xp.float32
-        s = expand(scale, x.shape, axis, block_size, xp).astype(ft)
-        z = expand(zero_point, x.shape, axis, block_size, xp).astype(xp.float64)
-        q = xp.rint(x.astype(ft) / s).astype(xp.float64) + z
-        return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
+
+        def fn(c, s, z):
+            if bool(xp.isnan(c).any()):
+                raise nan_error(x)
+            q = xp.rint(c.astype(ft, copy=False) / s).astype(xp.float64) + z
+            return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
+
+        out = xp.empty(x.shape, qd.storage)
+        params = (scale.astype(ft), zero_point.astype(xp.float64))
+        return self._chunked(fn, x, out, Layout(x.shape, axis, block_size), params)
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         """``(q - zero_point) * scale`` in float32, or float64 when ``dtype`` is float64."""
         xp = self.xp
         ft = xp.float64 if dtype == np.float64 else xp.float32
-        s = expand(scale, q.shape, axis, block_size, xp).astype(ft)
-        z = expand(zero_point, q.shape, axis, block_size, xp).astype(xp.int64)
-        y = (q.astype(xp.int64) - z).astype(ft) * s
+
+        def fn(c, s, z):
+            return ((c.astype(xp.int64) - z).astype(ft) * s).astype(dtype, copy=False)
+
+        out = xp.empty(q.shape, dtype)
+        params = (scale.astype(ft), zero_point.astype(xp.int64))
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
-            return y.astype(dtype, copy=False)
+            return self._chunked(fn, q, out, Layout(q.shape, axis, block_size), params)
 
     def requantize(self, q, rq, out=None):
         """``rq`` (a ``qarray._fixed_point.Requant``) applied to every element of
@@ -88,20 +125,23 @@ class Backend:
         dtype, written into ``out`` when given (that dtype, ``q``'s shape)."""
         xp = self.xp
 
-        def ex(p):
-            return expand(self.asarray(p), q.shape, rq.axis, rq.block_size, xp)
+        narrow = rq.narrow(q.dtype)
 
-        zi, zo, m, s, f = (ex(p) for p in rq.params)
-        d = q.astype(xp.int64) - zi
-        if rq.rounding == FLOAT:  # clamped in float64: a huge product must not overflow int64
-            v = xp.clip(xp.rint(d.astype(xp.float64) * f + zo), rq.lo, rq.hi)
-        else:
-            v = d if rq.rounding == IDENTITY else rescale(d, m, s, rq.rounding, rq.narrow(q.dtype))
-            v = xp.clip(v + zo, rq.lo, rq.hi)
-        v = v.astype(rq.out_dtype, copy=False)
-        if out is None:
-            return v
-        out[...] = v
+        def fn(c, zi, zo, m, s, f):
+            d = c.astype(xp.int64) - zi
+            if rq.rounding == FLOAT:  # clamped in float64: a huge product must not overflow int64
+                v = xp.clip(xp.rint(d.astype(xp.float64) * f + zo), rq.lo, rq.hi)
+            else:
+                v = d if rq.rounding == IDENTITY else rescale(d, m, s, rq.rounding, narrow)
+                v = xp.clip(v + zo, rq.lo, rq.hi)
+            return v.astype(rq.out_dtype, copy=False)
+
+        direct = out is not None and out.flags.c_contiguous
+        target = out if direct else xp.empty(q.shape, rq.out_dtype)
+        self._chunked(fn, q, target, Layout(q.shape, rq.axis, rq.block_size), rq.params)
+        if out is None or direct:
+            return target
+        out[...] = target
         return out
 
     def clip(self, q, lo, hi):
@@ -124,15 +164,22 @@ class Backend:
         xp = self.xp
         if axis is None:
             return xp.min(x), xp.max(x)
-        o, n, i = view3(x.shape, axis)
-        x3 = x.reshape(o, n, i)
+        lay = Layout(x.shape, axis, block_size)
+        x3 = x.reshape(lay.dims)
         if block_size is None:
             return x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
-        nb = -(-n // block_size)
-        x4 = xp.pad(x3, ((0, 0), (0, nb * block_size - n), (0, 0)), mode="edge")
-        x4 = x4.reshape(o, nb, block_size, i)
-        want = x.shape[:axis] + (nb,) + x.shape[axis + 1 :]
-        return x4.min(axis=2).reshape(want), x4.max(axis=2).reshape(want)
+        # whole blocks as a 4-D view, then the short last block: nothing copied
+        n, full = lay.n, lay.n // block_size * block_size
+        lo, hi = [], []
+        if full:
+            x4 = x3[:, :full].reshape(lay.outer, full // block_size, block_size, lay.inner)
+            lo.append(x4.min(axis=2))
+            hi.append(x4.max(axis=2))
+        if full < n:
+            lo.append(x3[:, full:].min(axis=1, keepdims=True))
+            hi.append(x3[:, full:].max(axis=1, keepdims=True))
+        want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1 :]
+        return tuple((v[0] if len(v) == 1 else xp.concatenate(v, axis=1)).reshape(want) for v in (lo, hi))
 
     def lut(self, q, table, axis=None):
         """``table[u]`` for every element, ``u`` being ``q``'s storage seen as unsigned.

@@ -1,12 +1,12 @@
 """Numba kernels behind ``NumpyBackend``'s elementwise primitives.
 
 Imported only when a primitive first runs on a large enough array with Numba
-installed. Each kernel sees its input as ``(outer, n, inner)``
-(``qarray._params.view3``) and its parameters as
-``(outer or 1, blocks, inner or 1)`` (``compact``), with ``bidx[l]`` the block
-of position ``l`` along the axis; per-tensor data is viewed as
-``(1, rows, cols)`` with one parameter slot. That one layout covers per-tensor,
-per-axis and blocked parameters. Inner loops run over contiguous memory with
+installed. Each kernel sees its input as ``(outer, n, inner)`` and its
+parameters as ``(outer or 1, blocks, inner or 1)``, with ``bidx[l]`` the block
+of position ``l`` along the axis (``qarray._params.Layout``, one of its
+``pieces``: per-tensor data is viewed as ``(1, rows, cols)`` with one
+parameter slot). That one layout covers per-tensor, per-axis and blocked
+parameters. Inner loops run over contiguous memory with
 only arithmetic in them, so LLVM vectorizes them.
 
 The integer arithmetic of requantize is ``qarray._fixed_point.rescale``

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._params import compact, param_shape, view3
+from .._params import Layout, param_shape
 from ._base import Backend, nan_error
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -83,26 +83,18 @@ def _period(shape, full):
 
 
 def plan(xp, shape, axis, block_size, *params):
-    """``(total, layout ints, bidx, compact params)`` for the kernels' ``Layout``.
-
-    The data is seen as ``(outer, n, inner)``, the parameters as
-    ``(outer or 1, blocks, inner or 1)``; ``bidx[l]`` is the block of position ``l``.
-    """
-    total = math.prod(shape)
-    if axis is None:
-        ps = [xp.ascontiguousarray(p.reshape(1)) for p in params]
-        return total, (1, max(total, 1), 1, 1, 0), xp.zeros(1, xp.int64), ps
-    o, n, i = view3(shape, axis)
-    ps = [xp.ascontiguousarray(compact(p, shape, axis, block_size)) for p in params]
-    p3 = ps[0].shape
-    bidx = xp.arange(n, dtype=xp.int64) // (block_size or 1)
-    ps = [p.reshape(-1) for p in ps]
-    return total, (n, max(i, 1), p3[1], p3[2], int(p3[0] > 1)), bidx, ps
+    """``(total, layout ints, bidx, compact params)`` for the kernels' ``Layout``
+    (``qarray._params.Layout``: its ``ints``, its ``bidx`` and each parameter
+    as its ``pshape``, flattened)."""
+    lay = Layout(shape, axis, block_size)
+    ps = [xp.ascontiguousarray(lay.compact(p)).reshape(-1) for p in params]
+    return lay.size, lay.ints, lay.bidx(xp), ps
 
 
 class CupyBackend(Backend):
     name = "cupy"
     module = "cupy"
+    chunk = 1 << 22  # larger pieces for the generic code: fewer kernel launches
 
     def __init__(self):
         super().__init__()
@@ -318,7 +310,7 @@ class CupyBackend(Backend):
                     lo, hi = self._minmax_rows(xp.concatenate([lo, hi]), 2, lo.size)
                     lo, hi = lo[:1], hi[1:]
                 return lo.reshape(()).astype(dtype), hi.reshape(()).astype(dtype)
-            o, n, i = view3(x.shape, axis)
+            o, n, i = Layout(x.shape, axis).dims
             if block_size is None:  # one row per index along axis
                 rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(1, 0, 2))
                 lo, hi = self._minmax_rows(rows, n, o * i)

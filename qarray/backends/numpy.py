@@ -8,19 +8,17 @@ the same integers and the same float bits.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .._config import config
-from .._params import compact, view3
+from .._params import Layout
 from ._base import Backend, nan_error
 
 # Below this many elements the generic NumPy code runs: it costs a few dozen
 # microseconds there, and the first small call never imports Numba (whose
 # start-up is about half a second even with a warm cache).
 _SMALL = 1 << 14
-_COLS = 4096  # per-tensor data is seen as rows of this many elements
+_COLS = 4096  # data with one parameter is seen as rows of this many elements, shared out to the threads
 
 
 def _numba_kernels():
@@ -50,32 +48,6 @@ def _contiguous(a):
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
-def _layouts(shape, axis, block_size, *params):
-    """``(flat slice, view3 shape, compact params, bidx)`` pieces covering ``shape``.
-
-    Per-tensor data becomes ``(1, rows, _COLS)`` plus a short tail; data blocked
-    along its last axis in whole blocks becomes ``(outer, blocks, block_size)``
-    with one parameter per row. So the kernels' fast inner loops serve every
-    granularity (see ``_numba``).
-    """
-    if axis is None:
-        ps = [np.ascontiguousarray(p).reshape(1, 1, 1) for p in params]
-        n = math.prod(shape)
-        rows, tail = divmod(n, _COLS)
-        out = []
-        if rows:
-            out.append((slice(0, rows * _COLS), (1, rows, _COLS), ps, np.zeros(rows, np.int64)))
-        if tail:
-            out.append((slice(rows * _COLS, n), (1, 1, tail), ps, np.zeros(1, np.int64)))
-        return out
-    ps = [np.ascontiguousarray(compact(p, shape, axis, block_size)) for p in params]
-    o, n, i = view3(shape, axis)
-    b = block_size or 1
-    if i == 1 and b > 1 and n % b == 0:
-        return [(slice(None), (o, n // b, b), ps, np.arange(n // b, dtype=np.int64))]
-    return [(slice(None), (o, n, i), ps, np.arange(n, dtype=np.int64) // b)]
-
-
 class NumpyBackend(Backend):
     name = "numpy"
     module = "numpy"
@@ -92,11 +64,13 @@ class NumpyBackend(Backend):
 
     @staticmethod
     def _run(kernel, a, out, axis, block_size, params, *args):
-        """Run ``kernel(a3, *params3, bidx, *args, out3)`` over every layout piece."""
+        """Run ``kernel(a3, *params3, bidx, *args, out3)`` over every piece of the
+        layout (``Layout.pieces``: shapes that keep the kernels' inner loops fast)."""
         af, of = _contiguous(a).reshape(-1), out.reshape(-1)
         results = []
-        for sl, shape3, ps, bidx in _layouts(a.shape, axis, block_size, *params):
-            results.append(kernel(af[sl].reshape(shape3), *ps, bidx, *args, of[sl].reshape(shape3)))
+        for sl, lay in Layout(a.shape, axis, block_size).pieces(_COLS):
+            ps = [np.ascontiguousarray(lay.compact(p)) for p in params]
+            results.append(kernel(af[sl].reshape(lay.dims), *ps, lay.bidx(), *args, of[sl].reshape(lay.dims)))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):

@@ -62,8 +62,8 @@ def _pair(op, name, v, lo):
     return vals
 
 
-def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
-    """``(N, C, OH, OW, kh, kw)`` window view of ``x`` padded with ``pad_value``."""
+def _geometry(op, shape, kernel_size, stride, padding, dilation=1):
+    """``(kernel, stride, padding, dilation, (OH, OW))`` of a pool over NCHW ``shape``, validated."""
     k = _pair(op, "kernel_size", kernel_size, 1)
     s = k if stride is None else _pair(op, "stride", stride, 1)
     p = _pair(op, "padding", padding, 0)
@@ -71,15 +71,36 @@ def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
     if p[0] > k[0] // 2 or p[1] > k[1] // 2:
         raise ValueError(f"{op}: padding {p} must be at most half the kernel size {k}")
     ext = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
-    padded = (x.shape[2] + 2 * p[0], x.shape[3] + 2 * p[1])
+    padded = (shape[2] + 2 * p[0], shape[3] + 2 * p[1])
     if ext[0] > padded[0] or ext[1] > padded[1]:
         raise ValueError(
             f"{op}: the kernel (extent {ext} with dilation) is larger than the padded input {padded}"
         )
+    return k, s, p, d, tuple((padded[i] - ext[i]) // s[i] + 1 for i in range(2))
+
+
+def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
+    """``(N, C, OH, OW, kh, kw)`` window view of ``x`` padded with ``pad_value``."""
+    k, s, p, d, _ = _geometry(op, x.shape, kernel_size, stride, padding, dilation)
     if p != (0, 0):
         x = xp.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=pad_value)
+    ext = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
     w = xp.lib.stride_tricks.sliding_window_view(x, ext, axis=(2, 3))
     return w[:, :, :: s[0], :: s[1], :: d[0], :: d[1]]
+
+
+def _taps(length, k, s, p, out):
+    """For each tap ``a`` of a window along one axis: ``(lo, hi)``, the outputs
+    ``o`` whose input ``o * s + a - p`` lies inside ``[0, length)``; and how many
+    taps of each output do (``count`` without the padding)."""
+    spans, count = [], np.zeros(out, np.int64)
+    for a in range(k):
+        off = a - p
+        lo = max(0, -(off // s))
+        hi = max(lo, min(out, (length - 1 - off) // s + 1))
+        spans.append((lo, hi))
+        count[lo:hi] += 1
+    return spans, count
 
 
 def _round_mean(acc, count, m, sh, rounding):
@@ -108,8 +129,10 @@ def _round_mean(acc, count, m, sh, rounding):
     return a + up
 
 
-def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) -> QArray:
-    """The mean ``acc / count`` (int64 sums of ``q - zero_point``) as a QArray."""
+def _mean_output(op, q, scale, zero_point, dtype, mode, rounding):
+    """``(d, rnd, make)`` for a mean of ``q``: the output QDType, ``rnd(acc, count)``
+    the output integers of the means ``acc / count`` (int64 sums of
+    ``q - zero_point``) and ``make(data)`` the QArray."""
     b, xp = q._backend, q._backend.xp
     d, s_out, z_out = output_params(op, scale, zero_point, dtype, q.dtype, (q.dtype, q.scale, q.zero_point))
     mode, rounding = resolve(mode, rounding)
@@ -123,17 +146,26 @@ def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) ->
             )
         if sh > 63:  # |mean * m| < 2**63: every value rounds to 0
             m, sh = 0, 63
-        v = _round_mean(acc, count, m, sh, rounding) + int(z_out)
+
+        def rnd(acc, count):
+            return xp.clip(_round_mean(acc, count, m, sh, rounding) + int(z_out), d.qmin, d.qmax).astype(d.storage)
     else:  # as the requantize primitive: round after adding the zero point, clamp in float
         mult = float(float_multiplier(s_in, s_out))
-        v = xp.rint(acc.astype(xp.float64) / count * mult + int(z_out))
-    data = xp.clip(v, d.qmin, d.qmax).astype(d.storage)
-    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+
+        def rnd(acc, count):
+            v = xp.rint(acc.astype(xp.float64) / count * mult + int(z_out))
+            return xp.clip(v, d.qmin, d.qmax).astype(d.storage)
+
+    def make(data):
+        return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+
+    return d, rnd, make
 
 
-def _centred(q, x):
-    """``x`` (``q``'s data, possibly reshaped) minus the zero point, in int64."""
-    return x.astype(q._backend.xp.int64) - int(to_host(q.zero_point))
+def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) -> QArray:
+    """The mean ``acc / count`` (int64 sums of ``q - zero_point``) as a QArray."""
+    _, rnd, make = _mean_output(op, q, scale, zero_point, dtype, mode, rounding)
+    return make(rnd(acc, count))
 
 
 def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QArray:
@@ -170,17 +202,40 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     array([[[[2]]]], dtype=int8)
     """
     x, three = _check("avg_pool2d", q)
-    xp = q._backend.xp
-    sums = _windows("avg_pool2d", xp, _centred(q, x), 0,
-                    kernel_size, stride, padding).sum(axis=(-2, -1))
-    if count_include_pad:
-        k = _pair("avg_pool2d", "kernel_size", kernel_size, 1)
-        count = k[0] * k[1]
-    else:
-        ones = xp.ones((1, 1) + x.shape[2:], xp.int64)
-        count = _windows("avg_pool2d", xp, ones, 0, kernel_size, stride, padding).sum(axis=(-2, -1))
-    out = _finish_mean("avg_pool2d", q, sums, count, scale, zero_point, dtype, mode, rounding)
-    return out[0] if three else out
+    b, xp = q._backend, q._backend.xp
+    k, s, p, _, (oh, ow) = _geometry("avg_pool2d", x.shape, kernel_size, stride, padding)
+    d, rnd, make = _mean_output("avg_pool2d", q, scale, zero_point, dtype, mode, rounding)
+    n, c, h, w = x.shape
+    (taps_h, count_h), (taps_w, count_w) = _taps(h, k[0], s[0], p[0], oh), _taps(w, k[1], s[1], p[1], ow)
+    count_h, count_w = b.asarray(count_h)[:, None], b.asarray(count_w)[None, :]
+    zp = int(to_host(q.zero_point))
+    planes = x.reshape(n * c, h, w)
+    out = xp.empty((n * c, oh, ow), d.storage)
+    # The window sums, a piece of about ``chunk`` outputs at a time: each tap of
+    # the window adds one strided view of the input (padding adds nothing, it
+    # is real 0), then the zero point comes off once per tap inside the input.
+    rows = max(1, b.chunk // max(ow, 1))
+    step = max(1, rows // max(oh, 1))  # planes per piece, when whole planes fit
+    for c0 in range(0, n * c, step):
+        for r0 in range(0, oh, rows):
+            r1 = min(r0 + rows, oh)
+            acc = xp.zeros((min(step, n * c - c0), r1 - r0, ow), xp.int64)
+            for ta, (lo, hi) in enumerate(taps_h):
+                lo, hi = max(lo, r0), min(hi, r1)
+                if lo >= hi:
+                    continue
+                i0 = lo * s[0] + ta - p[0]
+                for tb, (jlo, jhi) in enumerate(taps_w):
+                    if jlo < jhi:
+                        j0 = jlo * s[1] + tb - p[1]
+                        acc[:, lo - r0 : hi - r0, jlo:jhi] += planes[
+                            c0 : c0 + step, i0 : i0 + (hi - lo - 1) * s[0] + 1 : s[0], j0 : j0 + (jhi - jlo - 1) * s[1] + 1 : s[1]]
+            inside = count_h[r0:r1] * count_w
+            if zp:
+                acc -= zp * inside
+            out[c0 : c0 + step, r0:r1] = rnd(acc, k[0] * k[1] if count_include_pad else inside)
+    res = make(out.reshape(n, c, oh, ow))
+    return res[0] if three else res
 
 
 def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, dtype=None,
@@ -203,7 +258,7 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     oh, ow = _pair("adaptive_avg_pool2d", "output_size", size, 1)
     n, c, h, w = x.shape
     integral = xp.zeros((n, c, h + 1, w + 1), xp.int64)
-    integral[:, :, 1:, 1:] = _centred(q, x).cumsum(axis=2).cumsum(axis=3)
+    integral[:, :, 1:, 1:] = x.cumsum(axis=2, dtype=xp.int64).cumsum(axis=3)
 
     def edges(length, out):
         i = np.arange(out)
@@ -214,6 +269,7 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     h0, h1 = h0[:, None], h1[:, None]
     sums = integral[:, :, h1, w1] - integral[:, :, h0, w1] - integral[:, :, h1, w0] + integral[:, :, h0, w0]
     count = (h1 - h0) * (w1 - w0)
+    sums -= int(to_host(q.zero_point)) * count  # the sums of q - zero_point
     out = _finish_mean("adaptive_avg_pool2d", q, sums, count, scale, zero_point, dtype, mode, rounding)
     return out[0] if three else out
 
@@ -229,8 +285,11 @@ def _reduce(op, q, axis, keepdims):
         if len(set(axes)) != len(axes):
             raise ValueError(f"{op}: repeated axis in {axis!r}")
     xp = q._backend.xp
-    acc = xp.asarray(xp.sum(_centred(q, q.data), axis=axes, keepdims=keepdims))
-    return acc, math.prod(q.shape[a] for a in axes)
+    # summed in int64 as they are (no int64 copy), the zero point taken off once
+    acc = xp.sum(q.data, axis=axes, dtype=xp.int64, keepdims=keepdims)
+    count = math.prod(q.shape[a] for a in axes)
+    zp = int(to_host(q.zero_point))
+    return xp.asarray(acc - zp * count if zp else acc), count
 
 
 def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,

@@ -2,7 +2,7 @@
 //
 // Every kernel sees its data as (outer, n, inner) and its parameters as
 // (outer or 1, blocks, inner or 1), exactly as the CPU kernels do (see
-// qarray/_params.py view3/compact); Layout turns a flat index into the
+// qarray/_params.py Layout, whose ints these are); Layout turns a flat index into the
 // parameter slot. The integer rescale is a line-for-line port of
 // qarray/_fixed_point.py rescale, so both backends give the same integers.
 #pragma once
