@@ -8,6 +8,7 @@ import operator
 import numpy as np
 
 from . import backends as _backends
+from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
@@ -28,6 +29,7 @@ def _float_input(x, what):
     return x, b
 
 
+@on_data_device
 def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
@@ -46,6 +48,7 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) 
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
 
 
+@on_data_device
 def dequantize(q: QArray, dtype="float32"):
     """Real values ``(q - zero_point) * scale``, computed in float32 (float64 when
     ``dtype`` is float64); float16 is the float32 result rounded once."""
@@ -68,6 +71,7 @@ def _common_layout(q: QArray, axis, block_size):
     )
 
 
+@on_data_device
 def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size=None, *,
                mode=None, rounding=None, out=None) -> QArray:
     """The values of ``q`` at new parameters and dtype, without going through float.
@@ -167,6 +171,7 @@ def _qparams(min_val, max_val, d: QDType, symmetric, what):
     return scale, zp
 
 
+@on_data_device
 def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=None) -> QArray:
     """Quantize with parameters from the data's own range (per tensor, axis or block).
 
@@ -207,6 +212,7 @@ def _shape(op, shape) -> tuple:
     return dims
 
 
+@on_data_device
 def unpack(packed, dtype, shape):
     """Integers from ``QArray.pack()`` bytes: ``dtype``'s storage, reshaped to ``shape``.
 

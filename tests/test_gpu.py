@@ -261,35 +261,57 @@ def test_nn_layers_from_cupy_weights(rng):
             np.testing.assert_array_equal(y.get(), want(x))
 
 
-def test_primitives_run_on_their_datas_device(rng):
-    """With device 0 current, work on device 1's data is allocated and launched on device 1."""
+def test_ops_run_on_their_datas_device(rng):
+    """With device 0 current, every op on device 1's data allocates, launches and
+    leaves its result (data, scale, zero point) on device 1."""
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two CUDA devices")
     x = (rng.standard_normal((33, 65)) * 5).astype(np.float32)
+    w = (rng.standard_normal((7, 65)) * 0.1).astype(np.float32)
+    img = (rng.standard_normal((2, 3, 9, 9)) * 2).astype(np.float32)
+    kern = (rng.standard_normal((4, 3, 3, 3)) * 0.1).astype(np.float32)
+
+    def inputs(xp):
+        return dict(x=xp.asarray(x), q=qarray.quantize(xp.asarray(x), 0.05, 3, "qint8"),
+                    w=qarray.quantize(xp.asarray(w), 0.002, 0, "qint8"),
+                    img=qarray.quantize(xp.asarray(img), 0.03, 128, "quint8"),
+                    kern=qarray.quantize(xp.asarray(kern), 0.004, 0, "qint8"))
+
+    out = dict(scale=0.1, zero_point=0, dtype="qint8")
+    ops = {
+        "quantize": lambda a: qarray.quantize(a["x"], 0.05, 3, "qint8"),
+        "quantize_dynamic": lambda a: qarray.quantize_dynamic(a["x"], "quint8", axis=0),
+        "requantize": lambda a: qarray.requantize(a["q"], 0.1, 120, "quint8"),
+        "add": lambda a: qarray.add(a["q"], a["q"], **out),
+        "mul": lambda a: qarray.mul(a["q"], a["q"], **out),
+        "relu": lambda a: qarray.relu(a["q"]),
+        "gelu": lambda a: qarray.gelu(a["q"], scale=0.02, zero_point=0, dtype="qint8"),
+        "qint4": lambda a: qarray.quantize(a["x"], 0.5, 0, "qint4"),
+        "cat": lambda a: qarray.cat([a["q"], qarray.requantize(a["q"], 0.07, 1)], **out),
+        "linear": lambda a: qarray.linear(a["q"], a["w"], scale=0.5, zero_point=0, dtype="qint8"),
+        "linear_acc": lambda a: qarray.linear(a["q"], a["w"]),
+        "conv2d": lambda a: qarray.conv2d(a["img"], a["kern"], padding=1, scale=0.05, zero_point=0, dtype="qint8"),
+        "max_pool2d": lambda a: qarray.max_pool2d(a["img"], 2),
+        "avg_pool2d": lambda a: qarray.avg_pool2d(a["img"], 3, 2),
+        "sum": lambda a: qarray.sum(a["q"], axis=1, **out),
+        "mean": lambda a: qarray.mean(a["q"], axis=0),
+    }
     with cupy.cuda.Device(1):
-        gx = cupy.asarray(x)
-        q = qarray.quantize(gx, 0.05, 3, "qint8")
+        dev = inputs(cupy)
     host = getattr(qarray.backends.get("cupy"), "host", None)  # the dry run's stand-in records each launch's device
     before = len(host.devices) if host else 0
-    ops = {
-        "quantize": lambda x, q: qarray.quantize(x, 0.05, 3, "qint8"),
-        "quantize_dynamic": lambda x, q: qarray.quantize_dynamic(x, "quint8", axis=0),
-        "requantize": lambda x, q: qarray.requantize(q, 0.1, 120, "quint8"),
-        "add": lambda x, q: qarray.add(q, q, scale=0.1, zero_point=0, dtype="qint8"),
-        "relu": lambda x, q: qarray.relu(q),
-        "gelu": lambda x, q: qarray.gelu(q, scale=0.02, zero_point=0, dtype="qint8"),
-        "qint4_pack": lambda x, q: qarray.quantize(x, 0.5, 0, "qint4"),
-    }
     with cupy.cuda.Device(0):
-        got = {name: op(gx, q) for name, op in ops.items()}
-        deq = q.dequantize()
-        packed = got["qint4_pack"].pack()
+        got = {name: op(dev) for name, op in ops.items()}
+        deq = dev["q"].dequantize()
+        packed = got["qint4"].pack()
     assert cupy.cuda.Device().id == 0
+    cpu = inputs(np)
     for name, op in ops.items():
-        assert got[name].data.device.id == 1, name
-        np.testing.assert_array_equal(ints(got[name]), ints(op(x, q.get())), err_msg=name)
+        r = got[name]
+        assert {r.data.device.id, r.scale.device.id, r.zero_point.device.id} == {1}, name
+        np.testing.assert_array_equal(ints(r), ints(op(cpu)), err_msg=name)
     assert deq.device.id == 1 and packed.device.id == 1
-    np.testing.assert_array_equal(deq.get(), q.get().dequantize())
+    np.testing.assert_array_equal(deq.get(), cpu["q"].dequantize())
     np.testing.assert_array_equal(packed.get(), qarray.quantize(x, 0.5, 0, "qint4").pack())
     if host:
         assert len(host.devices) > before and set(host.devices[before:]) == {1}

@@ -13,11 +13,13 @@ Two dicts: name -> backend and array type -> backend (filled as types are met).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 
 from ._base import Backend
 
-__all__ = ["Backend", "register", "get", "for_array", "available"]
+__all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device"]
 
 _by_name: dict = {}
 _by_type: dict = {}
@@ -97,3 +99,24 @@ def available() -> list:
         pass
     names += [n for n in _by_name if n not in names and n not in _lazy]
     return names
+
+
+def on_data_device(op):
+    """Run ``op`` on the device of its first argument's data (a QArray, an array,
+    or a sequence of QArrays): CuPy allocates and launches on the current
+    device, which need not be the data's. Every public op is wrapped in it."""
+
+    @functools.wraps(op)
+    def on_device(first, *args, **kwargs):
+        x = first[0] if isinstance(first, (list, tuple)) and first else first
+        if hasattr(x, "_backend"):  # a QArray
+            b, x = x._backend, x.data
+        else:
+            try:
+                b = for_array(x)
+            except TypeError:  # numbers and lists: NumPy's, on no device
+                b = None
+        with contextlib.nullcontext() if b is None else b.on(x):
+            return op(first, *args, **kwargs)
+
+    return on_device

@@ -10,6 +10,8 @@ before they call one.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .._fixed_point import FLOAT, IDENTITY, rescale
@@ -54,6 +56,11 @@ class Backend:
 
     def check_together(self, arrays) -> None:
         """Raise TypeError if ``arrays`` (all of this backend) cannot meet in one op."""
+
+    def on(self, x):
+        """A context manager that makes ``x``'s device the current one (nothing to
+        do where there is one device): ops run inside it, see ``on_data_device``."""
+        return contextlib.nullcontext()
 
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)

@@ -135,9 +135,9 @@ class CupyBackend(Backend):
                 "copy them to one device first (cupy.asarray under `with cupy.cuda.Device(i):`)"
             )
 
-    def _on(self, x):
-        """``x``'s device, to enter around a primitive: CuPy allocates and launches
-        on the current device, which need not be the data's."""
+    def on(self, x):
+        """``x``'s device, to enter around a primitive or an op: CuPy allocates and
+        launches on the current device, which need not be the data's."""
         return x.device
 
     def _launch(self, source, name, grid, block, args, shared_mem=0):
@@ -159,7 +159,7 @@ class CupyBackend(Backend):
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
-        with self._on(x):
+        with self.on(x):
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
             ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
@@ -176,7 +176,7 @@ class CupyBackend(Backend):
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp
-        with self._on(q):
+        with self.on(q):
             q = xp.ascontiguousarray(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
             s, z = xp.asarray(scale, ft), xp.asarray(zero_point, np.int32)  # copied here if on another device
@@ -196,7 +196,7 @@ class CupyBackend(Backend):
 
     def requantize(self, q, rq, out=None):
         xp = self.xp
-        with self._on(q):
+        with self.on(q):
             q = xp.ascontiguousarray(q)
             if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
                 return super().requantize(q, rq, out)
@@ -217,7 +217,7 @@ class CupyBackend(Backend):
             return out
 
     def clip(self, q, lo, hi):
-        with self._on(q):
+        with self.on(q):
             if np.ndim(lo) or np.ndim(hi) or q.dtype.name not in STORAGE:
                 return super().clip(q, lo, hi)
             q = self.xp.ascontiguousarray(q)
@@ -228,7 +228,7 @@ class CupyBackend(Backend):
 
     def binary(self, op, a, b, ra, rb, rq=None):
         xp = self.xp
-        with self._on(a):
+        with self.on(a):
             shape = np.broadcast_shapes(a.shape, b.shape)
             pa, pb = _period(a.shape, shape), _period(b.shape, shape)
             out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
@@ -247,7 +247,7 @@ class CupyBackend(Backend):
 
     def pack(self, q, bits):
         xp = self.xp
-        with self._on(q):
+        with self.on(q):
             if q.dtype.name not in ("int8", "uint8"):
                 return super().pack(q, bits)
             flat = xp.ascontiguousarray(q).reshape(-1).view(np.uint8)
@@ -258,7 +258,7 @@ class CupyBackend(Backend):
 
     def unpack(self, packed, bits, signed, count):
         xp = self.xp
-        with self._on(packed):
+        with self.on(packed):
             if packed.dtype != np.uint8:
                 return super().unpack(packed, bits, signed, count)
             packed = xp.ascontiguousarray(packed).reshape(-1)
@@ -270,7 +270,7 @@ class CupyBackend(Backend):
 
     def lut(self, q, table, axis=None):
         xp = self.xp
-        with self._on(q):
+        with self.on(q):
             n_table = 1 << (8 * q.dtype.itemsize)
             rows = 1 if axis is None else q.shape[axis]
             if q.dtype.itemsize > 2 or table.shape != ((n_table,) if axis is None else (rows, n_table)) \
@@ -298,7 +298,7 @@ class CupyBackend(Backend):
 
     def minmax(self, x, axis, block_size):
         xp = self.xp
-        with self._on(x):
+        with self.on(x):
             if x.dtype not in (np.float16, np.float32, np.float64) or x.size == 0:
                 return super().minmax(x, axis, block_size)
             dtype = x.dtype

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backends as _backends
+from ..backends import on_data_device
 from .._api import requantize
 from .._params import normalize_axis, to_host
 from .._qarray import QArray
@@ -49,6 +50,7 @@ def _joined_params(qs, axis):
     return (xp.concatenate([q.scale for q in qs], axis=pax), xp.concatenate([q.zero_point for q in qs], axis=pax))
 
 
+@on_data_device
 def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """Concatenate QArrays along ``axis``.
 
@@ -102,6 +104,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
     return QArray._new(out, backend.asarray(s), backend.asarray(z), d, None, None, backend)
 
 
+@on_data_device
 def stack(qs, axis=0, **out) -> QArray:
     """Join QArrays along a new ``axis``; parameter rules as :func:`cat`."""
     qs = _inputs("stack", qs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backends as _backends
+from ..backends import on_data_device
 from .._params import to_host
 from .._qarray import QArray
 from ._output import finish
@@ -95,6 +96,7 @@ def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, 
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
 
 
+@on_data_device
 def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
            scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """Quantized 2-D convolution (cross-correlation, as in PyTorch and ONNX), NCHW.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backends as _backends
+from ..backends import on_data_device
 from .._dtypes import QDType, qint32
 from .._params import to_host
 from .._qarray import QArray
@@ -121,6 +122,7 @@ def _bias_ints(op, b, bias, factors, n, mode, rounding):
     return b.asarray(q.astype(np.int64))
 
 
+@on_data_device
 def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtype=None,
            relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``a @ b``: exact integer products, then the qint32 accumulator or
@@ -143,6 +145,7 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     return packed.matmul("matmul", a, bias, scale, zero_point, dtype, mode, rounding, relu)
 
 
+@on_data_device
 def linear(x: QArray, w: QArray, bias=None, *, scale=None, zero_point=None, dtype=None,
            relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``x @ w.T + bias``, with ``w`` of shape ``(out, in)`` per-tensor or

@@ -22,6 +22,7 @@ import operator
 
 import numpy as np
 
+from ..backends import on_data_device
 from .._config import resolve
 from .._fixed_point import float_multiplier, quantize_multiplier
 from .._params import normalize_axis, to_host
@@ -168,6 +169,7 @@ def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) ->
     return make(rnd(acc, count))
 
 
+@on_data_device
 def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QArray:
     """2-D max pooling on the integers; the output keeps the input's parameters.
 
@@ -187,6 +189,7 @@ def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QA
     return QArray._new(out[0] if three else out, q.scale, q.zero_point, q.dtype, q.axis, None, q._backend)
 
 
+@on_data_device
 def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_pad=True,
                scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """2-D average pooling: exact integer window sums, one rounding.
@@ -238,6 +241,7 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     return res[0] if three else res
 
 
+@on_data_device
 def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, dtype=None,
                         mode=None, rounding=None) -> QArray:
     """2-D average pooling to ``output_size`` (an int, or a pair whose None entries
@@ -292,6 +296,7 @@ def _reduce(op, q, axis, keepdims):
     return xp.asarray(acc - zp * count if zp else acc), count
 
 
+@on_data_device
 def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
          mode=None, rounding=None) -> QArray:
     """Mean over ``axis`` (None: all), rounded once from the exact integer sum.
@@ -309,6 +314,7 @@ def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, d
     return _finish_mean("mean", q, acc, count, scale, zero_point, dtype, mode, rounding)
 
 
+@on_data_device
 def sum(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
         mode=None, rounding=None) -> QArray:
     """Sum over ``axis`` (None: all) of a per-tensor input.
