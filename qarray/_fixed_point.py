@@ -94,9 +94,9 @@ def rescale(d, m, s, rounding, narrow=False):
     gemmlowp's SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with
     ``d`` saturated to int32 after TFLite's left shift (``s`` in ``[1, 62]``).
     Results beyond ``2**60`` in magnitude are saturated there (they are outside
-    every output range). ``narrow=True`` promises ``|d| < 2**32`` and
-    ``s >= 32``: then ``d * m`` fits in int64 and one product does (a CPU
-    fast path; the result is the same). One self-contained function, so Numba
+    every output range). ``narrow=True`` promises that ``d`` fits in int32 and
+    ``s >= 32`` (``Requant.narrow``): then ``d * m`` fits in int64 and one
+    product does (a CPU fast path; the result is the same). One self-contained function, so Numba
     compiles it as it stands; ``(bool * int)`` stands in for ``where``: it
     works on arrays and scalars and lets Numba hoist and vectorize.
     """
@@ -130,13 +130,15 @@ def rescale(d, m, s, rounding, narrow=False):
     # floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
     # {-1, 0} the tie rule's: the half and delta go into the high word, the
     # low word gives only its borrow or carry
+    # (compares and masks rather than shifts of negative values: cheaper in SIMD)
+    p = _ONE << t
     if rounding == HALF_UP:
         delta = 0
     elif rounding == HALF_AWAY:  # ties down below 0
-        delta = h >> 63
-    else:  # ties down when the floor is even
-        delta = ((h >> t) & 1) - 1
-    half_hi, half_lo = (_ONE << t) >> 1, (t == 0) * (_ONE << 31)
+        delta = (h < 0) * -1
+    else:  # ties down when the floor (bit t of h) is even
+        delta = ((h & p) >> t) - 1
+    half_hi, half_lo = p >> 1, (t == 0) * (_ONE << 31)
     return (h + half_hi + ((l + half_lo + delta) >> 32)) >> t
 
 
@@ -174,8 +176,11 @@ class Requant:
 
     def narrow(self, dtype) -> bool:
         """Whether ``rescale(..., narrow=True)`` holds for inputs of ``dtype``:
-        ``|q - zp_in| < 2**32`` (32 bits or less) and every shift >= 32."""
-        return np.dtype(dtype).itemsize <= 4 and bool(np.all(self.shift >= 32))
+        ``q - zp_in`` fits in int32 (inputs of 16 bits or less, or 32 bits with
+        zero points 0, as accumulators) and every shift is >= 32."""
+        size = np.dtype(dtype).itemsize
+        fits = size <= 2 or (size == 4 and not np.any(self.zp_in))
+        return fits and bool(np.all(self.shift >= 32))
 
     @property
     def out_dtype(self) -> np.dtype:

@@ -153,6 +153,8 @@ def _rq(d, zo, m, sh, f, lo, hi, code, narrow):
         return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
     if code == IDENTITY:
         return min(max(d + zo, lo), hi)
+    if narrow:  # d fits in int32: saying so lets LLVM use a 32 x 32 -> 64-bit multiply
+        d = np.int64(np.int32(d))
     return min(max(_rescale(d, m, sh, code, narrow) + zo, lo), hi)
 
 

@@ -69,8 +69,9 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
     // floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
     // {-1, 0} the tie rule's: the half and delta go into the high word, the
     // low word gives only its borrow or carry
-    const i64 delta = rounding == QA_HALF_UP ? 0 : (rounding == QA_HALF_AWAY ? h >> 63 : ((h >> t) & 1) - 1);
-    const i64 half_hi = (one << t) >> 1, half_lo = t == 0 ? one << 31 : 0;
+    const i64 p = one << t;
+    const i64 delta = rounding == QA_HALF_UP ? 0 : (rounding == QA_HALF_AWAY ? (h < 0 ? -1 : 0) : ((h & p) >> t) - 1);
+    const i64 half_hi = p >> 1, half_lo = t == 0 ? one << 31 : 0;
     return (h + half_hi + ((l + half_lo + delta) >> 32)) >> t;
 }
 
