@@ -51,7 +51,8 @@ def _zp(q: QArray) -> int:
 
 def _float_op(op, a, b, ufunc, scale, zero_point, dtype, relu):
     d, s, z = output_params(op, scale, zero_point, dtype, a.dtype)
-    y = ufunc(a.dequantize(), b.dequantize())
+    with np.errstate(over="ignore"):  # beyond float32: inf, which quantize saturates
+        y = ufunc(a.dequantize(), b.dequantize())
     out = quantize(y, s, z, d)
     return relu_(out) if relu else out
 
@@ -78,6 +79,12 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
         return finish(op, backend, acc, [s_a], None, None, None, None, default_dtype=a.dtype, relu=relu)
     if mode == "float":
         return _float_op(op, a, b, xp.add if sign > 0 else xp.subtract, scale, zero_point, dtype, relu)
+    if rounding == "tflite" and max(a.dtype.bits, b.dtype.bits) > 16:
+        # TFLite's add shifts its operands left in int32: 32-bit ones would saturate
+        raise ValueError(
+            f"{op}: rounding='tflite' follows TFLite's add, which takes inputs of 16 bits or less; "
+            f"got {a.dtype.name} and {b.dtype.name}: use another rounding (e.g. 'half_away')"
+        )
     # each input onto the common scale 2 * max / 2**shift (exact in float64),
     # rounded once, then the exact int64 sum requantized once
     common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(a, b)
