@@ -174,10 +174,15 @@ def _rq_row(q, p, o, l, po, b, lo, hi, code, narrow, out):
 @njit(inline="always")
 def _rq_col(q, p, o, po, bidx, lo, hi, code, narrow, out):
     zi, zo, m, sh, f = p
-    for l in range(q.shape[1]):
-        b = bidx[l]
-        out[o, l, 0] = _rq(np.int64(q[o, l, 0]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
-                           sh[po, b, 0], f[po, b, 0], lo, hi, code, narrow)
+    if zi.shape[1] == q.shape[1]:  # per-axis: parameter l for element l, contiguous (vectorizes)
+        for l in range(q.shape[1]):
+            out[o, l, 0] = _rq(np.int64(q[o, l, 0]) - zi[po, l, 0], zo[po, l, 0], m[po, l, 0],
+                               sh[po, l, 0], f[po, l, 0], lo, hi, code, narrow)
+    else:
+        for l in range(q.shape[1]):
+            b = bidx[l]
+            out[o, l, 0] = _rq(np.int64(q[o, l, 0]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
+                               sh[po, b, 0], f[po, b, 0], lo, hi, code, narrow)
 
 
 def _make_requantize(code, narrow):
