@@ -96,8 +96,8 @@ def rescale(d, m, s, rounding, narrow=False):
     Results beyond ``2**60`` in magnitude are saturated there (they are outside
     every output range). ``narrow=True`` promises that ``d`` fits in int32 and
     ``s >= 32`` (``Requant.narrow``): then ``d * m`` fits in int64 and one
-    product does (a CPU fast path; the result is the same). One self-contained function, so Numba
-    compiles it as it stands; ``(bool * int)`` stands in for ``where``: it
+    product does (a CPU fast path; the result is the same). One self-contained
+    function, so Numba compiles it as it stands; ``(bool * int)`` stands in for ``where``: it
     works on arrays and scalars and lets Numba hoist and vectorize.
     """
     if rounding == TFLITE:
@@ -190,6 +190,15 @@ class Requant:
 _I64 = np.iinfo(np.int64)
 
 
+def product(factors, dtype):
+    """``factors[0] * factors[1] * ...``, each step in ``dtype`` (float32 for the
+    scale of a product, as ONNX computes ``a_scale * b_scale``)."""
+    p = dtype(1)
+    for f in factors:
+        p = p * np.asarray(f, dtype)
+    return p
+
+
 def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, block_size=None, relu=False):
     """The ``Requant`` taking integers whose real value is ``q * prod(factors)``
     (``zp_in`` subtracted first) to ``(scale_out, zp_out, qd)``.
@@ -203,18 +212,14 @@ def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, bl
     """
     shape = np.broadcast_shapes(*(np.shape(v) for v in (*factors, scale_out, zp_in, zp_out)))
     zeros = np.zeros(shape, np.int64)
-    if mode == "fixed":
-        M = np.float64(1)
-        for f in factors:
-            M = M * np.asarray(f, np.float64)  # float32 scales convert exactly
+    if mode == "fixed":  # float32 scales convert to float64 exactly
         code = ROUNDINGS[rounding]
-        m, s = quantize_multiplier(M / np.asarray(scale_out, np.float64), tflite=code == TFLITE)
+        M = product(factors, np.float64) / np.asarray(scale_out, np.float64)
+        m, s = quantize_multiplier(M, tflite=code == TFLITE)
         fm = np.zeros(shape)
     else:
-        M = np.float32(1)
-        for f in factors:
-            M = M * np.asarray(f, np.float32)
-        m, s, fm, code = zeros, zeros, float_multiplier(M, scale_out).astype(np.float64), FLOAT
+        m, s, code = zeros, zeros, FLOAT
+        fm = float_multiplier(product(factors, np.float32), scale_out).astype(np.float64)
     lo, hi = (_I64.min, _I64.max) if qd is None else (qd.qmin, qd.qmax)
     if relu:  # ReLU clamps at real 0, the output zero point: one per op
         z = np.unique(np.asarray(zp_out))

@@ -112,5 +112,6 @@ class NumpyBackend(Backend):
         if k is None or (out is not None and not out.flags.c_contiguous):
             return super().requantize(q, rq, out)
         out = np.empty(q.shape, rq.out_dtype) if out is None else out
-        self._run(k.requantize[rq.rounding, rq.narrow(q.dtype)], q, out, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
+        kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
+        self._run(kernel, q, out, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
         return out

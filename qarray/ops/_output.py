@@ -15,7 +15,7 @@ import numpy as np
 
 from .._config import resolve
 from .._dtypes import qdtype, qint32
-from .._fixed_point import plan
+from .._fixed_point import plan, product
 from .._params import check_scale, check_zero_point, to_host
 from .._qarray import QArray
 
@@ -72,10 +72,7 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                     f"{op}: the exact result reaches {hi if hi > _I32.max else lo}, beyond qint32; "
                     "pass output scale=, zero_point= and dtype= to requantize it instead"
                 )
-        s = np.float32(1)
-        for f in factors:
-            s = s * f.astype(np.float32)
-        s = check_scale(np.broadcast_to(s, want), want, axis)
+        s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
         return QArray._new(acc.astype(np.int32), backend.asarray(s),
                            backend.asarray(np.zeros(want, np.int32)), qint32, axis, None, backend)
     mode, rounding = resolve(mode, rounding)

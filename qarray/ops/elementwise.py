@@ -5,8 +5,8 @@ Integer-only by default (``mode="fixed"``): ``mul`` forms the exact products
 ``add`` / ``sub`` first rescale each input exactly-rounded onto a common fine
 scale ``2 * max(a.scale, b.scale) / 2**shift`` (TFLite's scheme: ``shift`` 20
 for 8-bit inputs, 15 for 16-bit, 28 for 32-bit, int64 operands never
-clamped), add exactly, and requantize once. ``mode="float"`` is the ONNX way: dequantize, compute in float32,
-quantize. The relu family keeps the input's parameters and works on the
+clamped), add exactly, and requantize once. ``mode="float"`` is the ONNX way:
+dequantize, compute in float32, quantize. The relu family keeps the input's parameters and works on the
 integers directly (exact); pass output parameters to requantize as well.
 """
 
@@ -143,12 +143,14 @@ def _check_product(a: QArray, b: QArray) -> None:
             lo, hi = q.dtype.qmin, q.dtype.qmax
         return max(z - lo, hi - z)
 
-    if reach(a, False) * reach(b, False) < 2**63 or reach(a, True) * reach(b, True) < 2**63:
+    if reach(a, False) * reach(b, False) < 2**63:
         return
-    raise ValueError(
-        f"mul: the exact products of these {a.dtype.name} and {b.dtype.name} inputs reach "
-        f"{reach(a, True) * reach(b, True)}, beyond int64; requantize one input to 16 bits first"
-    )
+    worst = reach(a, True) * reach(b, True)
+    if worst >= 2**63:
+        raise ValueError(
+            f"mul: the exact products of these {a.dtype.name} and {b.dtype.name} inputs reach "
+            f"{worst}, beyond int64; requantize one input to 16 bits first"
+        )
 
 
 def _constant(q: QArray, value, op):
