@@ -30,7 +30,16 @@ def check_numba(value):
     return bool(value)
 
 
-_CHECKS = {"mode": check_mode, "rounding": check_rounding, "numba": check_numba}
+GEMMS = ("auto", "u8s8", "u8u8", "blas")
+
+
+def check_gemm(value):
+    if value not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {value!r}")
+    return value
+
+
+_CHECKS = {"mode": check_mode, "rounding": check_rounding, "numba": check_numba, "gemm": check_gemm}
 
 # The settings of the ``using`` blocks active in this context (thread, asyncio
 # task): a tuple of ``(key, settings)`` layers, innermost last, never mutated;
@@ -70,6 +79,13 @@ class Config:
     numba : bool
         Use the Numba kernels of the NumPy backend when Numba is installed.
         ``False`` runs the generic NumPy code (same results, slower).
+    gemm : {"auto", "u8s8", "u8u8", "blas"}
+        The CPU engine of integer matmul, linear and conv2d (NumPy arrays):
+        onnxruntime's MLAS int8 kernels (``u8s8``, ``u8u8``; extra ``fast``) or
+        float32 BLAS in exact chunks. "auto" (default) takes the first that is
+        exact on this CPU (``qarray.backends.gemm_engine()`` says which and
+        why); forcing one that is not raises ValueError when it would run.
+        ``nn`` layers pack their weights for the engine in use when built.
 
     Assigning an attribute sets the default for every thread; ``using(...)``
     overrides settings in the current context only (thread or asyncio task, as
@@ -87,9 +103,10 @@ class Config:
     mode = _setting("mode")
     rounding = _setting("rounding")
     numba = _setting("numba")
+    gemm = _setting("gemm")
 
     def __init__(self):
-        self._defaults = {"mode": "fixed", "rounding": "half_even", "numba": True}
+        self._defaults = {"mode": "fixed", "rounding": "half_even", "numba": True, "gemm": "auto"}
 
     @contextlib.contextmanager
     def using(self, **settings):
@@ -105,7 +122,7 @@ class Config:
             _layers.set(tuple(layer for layer in _layers.get() if layer[0] is not key))
 
     def __repr__(self):
-        return f"Config(mode={self.mode!r}, rounding={self.rounding!r}, numba={self.numba})"
+        return f"Config(mode={self.mode!r}, rounding={self.rounding!r}, numba={self.numba}, gemm={self.gemm!r})"
 
 
 config = Config()

@@ -148,7 +148,7 @@ class Linear(_Quantized):
             raise ValueError("Linear: weight must be (out_features, in_features), per-tensor or per-channel on axis 0")
         super().__init__(weight, bias)
         self.out_features, self.in_features = weight.shape
-        self._packed = PackedWeight(weight.T, 1)
+        self._packed = PackedWeight(weight.T, 1, keep=True)
 
     @classmethod
     def from_float(cls, w, b=None, weight_dtype=qint8, per_channel=True) -> "Linear":
@@ -189,7 +189,7 @@ class Conv2d(_Quantized):
         self.stride, self.padding, self.dilation, self.groups = check_conv_args(
             "Conv2d", weight.shape, stride, padding, dilation, groups)
         super().__init__(weight, bias)
-        self._packs = pack_conv_weight("Conv2d", weight, self.groups)
+        self._packs = pack_conv_weight("Conv2d", weight, self.groups, keep=True)
 
     @classmethod
     def from_float(cls, w, b=None, stride=1, padding=0, dilation=1, groups=1,
@@ -244,7 +244,7 @@ class DynamicLinear:
     def __init__(self, weight, bias=None):
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
-        self._packed = PackedWeight(weight.T, 1) if isinstance(weight, QArray) else None
+        self._packed = PackedWeight(weight.T, 1, keep=True) if isinstance(weight, QArray) else None
 
     @classmethod
     def from_float(cls, w, b=None, weight_dtype="qint8", per_channel=True) -> "DynamicLinear":
@@ -269,9 +269,9 @@ class DynamicLinear:
             y = xp.matmul(x2.astype(xp.float32), self.weight.astype(xp.float32).T)
         else:
             qx = quantize_dynamic(x2, quint8)
-            b, acc = self._packed.accumulate("DynamicLinear", qx)
+            acc = self._packed.run("DynamicLinear", qx, None, None)
             s = np.float32(to_host(qx.scale)) * np.asarray(self._packed.scale, np.float32)
-            y = acc.astype(xp.float32) * b.asarray(s)
+            y = acc.astype(xp.float32) * backend.asarray(s)
         if self.bias is not None:
             y = y + xp.asarray(self.bias)
         return y if x.ndim > 1 else y.reshape(-1)

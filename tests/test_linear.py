@@ -118,8 +118,10 @@ def test_errors(rng):
         matmul(a, b)
     with pytest.raises(TypeError, match="b must be a QArray, got ndarray"):
         matmul(a, np.ones((3, 2)))
-    with pytest.raises(TypeError, match="has dtype qint16; matmul, linear and conv2d take 2-, 4- or 8-bit"):
+    with pytest.raises(TypeError, match=r"b has dtype qint16; matmul, linear and conv2d take weights of 2, 4 or 8 bits"):
         matmul(a, QArray.from_int(np.ones((3, 2), np.int16), 1.0, 0, "qint16"))
+    with pytest.raises(TypeError, match=r"a has dtype qint32; matmul, linear and conv2d take inputs of 2, 4, 8 or 16 bits"):
+        matmul(QArray.from_int(np.ones((2, 3), np.int32), 1.0, 0, "qint32"), b)
     with pytest.raises(ValueError, match="a must have per-tensor parameters"):
         matmul(rand_q(rng, (2, 3), "qint8", axis=0), rand_q(rng, (3, 2), "qint8"))
     w = rand_q(rng, (3, 4), "qint8", axis=1)

@@ -19,7 +19,7 @@ import sys
 
 from ._base import Backend
 
-__all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device"]
+__all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device", "gemm_engine"]
 
 _by_name: dict = {}
 _by_type: dict = {}
@@ -99,6 +99,17 @@ def available() -> list:
         pass
     names += [n for n in _by_name if n not in names and n not in _lazy]
     return names
+
+
+def gemm_engine() -> str:
+    """The CPU engine that integer matmul, linear and conv2d use on NumPy arrays
+    now (``qarray.config.gemm``), and why: e.g. ``"u8s8: onnxruntime 1.32.0
+    MLAS u8s8: CPU has avx512vnni; self-check passed"``."""
+    from .._config import config
+    from . import _gemm
+
+    name = _gemm.engine(config.gemm)
+    return f"{name}: {_gemm.status(name)[1]}"
 
 
 def on_data_device(op):

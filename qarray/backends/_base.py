@@ -11,11 +11,22 @@ before they call one.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import numpy as np
 
 from .._fixed_point import FLOAT, IDENTITY, rescale
 from .._params import Layout, to_host
+
+
+class FloatWeight(NamedTuple):
+    """:meth:`Backend.pack_weight`'s weights: float32 ``codes - shift``, their
+    int64 column sums, and the code width."""
+
+    w: object
+    shift: int
+    colsum: object
+    bits: int
 
 
 def nan_error(x) -> ValueError:
@@ -204,38 +215,64 @@ class Backend:
         return xp.take(table.reshape(-1), c + u)
 
     # -- integer matmul ------------------------------------------------------
-    def int_matmul(self, a, a_shift, za, w, wsum, zw, kc, acc_dtype):
-        """Exact ``sum_k (a - za) * (w - zw)`` through float32 matmul.
+    def pack_weight(self, codes, qd, keep=False):
+        """Weight codes ``(..., K, N)`` of QDType ``qd`` prepared for
+        :meth:`int_matmul`: here float32 ``codes - shift``, centred so that every
+        value is at most ``2**(bits - 1)`` in size. ``keep``: the weights will
+        be used many times (an ``nn`` layer); backends may pack harder."""
+        shift = 0 if qd.signed else 1 << (qd.bits - 1)
+        centred = codes.astype(self.xp.int32) - shift
+        return FloatWeight(centred.astype(self.xp.float32), shift, centred.sum(axis=-2, dtype=self.xp.int64), qd.bits)
 
-        ``a`` is integer ``(..., M, K)``; ``w`` is float32 ``(..., K, N)`` holding
-        weight integers minus their shift, ``wsum`` their column sums and ``zw``
-        the weight zero point minus the shift (a scalar or ``(N,)``);
-        ``a_shift`` centres ``a`` the same way. Products of centred values are at
-        most ``2**(bits_a - 1) * 2**(bits_w - 1)``, so with ``kc`` such that
-        ``kc`` of them stay below ``2**24`` every float32 partial sum is exact;
-        the chunks are summed as integers. In ``acc_dtype`` int32 the arithmetic
-        may wrap on the way, harmlessly: the caller picks int32 only when the
-        result fits, and sums and products are exact modulo ``2**32``.
+    def raw_matmul(self, a, qd, pw, acc_dtype):
+        """``(raw, off)``: ``raw = (a + off) @ (codes - pw.shift)`` exactly, for ``a``
+        of QDType ``qd`` and ``pw`` from :meth:`pack_weight`.
+
+        Here through float32 matmul: with ``off`` centring ``a`` as the weights
+        are, products are at most ``2**(bits_a - 1) * 2**(bits_w - 1)``, so
+        chunks of ``kc`` of them stay below ``2**24`` and every float32 partial
+        sum is exact; the chunks are summed as ``acc_dtype`` integers (the
+        caller picks int32 only where the sum fits).
         """
         xp = self.xp
-        k_len = a.shape[-1]
-        af = xp.subtract(a, xp.float32(a_shift), dtype=xp.float32)  # one pass
-        acc = None
-        for k0 in range(0, max(k_len, 1), kc):  # K = 0: one empty product, zeros as in NumPy
-            part = xp.matmul(af[..., k0 : k0 + kc], w[..., k0 : k0 + kc, :]).astype(acc_dtype)
-            if acc is None:
-                acc = part
-            else:
-                acc += part
-        za = int(za) - a_shift
-        zw = xp.asarray(zw).astype(xp.int64)
-        if za:
-            acc -= (za * wsum.astype(xp.int64)).astype(acc_dtype)[..., None, :]
-        if bool(xp.any(zw)):
-            asum = a.astype(xp.int64).sum(axis=-1) - k_len * a_shift
-            acc -= (asum[..., :, None] * zw).astype(acc_dtype)
-            acc += (k_len * za * zw).astype(acc_dtype)
-        return acc
+        off = 0 if qd.signed else -(1 << (qd.bits - 1))
+        kc = max(1, (1 << 24) >> (qd.bits + pw.bits - 2))
+        af = xp.add(a, xp.float32(off), dtype=xp.float32)  # one pass
+        raw = None
+        for k0 in range(0, max(a.shape[-1], 1), kc):  # K = 0: one empty product, zeros as in NumPy
+            part = xp.matmul(af[..., k0 : k0 + kc], pw.w[..., k0 : k0 + kc, :]).astype(acc_dtype)
+            raw = part if raw is None else raw + part
+        return raw, off
+
+    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+        """``sum_k (a - za) * (w - zw) + bias`` exactly: in ``acc_dtype`` when
+        ``rq`` is None, else requantized by ``rq`` (a ``Requant``).
+
+        ``a`` holds codes of QDType ``qd`` (8 bits or less), ``(..., M, K)``;
+        ``pw`` the weights from :meth:`pack_weight`; ``za`` an int, ``zw`` the
+        weight zero points (host int64, a scalar or ``(N,)``), ``bias`` int64
+        ``(N,)`` or None. With ``a' = a + off`` and ``w' = w - shift`` as
+        :meth:`raw_matmul` computes ``a' @ w'``, the zero-point terms are
+        ``- za' * colsum(w') - zw' * rowsum(a') + K * za' * zw'``.
+        """
+        xp = self.xp
+        raw, off = self.raw_matmul(a, qd, pw, acc_dtype)
+        k = a.shape[-1]
+        za, zw = int(za) + off, np.asarray(zw, np.int64) - pw.shift
+        c = (k * za) * xp.asarray(zw) - za * pw.colsum
+        if bias is not None:
+            c = c + bias
+        rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if np.any(zw) else None
+        return self.gemm_epilogue(raw, rowsum, xp.broadcast_to(c, raw.shape[:-2] + raw.shape[-1:]), zw, rq, acc_dtype)
+
+    def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
+        """``raw + c - zw * rowsum`` (int64 arithmetic; ``c`` per column, ``rowsum``
+        per row or None) in ``acc_dtype``, or requantized by ``rq``."""
+        xp = self.xp
+        acc = raw.astype(xp.int64) + c[..., None, :]
+        if rowsum is not None:
+            acc -= rowsum[..., :, None] * xp.asarray(zw)
+        return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
 
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):

@@ -215,3 +215,27 @@ def _make_requantize(code, narrow):
 
 requantize = {(code, narrow): _make_requantize(code, narrow)
               for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+
+
+def _make_gemm_epilogue(code, narrow):
+    """The integer GEMM's epilogue for one rounding code: zero-point terms, bias
+    and requantize (or none: ``IDENTITY``) in one pass over the accumulator.
+    ``narrow``: every total fits in int32 (``Requant.narrow``)."""
+    source = _RESCALE_SOURCE
+
+    @njit(parallel=True, cache=True)
+    def gemm_epilogue(raw, rowsum, c, zw, zo, m, sh, f, lo, hi, out):
+        """``out[r, n] = R(raw[r, n] + c[n] - zw[n] * rowsum[r])`` (``R``: the
+        requantize of ``Requant`` with zp_in 0, per-column parameters)."""
+        _ = source
+        for r in prange(raw.shape[0]):
+            rs = rowsum[r]
+            for n in range(raw.shape[1]):
+                d = np.int64(raw[r, n]) + c[n] - zw[n] * rs
+                out[r, n] = _rq(d, zo[n], m[n], sh[n], f[n], lo, hi, code, narrow)
+
+    return gemm_epilogue
+
+
+gemm_epilogue = {(code, narrow): _make_gemm_epilogue(code, narrow)
+                 for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}

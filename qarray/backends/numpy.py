@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import config
+from .._fixed_point import identity
 from .._params import Layout
+from . import _gemm
 from ._base import Backend, nan_error
 
 # Below this many elements the generic NumPy code runs: it costs a few dozen
@@ -37,6 +39,7 @@ _kernels = False
 
 
 def set_num_threads(n: int) -> None:
+    _gemm.THREADS[0] = n
     if _numba_kernels() is not None:
         import numba
 
@@ -114,4 +117,33 @@ class NumpyBackend(Backend):
         out = np.empty(q.shape, rq.out_dtype) if out is None else out
         kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
         self._run(kernel, q, out, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
+        return out
+
+    # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
+    def pack_weight(self, codes, qd, keep=False):
+        # Small weights skip the engine: its first use costs ~0.5 s (import, self-check).
+        if codes.size < _SMALL or 0 in codes.shape or _gemm.engine(config.gemm) == "blas":
+            return super().pack_weight(codes, qd, keep)
+        name = _gemm.engine(config.gemm)
+        return _gemm.Packed(name, codes, qd.signed, keep)
+
+    def raw_matmul(self, a, qd, pw, acc_dtype):
+        if not isinstance(pw, _gemm.Packed):
+            return super().raw_matmul(a, qd, pw, acc_dtype)
+        au, off = _gemm.to_unsigned(a, qd.signed)
+        if au.size == 0:  # M = 0 or batch 0 (K = 0 and N = 0 never pack)
+            return np.zeros(np.broadcast_shapes(a.shape[:-1], pw.w.shape[:-2] + (1,)) + pw.w.shape[-1:], np.int32), off
+        return pw.raw(np.ascontiguousarray(au)), off
+
+    def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
+        k = self._fast(raw)
+        if k is None or raw.ndim != 2:
+            return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
+        m, n = raw.shape
+        narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
+        rq = identity(0) if rq is None else rq
+        out = np.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
+        cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
+        rows = np.zeros(m, np.int64) if rowsum is None else rowsum
+        k.gemm_epilogue[rq.rounding, narrow](_contiguous(raw), rows, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out

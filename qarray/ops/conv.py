@@ -45,7 +45,7 @@ def check_conv_args(op, w_shape, stride, padding, dilation, groups):
     return stride, padding, dilation, int(groups)
 
 
-def pack_conv_weight(op, w: QArray, groups: int) -> list:
+def pack_conv_weight(op, w: QArray, groups: int, keep=False) -> list:
     """One :class:`PackedWeight` per group: ``(C/g * kh * kw, O/g)``, i.e. ``w_g`` flattened and transposed."""
     _check_operand(op, "w", w, weight=True)
     if w.ndim != 4:
@@ -54,7 +54,7 @@ def pack_conv_weight(op, w: QArray, groups: int) -> list:
         raise ValueError(f"{op}: per-channel weights must have their parameters along axis 0 "
                          f"(output channels), got axis {w.axis}")
     og = w.shape[0] // groups
-    return [PackedWeight(w[g * og:(g + 1) * og].reshape(og, -1).T, 1) for g in range(groups)]
+    return [PackedWeight(w[g * og:(g + 1) * og].reshape(og, -1).T, 1, keep) for g in range(groups)]
 
 
 def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, groups,
@@ -63,7 +63,7 @@ def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, 
     _check_operand(op, "x", x, weight=False)
     if x.ndim != 4:
         raise ValueError(f"{op}: x must have shape (N, C, H, W), got {x.shape}")
-    b = _backends.common(x.data, packs[0].f32)
+    b = _backends.common(x.data, packs[0].packed.colsum)
     xp = b.xp
     n, c, h, wd = x.shape
     o, cg, kh, kw = w_shape
@@ -81,17 +81,25 @@ def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, 
     win = xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(2, 3))
     win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
     oh, ow = win.shape[2:4]
-    accs = []
-    for g, packed in enumerate(packs):
-        cols = win[:, g * cg:(g + 1) * cg].transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, cg * kh * kw)
-        a = QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
-        accs.append(packed.accumulate(op, a, wide=bias is not None)[1])
-    acc = accs[0] if groups == 1 else xp.concatenate(accs, axis=1)  # (N*OH*OW, O)
     w_scale = np.concatenate([p.scale.reshape(-1) for p in packs]) if packs[0].scale.ndim else packs[0].scale
     factors = [to_host(x.scale), w_scale]
-    if bias is not None:
-        acc = acc + _bias_ints(op, b, bias, factors, o, mode, rounding)
-    acc = acc.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+    bias = None if bias is None else _bias_ints(op, b, bias, factors, o, mode, rounding)
+
+    def columns(g):  # im2col: (N*OH*OW, cg*kh*kw), row (n, i, j), column (c, p, q)
+        cols = win[:, g * cg:(g + 1) * cg].transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, cg * kh * kw)
+        return QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
+
+    def acc(rq):  # (N*OH*OW, O) -> (N, O, OH, OW); rq's channel axis is 1 in both
+        if groups == 1:
+            out = packs[0].run(op, columns(0), bias, rq)
+        else:
+            out = xp.concatenate([p.run(op, columns(g), None, None) for g, p in enumerate(packs)], axis=1)
+            if bias is not None:
+                out = out + bias
+            if rq is not None:
+                out = b.requantize(out, rq)
+        return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+
     return finish(op, b, acc, factors, 1, scale, zero_point, dtype,
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
 

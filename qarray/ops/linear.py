@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import backends as _backends
 from ..backends import on_data_device
-from .._dtypes import QDType, qint32
+from .._dtypes import qint8, qint32, quint8
 from .._params import to_host
 from .._qarray import QArray
 from ._output import finish
@@ -22,18 +22,14 @@ from ._output import finish
 __all__ = ["matmul", "linear", "PackedWeight"]
 
 
-def _shift(d: QDType) -> int:
-    """What to subtract so that values are centred: |v - shift| <= 2**(bits - 1)."""
-    return 0 if d.signed else 1 << (d.bits - 1)
-
-
 def _check_operand(op, name, q, *, weight):
     if not isinstance(q, QArray):
         raise TypeError(f"{op}: {name} must be a QArray, got {type(q).__name__}; quantize it first")
-    if q.dtype.bits > 8:
+    if q.dtype.bits > (8 if weight else 16):
+        what = "weights of 2, 4 or 8 bits" if weight else "inputs of 2, 4, 8 or 16 bits"
         raise TypeError(
-            f"{op}: {name} has dtype {q.dtype.name}; matmul, linear and conv2d take 2-, 4- or "
-            "8-bit inputs (qint8, quint8, qint4, ...); requantize it first"
+            f"{op}: {name} has dtype {q.dtype.name}; matmul, linear and conv2d take {what} "
+            "(qint8, quint8, qint4, ...; activations also qint16, quint16); requantize it first"
         )
     if q.block_size is not None:
         raise ValueError(f"{op}: {name} has blocked parameters; requantize it per-tensor or per-channel")
@@ -41,56 +37,63 @@ def _check_operand(op, name, q, *, weight):
         raise ValueError(f"{op}: {name} must have per-tensor parameters, got per-axis along axis {q.axis}")
 
 
+def _bytes(a: QArray):
+    """A 16-bit input's codes as ``(hi, lo)`` 8-bit codes, ``a = 256 * hi + lo``."""
+    hi = (a.data >> 8).astype(np.int8 if a.dtype.signed else np.uint8)
+    return (hi, qint8 if a.dtype.signed else quint8), ((a.data & 0xFF).astype(np.uint8), quint8)
+
+
 class PackedWeight:
-    """Weights ``(..., K, N)`` prepared once for :meth:`Backend.int_matmul`.
+    """Weights ``(..., K, N)`` prepared once (:meth:`Backend.pack_weight`) for
+    :meth:`Backend.int_matmul`, with their zero points and scales. ``nn`` layers
+    keep one (``keep=True``: the backend may pack harder, e.g. into the CPU
+    engine's own layout)."""
 
-    Holds float32 ``w - shift``, its column sums, the shifted zero point, and
-    the per-column (or per-tensor) scale. ``nn.Linear`` keeps one.
-    """
+    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape")
 
-    __slots__ = ("backend", "f32", "colsum", "zp", "shift", "scale", "dtype", "shape")
-
-    def __init__(self, w: QArray, axis):
+    def __init__(self, w: QArray, axis, keep=False):
         """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
         parameters lie (must be the last, N) or None for per-tensor."""
-        b = w._backend
-        xp = b.xp
         if w.axis is not None and w.axis != axis:
             raise ValueError(
                 f"per-channel weights must have their parameters along the output-channel axis "
                 f"({axis}), got axis {w.axis}"
             )
-        self.backend, self.dtype, self.shape = b, w.dtype, w.shape
-        self.shift = _shift(w.dtype)
-        centred = w.data.astype(xp.int32) - self.shift
-        self.f32 = centred.astype(xp.float32)
-        self.colsum = centred.sum(axis=-2, dtype=xp.int64)
-        self.zp = to_host(w.zero_point).astype(np.int64) - self.shift
+        self.backend, self.dtype, self.shape = w._backend, w.dtype, w.shape
+        self.packed = self.backend.pack_weight(w.data, w.dtype, keep)
+        self.zp = to_host(w.zero_point).astype(np.int64)
         self.scale = to_host(w.scale)
 
-    def accumulate(self, op, a: QArray, wide=False):
-        """``(backend, acc)``: the exact integer ``(a - za) @ (w - zw)``, int32, or
-        int64 when ``wide`` or when int32 could overflow (``a`` per-tensor)."""
-        b = _backends.common(a.data, self.f32)
+    def run(self, op, a: QArray, bias, rq, wide=False):
+        """The exact ``(a - za) @ (w - zw) + bias`` (``bias`` int64 ``(N,)`` or
+        None): int32, or int64 when ``wide`` or when int32 could overflow; or,
+        with ``rq``, requantized in the same pass (``a`` per-tensor)."""
+        b = _backends.common(a.data, self.packed.colsum)
         k_len = a.shape[-1]
         if k_len != self.shape[-2]:
             raise ValueError(f"{op}: shapes {a.shape} and {self.shape} do not align: {k_len} != {self.shape[-2]} (K)")
-        ba, bw = 1 << (a.dtype.bits - 1), 1 << (self.dtype.bits - 1)
-        kc = max(1, (1 << 24) // (ba * bw))
-        # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         za = int(to_host(a.zero_point))
+        if a.dtype.bits > 8:  # a = 256 * hi + lo: two 8-bit products, combined in int64
+            (hi, dh), (lo, dl) = _bytes(a)
+            acc = 256 * b.int_matmul(hi, dh, 0, self.packed, self.zp, None, None, np.int64)
+            acc += b.int_matmul(lo, dl, 0, self.packed, self.zp, None, None, np.int64)
+            colsum = self.packed.colsum + k_len * (self.packed.shift - b.asarray(self.zp))  # sum_k (w - zw)
+            acc -= za * colsum[..., None, :]
+            if bias is not None:
+                acc += bias
+            return acc if rq is None else b.requantize(acc, rq)
+        # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
-        ww = int(np.max(np.maximum(self.zp + self.shift - self.dtype.qmin, self.dtype.qmax - self.zp - self.shift)))
-        wide = wide or k_len * wa * ww >= 2**31 - 2**30
-        acc_dtype = np.int64 if wide else np.int32
-        return b, b.int_matmul(a.data, _shift(a.dtype), za, self.f32, self.colsum, b.asarray(self.zp), kc, acc_dtype)
+        ww = int(np.max(np.maximum(self.zp - self.dtype.qmin, self.dtype.qmax - self.zp)))
+        wide = wide or bias is not None or k_len * wa * ww >= 2**31 - 2**30
+        return b.int_matmul(a.data, a.dtype, za, self.packed, self.zp, bias, rq, np.int64 if wide else np.int32)
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
-        b, acc = self.accumulate(op, a, wide=bias is not None)
+        b = self.backend
         factors = [to_host(a.scale), self.scale]
-        if bias is not None:
-            acc = acc + _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
-        return finish(op, b, acc, factors, acc.ndim - 1, scale, zero_point, dtype,
+        bias = None if bias is None else _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+        axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
+        return finish(op, b, lambda rq: self.run(op, a, bias, rq), factors, axis, scale, zero_point, dtype,
                       default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
 

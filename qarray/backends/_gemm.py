@@ -1,0 +1,197 @@
+"""The CPU int8 GEMM engine: onnxruntime's MLAS kernels, used only where exact.
+
+``NumpyBackend.int_matmul`` runs ``A @ W`` for 8-bit (and narrower) codes on
+onnxruntime's ``MatMulInteger`` (one-node sessions, cached; weights that an
+``nn`` layer keeps are session initializers, which MLAS packs once). Every
+operand pair is first mapped onto one unsigned-times-X pair exactly: signed
+activations become unsigned by flipping the sign bit (``a + 128``, zero point
+``+ 128``); the weight side is ``s8`` (``u8s8``) or ``u8`` (``u8u8``), moved the
+same way. The zero-point terms are the caller's (its epilogue), so the engine
+computes raw products of codes only.
+
+Exactness: raw ``u8 * s8`` products sum in int32, exact for ``K <= 65793``
+(``u8 * u8``: ``K <= 33025``); longer ``K`` is split and the parts are summed
+in int64. x86 kernels that use ``vpmaddubsw`` (AVX2 ``u8s8`` without VNNI)
+saturate pairs of products at int16, so ``u8s8`` runs only where the CPU has
+VNNI or AMX-INT8 (or is not x86), and every candidate passes a self-check on
+extreme values (255 x -128, 255 x 127, 255 x 255) at first use; one that fails
+to load or fails the check is logged once (logger ``"qarray"``) and bypassed:
+``u8s8``, then ``u8u8``, then ``"blas"``, the float32 BLAS path of the generic
+backend, which is always exact. ``qarray.config.gemm`` forces one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+
+import numpy as np
+
+log = logging.getLogger("qarray")
+
+ENGINES = ("u8s8", "u8u8", "blas")
+_KMAX = {"u8s8": (2**31 - 1) // (255 * 128), "u8u8": (2**31 - 1) // (255 * 255)}
+_state: dict = {}  # engine name -> (usable, reason); filled at first use
+_sessions: dict = {}  # (weight type, threads) -> session taking the weights as an input
+THREADS = [os.cpu_count() or 1]  # for new sessions; qarray.set_num_threads changes it
+
+
+def _cpu_flags() -> set:
+    try:
+        from llvmlite import binding
+
+        return {k for k, v in binding.get_host_cpu_features().items() if v}
+    except Exception:  # no llvmlite (Numba is optional): Linux's own list
+        try:
+            with open("/proc/cpuinfo") as f:
+                line = next(ln for ln in f if ln.startswith("flags"))
+            return {t.replace("_", "") for t in line.split(":")[1].split()}
+        except (OSError, StopIteration):
+            return set()
+
+
+def _vnni_or_not_x86() -> tuple[bool, str]:
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True, f"{platform.machine()} (no vpmaddubsw)"
+    flags = {f.replace("_", "").replace("-", "") for f in _cpu_flags()}
+    found = sorted(flags & {"avx512vnni", "avxvnni", "amxint8"})
+    return bool(found), ("CPU has " + ", ".join(found)) if found else "CPU has no VNNI: u8s8 may saturate"
+
+
+def _ort():
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    return onnxruntime, TensorProto, helper, numpy_helper
+
+
+def _session(w_type, k, weight=None):
+    """A one-node ``MatMulInteger`` session: ``a`` (uint8, ``(..., M, k)``) times
+    the weights, an input of ``w_type`` or the initializer ``weight``."""
+    ort, tp, helper, numpy_helper = _ort()
+    etype = tp.INT8 if w_type == np.int8 else tp.UINT8
+    inputs = [helper.make_tensor_value_info("a", tp.UINT8, None)]
+    inits = []
+    if weight is None:
+        inputs.append(helper.make_tensor_value_info("w", etype, None))
+    else:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(weight), "w"))
+    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "qarray_gemm", inputs,
+                              [helper.make_tensor_value_info("y", tp.INT32, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = THREADS[0], 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to Numba after a call
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _self_check(name) -> tuple[bool, str]:
+    """Whether ``name``'s kernels give int64's answer on extreme codes, both as
+    an input and as a packed initializer."""
+    rng = np.random.default_rng(0)
+    k = 96
+    a = np.stack([np.full(k, 255), rng.choice([0, 1, 254, 255], k), rng.integers(0, 256, k)]).astype(np.uint8)
+    if name == "u8s8":
+        cols = [np.full(k, -128), np.full(k, 127), rng.choice([-128, -127, 126, 127], k), rng.integers(-128, 128, k)]
+        w = np.stack(cols, axis=1).astype(np.int8)
+    else:
+        w = np.stack([np.full(k, 255), rng.choice([0, 255], k), rng.integers(0, 256, k)], axis=1).astype(np.uint8)
+    want = a.astype(np.int64) @ w.astype(np.int64)
+    for got in (_session(w.dtype.type, k).run(None, {"a": a, "w": w})[0],
+                _session(w.dtype.type, k, w).run(None, {"a": a})[0]):
+        if not np.array_equal(got, want):
+            return False, f"self-check failed: {int(np.abs(got.astype(np.int64) - want).max())} off on extreme codes"
+    return True, "self-check passed"
+
+
+def status(name) -> tuple[bool, str]:
+    """``(usable, why)`` for engine ``name``, decided once per process."""
+    if name == "blas":
+        return True, "float32 BLAS in exact chunks"
+    if name not in _state:
+        try:
+            ort = _ort()[0]
+        except ImportError as e:
+            _state[name] = (False, f"onnxruntime/onnx not installed ({e.name}); pip install 'qarray[fast]'")
+        else:
+            ok, why = _vnni_or_not_x86() if name == "u8s8" else (True, "")
+            try:
+                if ok:
+                    ok, check = _self_check(name)
+                    why = f"{why}; {check}" if why else check
+            except Exception as e:  # a broken install must not break matmul
+                ok, why = False, f"onnxruntime {ort.__version__} failed to run: {type(e).__name__}: {e}"
+            _state[name] = (ok, f"onnxruntime {ort.__version__} MLAS {name}: {why}")
+        if not _state[name][0]:
+            log.warning("qarray: int8 GEMM engine %s not used: %s", name, _state[name][1])
+    return _state[name]
+
+
+def engine(choice: str = "auto") -> str:
+    """The engine to run: ``choice`` (``qarray.config.gemm``) or, for "auto",
+    the first usable of ``u8s8``, ``u8u8``, ``blas``. A forced engine that is
+    not usable here raises ValueError saying why."""
+    if choice != "auto":
+        ok, why = status(choice)
+        if not ok:
+            raise ValueError(f"qarray.config.gemm = {choice!r} can not run here: {why}; use 'auto'")
+        return choice
+    return next(e for e in ENGINES if status(e)[0])
+
+
+class Packed:
+    """Weight codes ``(..., K, N)`` mapped for engine ``name``: ``w`` (int8 for
+    u8s8, uint8 for u8u8) equals the codes minus ``shift``; ``colsum`` is its
+    int64 column sums; ``sessions`` (``keep``: 2-D weights only) one packed
+    session per K chunk."""
+
+    __slots__ = ("name", "w", "shift", "colsum", "sessions")
+
+    def __init__(self, name, codes, signed, keep):
+        self.name = name
+        to_signed = name == "u8s8"
+        if signed == to_signed:  # already in range (qint8 for s8; quint8, quint4, ... for u8)
+            self.shift, self.w = 0, codes.astype(np.int8 if to_signed else np.uint8, copy=False)
+        elif codes.dtype.itemsize == 1 and codes.dtype.kind in "iu":  # flip the sign bit: +-128, exactly
+            self.shift = 128 if to_signed else -128
+            self.w = (codes.view(np.uint8) ^ np.uint8(0x80)).view(np.int8 if to_signed else np.uint8)
+        else:
+            raise TypeError(f"the int8 GEMM engine takes 8-bit codes, got {codes.dtype}")
+        self.w = np.ascontiguousarray(self.w)
+        self.colsum = self.w.sum(axis=-2, dtype=np.int64)
+        k = codes.shape[-2]
+        self.sessions = None
+        if keep and codes.ndim == 2:
+            step = _KMAX[name]
+            self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
+
+    def raw(self, a):
+        """``a @ w`` exactly for unsigned 8-bit ``a`` ``(..., M, K)``: int32, or
+        int64 when K is split."""
+        k = a.shape[-1]
+        step = _KMAX[self.name]
+        out = None
+        for i, k0 in enumerate(range(0, max(k, 1), step)):
+            ak = a[..., k0:k0 + step]
+            if self.sessions is not None:
+                part = self.sessions[i].run(None, {"a": ak})[0]
+            else:
+                key = (self.w.dtype.type, THREADS[0])
+                if key not in _sessions:
+                    _sessions[key] = _session(self.w.dtype.type, None)
+                part = _sessions[key].run(None, {"a": ak, "w": self.w[..., k0:k0 + step, :]})[0]
+            if k <= step:
+                return part
+            out = part.astype(np.int64) if out is None else out + part
+        return out
+
+
+def to_unsigned(a, signed):
+    """Activation codes as uint8 (``a + 128`` for signed, by flipping the sign
+    bit) and what was added."""
+    if not signed:
+        return a.astype(np.uint8, copy=False), 0
+    return a.view(np.uint8) ^ np.uint8(0x80), 128

@@ -1,0 +1,208 @@
+"""The CPU integer GEMM engines (``qarray.backends._gemm``): each forced in turn
+(onnxruntime MLAS u8s8, u8u8, float32 BLAS) must give int64's exact answer on
+every dtype pair, at the extremes, with K split beyond int32; the engine is
+chosen by CPU features and a self-check, and a failing one is logged once and
+bypassed."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray, qdtype
+from qarray.backends import _gemm
+from qarray.ops import conv2d, linear, matmul
+
+ENGINES = ["u8s8", "u8u8", "blas"]
+DTYPES = ["qint8", "quint8", "qint4", "quint4", "qint2", "quint2"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    ok, why = _gemm.status(request.param)
+    if not ok:
+        pytest.skip(f"{request.param} not usable here: {why}")
+    with qarray.config.using(gemm=request.param):
+        yield request.param
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """Forget which engines were checked (restored after the test)."""
+    monkeypatch.setattr(_gemm, "_state", {})
+    monkeypatch.setattr(_gemm, "_sessions", {})
+
+
+def codes(rng, d, shape, extreme=True):
+    """Random codes of ``d``, half of them at qmin or qmax."""
+    c = rng.integers(d.qmin, d.qmax + 1, shape)
+    if extreme:
+        ends = rng.choice([d.qmin, d.qmax], shape)
+        c = np.where(rng.random(shape) < 0.5, ends, c)
+    return c.astype(d.storage)
+
+
+def ref(a, za, w, zw):
+    """int64 ``(a - za) @ (w - zw)``, zw per column."""
+    return (a.astype(np.int64) - za) @ (w.astype(np.int64) - np.asarray(zw, np.int64))
+
+
+@pytest.mark.parametrize("adt", DTYPES + ["qint16", "quint16"])
+@pytest.mark.parametrize("wdt", DTYPES)
+def test_every_pair_exact_at_the_extremes(adt, wdt, engine, kernels, rng):
+    da, dw = qdtype(adt), qdtype(wdt)
+    a = codes(rng, da, (5, 37))
+    w = codes(rng, dw, (37, 6))
+    for za in (da.qmin, da.qmax):
+        zw = np.array([dw.qmin, dw.qmax, 0, dw.qmin, dw.qmax, 1], np.int64).clip(dw.qmin, dw.qmax)
+        qa_, qw = QArray.from_int(a, 0.5, za, adt), QArray.from_int(w, np.full(6, 0.25, np.float32), zw, wdt, axis=1)
+        want = ref(a, za, w, zw)  # |want| < 37 * 65535 * 255 < 2**31
+        np.testing.assert_array_equal(matmul(qa_, qw).int_repr(), want)
+        s_out = 2.0 ** (da.bits + dw.bits - 2)
+        out = matmul(qa_, qw, scale=s_out, zero_point=0, dtype="qint16", rounding="half_up")
+        acc = QArray.from_int(want, np.float32(0.5) * np.float32(0.25), 0, "qint32")
+        np.testing.assert_array_equal(out.int_repr(), acc.requantize(s_out, 0, "qint16", rounding="half_up").int_repr())
+
+
+@pytest.mark.parametrize("rounding", ["half_even", "half_away", "half_up", "tflite"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fused_epilogue_equals_requantizing_the_accumulator(rounding, per_channel, engine, kernels, rng):
+    """Zero points, bias, requantize and ReLU in one pass == the exact
+    accumulator, plus bias, requantized on its own (mode fixed and float)."""
+    a = QArray.from_int(codes(rng, qdtype("qint8"), (9, 50)), 0.02, -128, "qint8")
+    zw = rng.integers(-128, 128, 7) if per_channel else 5
+    s_w = rng.uniform(0.01, 0.05, 7).astype(np.float32) if per_channel else np.float32(0.03)
+    w = QArray.from_int(codes(rng, qdtype("qint8"), (7, 50)), s_w, zw, "qint8", axis=0 if per_channel else None)
+    bias = rng.uniform(-3, 3, 7).astype(np.float32)
+    for mode in ("fixed", "float"):
+        for relu in (False, True):
+            got = linear(a, w, bias, scale=0.3, zero_point=-3, dtype="qint8", relu=relu, mode=mode, rounding=rounding)
+            acc = linear(a, w, bias)  # the exact qint32 accumulator, bias included
+            want = acc.requantize(0.3, -3, "qint8", mode=mode, rounding=rounding)
+            want = np.maximum(want.int_repr(), -3) if relu else want.int_repr()
+            np.testing.assert_array_equal(got.int_repr(), want, err_msg=f"{mode} relu={relu}")
+
+
+@pytest.mark.parametrize("k", [2**16 + 300, 2**17])
+def test_long_k_is_split_and_summed_in_int64(k, engine):
+    """Raw u8 x s8 sums overflow int32 beyond K = 65793: the engine splits K and
+    the result, far beyond 2**32, is exact."""
+    a = QArray.from_int(np.full((2, k), 255, np.uint8), 1.0, 0, "quint8")
+    wc = np.full((k, 3), -128, np.int8)
+    wc[::3, 1] = 127
+    w = QArray.from_int(wc, 1.0, np.array([0, -128, 127]), "qint8", axis=1)
+    b = qarray.backends.get("numpy")
+    pw = b.pack_weight(w.data, w.dtype, keep=True)
+    got = b.int_matmul(a.data, a.dtype, 0, pw, np.array([0, -128, 127]), None, None, np.int64)
+    want = ref(a.data, 0, wc, [0, -128, 127])
+    assert np.abs(want).max() > 2**31 * (k // 2**16)  # beyond 2**32 at K = 2**17
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="beyond qint32"):
+        matmul(a, w)
+
+
+@pytest.mark.parametrize("dt", ["qint16", "quint16"])
+def test_int16_activations_accumulate_in_int64(dt, engine, rng):
+    """16 x 8 (TFLite's int16 activation mode): a = 256 * hi + lo, two 8-bit
+    products combined exactly; K * 65535 * 255 is beyond int32."""
+    d = qdtype(dt)
+    k = 40000
+    a = np.full((2, k), d.qmax, d.storage)
+    a[1, ::2] = d.qmin
+    w = np.full((k, 2), -128, np.int8)
+    w[:, 1] = 127
+    qa_, qw = QArray.from_int(a, 1.0, d.qmin, dt), QArray.from_int(w, 1.0, 0, "qint8")
+    want = ref(a, d.qmin, w, 0)
+    assert np.abs(want).max() > 2**32
+    got = linear(qa_, QArray.from_int(w.T.copy(), 1.0, 0, "qint8"), scale=2.0**20, zero_point=0, dtype="qint32")
+    want_q = np.rint(want / 2.0**20).astype(np.int64)  # exact: want / 2**20 has few bits
+    np.testing.assert_array_equal(got.int_repr(), want_q)
+    small = QArray.from_int(a[:, :100], 1.0, 7, dt)
+    np.testing.assert_array_equal(matmul(small, QArray.from_int(w[:100], 1.0, 0, "qint8")).int_repr(),
+                                  ref(a[:, :100], 7, w[:100], 0))
+
+
+def test_layers_and_conv_on_every_engine(engine, rng):
+    x = QArray.from_int(codes(rng, qdtype("qint8"), (2, 3, 9, 9)), 0.05, 3, "qint8")
+    wf = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    layer = qarray.nn.Conv2d.from_float(wf, rng.standard_normal(4).astype(np.float32), padding=1)
+    got = layer(x, scale=0.2, zero_point=0, dtype="quint8")
+    acc = conv2d(x, layer.weight, layer.bias, padding=1)
+    np.testing.assert_array_equal(got.int_repr(), acc.requantize(0.2, 0, "quint8").int_repr())
+    lin = qarray.nn.Linear.from_float(rng.standard_normal((5, 81)).astype(np.float32))
+    xs = QArray.from_int(codes(rng, qdtype("quint8"), (4, 81)), 0.1, 255, "quint8")
+    np.testing.assert_array_equal(lin(xs).int_repr(), ref(xs.data, 255, lin.weight.data.T, lin.weight.zero_point))
+
+
+def test_engines_agree_on_a_large_product(rng):
+    """The three engines on one realistic product (2-D weights, prepacked)."""
+    a = QArray.from_int(codes(rng, qdtype("qint8"), (64, 700), extreme=False), 0.02, -5, "qint8")
+    lin = qarray.nn.Linear.from_float(rng.standard_normal((96, 700)).astype(np.float32))
+    outs = {}
+    for name in ENGINES:
+        if _gemm.status(name)[0]:
+            with qarray.config.using(gemm=name):
+                outs[name] = qarray.nn.Linear(lin.weight)(a).int_repr()
+    want = ref(a.data, -5, lin.weight.data.T, 0)
+    for name, got in outs.items():
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_auto_prefers_u8s8_only_with_vnni(fresh_state, monkeypatch):
+    monkeypatch.setattr(_gemm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(_gemm, "_cpu_flags", lambda: {"avx2", "avx512bw"})
+    ok, why = _gemm.status("u8s8")
+    assert not ok and "no VNNI" in why
+    monkeypatch.setattr(_gemm, "_state", {})
+    monkeypatch.setattr(_gemm, "_cpu_flags", lambda: {"avx2", "avx512_vnni"})
+    ok, why = _gemm.status("u8s8")
+    assert ok == _gemm.status("blas")[0] and "avx512vnni" in why
+
+
+def test_a_failed_self_check_is_logged_once_and_bypassed(fresh_state, monkeypatch, caplog, rng):
+    real = _gemm._self_check
+    monkeypatch.setattr(_gemm, "_self_check",
+                        lambda name: (False, "self-check failed: 32512 off") if name == "u8s8" else real(name))
+    with caplog.at_level(logging.WARNING, logger="qarray"):
+        a = QArray.from_int(codes(rng, qdtype("quint8"), (3, 40)), 1.0, 0, "quint8")
+        w = QArray.from_int(codes(rng, qdtype("qint8"), (40, 2)), 1.0, 0, "qint8")
+        for _ in range(3):
+            np.testing.assert_array_equal(matmul(a, w).int_repr(), ref(a.data, 0, w.data, 0))
+    assert [r.getMessage() for r in caplog.records].count(
+        "qarray: int8 GEMM engine u8s8 not used: " + _gemm.status("u8s8")[1]) == 1
+    assert "32512 off" in _gemm.status("u8s8")[1]
+    assert qarray.backends.gemm_engine().startswith("u8u8: ")
+    with pytest.raises(ValueError, match=r"qarray.config.gemm = 'u8s8' can not run here: .*32512 off; use 'auto'"):
+        with qarray.config.using(gemm="u8s8"):
+            matmul(a, w)
+
+
+def test_an_engine_that_fails_to_load_is_bypassed(fresh_state, monkeypatch, caplog, rng):
+    def broken():
+        raise ImportError("no onnxruntime", name="onnxruntime")
+
+    monkeypatch.setattr(_gemm, "_ort", broken)
+    with caplog.at_level(logging.WARNING, logger="qarray"):
+        assert _gemm.engine() == "blas"
+    assert "pip install 'qarray[fast]'" in caplog.text
+    a = QArray.from_int(codes(rng, qdtype("qint8"), (3, 40)), 1.0, 0, "qint8")
+    w = QArray.from_int(codes(rng, qdtype("quint8"), (40, 2)), 1.0, 200, "quint8")
+    np.testing.assert_array_equal(matmul(a, w).int_repr(), ref(a.data, 0, w.data, 200))
+    assert qarray.backends.gemm_engine().startswith("blas: float32 BLAS")
+
+
+def test_an_engine_that_crashes_is_bypassed(fresh_state, monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL")
+
+    monkeypatch.setattr(_gemm, "_session", crash)
+    ok, why = _gemm.status("u8u8")
+    assert not ok and "failed to run: RuntimeError" in why
+
+
+def test_config_gemm_is_checked():
+    with pytest.raises(ValueError, match=r"gemm must be one of \('auto', 'u8s8', 'u8u8', 'blas'\), got 'mkl'"):
+        qarray.config.gemm = "mkl"
+    assert qarray.config.gemm == "auto"
+    assert "gemm='auto'" in repr(qarray.config)
