@@ -189,7 +189,7 @@ class Conv2d(_Quantized):
         self.stride, self.padding, self.dilation, self.groups = check_conv_args(
             "Conv2d", weight.shape, stride, padding, dilation, groups)
         super().__init__(weight, bias)
-        self._packs = pack_conv_weight("Conv2d", weight, self.groups, keep=True)
+        self._packed = pack_conv_weight("Conv2d", weight, self.groups, keep=True)
 
     @classmethod
     def from_float(cls, w, b=None, stride=1, padding=0, dilation=1, groups=1,
@@ -203,7 +203,7 @@ class Conv2d(_Quantized):
 
     def __call__(self, x: QArray, scale=None, zero_point=None, dtype=None, relu=False,
                  mode=None, rounding=None) -> QArray:
-        return conv_packed("Conv2d", x, self._packs, self.weight.shape, self.bias, self.stride, self.padding,
+        return conv_packed("Conv2d", x, self._packed, self.weight.shape, self.bias, self.stride, self.padding,
                            self.dilation, self.groups, *self._out(scale, zero_point, dtype), relu, mode, rounding)
 
     def _reference(self, x):

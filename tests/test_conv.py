@@ -232,3 +232,30 @@ def test_docstring_examples():
         result = doctest.testmod(module, extraglobs={"numpy": np, "qarray": qarray, "QArray": QArray},
                                  optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("pair", [("quint8", "qint8"), ("qint8", "quint8"), ("qint16", "qint8"), ("quint16", "qint4")],
+                         ids="-".join)
+def test_extreme_codes_and_zero_points(pair, cfg, kernels):
+    """Codes only at qmin/qmax, zero points at both ends: the largest products
+    every path (im2col + GEMM engine, direct grouped kernel, int64 fallback) meets;
+    16-bit inputs included (TFLite's 16x8 mode)."""
+    rng = np.random.default_rng(7)
+    (n, c, h, wd), (o, kh, kw), stride, padding, dilation, groups, per_channel = cfg
+    xd, wdt = (qarray.qdtype(d) for d in pair)
+    for zx, zw in [(xd.qmin, wdt.qmax), (xd.qmax, wdt.qmin)]:
+        xc = rng.choice([xd.qmin, xd.qmax], (n, c, h, wd))
+        wc = rng.choice([wdt.qmin, wdt.qmax], (o, c // groups, kh, kw))
+        x = QArray.from_int(xc, 0.5, zx, xd)
+        w = (QArray.from_int(wc, np.full(o, 0.25, np.float32), np.full(o, zw), wdt, axis=0) if per_channel
+             else QArray.from_int(wc, 0.25, zw, wdt))
+        kw_ = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        ref = reference_acc(x, w, **kw_)
+        if np.abs(ref).max() < 2**31:
+            np.testing.assert_array_equal(conv2d(x, w, **kw_).int_repr(), ref)
+        shift = 4 if xd.bits == 8 else 15  # real value ref / 8; output code ref / 2**shift, half up, clamped
+        out = conv2d(x, w, **kw_, scale=2.0 ** (shift - 3), zero_point=0, dtype="qint16", rounding="half_up")
+        want = np.clip(np.floor(ref / 2.0**shift + 0.5), -32768, 32767)
+        assert np.abs(want).max() > 8  # rounding at work, far from 0
+        np.testing.assert_array_equal(out.int_repr(), want.astype(np.int64))

@@ -274,6 +274,37 @@ class Backend:
             acc -= rowsum[..., :, None] * xp.asarray(zw)
         return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
 
+    # -- convolution ----------------------------------------------------------
+    def im2col(self, xpad, kh, kw, stride, dilation):
+        """``(N*OH*OW, C*kh*kw)``: row ``(n, i, j)``, column ``(c, p, q)`` holds
+        ``xpad[n, c, i*sh + p*dh, j*sw + q*dw]`` (``xpad`` ``(N, C, Hp, Wp)``)."""
+        (sh, sw), (dh, dw) = stride, dilation
+        eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+        win = self.xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(2, 3))
+        win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
+        n, c, oh, ow = win.shape[:4]
+        return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw)
+
+    def conv_grouped(self, xpad, za, wc, groups, stride, dilation):
+        """Grouped conv2d's exact sums, int64 ``(N, O, OH, OW)``:
+        ``sum (xpad - za) * wc`` over the taps of each output channel's group
+        (``wc``: centred weights ``(O, C / groups, kh, kw)``; output channel
+        ``o`` reads the input channels of group ``o // (O / groups)``).
+        One int64 contraction per tap, never one GEMM per group."""
+        xp = self.xp
+        n, c, hp, wp = xpad.shape
+        o, cg, kh, kw = wc.shape
+        (sh, sw), (dh, dw) = stride, dilation
+        oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+        xg = (xpad.astype(xp.int64) - za).reshape(n, groups, cg, hp, wp)
+        wg = wc.astype(xp.int64).reshape(groups, o // groups, cg, kh, kw)
+        out = xp.zeros((n, groups, o // groups, oh, ow), xp.int64)
+        for p in range(kh):
+            for q in range(kw):
+                tap = xg[..., p * dh : p * dh + (oh - 1) * sh + 1 : sh, q * dw : q * dw + (ow - 1) * sw + 1 : sw]
+                out += xp.einsum("ngchw,goc->ngohw", tap, wg[..., p, q])
+        return out.reshape(n, o, oh, ow)
+
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):
         """Flattened ``q`` packed ``8 // bits`` to a byte, first element in the low bits."""

@@ -147,3 +147,36 @@ class NumpyBackend(Backend):
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
         k.gemm_epilogue[rq.rounding, narrow](_contiguous(raw), rows, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
+
+    # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
+    def _gemm_kernels(self, x):
+        """``_numba_gemm`` when its kernels should run on 8-bit ``x``, else None."""
+        if self._fast(x) is None or x.dtype.itemsize != 1:
+            return None
+        from . import _numba_gemm
+
+        return _numba_gemm
+
+    def im2col(self, xpad, kh, kw, stride, dilation):
+        k = self._gemm_kernels(xpad)
+        if k is None:
+            return super().im2col(xpad, kh, kw, stride, dilation)
+        (sh, sw), (dh, dw) = stride, dilation
+        n, c, hp, wp = xpad.shape
+        oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+        out = np.empty((n * oh * ow, c * kh * kw), xpad.dtype)
+        k.im2col(xpad, kh, kw, sh, sw, dh, dw, out)
+        return out
+
+    def conv_grouped(self, xpad, za, wc, groups, stride, dilation):
+        k = self._gemm_kernels(xpad)
+        wmax = int(np.abs(wc).max(initial=0))
+        xmax = max(abs(255 - za), abs(za)) if xpad.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
+        if k is None or np.prod(wc.shape[1:]) * wmax * xmax >= 2**31:  # its int32 sums must not wrap
+            return super().conv_grouped(xpad, za, wc, groups, stride, dilation)
+        (sh, sw), (dh, dw) = stride, dilation
+        n, _, hp, wp = xpad.shape
+        o, _, kh, kw = wc.shape
+        out = np.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), np.int32)
+        k.conv_grouped(xpad, np.int64(za), _contiguous(wc), groups, sh, sw, dh, dw, out)
+        return out

@@ -1,4 +1,5 @@
-"""conv2d: exact integer convolution as im2col plus the integer GEMM of ``linear``.
+"""conv2d: exact integer convolution as im2col plus the integer GEMM of ``linear``
+(``groups == 1``), or one direct pass for grouped and depthwise conv.
 
 ``conv2d(x, w)`` with no output parameters is ONNX ConvInteger (the exact qint32
 accumulator, scale ``x.scale * w.scale``); with ``scale``, ``zero_point`` and
@@ -45,25 +46,26 @@ def check_conv_args(op, w_shape, stride, padding, dilation, groups):
     return stride, padding, dilation, int(groups)
 
 
-def pack_conv_weight(op, w: QArray, groups: int, keep=False) -> list:
-    """One :class:`PackedWeight` per group: ``(C/g * kh * kw, O/g)``, i.e. ``w_g`` flattened and transposed."""
+def pack_conv_weight(op, w: QArray, groups: int, keep=False):
+    """``w`` prepared for :func:`conv_packed`: a :class:`PackedWeight` of
+    ``(C * kh * kw, O)`` (``w`` flattened and transposed) for the GEMM when
+    ``groups == 1``; ``w`` itself for grouped conv, which reads the codes."""
     _check_operand(op, "w", w, weight=True)
     if w.ndim != 4:
         raise ValueError(f"{op}: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
     if w.axis not in (None, 0):
         raise ValueError(f"{op}: per-channel weights must have their parameters along axis 0 "
                          f"(output channels), got axis {w.axis}")
-    og = w.shape[0] // groups
-    return [PackedWeight(w[g * og:(g + 1) * og].reshape(og, -1).T, 1, keep) for g in range(groups)]
+    return PackedWeight(w.reshape(w.shape[0], -1).T, 1, keep) if groups == 1 else w
 
 
-def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, groups,
+def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation, groups,
                 scale, zero_point, dtype, relu, mode, rounding) -> QArray:
-    """:func:`conv2d` on weights already packed by :func:`pack_conv_weight`."""
+    """:func:`conv2d` on weights prepared by :func:`pack_conv_weight`."""
     _check_operand(op, "x", x, weight=False)
     if x.ndim != 4:
         raise ValueError(f"{op}: x must have shape (N, C, H, W), got {x.shape}")
-    b = _backends.common(x.data, packs[0].packed.colsum)
+    b = _backends.common(x.data, packed.packed.colsum if groups == 1 else packed.data)
     xp = b.xp
     n, c, h, wd = x.shape
     o, cg, kh, kw = w_shape
@@ -76,29 +78,22 @@ def conv_packed(op, x: QArray, packs, w_shape, bias, stride, padding, dilation, 
     if eh > h + 2 * ph or ew > wd + 2 * pw:
         raise ValueError(f"{op}: the (dilated) kernel {eh}x{ew} is larger than the padded input "
                          f"{h + 2 * ph}x{wd + 2 * pw}")
-    za = x.data.dtype.type(int(to_host(x.zero_point)))
-    xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=za)
-    win = xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(2, 3))
-    win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
-    oh, ow = win.shape[2:4]
-    w_scale = np.concatenate([p.scale.reshape(-1) for p in packs]) if packs[0].scale.ndim else packs[0].scale
-    factors = [to_host(x.scale), w_scale]
+    oh, ow = (h + 2 * ph - eh) // sh + 1, (wd + 2 * pw - ew) // sw + 1
+    za = int(to_host(x.zero_point))
+    xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=x.data.dtype.type(za))
+    factors = [to_host(x.scale), to_host(packed.scale)]
     bias = None if bias is None else _bias_ints(op, b, bias, factors, o, mode, rounding)
 
-    def columns(g):  # im2col: (N*OH*OW, cg*kh*kw), row (n, i, j), column (c, p, q)
-        cols = win[:, g * cg:(g + 1) * cg].transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, cg * kh * kw)
-        return QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
-
-    def acc(rq):  # (N*OH*OW, O) -> (N, O, OH, OW); rq's channel axis is 1 in both
-        if groups == 1:
-            out = packs[0].run(op, columns(0), bias, rq)
-        else:
-            out = xp.concatenate([p.run(op, columns(g), None, None) for g, p in enumerate(packs)], axis=1)
-            if bias is not None:
-                out = out + bias
-            if rq is not None:
-                out = b.requantize(out, rq)
-        return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+    def acc(rq):
+        if groups == 1:  # im2col into the GEMM, requantized (rq) in its epilogue
+            cols = QArray._new(b.im2col(xpad, kh, kw, stride, dilation), x.scale, x.zero_point, x.dtype, None, None, b)
+            out = packed.run(op, cols, bias, rq)  # (N*OH*OW, O): rq's channel axis is 1 here too
+            return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+        zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
+        out = b.conv_grouped(xpad, za, packed.data.astype(xp.int32) - b.asarray(zw), groups, stride, dilation)
+        if bias is not None:
+            out = out + bias[:, None, None]
+        return out if rq is None else b.requantize(out, rq)
 
     return finish(op, b, acc, factors, 1, scale, zero_point, dtype,
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
@@ -130,6 +125,6 @@ def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, gro
     stride, padding, dilation, groups = check_conv_args("conv2d", w.shape, stride, padding, dilation, groups)
     _check_operand("conv2d", "x", x, weight=False)
     _backends.common(x.data, w.data)
-    packs = pack_conv_weight("conv2d", w, groups)
-    return conv_packed("conv2d", x, packs, w.shape, bias, stride, padding, dilation, groups,
+    packed = pack_conv_weight("conv2d", w, groups)
+    return conv_packed("conv2d", x, packed, w.shape, bias, stride, padding, dilation, groups,
                        scale, zero_point, dtype, relu, mode, rounding)
