@@ -206,3 +206,30 @@ def test_config_gemm_is_checked():
         qarray.config.gemm = "mkl"
     assert qarray.config.gemm == "auto"
     assert "gemm='auto'" in repr(qarray.config)
+
+
+@pytest.mark.parametrize("wdt", ["qint4", "quint4"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])
+def test_small_m_reads_packed_4bit_weights(wdt, m, monkeypatch, rng):
+    """M <= 16 rows against 4-bit weights run the VNNI kernel on the weights
+    packed two to a byte (exact at the extremes); M = 17 the engine."""
+    if _gemm.packed4_kernel() is None:
+        pytest.skip("no packed 4-bit kernel here: " + _gemm._state["packed4"][1])
+    k_mod = _gemm.packed4_kernel()
+    calls = []
+    real = k_mod.gemm_packed4
+    monkeypatch.setattr(k_mod, "gemm_packed4", lambda *args: calls.append(1) or real(*args))
+    d = qdtype(wdt)
+    k, n = 300, 9
+    wc = rng.choice([d.qmin, d.qmax], (n, k)).astype(d.storage)
+    zw = np.array([d.qmin, d.qmax] * 4 + [0])
+    lin = qarray.nn.Linear(QArray.from_int(wc, np.full(n, 0.5, np.float32), zw, wdt, axis=0))
+    assert lin._packed.packed.nibbles is not None and lin._packed.packed.nibbles.shape == (n, 192)
+    for za in (0, 255):
+        x = np.full((m, k), 255 - za, np.uint8)
+        x[0, ::3] = za
+        got = lin(QArray.from_int(x, 0.25, za, "quint8")).int_repr()
+        np.testing.assert_array_equal(got, ref(x, za, wc.T, zw))
+    assert len(calls) == (2 if m <= 16 else 0)
+    with qarray.config.using(numba=False):  # the kernel is Numba's: off with it
+        assert qarray.nn.Linear(lin.weight)._packed.packed.nibbles is None

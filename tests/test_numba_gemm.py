@@ -53,8 +53,19 @@ def test_pack4_refuses_out_of_range():
 
 
 def _gemm(a, w, signed):
-    out = np.full((a.shape[0], w.shape[0]), 12345, np.int32)
-    gemm_packed4(a, pack4(w), signed, out)
+    """``gemm_packed4`` as its caller (``_gemm.Packed.raw``) drives it: K padded
+    to a multiple of 128, activations split into even and odd k."""
+    from qarray.backends import _gemm as engine
+
+    if engine.packed4_kernel() is None:
+        pytest.skip("no AVX-512 VNNI here: " + engine._state["packed4"][1])
+    m, k = a.shape
+    kp = max(128, -(-k // 128) * 128)
+    ap = np.zeros((m, kp), np.uint8)
+    ap[:, :k] = a
+    out = np.full((m, w.shape[0]), 12345, np.int32)
+    gemm_packed4(np.ascontiguousarray(ap[:, 0::2]), np.ascontiguousarray(ap[:, 1::2]),
+                 pack4(np.pad(w, ((0, 0), (0, kp - k)))), signed, out)
     return out
 
 
@@ -63,8 +74,8 @@ def _gemm_ref(a, w):
 
 
 @pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("m", [1, 3, 16, 17])
-@pytest.mark.parametrize("k", [1, 2, 9, 64, 131])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 17])
+@pytest.mark.parametrize("k", [1, 2, 9, 128, 131])
 def test_gemm_packed4_random(signed, m, k):
     rng = np.random.default_rng(1000 * m + k)
     n = 13
@@ -76,7 +87,7 @@ def test_gemm_packed4_random(signed, m, k):
 
 @pytest.mark.parametrize("m", [1, 3, 16, 17])
 def test_gemm_packed4_extremes(m):
-    k, n = 4099, 7  # odd K, long enough to reach the vector loops and their tails
+    k, n = 4099, 7  # K not a multiple of 128: the padded tail
     a = np.full((m, k), 255, np.uint8)
     for wv, signed in [(-8, True), (7, True), (15, False), (0, False)]:
         w = np.full((n, k), wv)
@@ -87,23 +98,14 @@ def test_gemm_packed4_extremes(m):
     assert (_gemm(a, w, True) == _gemm_ref(a, w)).all()
 
 
-def test_gemm_packed4_ignores_last_high_nibble():
-    rng = np.random.default_rng(5)
-    a = rng.integers(0, 256, (2, 5), dtype=np.uint8)
-    w = rng.integers(-8, 8, (3, 5))
-    wp = pack4(w)
-    wp[:, -1] |= 0xF0
-    for m in (2, 3):  # both code paths
-        aa = np.resize(a, (m, 5))
-        out = np.empty((m, 3), np.int32)
-        gemm_packed4(aa, wp, True, out)
-        assert (out == _gemm_ref(aa, w)).all()
-
-
-def test_gemm_packed4_empty_k():
-    out = np.full((2, 3), 7, np.int32)
-    gemm_packed4(np.zeros((2, 0), np.uint8), np.zeros((3, 0), np.uint8), True, out)
-    assert (out == 0).all()
+def test_gemm_packed4_largest_exact_k():
+    """K * 255 * 15 just below 2**31: the int32 lanes hold the exact sum."""
+    k = (2**31 - 1) // (255 * 15) // 128 * 128
+    a = np.full((1, k), 255, np.uint8)
+    w = np.full((2, k), 15)
+    w[1] = 0
+    got = _gemm(a, w, False)
+    assert got[0, 0] == 255 * 15 * k > 2**30 and got[0, 1] == 0
 
 
 # ---------------------------------------------------------------- conv_grouped

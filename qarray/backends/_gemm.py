@@ -142,18 +142,57 @@ def engine(choice: str = "auto") -> str:
     return next(e for e in ENGINES if status(e)[0])
 
 
+def packed4_kernel():
+    """``_numba_gemm.gemm_packed4`` where it runs exactly (Numba, AVX-512 VNNI,
+    a self-check on extreme codes at first use), else None (logged once)."""
+    if "packed4" not in _state:
+        flags = {f.replace("_", "") for f in _cpu_flags()}
+        try:
+            if not {"avx512vnni", "avx512bw"} <= flags:
+                raise RuntimeError("the CPU has no AVX-512 VNNI")
+            from . import _numba_gemm as k
+
+            ok, why = True, "self-check passed"
+            for signed, w_end in ((True, -8), (True, 7), (False, 15)):
+                w = np.full((3, 128), w_end, np.int8)
+                w[1, ::3] = 0 if signed else 7
+                a = np.full((5, 128), 255, np.uint8)
+                a[2, 1::2] = 0
+                out = np.empty((5, 3), np.int32)
+                k.gemm_packed4(np.ascontiguousarray(a[:, 0::2]), np.ascontiguousarray(a[:, 1::2]), k.pack4(w),
+                               signed, out)
+                if not np.array_equal(out, a.astype(np.int64) @ w.T.astype(np.int64)):
+                    ok, why = False, "self-check failed on extreme codes"
+        except Exception as e:  # no Numba, no VNNI, or LLVM could not compile it
+            ok, why = False, f"{type(e).__name__}: {e}"
+        _state["packed4"] = (ok, why)
+        if not ok:
+            log.warning("qarray: the packed 4-bit small-M kernel is not used: %s", why)
+    return _numba_gemm() if _state["packed4"][0] else None
+
+
+def _numba_gemm():
+    from . import _numba_gemm
+
+    return _numba_gemm
+
+
+SMALL_M = 16  # at most this many activation rows read packed 4-bit weights directly
+
+
 class Packed:
     """Weight codes ``(..., K, N)`` mapped for engine ``name``: ``w`` (int8 for
     u8s8, uint8 for u8u8) equals the codes minus ``shift``; ``colsum`` is its
     int64 column sums; ``sessions`` (``keep``: 2-D weights only) one packed
-    session per K chunk."""
+    session per K chunk. 4-bit weights also keep ``nibbles``, two codes to a
+    byte, for small M (``packed4_kernel``)."""
 
-    __slots__ = ("name", "w", "shift", "colsum", "sessions")
+    __slots__ = ("name", "w", "shift", "colsum", "sessions", "nibbles", "signed")
 
-    def __init__(self, name, codes, signed, keep):
-        self.name = name
+    def __init__(self, name, codes, qd, keep, numba=True):
+        self.name, self.signed = name, qd.signed
         to_signed = name == "u8s8"
-        if signed == to_signed:  # already in range (qint8 for s8; quint8, quint4, ... for u8)
+        if qd.signed == to_signed or (to_signed and qd.bits < 8):  # in range: qint8 or quint4 as s8, quint8 as u8
             self.shift, self.w = 0, codes.astype(np.int8 if to_signed else np.uint8, copy=False)
         elif codes.dtype.itemsize == 1 and codes.dtype.kind in "iu":  # flip the sign bit: +-128, exactly
             self.shift = 128 if to_signed else -128
@@ -163,6 +202,10 @@ class Packed:
         self.w = np.ascontiguousarray(self.w)
         self.colsum = self.w.sum(axis=-2, dtype=np.int64)
         k = codes.shape[-2]
+        self.nibbles = None
+        if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
+            kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
+            self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
         self.sessions = None
         if keep and codes.ndim == 2:
             step = _KMAX[name]
@@ -172,6 +215,12 @@ class Packed:
         """``a @ w`` exactly for unsigned 8-bit ``a`` ``(..., M, K)``: int32, or
         int64 when K is split."""
         k = a.shape[-1]
+        if self.nibbles is not None and a.ndim == 2 and a.shape[0] <= SMALL_M and k * 255 * 15 < 2**31:
+            halves = np.zeros((2, a.shape[0], self.nibbles.shape[1]), np.uint8)  # even k, odd k; zero-padded
+            halves[0, :, : (k + 1) // 2], halves[1, :, : k // 2] = a[:, 0::2], a[:, 1::2]
+            out = np.empty((a.shape[0], self.w.shape[1]), np.int32)
+            packed4_kernel().gemm_packed4(halves[0], halves[1], self.nibbles, self.signed, out)
+            return out
         step = _KMAX[self.name]
         out = None
         for i, k0 in enumerate(range(0, max(k, 1), step)):

@@ -17,11 +17,10 @@ arithmetic in them so that LLVM vectorizes them.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
-
-# Rows of packed weights one parallel task handles in ``gemm_packed4``.
-_GEMM_ROWS = 8
-
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 def pack4(w):
     """Pack 4-bit weight codes two to a byte.
@@ -45,85 +44,100 @@ def pack4(w):
     return np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4))
 
 
-@njit(inline="always")
-def _nibble(x, signed):
-    """A nibble (0..15, any integer type) as int16: -8..7 if ``signed``."""
-    x = np.int16(x)
-    if signed:
-        x = np.int16((x ^ 8) - 8)
-    return x
+# -- small-M GEMM on packed 4-bit weights: AVX-512 VNNI through an LLVM intrinsic --
+# LLVM does not turn a plain int8 dot-product loop into ``vpdpbusd`` (u8 x s8,
+# four products summed into int32 lanes, never saturating); Numba has no vector
+# types, so the loop body is written in LLVM IR. Compiled (at first call) only
+# where the CPU has AVX-512 VNNI (``qarray.backends._gemm.packed4_kernel``).
+_V64 = ir.VectorType(ir.IntType(8), 64)
+_V16 = ir.VectorType(ir.IntType(32), 16)
+
+
+def _make_dot(rows, signed):
+    """An intrinsic ``dot(ae, ao, m0, wrow, chunks, res)``: for ``r < rows``,
+    ``res[r] = sum_j ae[m0 + r, j] * lo(wrow[j]) + ao[m0 + r, j] * hi(wrow[j])``
+    over ``j < 64 * chunks``, ``lo``/``hi`` the byte's nibbles (two's
+    complement when ``signed``): 64 bytes of weights, 128 products, per step."""
+
+    @intrinsic
+    def dot(typingctx, ae, ao, m0, wrow, chunks, res):
+        def codegen(context, builder, sig, args):
+            ae_, ao_, w_, res_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5))
+            m0, chunks = args[2], args[4]
+            vnni = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
+                                                  "llvm.x86.avx512.vpdpbusd.512")
+            total = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [_V16]),
+                                                   "llvm.vector.reduce.add.v16i32")
+            stride = builder.extract_value(ae_.strides, 0)
+            ptrs = []
+            for r in range(rows):
+                off = builder.mul(builder.add(m0, ir.Constant(m0.type, r)), stride)
+                ptrs.append([builder.bitcast(builder.gep(x.data, [off]), _V64.as_pointer()) for x in (ae_, ao_)])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, None)) for _ in range(rows)]
+            wp = builder.bitcast(w_.data, _V64.as_pointer())
+            low, four, eight = (ir.Constant(_V64, [v] * 64) for v in (15, 4, 8))
+            with cgutils.for_range(builder, chunks) as loop:
+                wv = builder.load(builder.gep(wp, [loop.index]), align=1)
+                nibbles = [builder.and_(wv, low), builder.and_(builder.lshr(wv, four), low)]
+                if signed:  # (x ^ 8) - 8 sign-extends a nibble
+                    nibbles = [builder.sub(builder.xor(v, eight), eight) for v in nibbles]
+                nibbles = [builder.bitcast(v, _V16) for v in nibbles]
+                for r in range(rows):
+                    acc = builder.load(accs[r])
+                    for p, v in zip(ptrs[r], nibbles):
+                        act = builder.bitcast(builder.load(builder.gep(p, [loop.index]), align=1), _V16)
+                        acc = builder.call(vnni, [acc, act, v])
+                    builder.store(acc, accs[r])
+            for r in range(rows):
+                builder.store(builder.call(total, [builder.load(accs[r])]),
+                              builder.gep(res_.data, [ir.Constant(ir.IntType(32), r)]))
+            return context.get_dummy_value()
+
+        return types.void(ae, ao, m0, wrow, chunks, res), codegen
+
+    return dot
+
+
+_dot4_s, _dot4_u, _dot1_s, _dot1_u = (_make_dot(r, s) for r in (4, 1) for s in (True, False))
 
 
 @njit(parallel=True, cache=True)
-def gemm_packed4(a, wp, signed, out):
-    """``out[m, n] = sum_k a[m, k] * w[n, k]`` with 4-bit weights packed two to a byte.
+def gemm_packed4(ae, ao, wp, signed, out):
+    """``out[m, n] = sum_k a[m, k] * w[n, k]`` for M activation rows (a
+    decoder's token-by-token shape) against 4-bit weights packed two to a byte.
 
-    - ``a``: (M, K) uint8, C-contiguous: activation codes (already unsigned).
-      Any M works; the kernel is built for decoder shapes, M <= 16.
-    - ``wp``: (N, (K + 1) // 2) uint8, C-contiguous, the layout of ``pack4``:
-      ``w[n, 2j]`` in the low nibble of ``wp[n, j]``, ``w[n, 2j + 1]`` in its
-      high nibble. For odd K the last high nibble is ignored (whatever it holds).
-    - ``signed``: nibbles are two's complement (-8..7) if True, else 0..15.
-    - ``out``: (M, N) int32, written whole: raw code products, no zero points.
+    - ``ae``, ``ao``: (M, Kp // 2) uint8, C-contiguous: the activation codes
+      (unsigned) at even and at odd k, zero-padded to ``Kp``, a multiple of 128.
+    - ``wp``: (N, Kp // 2) uint8, C-contiguous, :func:`pack4` of the weights
+      zero-padded to ``Kp``; ``signed``: its nibbles are -8..7, else 0..15.
+    - ``out``: (M, N) int32.
 
-    Exactness: each product is at most 255 * 15 = 3825 in magnitude, so int32
-    is exact for K <= (2**31 - 1) // 3825 = 561_432 (the caller guarantees it;
-    in fact the result is exact whenever the true sum fits in int32, since the
-    accumulation wraps).
-
-    Scheme: ``a`` is first split once into int16 rows of its even and odd
-    columns (``ae``, ``ao``), so that byte ``j`` of a weight row meets
-    ``ae[m, j]`` (low nibble) and ``ao[m, j]`` (high nibble) without any
-    shuffle. Parallel tasks take blocks of ``_GEMM_ROWS`` weight rows; every
-    packed byte is read once. For M <= 2 the nibbles are unpacked inside the
-    dot product; for larger M each row is unpacked once into two thread-local
-    int16 buffers (2 * K bytes, L1-resident) that the M dot products reuse.
-    The dot products are int16 x int16 -> int32 sums of pairs, which LLVM
-    compiles to ``vpmaddwd``.
+    Each weight row is read once per block of 4 activation rows, 64 bytes at a
+    time, its nibbles split with two ANDs and a shift, and multiplied into
+    int32 lanes by ``vpdpbusd`` (no saturation). Exact for
+    ``Kp * 255 * 15 < 2**31`` (K up to 561,000). Parallel over weight rows.
     """
-    M, K = a.shape
-    N, Kh = wp.shape
-    if Kh != (K + 1) // 2:
-        raise ValueError("gemm_packed4: wp must have (K + 1) // 2 columns")
-    if out.shape[0] != M or out.shape[1] != N:
-        raise ValueError("gemm_packed4: out must be (M, N)")
-    ae = np.zeros((M, Kh), np.int16)
-    ao = np.zeros((M, Kh), np.int16)  # column Kh - 1 stays 0 for odd K
-    for m in range(M):
-        for j in range(K // 2):
-            ae[m, j] = a[m, 2 * j]
-            ao[m, j] = a[m, 2 * j + 1]
-        if K % 2:
-            ae[m, Kh - 1] = a[m, K - 1]
-    nblk = (N + _GEMM_ROWS - 1) // _GEMM_ROWS
-    for b in prange(nblk):
-        lo = np.empty(Kh, np.int16)
-        hi = np.empty(Kh, np.int16)
-        for n in range(b * _GEMM_ROWS, min(N, (b + 1) * _GEMM_ROWS)):
-            row = wp[n]
-            if M <= 2:
-                for m in range(M):
-                    x = ae[m]
-                    y = ao[m]
-                    acc = np.int32(0)
-                    for j in range(Kh):
-                        v = row[j]
-                        acc += np.int32(x[j]) * np.int32(_nibble(v & 15, signed)) + np.int32(
-                            y[j]
-                        ) * np.int32(_nibble(v >> 4, signed))
-                    out[m, n] = acc
+    m_len, kh = ae.shape
+    chunks = kh // 64
+    res = np.empty((wp.shape[0], 4), np.int32)  # outside the loop: Numba would hoist it
+    for n in prange(wp.shape[0]):
+        row, r = wp[n], res[n]
+        m0 = 0
+        while m0 + 4 <= m_len:
+            if signed:
+                _dot4_s(ae, ao, m0, row, chunks, r)
             else:
-                for j in range(Kh):
-                    v = row[j]
-                    lo[j] = _nibble(v & 15, signed)
-                    hi[j] = _nibble(v >> 4, signed)
-                for m in range(M):
-                    x = ae[m]
-                    y = ao[m]
-                    acc = np.int32(0)
-                    for j in range(Kh):
-                        acc += np.int32(x[j]) * np.int32(lo[j]) + np.int32(y[j]) * np.int32(hi[j])
-                    out[m, n] = acc
+                _dot4_u(ae, ao, m0, row, chunks, r)
+            for i in range(4):
+                out[m0 + i, n] = r[i]
+            m0 += 4
+        while m0 < m_len:
+            if signed:
+                _dot1_s(ae, ao, m0, row, chunks, r)
+            else:
+                _dot1_u(ae, ao, m0, row, chunks, r)
+            out[m0, n] = r[0]
+            m0 += 1
 
 
 @njit(parallel=True, cache=True)

@@ -125,7 +125,7 @@ class NumpyBackend(Backend):
         if codes.size < _SMALL or 0 in codes.shape or _gemm.engine(config.gemm) == "blas":
             return super().pack_weight(codes, qd, keep)
         name = _gemm.engine(config.gemm)
-        return _gemm.Packed(name, codes, qd.signed, keep)
+        return _gemm.Packed(name, codes, qd, keep, numba=config.numba and _numba_kernels() is not None)
 
     def raw_matmul(self, a, qd, pw, acc_dtype):
         if not isinstance(pw, _gemm.Packed):
