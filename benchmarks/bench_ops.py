@@ -5,11 +5,13 @@ Run from the repository root:
     PYTHONPATH=. python benchmarks/bench_ops.py
 
 Every row is measured side by side in one run (warm-up once, then the contenders
-take turns in blocks of calls; median and min in ms) and reported as a ratio to
-the row's reference: float32 numpy.matmul for linear, float32 im2col + matmul
-for conv2d, numpy.concatenate for cat, numpy.take for the LUT ops. PyTorch
-(fbgemm quantized linear/conv, float conv) and onnxruntime (MatMulInteger) are
-reported when installed. Nothing is asserted. Results go to
+take turns in blocks of calls; median and min in ms) and reported as ratios to
+references measured in the same run: float32 numpy.matmul, PyTorch's fbgemm
+quantized.linear and onnxruntime's MatMulInteger for linear (large shapes, and
+M = 1 and 16 against 4096x4096 weights: int8 and packed 4-bit); PyTorch's
+fbgemm quantized.conv2d and float32 conv2d for conv2d (dense and depthwise);
+numpy.concatenate for cat, numpy.take for the LUT ops. Peers are reported when
+installed. Targets are ratios of medians; nothing is asserted. Results go to
 benchmarks/results/bench_ops.{json,txt}.
 """
 
@@ -45,18 +47,20 @@ def say(text=""):
     LINES.append(text)
 
 
-def report(op, t, ref, target=None):
-    """One row per contender against ``ref``; ``target`` applies to the qarray rows."""
-    for name, (med, mn) in t.items():
-        if name == ref:
+def report(op, t, ref, target=None, who=None):
+    """One row per contender (``who``, default all) against ``ref``; ``target``
+    (a ratio of medians) applies to the qarray rows."""
+    for name in who or [n for n in t if n != ref]:
+        if name not in t or name == ref or ref not in t:
             continue
-        ratio, ratio_min = med / t[ref][0], mn / t[ref][1]
-        met = None if target is None or not name.startswith("qarray") else ratio_min <= target
-        ROWS.append(dict(op=op, who=name, ms=med, min_ms=mn, ref=ref, ref_ms=t[ref][0], ratio=round(ratio, 3),
+        (med, mn), (rmed, rmn) = t[name], t[ref]
+        ratio, ratio_min = med / rmed, mn / rmn
+        met = None if target is None or not name.startswith("qarray") else ratio <= target
+        ROWS.append(dict(op=op, who=name, ms=med, min_ms=mn, ref=ref, ref_ms=rmed, ratio=round(ratio, 3),
                          ratio_min=round(ratio_min, 3), target=target if met is not None else None, met=met))
         flag = "" if met is None else ("yes" if met else "no")
         tgt = f"<={target}" if met is not None else ""
-        say(f"{op:<34} {name:<30} {med:9.2f} ({mn:8.2f})  vs {ref:<24} {t[ref][0]:9.2f} ({t[ref][1]:8.2f})"
+        say(f"{op:<34} {name:<34} {med:9.2f} ({mn:8.2f})  vs {ref:<32} {rmed:9.2f} ({rmn:8.2f})"
             f"  {ratio:6.3f} {ratio_min:6.3f} {tgt:>6} {flag}")
 
 
@@ -76,29 +80,66 @@ def ort_matmul_integer(a, b):
     return lambda: s.run(None, {"a": a, "b": b})
 
 
+def torch_qx(x, scale, zp):
+    return torch.quantize_per_tensor(torch.from_numpy(x.astype(np.float32) * scale - zp * scale), scale, zp, torch.quint8)
+
+
+def torch_qw(qw, axis=0):
+    return torch.quantize_per_channel(torch.from_numpy(qw.dequantize()), torch.from_numpy(qw.scale.astype(np.float64)),
+                                      torch.zeros(qw.shape[axis], dtype=torch.int64), axis, torch.qint8)
+
+
 def bench_linear(rng, m, k, n):
+    """quint8 and qint8 activations, qint8 per-channel weights, qint8 output."""
     x = rng.integers(0, 256, (m, k), dtype=np.uint8)
-    wf32 = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    layer = nn.Linear.from_float(wf32)
+    layer = nn.Linear.from_float((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
     qx = qarray.QArray.from_int(x, 0.02, 128, "quint8")
+    qxs = qarray.QArray.from_int((x.astype(np.int16) - 128).astype(np.int8), 0.02, 0, "qint8")
     w_int = layer.weight.int_repr()
     xf, wt = x.astype(np.float32), w_int.astype(np.float32).T.copy()
-    qw = layer.weight
     fns = {
         "numpy float32 matmul": lambda: xf @ wt,
-        "qarray nn.Linear (acc)": lambda: layer(qx),
-        "qarray nn.Linear (int8 out)": lambda: layer(qx, scale=0.5, zero_point=0, dtype="qint8"),
-        "qarray matmul (packs w)": lambda: matmul(qx, qw.T),
+        "qarray nn.Linear quint8 (int8 out)": lambda: layer(qx, scale=0.5, zero_point=0, dtype="qint8"),
+        "qarray nn.Linear qint8 (int8 out)": lambda: layer(qxs, scale=0.5, zero_point=0, dtype="qint8"),
+        "qarray nn.Linear quint8 (acc)": lambda: layer(qx),
+        "qarray matmul (packs w per call)": lambda: matmul(qx, layer.weight.T),
     }
     if torch is not None:
-        tx = torch.quantize_per_tensor(torch.from_numpy(x.astype(np.float32) * 0.02 - 2.56), 0.02, 128, torch.quint8)
-        tw = torch.quantize_per_channel(torch.from_numpy(qw.dequantize()), torch.from_numpy(qw.scale.astype(np.float64)),
-                                        torch.zeros(n, dtype=torch.int64), 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(tw, None)
+        tx, packed = torch_qx(x, 0.02, 128), torch.ops.quantized.linear_prepack(torch_qw(layer.weight), None)
         fns["torch quantized.linear (fbgemm)"] = lambda: torch.ops.quantized.linear(tx, packed, 0.5, 0)
     if ort is not None:
         fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, w_int.T.copy())
-    report(f"linear {m}x{k}x{n}", timeit(REPEATS, **fns), "numpy float32 matmul", 1.2)
+    t = timeit(REPEATS, **fns)
+    op = f"linear {m}x{k}x{n}"
+    int8_out = ["qarray nn.Linear quint8 (int8 out)", "qarray nn.Linear qint8 (int8 out)"]
+    report(op, t, "numpy float32 matmul", 0.35)
+    report(op, t, "torch quantized.linear (fbgemm)", 1.0, int8_out)
+    report(op, t, "onnxruntime MatMulInteger", 1.0, int8_out)
+
+
+def bench_small_m(rng, m, k=4096, n=4096):
+    """A decoder's token-by-token shape: the weights dominate."""
+    x = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    lin8 = nn.Linear.from_float(wf)
+    lin4 = nn.Linear.from_float(wf, weight_dtype="qint4")
+    qx = qarray.QArray.from_int(x, 0.02, 128, "quint8")
+    xf, wt = x.astype(np.float32), wf.T.copy()
+    fns = {
+        "numpy float32 matmul": lambda: xf @ wt,
+        "qarray nn.Linear int8 w (int8 out)": lambda: lin8(qx, scale=0.5, zero_point=0, dtype="qint8"),
+        "qarray nn.Linear packed 4-bit w": lambda: lin4(qx, scale=0.5, zero_point=0, dtype="qint8"),
+    }
+    if torch is not None:
+        tx, packed = torch_qx(x, 0.02, 128), torch.ops.quantized.linear_prepack(torch_qw(lin8.weight), None)
+        fns["torch quantized.linear (fbgemm)"] = lambda: torch.ops.quantized.linear(tx, packed, 0.5, 0)
+    if ort is not None:
+        fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, lin8.weight.int_repr().T.copy())
+    t = timeit(REPEATS, **fns)
+    op = f"linear M={m} x {k}x{n}"
+    report(op, t, "numpy float32 matmul", None, ["torch quantized.linear (fbgemm)", "onnxruntime MatMulInteger"])
+    report(op, t, "numpy float32 matmul", 0.5, ["qarray nn.Linear int8 w (int8 out)"])
+    report(op, t, "numpy float32 matmul", 0.35, ["qarray nn.Linear packed 4-bit w"])
 
 
 def im2col_f32(x, kh, kw, pad):
@@ -108,34 +149,39 @@ def im2col_f32(x, kh, kw, pad):
     return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw), oh, ow
 
 
-def bench_conv(rng):
-    x = rng.integers(0, 256, (1, 64, 56, 56), dtype=np.uint8)
-    wf32 = (rng.standard_normal((64, 64, 3, 3)) * 0.05).astype(np.float32)
-    layer = nn.Conv2d.from_float(wf32, padding=1)
+def bench_conv(rng, c, groups):
+    x = rng.integers(0, 256, (1, c, 56, 56), dtype=np.uint8)
+    wf32 = (rng.standard_normal((c, c // groups, 3, 3)) * 0.05).astype(np.float32)
+    layer = nn.Conv2d.from_float(wf32, padding=1, groups=groups)
     qx = qarray.QArray.from_int(x, 0.02, 128, "quint8")
     xf = x.astype(np.float32)
-    wmat = layer.weight.int_repr().reshape(64, -1).astype(np.float32).T.copy()
+    wmat = layer.weight.int_repr().reshape(c, -1).astype(np.float32).T.copy()
 
     def float_im2col():
         cols, oh, ow = im2col_f32(xf, 3, 3, 1)
-        return (cols @ wmat).reshape(1, oh, ow, 64)
+        return (cols @ wmat).reshape(1, oh, ow, c)
 
     fns = {
-        "numpy float32 im2col+matmul": float_im2col,
-        "qarray conv2d": lambda: conv2d(qx, layer.weight, padding=1),
-        "qarray conv2d (int8 out)": lambda: conv2d(qx, layer.weight, padding=1, scale=0.5, zero_point=0, dtype="qint8"),
+        "qarray conv2d (acc)": lambda: conv2d(qx, layer.weight, padding=1, groups=groups),
+        "qarray conv2d (int8 out)": lambda: conv2d(qx, layer.weight, padding=1, groups=groups,
+                                                   scale=0.5, zero_point=0, dtype="qint8"),
         "qarray nn.Conv2d (int8 out)": lambda: layer(qx, scale=0.5, zero_point=0, dtype="qint8"),
     }
+    if groups == 1:
+        fns["numpy float32 im2col+matmul"] = float_im2col
     if torch is not None:
-        tx = torch.quantize_per_tensor(torch.from_numpy(xf * 0.02 - 2.56), 0.02, 128, torch.quint8)
-        qw = layer.weight
-        tw = torch.quantize_per_channel(torch.from_numpy(qw.dequantize()), torch.from_numpy(qw.scale.astype(np.float64)),
-                                        torch.zeros(64, dtype=torch.int64), 0, torch.qint8)
-        packed = torch.ops.quantized.conv2d_prepack(tw, None, [1, 1], [1, 1], [1, 1], 1)
+        tx = torch_qx(x, 0.02, 128)
+        packed = torch.ops.quantized.conv2d_prepack(torch_qw(layer.weight), None, [1, 1], [1, 1], [1, 1], groups)
         fns["torch quantized.conv2d (fbgemm)"] = lambda: torch.ops.quantized.conv2d(tx, packed, 0.5, 0)
         tf, twf = torch.from_numpy(xf), torch.from_numpy(wf32)
-        fns["torch float32 conv2d"] = lambda: torch.nn.functional.conv2d(tf, twf, padding=1)
-    report("conv2d 1x64x56x56, 64x3x3, pad 1", timeit(REPEATS, **fns), "numpy float32 im2col+matmul", 1.5)
+        fns["torch float32 conv2d"] = lambda: torch.nn.functional.conv2d(tf, twf, padding=1, groups=groups)
+    t = timeit(REPEATS, **fns)
+    op = f"conv2d 1x{c}x56x56 3x3 pad 1" + (f" groups={groups}" if groups > 1 else "")
+    qrows = list(fns)[:3]
+    if groups == 1:
+        report(op, t, "numpy float32 im2col+matmul", None, qrows)
+    report(op, t, "torch quantized.conv2d (fbgemm)", 1.2 if groups == 1 else 1.5, qrows)
+    report(op, t, "torch float32 conv2d", None, qrows)
 
 
 def bench_cat_lut(rng):
@@ -168,10 +214,14 @@ def main():
                 python=platform.python_version(), numpy=np.__version__, threads=THREADS,
                 torch=getattr(torch, "__version__", None), onnxruntime=getattr(ort, "__version__", None))
     say("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
-    say("times: median (min) ms; ratios of medians and of mins to the reference; targets judged on the mins")
+    say("times: median (min) ms; ratios of medians and of mins to the reference; targets judged on the medians")
+    say(f"qarray int8 GEMM engine: {qarray.backends.gemm_engine()}")
     bench_linear(rng, 1024, 1024, 1024)
     bench_linear(rng, 256, 4096, 4096)
-    bench_conv(rng)
+    bench_small_m(rng, 1)
+    bench_small_m(rng, 16)
+    bench_conv(rng, 64, 1)
+    bench_conv(rng, 256, 256)
     bench_cat_lut(rng)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_ops.txt").write_text("\n".join(LINES) + "\n")

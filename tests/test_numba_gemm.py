@@ -202,11 +202,13 @@ def test_conv_grouped_refuses_bad_shapes():
 # ---------------------------------------------------------------- im2col
 
 def _im2col_numpy(xpad, kh, kw, sh, sw, dh, dw):
+    """Channels-first patches (columns (c, p, q)) reordered to (p, q, c)."""
     n, c = xpad.shape[:2]
     eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
     v = sliding_window_view(xpad, (eh, ew), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
     oh, ow = v.shape[2:4]
-    return v.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw)
+    cols = v.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c, kh, kw)
+    return cols.transpose(0, 2, 3, 1).reshape(n * oh * ow, kh * kw * c)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
@@ -224,5 +226,9 @@ def test_im2col_matches_numpy(dtype, shape, k, s, d):
     xpad = rng.integers(info.min, info.max + 1, shape, dtype=dtype)
     ref = _im2col_numpy(xpad, *k, *s, *d)
     out = np.empty(ref.shape, dtype)
-    im2col(xpad, *k, *s, *d, out)
+    nhwc = np.ascontiguousarray(xpad.transpose(0, 2, 3, 1))
+    im2col(nhwc, *k, *s, *d, out)
     assert out.dtype == ref.dtype and (out == ref).all()
+    from qarray.backends._base import Backend
+
+    assert (Backend(np).im2col(nhwc, *k, s, d) == ref).all()  # the generic code, as CuPy runs it

@@ -276,14 +276,15 @@ class Backend:
 
     # -- convolution ----------------------------------------------------------
     def im2col(self, xpad, kh, kw, stride, dilation):
-        """``(N*OH*OW, C*kh*kw)``: row ``(n, i, j)``, column ``(c, p, q)`` holds
-        ``xpad[n, c, i*sh + p*dh, j*sw + q*dw]`` (``xpad`` ``(N, C, Hp, Wp)``)."""
+        """``(N*OH*OW, kh*kw*C)``: row ``(n, i, j)``, column ``(p, q, c)`` holds
+        ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]`` (``xpad`` channels-last,
+        ``(N, Hp, Wp, C)``)."""
         (sh, sw), (dh, dw) = stride, dilation
         eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-        win = self.xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(2, 3))
-        win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
-        n, c, oh, ow = win.shape[:4]
-        return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw)
+        win = self.xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(1, 2))
+        win = win[:, ::sh, ::sw, :, ::dh, ::dw]  # (N, OH, OW, C, kh, kw)
+        n, oh, ow, c = win.shape[:4]
+        return win.transpose(0, 1, 2, 4, 5, 3).reshape(n * oh * ow, kh * kw * c)
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation):
         """Grouped conv2d's exact sums, int64 ``(N, O, OH, OW)``:

@@ -221,37 +221,35 @@ def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
 
 @njit(parallel=True, cache=True)
 def im2col(xpad, kh, kw, sh, sw, dh, dw, out):
-    """Patches of a padded 8-bit image as GEMM rows.
+    """Patches of a padded channels-last image as GEMM rows.
 
-    - ``xpad``: (N, C, Hp, Wp) uint8 or int8 (padded by the caller).
+    - ``xpad``: (N, Hp, Wp, C), C-contiguous, padded by the caller.
     - ``kh, kw, sh, sw, dh, dw``: kernel size, strides, dilations (>= 1).
-    - ``out``: (N*OH*OW, C*kh*kw), same dtype, C-contiguous, written whole,
+    - ``out``: (N*OH*OW, kh*kw*C), same dtype, C-contiguous, written whole,
       with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1`` (same for W):
-      ``out[(n*OH + i)*OW + j, (c*kh + p)*kw + q] = xpad[n, c, i*sh + p*dh, j*sw + q*dw]``,
-      i.e. ``sliding_window_view(xpad, (eh, ew), axis=(2, 3))[:, :, ::sh, ::sw,
-      ::dh, ::dw].transpose(0, 2, 3, 1, 4, 5).reshape(N*OH*OW, C*kh*kw)`` with
-      ``eh = dh*(kh-1) + 1``, ``ew = dw*(kw-1) + 1``.
+      ``out[(n*OH + i)*OW + j, (p*kw + q)*C + c] = xpad[n, i*sh + p*dh, j*sw + q*dw, c]``.
 
+    Channels last, every tap is one contiguous run of C codes, copied as a
+    vector (channels-first patches are single bytes scattered over the row).
     A copy: no arithmetic, no overflow. One parallel task per (n, i).
     """
-    N, C, Hp, Wp = xpad.shape
+    N, Hp, Wp, C = xpad.shape
     OH = (Hp - dh * (kh - 1) - 1) // sh + 1
     OW = (Wp - dw * (kw - 1) - 1) // sw + 1
     if OH < 0 or OW < 0:
         raise ValueError("im2col: kernel larger than the padded input")
     if out.shape[0] != N * OH * OW or out.shape[1] != C * kh * kw:
-        raise ValueError("im2col: out must be (N*OH*OW, C*kh*kw)")
+        raise ValueError("im2col: out must be (N*OH*OW, kh*kw*C)")
     for t in prange(N * OH):
         n = t // OH
         i = t % OH
-        r0 = t * OW
-        for c in range(C):
+        for j in range(OW):
+            row = out[t * OW + j]
             for p in range(kh):
-                r = i * sh + p * dh
+                line = xpad[n, i * sh + p * dh]
                 for q in range(kw):
-                    # Sliced views indexed from 0 (see conv_grouped): output
-                    # column (c, p, q) of rows r0 .. r0 + OW - 1.
-                    src = xpad[n, c, r, q * dw :: sw]
-                    dst = out[r0 : r0 + OW, (c * kh + p) * kw + q]
-                    for j in range(OW):
-                        dst[j] = src[j]
+                    # sliced views indexed from 0 (see conv_grouped)
+                    src = line[j * sw + q * dw]
+                    dst = row[(p * kw + q) * C:]
+                    for c in range(C):
+                        dst[c] = src[c]

@@ -162,10 +162,10 @@ class NumpyBackend(Backend):
         if k is None:
             return super().im2col(xpad, kh, kw, stride, dilation)
         (sh, sw), (dh, dw) = stride, dilation
-        n, c, hp, wp = xpad.shape
+        n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         out = np.empty((n * oh * ow, c * kh * kw), xpad.dtype)
-        k.im2col(xpad, kh, kw, sh, sw, dh, dw, out)
+        k.im2col(_contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation):

@@ -48,15 +48,17 @@ def check_conv_args(op, w_shape, stride, padding, dilation, groups):
 
 def pack_conv_weight(op, w: QArray, groups: int, keep=False):
     """``w`` prepared for :func:`conv_packed`: a :class:`PackedWeight` of
-    ``(C * kh * kw, O)`` (``w`` flattened and transposed) for the GEMM when
-    ``groups == 1``; ``w`` itself for grouped conv, which reads the codes."""
+    ``(kh * kw * C, O)`` (``w`` channels-last, flattened and transposed) for the
+    GEMM when ``groups == 1``; ``w`` itself for grouped conv, which reads the codes."""
     _check_operand(op, "w", w, weight=True)
     if w.ndim != 4:
         raise ValueError(f"{op}: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
     if w.axis not in (None, 0):
         raise ValueError(f"{op}: per-channel weights must have their parameters along axis 0 "
                          f"(output channels), got axis {w.axis}")
-    return PackedWeight(w.reshape(w.shape[0], -1).T, 1, keep) if groups == 1 else w
+    if groups > 1:
+        return w
+    return PackedWeight(w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1).T, 1, keep)  # rows (p, q, c) as im2col's
 
 
 def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation, groups,
@@ -80,15 +82,17 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
                          f"{h + 2 * ph}x{wd + 2 * pw}")
     oh, ow = (h + 2 * ph - eh) // sh + 1, (wd + 2 * pw - ew) // sw + 1
     za = int(to_host(x.zero_point))
-    xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=x.data.dtype.type(za))
+    fill = x.data.dtype.type(za)
     factors = [to_host(x.scale), to_host(packed.scale)]
     bias = None if bias is None else _bias_ints(op, b, bias, factors, o, mode, rounding)
 
     def acc(rq):
-        if groups == 1:  # im2col into the GEMM, requantized (rq) in its epilogue
+        if groups == 1:  # channels-last im2col into the GEMM, requantized (rq) in its epilogue
+            xpad = xp.pad(x.data.transpose(0, 2, 3, 1), ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=fill)
             cols = QArray._new(b.im2col(xpad, kh, kw, stride, dilation), x.scale, x.zero_point, x.dtype, None, None, b)
             out = packed.run(op, cols, bias, rq)  # (N*OH*OW, O): rq's channel axis is 1 here too
             return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+        xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=fill)
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
         out = b.conv_grouped(xpad, za, packed.data.astype(xp.int32) - b.asarray(zw), groups, stride, dilation)
         if bias is not None:
