@@ -1,11 +1,17 @@
-"""matmul and linear: exact integer products, through float32 BLAS on the CPU.
+"""matmul and linear: exact integer products.
 
 ``matmul(a, b)`` with no output parameters is ONNX MatMulInteger (the exact
 qint32 accumulator, scale ``a.scale * b.scale``); with ``scale``,
 ``zero_point`` and ``dtype`` it is QLinearMatMul (requantized, ``mode=`` and
 ``rounding=`` as everywhere). Activations are per-tensor; weights per-tensor or
-per-channel along their output axis. Inputs of 2, 4 or 8 bits, signed or not,
-in any mix.
+per-channel along their output axis. Weights of 2, 4 or 8 bits and activations
+of 2, 4, 8 or 16 bits (TFLite's 16x8 mode), signed or not, in any mix.
+
+From an op to the arithmetic: :class:`PackedWeight` (the weights as the
+backend packs them: :meth:`Backend.pack_weight`) -> :meth:`Backend.int_matmul`
+(``raw_matmul``: the products of codes, on the CPU onnxruntime's int8 kernels,
+``qarray.backends._gemm``, or exact float32 BLAS chunks; then
+``gemm_epilogue``: zero-point terms, bias and requantize in one pass).
 """
 
 from __future__ import annotations
