@@ -27,6 +27,16 @@ qa.requantize(acc, 3.0, 1, "qint8", mode="float")
 qa.add(q, q, scale=0.1, zero_point=0, dtype="qint8")
 qa.mul(q, q, scale=0.1, zero_point=0, dtype="qint8", relu=True)
 qa.sigmoid(q)
+rng = np.random.default_rng(0)
+xs = qa.QArray.from_int(rng.integers(0, 256, (64, 128)), 0.02, 128, "quint8")
+for wdt in ("qint8", "qint4"):  # the engine's epilogue; M <= 16 on 4-bit weights: the packed kernel
+    lin = qa.nn.Linear.from_float(rng.standard_normal((256, 128)).astype(np.float32), weight_dtype=wdt)
+    lin(xs, scale=0.5, zero_point=0, dtype="qint8")
+    lin(xs[:16])
+xc = qa.QArray.from_int(rng.integers(0, 256, (1, 64, 20, 20)), 0.02, 128, "quint8")
+for groups in (1, 64):  # im2col; direct depthwise
+    w = qa.QArray.from_int(rng.integers(-128, 128, (64, 64 // groups, 3, 3)), 0.01, 0, "qint8")
+    qa.conv2d(xc, w, padding=1, groups=groups)
 """
 
 _EVENT = re.compile(r"\[cache\] (index|data) (saved to|loaded from) (\S+)")
