@@ -88,6 +88,9 @@ def test_ops_match(rng):
               lambda x, y: qarray.add(x, x, scale=0.05, zero_point=0, dtype="qint8"),
               lambda x, y: qarray.sigmoid(x), lambda x, y: qarray.relu(x)):
         np.testing.assert_array_equal(ints(f(ga, gb)), ints(f(a, b)))
+    a16 = qarray.quantize(rng.standard_normal((8, 96)).astype(np.float32), 1e-4, -7, "qint16")  # 16 x 8
+    for kw in ({}, dict(scale=0.5, zero_point=0, dtype="qint16")):
+        np.testing.assert_array_equal(ints(qarray.matmul(a16.to("cupy"), gb, **kw)), ints(qarray.matmul(a16, b, **kw)))
 
 
 def test_quantize_dynamic_and_minmax(rng):
