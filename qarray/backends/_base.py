@@ -286,12 +286,13 @@ class Backend:
         n, oh, ow, c = win.shape[:4]
         return win.transpose(0, 1, 2, 4, 5, 3).reshape(n * oh * ow, kh * kw * c)
 
-    def conv_grouped(self, xpad, za, wc, groups, stride, dilation):
-        """Grouped conv2d's exact sums, int64 ``(N, O, OH, OW)``:
-        ``sum (xpad - za) * wc`` over the taps of each output channel's group
-        (``wc``: centred weights ``(O, C / groups, kh, kw)``; output channel
-        ``o`` reads the input channels of group ``o // (O / groups)``).
-        One int64 contraction per tap, never one GEMM per group."""
+    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
+        """Grouped conv2d: the exact sums ``sum (xpad - za) * wc`` over the taps
+        of each output channel's group, plus ``bias`` (int64 ``(O,)`` or None),
+        as integers ``(N, O, OH, OW)`` (``rq`` None) or requantized by ``rq``.
+        ``wc`` holds centred weights ``(O, C / groups, kh, kw)``; output
+        channel ``o`` reads the input channels of group ``o // (O / groups)``.
+        Here one int64 contraction per tap, never one GEMM per group."""
         xp = self.xp
         n, c, hp, wp = xpad.shape
         o, cg, kh, kw = wc.shape
@@ -304,7 +305,10 @@ class Backend:
             for q in range(kw):
                 tap = xg[..., p * dh : p * dh + (oh - 1) * sh + 1 : sh, q * dw : q * dw + (ow - 1) * sw + 1 : sw]
                 out += xp.einsum("ngchw,goc->ngohw", tap, wg[..., p, q])
-        return out.reshape(n, o, oh, ow)
+        out = out.reshape(n, o, oh, ow)
+        if bias is not None:
+            out += bias[:, None, None]
+        return out if rq is None else self.requantize(out, rq)
 
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):

@@ -22,6 +22,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
+from ._numba import _RESCALE_SOURCE, _rq
+
 def pack4(w):
     """Pack 4-bit weight codes two to a byte.
 
@@ -140,9 +143,23 @@ def gemm_packed4(ae, ao, wp, signed, out):
             m0 += 1
 
 
-@njit(parallel=True, cache=True)
-def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
-    """Direct grouped conv2d (depthwise included) on padded 8-bit codes.
+def _make_conv_grouped(code, narrow):
+    """``conv_grouped`` with its epilogue for one rounding code (closure
+    constants, as ``_numba.requantize``; ``narrow``: ``Requant.narrow``)."""
+    source = _RESCALE_SOURCE
+
+    @njit(parallel=True, cache=True)
+    def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out):
+        _ = source
+        _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out)
+
+    return conv_grouped
+
+
+@njit(inline="always")
+def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out):
+    """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
+    its epilogue: bias and requantize (``_numba._rq``, per output channel).
 
     - ``xpad``: (N, C, Hp, Wp) uint8 or int8, the input already padded with
       its zero point ``za`` (so padding contributes exactly 0). Rows (last
@@ -154,10 +171,13 @@ def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
       channels ``g * cg .. g * cg + cg - 1``, ``cg = C // groups``,
       ``g = o // (O // groups)`` (depthwise: groups == C, O a multiple of C).
     - ``sh, sw, dh, dw``: strides and dilations, >= 1.
-    - ``out``: (N, O, OH, OW) int32 with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1``
-      (same for W), written whole::
+    - ``bias``, ``zo``, ``m``, ``shift``, ``f``: per output channel (length O),
+      ``lo``, ``hi``: the clamp (``Requant``; ``IDENTITY`` for the sums).
+    - ``out``: (N, O, OH, OW) with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1``
+      (same for W), written whole with ``R(acc + bias[o])``, ``R`` the
+      requantize of ``code``, where::
 
-          out[n, o, i, j] = sum_{c', p, q} (xpad[n, g*cg + c', i*sh + p*dh, j*sw + q*dw] - za)
+          acc[n, o, i, j] = sum_{c', p, q} (xpad[n, g*cg + c', i*sh + p*dh, j*sw + q*dw] - za)
                                            * wc[o, c', p, q]
 
     Exactness: the accumulation wraps in int32, so the result is exact when
@@ -215,8 +235,13 @@ def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
                             for j in range(OW):
                                 acc[j] += np.int32(xr[j]) * wv
             orow = out[n, o, i]
+            b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
             for j in range(OW):
-                orow[j] = acc[j]
+                orow[j] = _rq(np.int64(acc[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
+
+
+conv_grouped = {(code, narrow): _make_conv_grouped(code, narrow)
+                for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
 
 
 @njit(parallel=True, cache=True)

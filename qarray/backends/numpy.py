@@ -168,15 +168,20 @@ class NumpyBackend(Backend):
         k.im2col(_contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
-    def conv_grouped(self, xpad, za, wc, groups, stride, dilation):
+    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
         k = self._gemm_kernels(xpad)
         wmax = int(np.abs(wc).max(initial=0))
         xmax = max(abs(255 - za), abs(za)) if xpad.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
         if k is None or np.prod(wc.shape[1:]) * wmax * xmax >= 2**31:  # its int32 sums must not wrap
-            return super().conv_grouped(xpad, za, wc, groups, stride, dilation)
+            return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
         (sh, sw), (dh, dw) = stride, dilation
         n, _, hp, wp = xpad.shape
         o, _, kh, kw = wc.shape
-        out = np.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), np.int32)
-        k.conv_grouped(xpad, np.int64(za), _contiguous(wc), groups, sh, sw, dh, dw, out)
+        narrow = bias is None and rq is not None and rq.narrow(np.int32)
+        dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
+        rq = identity(0) if rq is None else rq
+        out = np.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
+        cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
+        k.conv_grouped[rq.rounding, narrow](xpad, np.int64(za), _contiguous(wc), groups, sh, sw, dh, dw, *cols,
+                                            np.int64(rq.lo), np.int64(rq.hi), out)
         return out
