@@ -67,7 +67,7 @@ def _check(op, q, axis):
     if not -q.ndim <= axis < q.ndim or q.ndim == 0:
         raise ValueError(f"{op}: axis {axis} is out of range for an input of {q.ndim} dimension(s)")
     axis = int(axis) % q.ndim
-    if q.shape[axis] > _MAX_ROW:
+    if q.shape[axis] >= _MAX_ROW:
         raise ValueError(
             f"{op}: rows of {q.shape[axis]} elements along axis {axis} could overflow the exact int64 "
             f"sum (at most {_MAX_ROW - 1}); split the axis"
