@@ -27,6 +27,8 @@ qa.requantize(acc, 3.0, 1, "qint8", mode="float")
 qa.add(q, q, scale=0.1, zero_point=0, dtype="qint8")
 qa.mul(q, q, scale=0.1, zero_point=0, dtype="qint8", relu=True)
 qa.sigmoid(q)
+qa.softmax(q)
+qa.log_softmax(q)
 """
 
 _EVENT = re.compile(r"\[cache\] (index|data) (saved to|loaded from) (\S+)")
