@@ -261,20 +261,28 @@ def softmax(x, table, logs, s_in, s_out, z_out, lo, hi, log, out):
     log(S_r / 2**30)``, from ``softmax_sums`` and NumPy) of each row of ``x``.
     A row longer than its range of distances fills a table of its outputs
     first: the same formula per distance, fewer divisions."""
-    n = x.shape[1]
-    for r in prange(x.shape[0]):
-        m, mn = _row_range(x, r)
-        if log:
-            rv = logs[r]
-        else:
-            rv = np.float64(_row_sum(x, r, m, table)) * s_out
-        width = m - mn + 1
-        if width <= n:
-            otab = np.empty(width, out.dtype)
-            for j in range(width):
-                otab[j] = _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log)
-            for i in range(n):
-                out[r, i] = otab[m - np.int64(x[r, i])]
-        else:
-            for i in range(n):
-                out[r, i] = _sm_value(m - np.int64(x[r, i]), table, rv, s_in, s_out, z_out, lo, hi, log)
+    rows, n = x.shape
+    parts = min(rows, 64)  # rows in parts: one scratch table per part, not per row
+    for p in prange(parts):
+        otab = np.empty(table.size, out.dtype)
+        for r in range(p * rows // parts, (p + 1) * rows // parts):
+            _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, out)
+
+
+@njit(inline="always")
+def _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, out):
+    """Row ``r`` of ``softmax``; ``otab`` is scratch of ``table.size`` entries."""
+    m, mn = _row_range(x, r)
+    if log:
+        rv = logs[r]
+    else:
+        rv = np.float64(_row_sum(x, r, m, table)) * s_out
+    width = m - mn + 1
+    if width <= n:
+        for j in range(width):  # no branch: LLVM vectorizes the divisions
+            otab[j] = _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log)
+        for i in range(n):
+            out[r, i] = otab[m - np.int64(x[r, i])]
+    else:
+        for i in range(n):
+            out[r, i] = _sm_value(m - np.int64(x[r, i]), table, rv, s_in, s_out, z_out, lo, hi, log)
