@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import TensorProto, helper, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
-from qarray.ops import cat, conv2d, matmul, sigmoid  # noqa: E402
+from qarray.ops import cat, conv2d, log_softmax, matmul, sigmoid, softmax  # noqa: E402
 
 
 THREADS = 2
@@ -204,6 +204,27 @@ def bench_cat_lut(rng):
     report("sigmoid 2^24 int8 -> uint8", timeit(REPEATS, **fns), "numpy.take", 2.0)
 
 
+def bench_softmax(rng):
+    """softmax over 2**20 qint8 values in rows of 1000, default (TFLite) output,
+    against PyTorch's float32 softmax of the dequantized values."""
+    q = qarray.quantize((rng.standard_normal((1048, 1000)) * 2).astype(np.float32), 0.05, 0, "qint8")
+    fns = {"qarray softmax": lambda: softmax(q), "qarray log_softmax": lambda: log_softmax(q)}
+    if torch is None:
+        say("softmax: torch is not installed, no reference row")
+        return
+    x = torch.from_numpy(q.dequantize())
+    fns["torch float32 softmax"] = lambda: torch.softmax(x, -1)
+    tq = torch.quantize_per_tensor(x, 0.05, 0, torch.qint8)
+    try:  # quantized softmax takes quint8 in PyTorch's CPU kernels
+        tq8 = torch.quantize_per_tensor(x, 0.05, 128, torch.quint8)
+        torch.ops.quantized.softmax(tq8, -1, 1 / 256, 0)
+        fns["torch quantized softmax (quint8)"] = lambda: torch.ops.quantized.softmax(tq8, -1, 1 / 256, 0)
+    except (AttributeError, RuntimeError):
+        pass
+    del tq
+    report("softmax 1048x1000 int8, rows", timeit(REPEATS, **fns), "torch float32 softmax", 1.0)
+
+
 def main():
     rng = np.random.default_rng(0)
     qarray.set_num_threads(THREADS)
@@ -223,6 +244,7 @@ def main():
     bench_conv(rng, 64, 1)
     bench_conv(rng, 256, 256)
     bench_cat_lut(rng)
+    bench_softmax(rng)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_ops.txt").write_text("\n".join(LINES) + "\n")
     (RESULTS / "bench_ops.json").write_text(json.dumps(dict(machine=info, rows=ROWS), indent=1) + "\n")

@@ -37,6 +37,8 @@ xc = qa.QArray.from_int(rng.integers(0, 256, (1, 64, 20, 20)), 0.02, 128, "quint
 for groups in (1, 64):  # im2col; direct depthwise
     w = qa.QArray.from_int(rng.integers(-128, 128, (64, 64 // groups, 3, 3)), 0.01, 0, "qint8")
     qa.conv2d(xc, w, padding=1, groups=groups)
+qa.softmax(q)
+qa.log_softmax(q)
 """
 
 _EVENT = re.compile(r"\[cache\] (index|data) (saved to|loaded from) (\S+)")

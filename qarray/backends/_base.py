@@ -214,6 +214,37 @@ class Backend:
         c = c.reshape((1,) * axis + (-1,) + (1,) * (q.ndim - axis - 1))
         return xp.take(table.reshape(-1), c + u)
 
+    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
+        """Quantized softmax (``log`` False) or log_softmax of the rows of ``x``.
+
+        ``x`` is 2-D integer ``(rows, n)``, the softmax axis last; ``table`` the
+        int64 host table ``T[j] = round(2**30 * exp(-s_in * j))`` over every
+        distance ``j = rowmax - x`` (``qarray.ops.softmax``). With ``S`` the exact
+        int64 row sum of ``T[j]``: softmax is ``rint(T[j] / (S * s_out)) + z_out``,
+        log_softmax ``rint((-s_in * j - log(S / 2**30)) / s_out) + z_out``,
+        float64 throughout, clamped to ``[lo, hi]`` in ``out_dtype``. The log runs
+        on the host in NumPy (one per row), so every backend takes the same value.
+        """
+        xp = self.xp
+        rows, n = x.shape
+        out = xp.empty((rows, n), out_dtype)
+        if out.size == 0:
+            return out
+        t = self.asarray(table)
+        step = max(1, self.chunk // n)
+        for r in range(0, rows, step):
+            c = x[r : r + step].astype(xp.int64)
+            j = c.max(axis=1, keepdims=True) - c
+            tj = xp.take(t, j)
+            S = tj.sum(axis=1, keepdims=True)
+            if log:
+                logs = self.asarray(np.log(to_host(S).astype(np.float64) / 2.0**30))
+                v = xp.rint((j.astype(xp.float64) * -float(s_in) - logs) / float(s_out))
+            else:
+                v = xp.rint(tj.astype(xp.float64) / (S.astype(xp.float64) * float(s_out)))
+            out[r : r + step] = xp.clip(v + float(z_out), lo, hi).astype(out_dtype)
+        return out
+
     # -- integer matmul ------------------------------------------------------
     def pack_weight(self, codes, qd, keep=False):
         """Weight codes ``(..., K, N)`` of QDType ``qd`` prepared for

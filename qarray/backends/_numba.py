@@ -239,3 +239,74 @@ def _make_gemm_epilogue(code, narrow):
 
 gemm_epilogue = {(code, narrow): _make_gemm_epilogue(code, narrow)
                  for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+
+
+# -- softmax: rows of (rows, n), the axis last (Backend.softmax) -------------------
+@njit(inline="always")
+def _row_range(x, r):
+    m = x[r, 0]
+    mn = x[r, 0]
+    for i in range(x.shape[1]):
+        m = max(m, x[r, i])
+        mn = min(mn, x[r, i])
+    return np.int64(m), np.int64(mn)
+
+
+@njit(inline="always")
+def _row_sum(x, r, m, table):
+    acc = np.int64(0)
+    for i in range(x.shape[1]):
+        acc += table[m - np.int64(x[r, i])]
+    return acc
+
+
+@njit(parallel=True, cache=True)
+def softmax_sums(x, table, sums):
+    """``sums[r] = sum_i table[max(x[r]) - x[r, i]]`` (exact int64)."""
+    for r in prange(x.shape[0]):
+        m, _ = _row_range(x, r)
+        sums[r] = _row_sum(x, r, m, table)
+
+
+@njit(inline="always")
+def _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log):
+    """One output code for distance ``j``: ``rv`` is ``float64(S) * s_out``
+    (softmax) or ``log(S / 2**30)`` (log_softmax); the generic formulas."""
+    if log:
+        v = np.rint((np.float64(j) * -s_in - rv) / s_out)
+    else:
+        v = np.rint(np.float64(table[j]) / rv)
+    return np.int64(min(max(v + z_out, lo), hi))
+
+
+@njit(parallel=True, cache=True)
+def softmax(x, table, logs, s_in, s_out, z_out, lo, hi, log, out):
+    """Softmax (``log`` False; ``logs`` unused) or log_softmax (``logs[r] =
+    log(S_r / 2**30)``, from ``softmax_sums`` and NumPy) of each row of ``x``.
+    A row longer than its range of distances fills a table of its outputs
+    first: the same formula per distance, fewer divisions."""
+    rows, n = x.shape
+    parts = min(rows, 64)  # rows in parts: one scratch table per part, not per row
+    for p in prange(parts):
+        otab = np.empty(table.size, out.dtype)
+        for r in range(p * rows // parts, (p + 1) * rows // parts):
+            _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, out)
+
+
+@njit(inline="always")
+def _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, out):
+    """Row ``r`` of ``softmax``; ``otab`` is scratch of ``table.size`` entries."""
+    m, mn = _row_range(x, r)
+    if log:
+        rv = logs[r]
+    else:
+        rv = np.float64(_row_sum(x, r, m, table)) * s_out
+    width = m - mn + 1
+    if width <= n:
+        for j in range(width):  # no branch: LLVM vectorizes the divisions
+            otab[j] = _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log)
+        for i in range(n):
+            out[r, i] = otab[m - np.int64(x[r, i])]
+    else:
+        for i in range(n):
+            out[r, i] = _sm_value(m - np.int64(x[r, i]), table, rv, s_in, s_out, z_out, lo, hi, log)

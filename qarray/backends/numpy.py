@@ -185,3 +185,18 @@ class NumpyBackend(Backend):
         k.conv_grouped[rq.rounding, narrow](xpad, np.int64(za), _contiguous(wc), groups, sh, sw, dh, dw, *cols,
                                             np.int64(rq.lo), np.int64(rq.hi), out)
         return out
+
+    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
+        k = self._fast(x)
+        if k is None or x.size == 0:
+            return super().softmax(x, table, s_in, s_out, z_out, lo, hi, log, out_dtype)
+        x = _contiguous(x)
+        logs = np.zeros(x.shape[0])
+        if log:  # the log in NumPy, as the generic code takes it
+            sums = np.empty(x.shape[0], np.int64)
+            k.softmax_sums(x, table, sums)
+            logs = np.log(sums.astype(np.float64) / 2.0**30)
+        out = np.empty(x.shape, out_dtype)
+        k.softmax(x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
+                  np.float64(lo), np.float64(hi), bool(log), out)
+        return out

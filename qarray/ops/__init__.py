@@ -1,9 +1,9 @@
 """Quantized ops, one topical module each; all re-exported by ``qarray``.
 
-concat: cat, stack. elementwise: add, sub, mul, add_scalar, mul_scalar, relu,
-relu6, clamp, hardtanh. lut: lut and the activations built on it. linear:
+concat: cat, stack. elementwise: add, sub, mul, add_scalar, mul_scalar, prelu,
+relu, relu6, clamp, hardtanh. lut: lut and the activations built on it. linear:
 matmul, linear. conv: conv2d. pool: max_pool2d, avg_pool2d,
-adaptive_avg_pool2d, mean, sum.
+adaptive_avg_pool2d, mean, sum. softmax: softmax, log_softmax.
 """
 
 from .concat import cat
@@ -15,6 +15,7 @@ from .elementwise import clamp
 from .elementwise import hardtanh
 from .elementwise import mul
 from .elementwise import mul_scalar
+from .elementwise import prelu
 from .elementwise import relu
 from .elementwise import relu6
 from .elementwise import sub
@@ -34,6 +35,8 @@ from .pool import avg_pool2d
 from .pool import max_pool2d
 from .pool import mean
 from .pool import sum
+from .softmax import log_softmax
+from .softmax import softmax
 
 __all__ = [
     "adaptive_avg_pool2d",
@@ -50,16 +53,19 @@ __all__ = [
     "hardtanh",
     "leaky_relu",
     "linear",
+    "log_softmax",
     "lut",
     "matmul",
     "max_pool2d",
     "mean",
     "mul",
     "mul_scalar",
+    "prelu",
     "relu",
     "relu6",
     "sigmoid",
     "silu",
+    "softmax",
     "stack",
     "sub",
     "sum",

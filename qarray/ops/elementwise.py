@@ -12,6 +12,7 @@ integers directly (exact); pass output parameters to requantize as well.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -28,7 +29,7 @@ from .._params import expand, to_host
 from .._qarray import QArray
 from ._output import finish, output_params, wants_output
 
-__all__ = ["add", "sub", "mul", "add_scalar", "mul_scalar", "relu", "relu6", "clamp", "hardtanh"]
+__all__ = ["add", "sub", "mul", "add_scalar", "mul_scalar", "prelu", "relu", "relu6", "clamp", "hardtanh"]
 
 
 def _operands(op, a, b):
@@ -196,6 +197,110 @@ def mul_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, rel
     data, z = (q.data, zp) if v > 0 else ((d.qmin + d.qmax - q.data.astype(np.int64)).astype(d.storage), d.qmin + d.qmax - zp)
     out = QArray.from_int(data, np.float32(abs(v)) * to_host(q.scale), z, d)
     return relu_(out) if relu else out
+
+
+def _alpha(q: QArray, alpha, axis):
+    """prelu's slope as float32 host values: ``(alpha, axis)``, ``alpha`` 0-d
+    (``axis`` None) or of length ``q.shape[axis]``."""
+    if isinstance(alpha, QArray):
+        raise TypeError("prelu: alpha must be a float or a 1-D float array, got a QArray; dequantize it first")
+    a = np.asarray(to_host(alpha))
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"prelu: alpha must be a float or a 1-D float array, got dtype {a.dtype}")
+    if a.ndim > 1:
+        raise ValueError(f"prelu: alpha must be a scalar or 1-D (one slope per channel), got shape {a.shape}")
+    with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+        a = a.astype(np.float32)
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"prelu: alpha must be finite, got {alpha!r}")
+    if a.size == 1:  # one slope for every channel (as PyTorch's num_parameters=1)
+        return a.reshape(()), None
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"prelu: axis must be an integer, got {type(axis).__name__}")
+    if not -q.ndim <= axis < q.ndim:
+        raise ValueError(f"prelu: axis {axis} is out of range for an input of {q.ndim} dimension(s)")
+    axis = int(axis) % q.ndim
+    if a.size != q.shape[axis]:
+        raise ValueError(
+            f"prelu: alpha has {a.size} slopes but the input has {q.shape[axis]} channels along axis {axis}; "
+            "pass one slope per channel (or a scalar)"
+        )
+    return a, axis
+
+
+@on_data_device
+def prelu(q: QArray, alpha, *, axis=1, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
+    """Quantized PReLU: ``x`` for ``x >= 0``, ``alpha[c] * x`` below (PyTorch's ``nn.PReLU``).
+
+    Parameters
+    ----------
+    q : QArray
+        The input, per-tensor or per-axis (blocked parameters raise ValueError).
+    alpha : float or 1-D float array
+        The slope of the negative side, taken as float32 (PyTorch's weight): a
+        scalar, or one per channel along ``axis`` (a 1-element array counts as a
+        scalar, and ``axis`` is then ignored). Any finite value: 0, negative, > 1.
+    axis : int
+        The channel axis of a per-channel ``alpha`` (default 1, NCHW).
+    scale, zero_point, dtype
+        Output parameters; with none given, the input's (per-tensor input only:
+        per-axis input needs them). Otherwise ``scale`` is needed,
+        ``zero_point`` defaults to 0 and ``dtype`` to the input's.
+    mode, rounding
+        As :func:`qarray.requantize`. Both sides are requantizes: codes at or
+        above the input zero point with multiplier ``s_in / s_out``, codes below
+        it with ``s_in * |alpha[c]| / s_out`` (a negative slope requantizes the
+        mirrored codes ``-(q - z_in)`` exactly); ``alpha = 0`` gives the output
+        zero point.
+
+    Examples
+    --------
+    >>> q = QArray.from_int(numpy.array([[-20, 10], [-20, 10]]), 0.1, 0, "qint8")
+    >>> prelu(q, numpy.array([0.25, -0.5]), axis=0).int_repr()
+    array([[-5, 10],
+           [10, 10]], dtype=int8)
+    """
+    if not isinstance(q, QArray):
+        raise TypeError(f"prelu: q must be a QArray, got {type(q).__name__}; quantize it first")
+    if q.block_size is not None:
+        raise ValueError("prelu: blocked parameters are not supported; requantize per-tensor or per-axis first")
+    a, a_axis = _alpha(q, alpha, axis)
+    if not wants_output(scale, zero_point, dtype):
+        if q.axis is not None:
+            raise ValueError(
+                "prelu: the output is per-tensor, so per-axis input needs output scale=, zero_point= and dtype="
+            )
+        d, s_out, z_out = q.dtype, to_host(q.scale), to_host(q.zero_point)
+    else:
+        d, s_out, z_out = output_params("prelu", scale, zero_point, dtype, q.dtype)
+    if q.axis is not None and a_axis is not None and q.axis != a_axis:
+        raise ValueError(
+            f"prelu: the input is per-axis along axis {q.axis} but alpha is per-channel along axis {a_axis}; "
+            "requantize the input per-tensor (or along the slope's axis) first"
+        )
+    mode, rounding = resolve(mode, rounding)
+    b = q._backend
+    xp = b.xp
+    s_in, z_in = to_host(q.scale).astype(np.float32), to_host(q.zero_point).astype(np.int64)
+    # the positive side: an ordinary requantize to the output
+    pos = b.requantize(q.data, plan([s_in], s_out, z_in, z_out, d, mode, rounding, axis=q.axis))
+    # the negative side: slope |alpha| (1 where alpha is 0, whose multiplier is then
+    # zeroed), codes mirrored where alpha < 0: (-q) - (-z_in) == -(q - z_in) exactly
+    neg_axis = a_axis if a_axis is not None else q.axis
+    zero, flip = a == 0, a < 0
+    rq = plan([s_in, np.where(zero, np.float32(1), np.abs(a))], s_out, np.where(flip, -z_in, z_in), z_out, d,
+              mode, rounding, axis=neg_axis)
+    if zero.any():
+        rq = dataclasses.replace(rq, m=np.where(zero, 0, rq.m), f=np.where(zero, 0.0, rq.f))
+    codes = q.data
+    if flip.any():
+        wide = xp.int32 if q.dtype.bits <= 16 else xp.int64
+        sign = expand(b.asarray(np.where(flip, -1, 1).astype(wide)), q.shape, a_axis, None, xp)
+        codes = q.data.astype(wide) * sign
+    neg = b.requantize(codes, rq)
+    z = expand(b.asarray(z_in.astype(q.dtype.storage)), q.shape, q.axis, None, xp)
+    data = xp.where(q.data >= z, pos, neg)
+    return QArray._new(data, b.asarray(np.float32(s_out)), b.asarray(np.int32(z_out)), d, None, None, b)
 
 
 def _bound(op, name, v):
