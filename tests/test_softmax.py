@@ -181,7 +181,7 @@ def _q8():
     (lambda: qarray.softmax(QArray.from_int(np.zeros((2, 3), np.int8), [0.1, 0.2], 0, "qint8", axis=0)), ValueError,
      "softmax: the input has per-axis parameters.*requantize it per-tensor"),
     (lambda: qarray.softmax(QArray.from_int(np.zeros((2, 4), np.int8), np.full((2, 2), 0.1), 0, "qint8", axis=1,
-                                            block_size=2)), ValueError, "softmax: the input has blocked"),
+                                            block_size=2)), ValueError, "softmax: blocked parameters are not supported"),
     (lambda: qarray.softmax(_q8(), 2), ValueError, "softmax: axis 2 is out of range"),
     (lambda: qarray.softmax(_q8(), 1.0), TypeError, "softmax: axis must be an integer"),
     (lambda: qarray.softmax(_q8(), zero_point=3), ValueError, "softmax: pass the output scale="),

@@ -29,7 +29,7 @@ def _check_input(op, q):
         raise TypeError(f"{op}: the input must be a QArray, got {type(q).__name__}; quantize it first")
     if q.dtype.bits > 16:
         raise TypeError(
-            f"{op}: lookup tables need an input of 16 bits or less, got {q.dtype.name}; "
+            f"{op}: needs an input of 16 bits or less (a table entry per code), got {q.dtype.name}; "
             "requantize it to qint16/qint8 first"
         )
     if q.block_size is not None:

@@ -42,6 +42,7 @@ from .._dtypes import qint8, qint16, quint8
 from .._params import to_host
 from .._qarray import QArray
 from ._output import output_params
+from .lut import _check_input
 
 __all__ = ["softmax", "log_softmax"]
 
@@ -50,18 +51,10 @@ _MAX_ROW = 2**63 // _ONE  # S <= n * 2**30 must stay below 2**63
 
 
 def _check(op, q, axis):
-    if not isinstance(q, QArray):
-        raise TypeError(f"{op}: the input must be a QArray, got {type(q).__name__}; quantize it first")
-    if q.dtype.bits > 16:
-        raise TypeError(
-            f"{op}: needs an input of 16 bits or less (a table of exp per code distance), got {q.dtype.name}; "
-            "requantize it to qint16/qint8 first"
-        )
+    _check_input(op, q)
     if q.axis is not None:
-        raise ValueError(
-            f"{op}: the input has {'blocked' if q.block_size is not None else 'per-axis'} parameters; "
-            f"{op} takes a per-tensor input (requantize it per-tensor first)"
-        )
+        raise ValueError(f"{op}: the input has per-axis parameters; {op} takes a per-tensor input "
+                         "(requantize it per-tensor first)")
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"{op}: axis must be an integer, got {type(axis).__name__}")
     if not -q.ndim <= axis < q.ndim or q.ndim == 0:
