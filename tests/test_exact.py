@@ -840,7 +840,7 @@ def mean_near_ties(draw):
     parts = [abs(acc) // count] * count
     parts[0] += abs(acc) - sum(parts)
     d = [sign * v for v in parts]
-    assert max(parts) < 2**32
+    assume(max(parts) < 2**32)  # |q - zp| of a qint32 code reaches 2**32 - 1 at most
     return np.array([zi + v for v in d], np.int64), s_in, s_out, zi, acc, sign * t
 
 
