@@ -43,7 +43,7 @@ def gpu_problem() -> str | None:
     return None
 
 
-def setup(name: str, doc: str, argv, needs=("rich",)):
+def setup(name: str, doc: str, argv, needs):
     """Parse the flags and check the packages and the backend: ``(args, xp)``
     with ``xp`` NumPy or CuPy, or None after one line on stderr saying what is
     missing (a package, CuPy or a GPU)."""
@@ -85,14 +85,14 @@ def print_table(title: str, columns, rows, caption: str | None = None) -> None:
     Console().print(table)
 
 
-def digits(seed: int = 0):
+def load_digits(seed: int = 0):
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, no download)
     as float32 in [0, 1], split 75 / 25, stratified, with a fixed seed:
     ``x_train, x_test, y_train, y_test``."""
-    from sklearn.datasets import load_digits
+    from sklearn import datasets
     from sklearn.model_selection import train_test_split
 
-    d = load_digits()
+    d = datasets.load_digits()
     x = (d.data / 16.0).astype(np.float32)
     return train_test_split(x, d.target, test_size=0.25, random_state=seed, stratify=d.target)
 

@@ -45,7 +45,7 @@ def run(quick: bool = False, xp=np) -> dict:
     "integer_steps", "float_steps": [(step, array dtype, bytes)],
     "integer_ms", "float_ms"}``.
     """
-    x = _common.digits()[0]
+    x = _common.load_digits()[0]
     qs = branches(x[:256] if quick else x, xp)
     lo = min(float(to_host(q.dequantize().min())) for q in qs)
     hi = max(float(to_host(q.dequantize().max())) for q in qs)

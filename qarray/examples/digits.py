@@ -123,7 +123,7 @@ def run(quick: bool = False, xp=np) -> dict:
     {key: {"label", "accuracy" (percent), "ms" (median per batch), "bytes"}}}``
     with keys ``float32``, ``int8_per_tensor``, ``int8_per_channel``, ``int4_blocked``.
     """
-    x_train, x_test, y_train, y_test = _common.digits()
+    x_train, x_test, y_train, y_test = _common.load_digits()
     epochs = 15 if quick else 40
     params = train(x_train, y_train, epochs)
     obs = calibrate(params, x_train)

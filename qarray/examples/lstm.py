@@ -138,7 +138,7 @@ class QuantizedLSTM:
 def run(quick: bool = False, xp=np) -> dict:
     """Train, calibrate and evaluate: ``{"epochs", "test_size", "float_accuracy",
     "quantized_accuracy" (percent), "float_ms", "quantized_ms" (the test set, median)}``."""
-    x_train, x_test, y_train, y_test = _common.digits()
+    x_train, x_test, y_train, y_test = _common.load_digits()
     epochs = 10 if quick else 30
     params = train(x_train, y_train, epochs)
     obs = calibrate(params, x_train)
