@@ -265,22 +265,22 @@ def test_npy_header_damage(saved, header, version, message):
 
 def test_missing_version(saved):
     _meta(saved, "b", version=...)
-    with pytest.raises(ValueError, match="field b.meta is invalid: version is missing; this qarray reads version 1"):
+    with pytest.raises(ValueError, match="field b.meta is invalid: version is missing; this qarray reads version 1, 2"):
         qarray.load(saved)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", True, 1.0, None])
+@pytest.mark.parametrize("version", [3, 0, "1", True, 1.0, None])
 def test_unknown_version(saved, version):
     _meta(saved, "b", version=version)
     with pytest.raises(ValueError, match=re.escape(f"field b.meta is invalid: version {version!r} is unknown; "
-                                                   "this qarray reads version 1")):
+                                                   "this qarray reads version 1, 2")):
         qarray.load(saved)
 
 
 def test_save_writes_the_version(saved):
     with np.load(saved) as f:
         meta = json.loads(str(f["b.meta"]))
-    assert (meta["format"], meta["version"]) == ("qarray", 1)
+    assert (meta["format"], meta["version"]) == ("qarray", 2)
 
 
 def test_files_from_before_the_version_field(saved):
