@@ -72,14 +72,14 @@ def main(name: str, doc: str, argv, run, show, needs=("rich", "sklearn")) -> int
     return 0
 
 
-def print_table(title: str, columns, rows, caption: str | None = None) -> None:
-    """A rich table: the first column left-aligned, the others right-aligned."""
+def print_table(title: str, columns, rows, caption: str | None = None, left: int = 1) -> None:
+    """A rich table: the first ``left`` columns left-aligned, the others right-aligned."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, caption=caption)
     for i, c in enumerate(columns):
-        table.add_column(c, justify="left" if i == 0 else "right")
+        table.add_column(c, justify="left" if i < left else "right")
     for row in rows:
         table.add_row(*(str(v) for v in row))
     Console().print(table)
