@@ -122,11 +122,11 @@ def _parser() -> _Parser:
     s = sub.add_parser("examples", help="list the examples", description="The examples that 'qarray run' runs.")
     s.set_defaults(func=_examples)
 
-    s = sub.add_parser("run", help="run an example", usage="qarray run NAME [--quick] [--backend numpy|cupy]",
-                       description="Run example NAME (see 'qarray examples'); the options after NAME go to "
-                       "the example: --quick (a smaller run), --backend numpy|cupy, --help.")
-    s.add_argument("name", metavar="NAME")
-    s.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    s = sub.add_parser("run", help="run an example", description="Run example NAME (see 'qarray examples'), "
+                       "as python -m qarray.examples.NAME does.")
+    s.add_argument("name", metavar="NAME", nargs="?", help="which example")
+    s.add_argument("--quick", action="store_true", help="a smaller run, a few seconds")
+    s.add_argument("--backend", choices=("numpy", "cupy"), default="numpy", help="the array library to run on")
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="run the benchmarks of a source checkout",
@@ -458,8 +458,10 @@ def _run(args) -> int:
     from . import examples
 
     if args.name not in examples.NAMES:
-        raise CliError(f"unknown example {args.name!r}; the examples are {', '.join(examples.NAMES)}", 2)
-    return importlib.import_module(f"qarray.examples.{args.name}").main(args.options)
+        which = f"unknown example {args.name!r}" if args.name else "run needs the NAME of an example"
+        raise CliError(f"{which}; the examples are {', '.join(examples.NAMES)}", 2)
+    argv = ["--backend", args.backend] + ["--quick"] * args.quick
+    return importlib.import_module(f"qarray.examples.{args.name}").main(argv)
 
 
 # -- bench ---------------------------------------------------------------------

@@ -123,7 +123,12 @@ def test_version(capsys):
         (["inspect"], "the following arguments are required: FILE (see 'qarray inspect --help')"),
         (["inspect", "m.pt"], "m.pt: expected a .npz, .npy or .safetensors file"),
         (["examples", "extra"], "unrecognized arguments: extra (see 'qarray --help')"),
-        (["run"], "the following arguments are required: NAME, options (see 'qarray run --help')"),
+        (["run"], "run needs the NAME of an example; the examples are " + ", ".join(
+            importlib.import_module("qarray.examples").NAMES)),
+        (["run", "digits", "--bogus"], "unrecognized arguments: --bogus (see 'qarray --help')"),
+        (["run", "digits", "--backend", "torch"], re.compile(
+            r"argument --backend: invalid choice: 'torch' \(choose from " + choices("numpy", "cupy")
+            + r"\) \(see 'qarray run --help'\)")),
         (["run", "nope", "--quick"], "unknown example 'nope'; the examples are " + ", ".join(
             importlib.import_module("qarray.examples").NAMES)),
         (["bench", "core", "fast"], "unknown benchmark 'fast'; the benchmarks are core, ops, gpu"),
@@ -406,19 +411,21 @@ def test_run(capsys):
     rc, text, err = run(capsys, "run", "quickstart", "--quick")
     assert (rc, err) == (0, "")
     assert "saved and loaded" in text
-    rc, text, _ = run(capsys, "run", "quickstart", "--help")  # the example's own help
-    assert rc == 0 and text.startswith("usage: python -m qarray.examples.quickstart")
 
 
-def test_run_failing_example(capsys, monkeypatch):
+def test_run_passes_the_options_and_the_exit_status(capsys, monkeypatch):
     import qarray.examples.quickstart as example
+
+    seen = []
+    monkeypatch.setattr(example, "main", lambda argv: seen.append(argv) or 3)
+    assert run(capsys, "run", "--quick", "quickstart", "--backend", "cupy")[0] == 3
+    assert run(capsys, "run", "quickstart")[0] == 3
+    assert seen == [["--backend", "cupy", "--quick"], ["--backend", "numpy"]]
 
     def boom(argv):
         raise RuntimeError("device fell over\nsecond line")
     monkeypatch.setattr(example, "main", boom)
     fails(capsys, 1, "RuntimeError: device fell over", "run", "quickstart")
-    monkeypatch.setattr(example, "main", lambda argv: 3 if argv == ["--backend", "cupy"] else 0)
-    assert run(capsys, "run", "quickstart", "--backend", "cupy")[0] == 3
 
 
 # -- info ------------------------------------------------------------------------
