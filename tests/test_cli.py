@@ -308,7 +308,6 @@ def test_quantize_safetensors_per_channel_fallback(capsys, tmp_path, rng, observ
 def test_quantize_blocks(capsys, tmp_path, rng, per_channel, axis):
     arrays = {"w": rng.standard_normal((10, 12)).astype(np.float32),
               "row": rng.standard_normal(12).astype(np.float32),
-              "one": np.array(-0.25, np.float32),
               "ids": np.arange(3, dtype=np.int16)}
     path = tmp_path / "m.npz"
     np.savez(path, **arrays)
@@ -324,8 +323,17 @@ def test_quantize_blocks(capsys, tmp_path, rng, per_channel, axis):
     short = " (last 2)" if axis == 0 else " (last 4)"  # 10 rows or 12 columns in blocks of 8
     assert table["w"][3:5] == [f"blocks of 8 along axis {axis}{short}", f"{sqnr(x, q):.2f}"]
     assert table["row"][3] == "blocks of 8 along axis 0 (last 4)"  # axis 0 or -1 of a 1-d array
-    assert table["one"][3:5] == [f"per-tensor (scalar: no axis {-1 if per_channel is None else 0})", "inf"]
-    assert back["one"].dequantize() == np.float32(-0.25) and back["ids"].dtype == np.int16
+    assert back["ids"].dtype == np.int16 and np.array_equal(back["ids"], arrays["ids"])
+
+
+def test_quantize_blocks_of_a_scalar(capsys, tmp_path, observer):
+    """A 0-d array has no axis for blocks: per tensor, from the minmax observer."""
+    x = np.array(-0.25, np.float32)
+    np.save(tmp_path / "one.npy", x)
+    rc, text, _ = run(capsys, "quantize", tmp_path / "one.npy", "-o", tmp_path / "q.npz", "--block-size", "8")
+    assert rc == 0 and rows(text)[0][3:5] == ["per-tensor (scalar: no axis -1)", "inf"]
+    q = qarray.load(tmp_path / "q.npz")["one"]
+    assert np.array_equal(q.int_repr(), observer("minmax", "qint8", axis=None).update(x).quantize(x).int_repr())
 
 
 def test_quantize_plot(capsys, tmp_path, weights):
