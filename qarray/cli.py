@@ -193,7 +193,7 @@ def _read(path: Path) -> tuple[bool, dict]:
     if suffix not in (".npz", ".npy", ".safetensors"):
         raise CliError(f"{path}: expected a .npz, .npy or .safetensors file", 2)
     if not path.is_file():
-        raise CliError(f"{path}: no such file")
+        raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     st = _need("safetensors.numpy", "pip install safetensors") if suffix == ".safetensors" else None
     try:
         if suffix == ".safetensors":

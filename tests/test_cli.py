@@ -150,7 +150,7 @@ def test_file_errors(capsys, tmp_path, weights):
     missing = tmp_path / "missing.npz"
     fails(capsys, 1, f"{missing}: no such file", "quantize", missing, "-o", tmp_path / "q.npz")
     (tmp_path / "dir.npy").mkdir()
-    fails(capsys, 1, f"{tmp_path / 'dir.npy'}: no such file", "inspect", tmp_path / "dir.npy")
+    fails(capsys, 1, f"{tmp_path / 'dir.npy'}: a directory, not a file", "inspect", tmp_path / "dir.npy")
     text = tmp_path / "text.npz"
     text.write_text("not numpy")
     fails(capsys, 1, f"{text} is not a .npz file: it does not start as one", "inspect", text)
