@@ -544,6 +544,7 @@ def test_bench_rows_of_each_benchmark():
 def test_bench_quick_core_real_run(capsys, tmp_path):
     """SLOW (5-25 s, the benchmark's own subprocesses): a real `qarray bench --quick core`."""
     out = tmp_path / "bench.json"
+    committed = {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").iterdir()}
     rc, text, err = run(capsys, "bench", "--quick", "core", "-o", out)
     assert (rc, err) == (0, "")
     result = json.loads(out.read_text())["results"]["bench_core"]
@@ -551,7 +552,7 @@ def test_bench_quick_core_real_run(capsys, tmp_path):
     got = rows(text)
     assert got[0][:3] == ["quantize per-tensor", str(1 << 20), "qarray vs " + result["rows"][0]["peer"]]
     assert len(got) == sum(r["ratio"] is not None for r in result["rows"])
-    assert (ROOT / "benchmarks" / "results" / "bench_core.json").read_text().count('"quick": true') == 0
+    assert {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").iterdir()} == committed
 
 
 # -- python -m qarray, and import qarray -------------------------------------------
