@@ -1,12 +1,15 @@
-"""What the CPU benchmarks share: the import order that keeps thread pools from
-spinning, the optional peers (torch, onnxruntime), and the block-interleaved timer."""
+"""What the benchmarks share: the command line (``[OUTDIR] [--quick]``), the import
+order that keeps thread pools from spinning, the optional peers (torch,
+onnxruntime), and the block-interleaved timer."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 # OpenMP threads that spin after a parallel call (torch's, and Numba's when its
 # threading layer is OpenMP) steal the two cores from whatever runs next: make
@@ -24,6 +27,20 @@ try:
     from onnx import TensorProto, helper
 except ImportError:
     ort = TensorProto = helper = None
+
+
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results
+
+
+def options(doc: str) -> argparse.Namespace:
+    """``outdir`` (default ``benchmarks/results``) and ``quick`` from the command line.
+    ``--quick`` runs small sizes and few repeats: a check that everything runs (and
+    what ``qarray bench --quick`` shows), not a measurement to commit."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    p.add_argument("outdir", nargs="?", type=Path, default=RESULTS,
+                   help="where the .json and .txt results go (default: benchmarks/results)")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats: seconds, not a measurement")
+    return p.parse_args()
 
 
 def timeit(repeats, **fns):

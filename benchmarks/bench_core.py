@@ -2,16 +2,17 @@
 
 Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/bench_core.py
+    PYTHONPATH=. python benchmarks/bench_core.py [OUTDIR] [--quick]
 
-Times 2^24 float32 elements, each op and its peer interleaved in one run (warm-up
+Times 2^24 float32 elements (2^20 and 3 repeats with ``--quick``), each op and its peer interleaved in one run (warm-up
 once, then median and min of REPEATS calls), and prints qarray ms, peer ms, their
 ratio and the target. Peers: PyTorch (quantize_per_tensor / quantize_per_channel /
 dequantize, 2 threads) and onnxruntime (QuantizeLinear / DequantizeLinear), each
 skipped when not installed; per-axis, blocked and requantize are measured against
 qarray's own per-tensor quantize. Also: cold start in a fresh subprocess (run
 twice, the first may compile the Numba cache) and the generic NumPy path.
-Nothing is asserted. Results go to benchmarks/results/bench_core.{json,txt}.
+Nothing is asserted. Results go to OUTDIR/bench_core.{json,txt} (default
+benchmarks/results); each JSON row has the op's input ``shape``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import TensorProto, helper, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+from _timing import TensorProto, helper, options, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 
 
@@ -38,7 +39,6 @@ SIDE = 4096  # N == SIDE * SIDE
 REPEATS = 15
 THREADS = 2
 SCALE, ZP = 0.01, 3
-RESULTS = ROOT / "benchmarks" / "results"
 LINES: list[str] = []
 
 
@@ -50,11 +50,12 @@ def say(text=""):
 ROWS: list[dict] = []
 
 
-def row(op, ours, peer_name=None, peer=None, target=None):
-    """One table row; ``target`` is the largest acceptable ours/peer ratio (None: info only)."""
+def row(op, ours, peer_name=None, peer=None, target=None, shape=None):
+    """One table row; ``target`` is the largest acceptable ours/peer ratio (None: info only);
+    ``shape`` of the input, default ``N`` elements."""
     ratio = ours[0] / peer[0] if peer else None
     met = None if target is None or ratio is None else ratio <= target
-    ROWS.append(dict(op=op, qarray_ms=round(ours[0], 3), qarray_min_ms=round(ours[1], 3),
+    ROWS.append(dict(op=op, shape=str(N) if shape is None else shape, qarray_ms=round(ours[0], 3), qarray_min_ms=round(ours[1], 3),
                      peer=peer_name, peer_ms=None if peer is None else round(peer[0], 3),
                      peer_min_ms=None if peer is None else round(peer[1], 3),
                      ratio=None if ratio is None else round(ratio, 3),
@@ -102,12 +103,12 @@ print(time.perf_counter() - t0)
 """
 
 
-def cold_start():
+def cold_start(rounds):
     """``[(import, first small quantize, first 2^24 quantize, first 2^20 requantize)]`` in ms,
-    each from fresh subprocesses, twice (the first may fill Numba's cache)."""
+    each from fresh subprocesses, ``rounds`` times (the first may fill Numba's cache)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     out = []
-    for _ in range(2):
+    for _ in range(rounds):
         times = []
         for script in (COLD, COLD_REQUANTIZE):
             r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
@@ -119,8 +120,11 @@ def cold_start():
     return out
 
 
-def main():
-    cold = cold_start()  # before this process compiles anything
+def main(outdir, quick):
+    global N, SIDE, REPEATS
+    if quick:
+        N, SIDE, REPEATS = 1 << 20, 1 << 10, 3
+    cold = cold_start(1 if quick else 2)  # before this process compiles anything
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(N) * 0.4).astype(np.float32)
     x2 = x.reshape(SIDE, SIDE)
@@ -168,9 +172,9 @@ def main():
         fns["torch axis=1"] = lambda: torch.quantize_per_channel(xt2, st, zt, 1, torch.qint8)
     t = timeit(REPEATS, **fns)
     for k in ("axis=0", "axis=1", "axis=1 block 32", "axis=1 block 128"):
-        row(f"quantize {k}", t[k], "qarray quantize per-tensor", t["per-tensor"], 1.3)
+        row(f"quantize {k}", t[k], "qarray quantize per-tensor", t["per-tensor"], 1.3, f"{SIDE}x{SIDE}")
         if f"torch {k}" in t:
-            row(f"quantize {k}", t[k], "torch quantize_per_channel", t[f"torch {k}"])
+            row(f"quantize {k}", t[k], "torch quantize_per_channel", t[f"torch {k}"], shape=f"{SIDE}x{SIDE}")
 
     # 4: requantize int32 -> int8 against our per-tensor quantize
     ints = rng.integers(-(1 << 20), 1 << 20, N, dtype=np.int32)
@@ -187,18 +191,19 @@ def main():
     t = timeit(REPEATS, **fns)
     for k in fns:
         if k != "quantize":
-            row(f"requantize i32->i8 {k}", t[k], "qarray quantize per-tensor", t["quantize"], 1.5)
+            row(f"requantize i32->i8 {k}", t[k], "qarray quantize per-tensor", t["quantize"], 1.5,
+                f"{SIDE}x{SIDE}" if "axis" in k else None)
 
     # 5: cold start (fresh subprocess, twice)
     for i, (imp, first, large, requant) in enumerate(cold):
         label = "warm cache" if i else "first run, may compile"
-        row(f"cold: import qarray ({label})", (imp, imp))
+        row(f"cold: import qarray ({label})", (imp, imp), shape="")
         row(f"cold: first quantize, 1000 elements ({label})", (first, first), "0.3 s budget",
-            (300.0, 300.0), 1.0 if i else None)
+            (300.0, 300.0), 1.0 if i else None, "1000")
         row(f"cold: then first 2^24-element quantize ({label})", (large, large), "0.3 s budget",
-            (300.0, 300.0), 1.0 if i else None)
+            (300.0, 300.0), 1.0 if i else None, str(1 << 24))
         row(f"cold: first op 2^20-element requantize ({label})", (requant, requant), "0.5 s budget",
-            (500.0, 500.0), 1.0 if i else None)
+            (500.0, 500.0), 1.0 if i else None, str(1 << 20))
 
     # 6: the generic NumPy path, for reference
     def generic(f):
@@ -223,10 +228,10 @@ def main():
         agree["onnxruntime QuantizeLinear"] = dict(differ=int((sq.run(None, {"x": x})[0] != ours).sum()))
         agree["onnxruntime DequantizeLinear"] = dict(differ=int((sd.run(None, {"x": qi})[0] != q.dequantize()).sum()))
 
-    report(agree)
+    report(agree, outdir, quick)
 
 
-def report(agree):
+def report(agree, outdir, quick):
     vers = {"python": platform.python_version(), "numpy": np.__version__}
     for name in ("numba", "torch", "onnxruntime"):
         try:
@@ -236,7 +241,7 @@ def report(agree):
     import numba
     machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                   elements=N, repeats=REPEATS, numba_threads=numba.get_num_threads(),
+                   elements=N, repeats=REPEATS, quick=quick, numba_threads=numba.get_num_threads(),
                    torch_threads=torch.get_num_threads() if torch is not None else None, **vers)
     say("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     say(f"times: median (min) of {REPEATS} runs after one warm-up, in ms; ratio = qarray / peer median (and of mins); "
@@ -256,10 +261,11 @@ def report(agree):
     say("agreement with peers (int8 per-tensor, differing elements of %d):" % N)
     for k, v in agree.items():
         say(f"  {k}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_core.json").write_text(json.dumps(dict(machine=machine, rows=ROWS, agreement=agree), indent=1) + "\n")
-    (RESULTS / "bench_core.txt").write_text("\n".join(LINES) + "\n")
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "bench_core.json").write_text(json.dumps(dict(machine=machine, rows=ROWS, agreement=agree), indent=1) + "\n")
+    (outdir / "bench_core.txt").write_text("\n".join(LINES) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    args = options(__doc__)
+    main(args.outdir, args.quick)

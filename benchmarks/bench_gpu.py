@@ -3,13 +3,14 @@ and PyTorch's CUDA quantize/dequantize, measured in one run.
 
 Run on a machine with a CUDA device and CuPy (PyTorch optional):
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py [OUTDIR]
+    PYTHONPATH=. python benchmarks/bench_gpu.py [OUTDIR] [--quick]
 
 Times come from CUDA events (median of REPEATS after a warm-up). Bandwidth is
 bytes read + bytes written per second; the reference is a device-to-device
 copy of the same input measured in the same run. Targets (issue 4):
 quantize/dequantize/requantize >= 80% of copy bandwidth, LUT and cat >= 70%.
-Writes bench_gpu.{txt,json} to OUTDIR (default benchmarks/results).
+Writes bench_gpu.{txt,json} to OUTDIR (default benchmarks/results); each JSON
+row has the input ``shape``. ``--quick``: 2^24 elements, 3 repeats.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import cupy  # noqa: E402
+from _timing import options  # noqa: E402
 
 import qarray  # noqa: E402
 
@@ -57,17 +60,20 @@ def gpu_ms(fn):
     return statistics.median(times)
 
 
-def row(op, ms, nbytes, copy_gbs, target=None, peer=None):
+def row(op, ms, nbytes, copy_gbs, target=None, peer=None, shape=None):
     gbs = nbytes / ms / 1e6
     frac = gbs / copy_gbs
     met = None if target is None else frac >= target
-    ROWS.append(dict(op=op, ms=ms, gbs=gbs, fraction_of_copy=frac, target=target, met=met, peer=peer))
+    ROWS.append(dict(op=op, shape=str(N) if shape is None else shape, ms=ms, gbs=gbs, fraction_of_copy=frac, target=target, met=met, peer=peer))
     extra = f"  torch {peer:.3f} ms ({ms / peer:.2f}x)" if peer else ""
     say(f"{op:<44} {ms:8.3f} ms {gbs:8.1f} GB/s {100 * frac:6.1f}% of copy"
         f"{'' if target is None else f'  target {int(100 * target)}%: ' + ('yes' if met else 'no')}{extra}")
 
 
-def main(outdir: Path):
+def main(outdir: Path, quick: bool):
+    global N, REPEATS
+    if quick:
+        N, REPEATS = 1 << 24, 3
     dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
     say(f"device: {name}, cupy {cupy.__version__}, torch {getattr(torch, '__version__', None)}, elements {N}")
@@ -96,17 +102,21 @@ def main(outdir: Path):
     row("sigmoid (LUT) qint8 -> quint8", gpu_ms(lambda: qarray.sigmoid(q)), 2 * N, copy_gbs, 0.7)
     half = q[: N // 2]
     other = qarray.quantize(x[: N // 2], 0.02, 0, "qint8")
-    row("cat 2 x 2^27 qint8, one requantized", gpu_ms(lambda: qarray.cat([half, other], scale=0.01, zero_point=3, dtype="qint8")),
-        2 * N, copy_gbs, 0.7)
+    row("cat 2 halves qint8, one requantized",
+        gpu_ms(lambda: qarray.cat([half, other], scale=0.01, zero_point=3, dtype="qint8")), 2 * N, copy_gbs, 0.7,
+        shape=f"2x{N // 2}")
     # add/mul: two int8 inputs, int8 output, requantize and ReLU in the same kernel (no target in the issue)
     row("add qint8 + qint8 -> qint8, relu (fused)",
-        gpu_ms(lambda: qarray.add(half, other, scale=0.02, zero_point=0, dtype="qint8", relu=True)), 3 * N // 2, copy_gbs)
+        gpu_ms(lambda: qarray.add(half, other, scale=0.02, zero_point=0, dtype="qint8", relu=True)), 3 * N // 2, copy_gbs,
+        shape=str(N // 2))
     row("mul qint8 * qint8 -> qint8 (fused)",
-        gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs)
+        gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs,
+        shape=str(N // 2))
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_gpu.txt").write_text("\n".join(LINES) + "\n")
     (outdir / "bench_gpu.json").write_text(json.dumps(dict(device=name, copy_gbs=copy_gbs, rows=ROWS), indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results")
+    args = options(__doc__)
+    main(args.outdir, args.quick)

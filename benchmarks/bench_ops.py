@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/bench_ops.py
+    PYTHONPATH=. python benchmarks/bench_ops.py [OUTDIR] [--quick]
 
 Every row is measured side by side in one run (warm-up once, then the contenders
 take turns in blocks of calls; median and min in ms) and reported as ratios to
@@ -12,7 +12,8 @@ M = 1 and 16 against 4096x4096 weights: int8 and packed 4-bit); PyTorch's
 fbgemm quantized.conv2d and float32 conv2d for conv2d (dense and depthwise);
 numpy.concatenate for cat, numpy.take for the LUT ops. Peers are reported when
 installed. Targets are ratios of medians; nothing is asserted. Results go to
-benchmarks/results/bench_ops.{json,txt}.
+OUTDIR/bench_ops.{json,txt} (default benchmarks/results); each JSON row has the
+``op`` and its ``shape`` apart. ``--quick``: small shapes and 3 repeats.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import TensorProto, helper, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+from _timing import TensorProto, helper, options, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
 from qarray.ops import cat, conv2d, log_softmax, matmul, sigmoid, softmax  # noqa: E402
@@ -37,7 +38,6 @@ from qarray.ops import cat, conv2d, log_softmax, matmul, sigmoid, softmax  # noq
 
 THREADS = 2
 REPEATS = 9
-RESULTS = ROOT / "benchmarks" / "results"
 LINES: list[str] = []
 ROWS: list[dict] = []
 
@@ -47,20 +47,20 @@ def say(text=""):
     LINES.append(text)
 
 
-def report(op, t, ref, target=None, who=None):
-    """One row per contender (``who``, default all) against ``ref``; ``target``
-    (a ratio of medians) applies to the qarray rows."""
+def report(op, shape, t, ref, target=None, who=None):
+    """One row per contender (``who``, default all) against ``ref`` for ``op`` on
+    ``shape``; ``target`` (a ratio of medians) applies to the qarray rows."""
     for name in who or [n for n in t if n != ref]:
         if name not in t or name == ref or ref not in t:
             continue
         (med, mn), (rmed, rmn) = t[name], t[ref]
         ratio, ratio_min = med / rmed, mn / rmn
         met = None if target is None or not name.startswith("qarray") else ratio <= target
-        ROWS.append(dict(op=op, who=name, ms=med, min_ms=mn, ref=ref, ref_ms=rmed, ratio=round(ratio, 3),
+        ROWS.append(dict(op=op, shape=shape, who=name, ms=med, min_ms=mn, ref=ref, ref_ms=rmed, ratio=round(ratio, 3),
                          ratio_min=round(ratio_min, 3), target=target if met is not None else None, met=met))
         flag = "" if met is None else ("yes" if met else "no")
         tgt = f"<={target}" if met is not None else ""
-        say(f"{op:<34} {name:<34} {med:9.2f} ({mn:8.2f})  vs {ref:<32} {rmed:9.2f} ({rmn:8.2f})"
+        say(f"{op + ' ' + shape:<42} {name:<34} {med:9.2f} ({mn:8.2f})  vs {ref:<32} {rmed:9.2f} ({rmn:8.2f})"
             f"  {ratio:6.3f} {ratio_min:6.3f} {tgt:>6} {flag}")
 
 
@@ -110,11 +110,11 @@ def bench_linear(rng, m, k, n):
     if ort is not None:
         fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, w_int.T.copy())
     t = timeit(REPEATS, **fns)
-    op = f"linear {m}x{k}x{n}"
+    op, shape = "linear", f"{m}x{k}x{n}"
     int8_out = ["qarray nn.Linear quint8 (int8 out)", "qarray nn.Linear qint8 (int8 out)"]
-    report(op, t, "numpy float32 matmul", 0.35)
-    report(op, t, "torch quantized.linear (fbgemm)", 1.0, int8_out)
-    report(op, t, "onnxruntime MatMulInteger", 1.0, int8_out)
+    report(op, shape, t, "numpy float32 matmul", 0.35)
+    report(op, shape, t, "torch quantized.linear (fbgemm)", 1.0, int8_out)
+    report(op, shape, t, "onnxruntime MatMulInteger", 1.0, int8_out)
 
 
 def bench_small_m(rng, m, k=4096, n=4096):
@@ -136,10 +136,10 @@ def bench_small_m(rng, m, k=4096, n=4096):
     if ort is not None:
         fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, lin8.weight.int_repr().T.copy())
     t = timeit(REPEATS, **fns)
-    op = f"linear M={m} x {k}x{n}"
-    report(op, t, "numpy float32 matmul", None, ["torch quantized.linear (fbgemm)", "onnxruntime MatMulInteger"])
-    report(op, t, "numpy float32 matmul", 0.5, ["qarray nn.Linear int8 w (int8 out)"])
-    report(op, t, "numpy float32 matmul", 0.35, ["qarray nn.Linear packed 4-bit w"])
+    op, shape = "linear small M", f"{m}x{k}x{n}"
+    report(op, shape, t, "numpy float32 matmul", None, ["torch quantized.linear (fbgemm)", "onnxruntime MatMulInteger"])
+    report(op, shape, t, "numpy float32 matmul", 0.5, ["qarray nn.Linear int8 w (int8 out)"])
+    report(op, shape, t, "numpy float32 matmul", 0.35, ["qarray nn.Linear packed 4-bit w"])
 
 
 def im2col_f32(x, kh, kw, pad):
@@ -149,8 +149,8 @@ def im2col_f32(x, kh, kw, pad):
     return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw), oh, ow
 
 
-def bench_conv(rng, c, groups):
-    x = rng.integers(0, 256, (1, c, 56, 56), dtype=np.uint8)
+def bench_conv(rng, c, groups, hw=56):
+    x = rng.integers(0, 256, (1, c, hw, hw), dtype=np.uint8)
     wf32 = (rng.standard_normal((c, c // groups, 3, 3)) * 0.05).astype(np.float32)
     layer = nn.Conv2d.from_float(wf32, padding=1, groups=groups)
     qx = qarray.QArray.from_int(x, 0.02, 128, "quint8")
@@ -176,20 +176,19 @@ def bench_conv(rng, c, groups):
         tf, twf = torch.from_numpy(xf), torch.from_numpy(wf32)
         fns["torch float32 conv2d"] = lambda: torch.nn.functional.conv2d(tf, twf, padding=1, groups=groups)
     t = timeit(REPEATS, **fns)
-    op = f"conv2d 1x{c}x56x56 3x3 pad 1" + (f" groups={groups}" if groups > 1 else "")
+    op, shape = "conv2d 3x3 pad 1" + (f" groups={groups}" if groups > 1 else ""), f"1x{c}x{hw}x{hw}"
     qrows = list(fns)[:3]
     if groups == 1:
-        report(op, t, "numpy float32 im2col+matmul", None, qrows)
-    report(op, t, "torch quantized.conv2d (fbgemm)", 1.2 if groups == 1 else 1.5, qrows)
-    report(op, t, "torch float32 conv2d", None, qrows)
+        report(op, shape, t, "numpy float32 im2col+matmul", None, qrows)
+    report(op, shape, t, "torch quantized.conv2d (fbgemm)", 1.2 if groups == 1 else 1.5, qrows)
+    report(op, shape, t, "torch float32 conv2d", None, qrows)
 
 
-def bench_cat_lut(rng):
-    n = 1 << 23
+def bench_cat_lut(rng, n=1 << 23):
     a = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.01, 0, "qint8")
     b = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.02, 3, "qint8")
     da, db = a.int_repr(), b.int_repr()
-    report("cat 2x2^23 int8, b requantized", timeit(REPEATS, **{
+    report("cat int8, b requantized", f"2x{n}", timeit(REPEATS, **{
         "numpy.concatenate": lambda: np.concatenate([da, db]),
         "qarray cat (requantize b)": lambda: cat([a, b], scale=0.01, zero_point=0, dtype="qint8"),
         "qarray cat (same params)": lambda: cat([a, a]),
@@ -201,13 +200,13 @@ def bench_cat_lut(rng):
     if torch is not None:
         tq = torch.quantize_per_tensor(torch.from_numpy(q.dequantize()), 0.05, 0, torch.qint8)
         fns["torch quantized sigmoid"] = lambda: torch.sigmoid(tq)
-    report("sigmoid 2^24 int8 -> uint8", timeit(REPEATS, **fns), "numpy.take", 2.0)
+    report("sigmoid int8 -> uint8", str(2 * n), timeit(REPEATS, **fns), "numpy.take", 2.0)
 
 
-def bench_softmax(rng):
-    """softmax over 2**20 qint8 values in rows of 1000, default (TFLite) output,
+def bench_softmax(rng, rows=1048):
+    """softmax over ``rows`` rows of 1000 qint8 values, default (TFLite) output,
     against PyTorch's float32 softmax of the dequantized values."""
-    q = qarray.quantize((rng.standard_normal((1048, 1000)) * 2).astype(np.float32), 0.05, 0, "qint8")
+    q = qarray.quantize((rng.standard_normal((rows, 1000)) * 2).astype(np.float32), 0.05, 0, "qint8")
     fns = {"qarray softmax": lambda: softmax(q), "qarray log_softmax": lambda: log_softmax(q)}
     if torch is None:
         say("softmax: torch is not installed, no reference row")
@@ -222,10 +221,13 @@ def bench_softmax(rng):
     except (AttributeError, RuntimeError):
         pass
     del tq
-    report("softmax 1048x1000 int8, rows", timeit(REPEATS, **fns), "torch float32 softmax", 1.0)
+    report("softmax int8, rows", f"{rows}x1000", timeit(REPEATS, **fns), "torch float32 softmax", 1.0)
 
 
-def main():
+def main(outdir, quick):
+    global REPEATS
+    if quick:
+        REPEATS = 3
     rng = np.random.default_rng(0)
     qarray.set_num_threads(THREADS)
     if torch is not None:
@@ -233,22 +235,32 @@ def main():
         torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
     info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 python=platform.python_version(), numpy=np.__version__, threads=THREADS,
-                torch=getattr(torch, "__version__", None), onnxruntime=getattr(ort, "__version__", None))
+                torch=getattr(torch, "__version__", None), onnxruntime=getattr(ort, "__version__", None),
+                quick=quick)
     say("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     say("times: median (min) ms; ratios of medians and of mins to the reference; targets judged on the medians")
     say(f"qarray int8 GEMM engine: {qarray.backends.gemm_engine()}")
-    bench_linear(rng, 1024, 1024, 1024)
-    bench_linear(rng, 256, 4096, 4096)
-    bench_small_m(rng, 1)
-    bench_small_m(rng, 16)
-    bench_conv(rng, 64, 1)
-    bench_conv(rng, 256, 256)
-    bench_cat_lut(rng)
-    bench_softmax(rng)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_ops.txt").write_text("\n".join(LINES) + "\n")
-    (RESULTS / "bench_ops.json").write_text(json.dumps(dict(machine=info, rows=ROWS), indent=1) + "\n")
+    if quick:
+        bench_linear(rng, 128, 256, 256)
+        bench_small_m(rng, 1, 512, 512)
+        bench_conv(rng, 16, 1, 28)
+        bench_conv(rng, 32, 32, 28)
+        bench_cat_lut(rng, 1 << 18)
+        bench_softmax(rng, 64)
+    else:
+        bench_linear(rng, 1024, 1024, 1024)
+        bench_linear(rng, 256, 4096, 4096)
+        bench_small_m(rng, 1)
+        bench_small_m(rng, 16)
+        bench_conv(rng, 64, 1)
+        bench_conv(rng, 256, 256)
+        bench_cat_lut(rng)
+        bench_softmax(rng)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "bench_ops.txt").write_text("\n".join(LINES) + "\n")
+    (outdir / "bench_ops.json").write_text(json.dumps(dict(machine=info, rows=ROWS), indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    args = options(__doc__)
+    main(args.outdir, args.quick)

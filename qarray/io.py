@@ -1,13 +1,18 @@
-"""save / load QArrays as ``.npz``: packed sub-byte data, no pickle, every field checked.
+"""save / load QArrays (and plain NumPy arrays beside them) as ``.npz``: packed
+sub-byte data, no pickle, every field checked.
 
-Layout: for each name, ``NAME.data`` (``QArray.pack()`` bytes), ``NAME.scale``,
-``NAME.zero_point`` and ``NAME.meta`` (a JSON string: format, version, dtype, shape,
-axis, block_size), each an uncompressed ``.npy`` member of the zip archive that
-``numpy.savez`` writes.
+Layout: each an uncompressed ``.npy`` member of the zip archive that ``numpy.savez``
+writes. For a QArray called NAME: ``NAME.data`` (``QArray.pack()`` bytes),
+``NAME.scale``, ``NAME.zero_point`` and ``NAME.meta``, a JSON string
+``{"format": "qarray", "version": 2, "dtype": "qint4", "shape": [3, 10], "axis": 1,
+"block_size": 4}``. For a plain array (numeric or bool): ``NAME.array`` and
+``NAME.meta`` saying ``{"format": "qarray", "version": 2, "kind": "ndarray",
+"dtype": "<i4", "shape": [3]}`` (``numpy.dtype.str``). Names may hold dots (as
+safetensors names do), not ``/``.
 
-Versions: ``save`` writes ``{"format": "qarray", "version": 1, ...}``; ``load`` reads
-the versions in ``VERSIONS``. Files written before the version field existed say
-``{"format": "qarray-1"}`` with no version; they are read as version 1.
+Versions: ``save`` writes version 2; ``load`` reads the versions in ``VERSIONS``.
+Version 1 had QArrays only, names without dots; files written before the version
+field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from ._params import check_params, normalize_axis, normalize_block_size, param_s
 from ._qarray import QArray
 
 FORMAT = "qarray"
-VERSION = 1  # what save writes
-VERSIONS = (1,)  # what load reads
+VERSION = 2  # what save writes
+VERSIONS = (1, 2)  # what load reads
 _LEGACY_FORMAT = "qarray-1"  # version 1 before the version field: no "version" key
 _KEYS = {"format", "version", "dtype", "shape", "axis", "block_size"}
+_ARRAY_KEYS = {"format", "version", "kind", "dtype", "shape"}  # a plain array (version 2)
 _FIELDS = ("data", "scale", "zero_point", "meta")
-_MEMBER = re.compile(r"([^./]+)\.(data|scale|zero_point|meta)\.npy")
+_ARRAY_FIELDS = ("array", "meta")
+_ARRAY_KINDS = "biufc"  # bool, integers, floats, complex: what save takes as plain arrays
+_MEMBER = re.compile(r"([^/]+)\.(data|scale|zero_point|array|meta)\.npy")
 _HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 # What zipfile, numpy's npy header parser (tokenize, ast.literal_eval) and a damaged
 # file can raise; warnings are made errors while reading, so they are here too.
@@ -43,15 +51,27 @@ _READ_ERRORS = (ValueError, TypeError, KeyError, IndexError, SyntaxError, Runtim
 
 
 def save(path, arrays: dict) -> None:
-    """Write ``{name: QArray}`` to ``path`` (an ``.npz`` file)."""
+    """Write ``{name: QArray or numpy.ndarray}`` to ``path`` (an ``.npz`` file).
+
+    Plain arrays must be numeric or bool (``load`` gives them back as ndarrays,
+    dtype and shape unchanged); names are non-empty strings without ``/``.
+    """
     if not isinstance(arrays, dict):
-        raise TypeError(f"save takes a dict of name -> QArray, got {type(arrays).__name__}")
+        raise TypeError(f"save takes a dict of name -> QArray or numpy.ndarray, got {type(arrays).__name__}")
     out = {}
     for name, q in arrays.items():
-        if not isinstance(name, str) or not name or "." in name or "/" in name:
-            raise ValueError(f"save: names must be non-empty strings without '.' or '/', got {name!r}")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"save: names must be non-empty strings without '/', got {name!r}")
+        if type(q) is np.ndarray:
+            if q.dtype.kind not in _ARRAY_KINDS:
+                raise TypeError(f"save: {name!r} has dtype {q.dtype}; plain arrays must be numeric or bool")
+            out[f"{name}.array"] = q
+            out[f"{name}.meta"] = np.array(json.dumps({"format": FORMAT, "version": VERSION, "kind": "ndarray",
+                                                       "dtype": q.dtype.str, "shape": list(q.shape)}))
+            continue
         if not isinstance(q, QArray):
-            raise TypeError(f"save: {name!r} is a {type(q).__name__}, not a QArray")
+            raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, "
+                            "not a QArray or numpy.ndarray")
         meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape),
                 "axis": q.axis, "block_size": q.block_size}
         out[f"{name}.data"] = to_host(q.pack())
@@ -62,7 +82,7 @@ def save(path, arrays: dict) -> None:
 
 
 def load(path) -> dict:
-    """Read a file written by :func:`save` as ``{name: QArray}``.
+    """Read a file written by :func:`save` as ``{name: QArray or numpy.ndarray}``.
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -97,7 +117,8 @@ def _open(path, fh) -> zipfile.ZipFile:
 
 def _members(path, fh, zf) -> dict:
     """``{name: {field: ZipInfo}}``: every member lying where the directory says, a
-    plainly stored ``NAME.FIELD.npy``, there once, and all four fields of each name."""
+    plainly stored ``NAME.FIELD.npy``, there once, and all the fields of each name
+    (four for a QArray, ``array`` and ``meta`` for a plain array)."""
     _check_layout(path, fh, zf.infolist())
     members = {}
     for info in zf.infolist():
@@ -112,7 +133,12 @@ def _members(path, fh, zf) -> dict:
                              "has inconsistent sizes; qarray.save stores members plainly")
         fields[m[2]] = info
     for name, fields in members.items():
-        missing = [f for f in _FIELDS if f not in fields]
+        want = _ARRAY_FIELDS if "array" in fields else _FIELDS
+        extra = [f for f in fields if f not in want]
+        if extra:
+            raise ValueError(f"{path}: unexpected member {fields[extra[0]].filename!r} "
+                             f"beside {name}.array (a plain array has only {name}.array and {name}.meta)")
+        missing = [f for f in want if f not in fields]
         if missing:
             raise ValueError(f"{path}: field {name}.{missing[0]} is missing")
     return members
@@ -139,10 +165,16 @@ def _check_layout(path, fh, infos) -> None:
                          f"the members in it (at byte {pos})")
 
 
-def _load_one(path, zf, name, fields) -> QArray:
+def _load_one(path, zf, name, fields):
     text = _read(path, zf, fields["meta"], f"{name}.meta",
                  lambda dtype, shape: None if dtype.kind == "U" and shape == () else "expected a JSON string")
-    dtype, shape, axis, block_size = _parse_meta(path, name, str(text[()]))
+    plain = "array" in fields
+    dtype, shape, axis, block_size = _parse_meta(path, name, str(text[()]), plain)
+    if plain:
+        a = _read(path, zf, fields["array"], f"{name}.array", _exactly(dtype, shape))
+        if dtype.kind == "b" and a.size and a.view(np.uint8).max() > 1:
+            raise _bad(path, name, "array", "a bool array holds bytes other than 0 and 1")
+        return a.copy()  # writable, as numpy.load gives it
     count = math.prod(shape)
     pshape = param_shape(shape, axis, block_size)
     scale = _read(path, zf, fields["scale"], f"{name}.scale", _exactly(np.dtype(np.float32), pshape))
@@ -210,7 +242,9 @@ def _unique_keys(pairs) -> dict:
     return dict(pairs)
 
 
-def _parse_meta(path, name, text):
+def _parse_meta(path, name, text, plain=False):
+    """``(dtype, shape, axis, block_size)`` from ``NAME.meta``: a QDType, or for a
+    plain array (``plain``) a NumPy dtype with axis and block_size None."""
     try:
         meta = json.loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
@@ -226,18 +260,24 @@ def _parse_meta(path, name, text):
             raise _bad(path, name, "meta", f"version is missing; {reads}")
         if type(meta["version"]) is not int or meta["version"] not in VERSIONS:
             raise _bad(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
-    want = _KEYS - {"version"} if legacy else _KEYS
+    if plain and (legacy or meta.get("version") == 1):
+        raise _bad(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
+    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS
     if meta.keys() != want:
         raise _bad(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
+    if plain and meta["kind"] != "ndarray":
+        raise _bad(path, name, "meta", f"kind must be 'ndarray' beside {name}.array, got {meta['kind']!r}")
     if not isinstance(meta["dtype"], str):
         raise _bad(path, name, "meta", f"dtype must be a string, got {meta['dtype']!r}")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise _bad(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
+    if plain:
+        return _plain_dtype(path, name, meta["dtype"]), tuple(shape), None, None
     try:
         dtype = qdtype(meta["dtype"])
     except TypeError as e:
         raise _bad(path, name, "meta", f"dtype: {e}") from None
-    shape = meta["shape"]
-    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise _bad(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
     for key in ("axis", "block_size"):
         v = meta[key]
         if v is not None and type(v) is not int:
@@ -248,3 +288,16 @@ def _parse_meta(path, name, text):
     except ValueError as e:
         raise _bad(path, name, "meta", e) from None
     return dtype, tuple(shape), axis, block_size
+
+
+def _plain_dtype(path, name, text) -> np.dtype:
+    """The NumPy dtype that a plain array's meta names: numeric or bool only."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy's deprecated spellings
+            dtype = np.dtype(text)
+    except _READ_ERRORS as e:
+        raise _bad(path, name, "meta", f"dtype {text!r} is not a NumPy dtype ({e})") from None
+    if dtype.kind not in _ARRAY_KINDS:
+        raise _bad(path, name, "meta", f"dtype {text!r} is not numeric or bool")
+    return dtype

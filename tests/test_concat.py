@@ -52,6 +52,16 @@ def test_mixed_params_requantize_integer_only(mode, kernels):
     np.testing.assert_array_equal(r.int_repr(), [100, -100, 7, 64, -64, 0])
 
 
+def test_mixed_params_along_a_later_axis(kernels, rng):
+    """Each input is requantized into a strided slice of the output (the Numba
+    kernel writes a contiguous result, copied in)."""
+    a = qarray.quantize(rng.standard_normal((3, 2, 5)).astype(np.float32), 0.02, 3, "qint8")
+    b = qarray.quantize(rng.standard_normal((3, 4, 5)).astype(np.float32), 0.05, 128, "quint8")
+    r = cat([a, b], axis=1, scale=0.03, zero_point=-2, dtype="qint8")
+    want = np.concatenate([qarray.requantize(q, 0.03, -2, "qint8").int_repr() for q in (a, b)], axis=1)
+    np.testing.assert_array_equal(r.int_repr(), want)
+
+
 def test_no_silent_clamp():
     """PyTorch's cat requantizes every input to the first one's scale and clamps;
     qarray asks for the output parameters instead."""

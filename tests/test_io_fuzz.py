@@ -29,11 +29,13 @@ def _files():
             "u2": QArray.from_int(np.array([[0, 3, 2, 1, 3], [1, 1, 0, 2, 3]]),
                                   np.array([0.5, 0.25, 1, 2, 4], np.float32), [0, 1, 2, 3, 0], "quint2", axis=1),
         },
-        "wide": {  # i4 (6,) / (2,); i2 (1,) / (); i1 (0,) / (4,)
+        "wide": {  # i4 (6,) / (2,); i2 (1,) / (); i1 (0,) / (4,); plain i8 (7,), f2 (2, 2)
             "i32": QArray.from_int(np.array([[-(2**31), 0, 7], [1, 2**31 - 1, -5]]),
                                    np.array([1e-3, 2e-3], np.float32), [5, -6], "qint32", axis=0),
             "s": qarray.quantize(np.float32(0.5), 0.1, 0, "qint16"),
             "e": QArray.from_int(np.zeros((0, 4), np.int8), np.ones(4, np.float32), [0, 1, 2, 3], "qint8", axis=1),
+            "plain.ints": np.arange(-3, 4, dtype=np.int64),
+            "plain.halfs": np.array([[0.5, -1], [np.inf, 2]], np.float16),
         },
         "transposed": {  # blocked, its params Fortran-ordered in the file: u1 (15,) / (5, 2)
             "bt": qarray.quantize_dynamic(rng.standard_normal((6, 5)).astype(np.float32), "quint4",
@@ -46,6 +48,9 @@ def _assert_same(back, want):
     assert sorted(back) == sorted(want)
     for name, q in want.items():
         r = back[name]
+        if isinstance(q, np.ndarray):
+            assert type(r) is np.ndarray and (r.dtype, r.shape) == (q.dtype, q.shape) and np.array_equal(r, q)
+            continue
         assert (r.dtype.name, r.shape, r.axis, r.block_size) == (q.dtype.name, q.shape, q.axis, q.block_size)
         for got, exp in ((r.scale, q.scale), (r.zero_point, q.zero_point), (r.int_repr(), q.int_repr())):
             assert (got.dtype, got.shape) == (exp.dtype, exp.shape) and np.array_equal(got, exp)
@@ -265,22 +270,22 @@ def test_npy_header_damage(saved, header, version, message):
 
 def test_missing_version(saved):
     _meta(saved, "b", version=...)
-    with pytest.raises(ValueError, match="field b.meta is invalid: version is missing; this qarray reads version 1"):
+    with pytest.raises(ValueError, match="field b.meta is invalid: version is missing; this qarray reads version 1, 2"):
         qarray.load(saved)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", True, 1.0, None])
+@pytest.mark.parametrize("version", [3, 0, "1", True, 1.0, None])
 def test_unknown_version(saved, version):
     _meta(saved, "b", version=version)
     with pytest.raises(ValueError, match=re.escape(f"field b.meta is invalid: version {version!r} is unknown; "
-                                                   "this qarray reads version 1")):
+                                                   "this qarray reads version 1, 2")):
         qarray.load(saved)
 
 
 def test_save_writes_the_version(saved):
     with np.load(saved) as f:
         meta = json.loads(str(f["b.meta"]))
-    assert (meta["format"], meta["version"]) == ("qarray", 1)
+    assert (meta["format"], meta["version"]) == ("qarray", 2)
 
 
 def test_files_from_before_the_version_field(saved):

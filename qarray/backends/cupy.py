@@ -12,6 +12,7 @@ and a CPU build of the kernels, so it checks this launch logic too.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -44,6 +45,58 @@ def kernel_source(name: str) -> str:
         return _INCLUDE.sub(inline, (CUDA_DIR / header).read_text())
 
     return _INCLUDE.sub(inline, (CUDA_DIR / name).read_text())
+
+
+class _Compiled(Exception):
+    """Raised inside CuPy's compile path once NVRTC has produced the PTX."""
+
+
+def compile_ptx(name: str, arch: str = "90") -> tuple:
+    """``(options, ptx)``: ``cuda/<name>`` compiled the way ``RawModule`` compiles it,
+    through CuPy's own path (``cupy.cuda.compiler``, NVRTC, ``NVRTC_OPTIONS`` plus
+    whatever CuPy adds, e.g. ``-ftz=true``), for ``compute_<arch>``, stopped where
+    CuPy would load the module onto a device: no GPU needed.
+
+    RuntimeError, saying why, when CuPy, its compiler hooks or NVRTC are missing;
+    a source NVRTC rejects raises CuPy's ``CompileException``. CuPy's compiler is
+    patched while this runs: do not compile kernels in other threads meanwhile.
+    """
+    try:
+        import cupy
+        from cupy.cuda import compiler
+    except ImportError as e:
+        raise RuntimeError(f"CuPy is not installed ({e})") from None
+    hooks = ("_compile_module_with_cache", "_compile_using_nvrtc_no_warning", "_get_arch_for_options_for_nvrtc")
+    if not all(hasattr(compiler, h) for h in hooks):
+        raise RuntimeError(f"CuPy {cupy.__version__} compiles differently from what qarray knows")
+    try:
+        compiler._get_nvrtc_version()
+    except Exception as e:  # CuPy without the NVRTC library: CuPy raises various types
+        raise RuntimeError(f"NVRTC is not available: {e}") from None
+    real = compiler._compile_using_nvrtc_no_warning
+
+    def spy(source, options, arch, *args, **kwargs):
+        out = real(source, options, arch, *args, **kwargs)[0]
+        raise _Compiled(options, out.decode() if isinstance(out, bytes) else out)
+
+    saved = {h: getattr(compiler, h) for h in hooks[1:]}
+    env = os.environ.get("CUPY_CACHE_IN_MEMORY")
+    os.environ["CUPY_CACHE_IN_MEMORY"] = "1"  # not CuPy's on-disk cache: it would skip NVRTC
+    # CuPy asks the current device for its architecture: there may be none
+    compiler._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=compute_{arch}", "ptx")
+    compiler._compile_using_nvrtc_no_warning = spy
+    try:
+        compiler._compile_module_with_cache(kernel_source(name), NVRTC_OPTIONS, arch=arch)
+    except _Compiled as done:
+        return done.args
+    finally:
+        for h, f in saved.items():
+            setattr(compiler, h, f)
+        if env is None:
+            del os.environ["CUPY_CACHE_IN_MEMORY"]
+        else:
+            os.environ["CUPY_CACHE_IN_MEMORY"] = env
+    raise RuntimeError(f"CuPy {cupy.__version__} did not compile {name} through NVRTC")
 
 
 def launch_config(total: int):

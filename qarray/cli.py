@@ -1,0 +1,529 @@
+"""The ``qarray`` command: ``info``, ``quantize``, ``inspect``, ``examples``, ``run``
+and ``bench``.
+
+    qarray info
+    qarray quantize model.safetensors -o model-q.npz --dtype qint8 --per-channel 0 --symmetric
+    qarray quantize model.npz -o model-q4.npz --dtype qint4 --block-size 32
+    qarray inspect model-q.npz
+    qarray examples
+    qarray run digits --quick
+    qarray bench --quick
+
+Tables and progress bars come from rich (``pip install 'qarray[cli]'``), imported
+when a command runs: ``import qarray`` imports neither rich nor this module.
+Every error is one line on stderr, ``qarray: error: ...``: exit status 2 for a
+usage error; 1 for a file that cannot be read or written, a missing optional
+package, or an example or benchmark that fails.
+
+``quantize`` takes parameters from ``qarray.observers`` (``--observer``, default
+minmax), per tensor or per channel (``--per-channel AXIS``), or from each block's
+own range with ``--block-size B`` (``quantize_dynamic``; minmax only): blocks run
+along ``--per-channel AXIS`` when given, else along the last axis, and the last
+block of an axis that ``B`` does not divide is shorter. An array without that
+axis (a 1-d bias with ``--per-channel 1``, a 0-d scalar) is quantized per
+tensor, and the table says why. Integer and bool arrays, and empty ones, are
+written unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import qarray
+from . import io
+from ._params import to_host
+
+__all__ = ["main"]
+
+OBSERVERS = ("minmax", "moving_average", "percentile", "mse", "entropy")
+BENCHMARKS = {"core": "bench_core.py", "ops": "bench_ops.py", "gpu": "bench_gpu.py"}
+_MAGIC = {".npz": (b"PK\x03\x04", b"PK\x05\x06"), ".npy": (b"\x93NUMPY",)}
+
+
+class CliError(Exception):
+    """An error to report in one line, with the exit status to return."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as :class:`CliError` (one line, status 2)."""
+
+    def error(self, message):
+        raise CliError(f"{message} (see '{self.prog} --help')", 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``qarray`` command line on ``argv`` (default ``sys.argv[1:]``) and
+    return the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+        return args.func(args)
+    except CliError as e:
+        print(f"qarray: error: {e}", file=sys.stderr)
+        return e.status
+    except SystemExit as e:  # --help, and an example's own argparse
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except KeyboardInterrupt:
+        print("qarray: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failing example, or a bug: still one line
+        print(f"qarray: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="qarray", description="Quantized arrays for NumPy and CuPy: inspect, quantize, "
+                "run the examples and the benchmarks.")
+    p.add_argument("--version", action="version", version=f"qarray {qarray.__version__}")
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("info", help="versions, backends, the CPU GEMM engine, GPUs, CUDA kernels",
+                       description="What qarray finds here: versions of qarray and its optional peers, the "
+                       "backends available, the CPU int8 GEMM engine, the GPUs CuPy sees and whether the "
+                       "CUDA kernels compile (with CuPy's NVRTC; no GPU needed).")
+    s.set_defaults(func=_info)
+
+    s = sub.add_parser("quantize", help="quantize the float arrays of a .npz, .npy or .safetensors file",
+                       description="Quantize every float array of IN (.npz, .npy or .safetensors) and write "
+                       "them, with the integer and bool arrays unchanged, to OUT with qarray.save; then show "
+                       "each array's scheme, SQNR, largest error and size.",
+                       epilog="--block-size B: blocks along --per-channel AXIS when given, else along the "
+                       "last axis; the last block is shorter where B does not divide the axis. Arrays "
+                       "without the axis asked for are quantized per tensor (the table says so).")
+    s.add_argument("input", metavar="IN", type=Path, help="a .npz, .npy or .safetensors file of arrays")
+    s.add_argument("-o", "--output", metavar="OUT.npz", type=Path, required=True, help="the qarray file to write")
+    s.add_argument("--dtype", type=_qdtype, default="qint8", help="quantized dtype (default qint8)")
+    s.add_argument("--per-channel", metavar="AXIS", type=int, help="one scale and zero point per index of AXIS")
+    s.add_argument("--block-size", metavar="B", type=_positive, help="one scale and zero point per block of B")
+    s.add_argument("--symmetric", action="store_true", help="symmetric ranges (zero point 0, or the middle code)")
+    s.add_argument("--observer", choices=OBSERVERS, default="minmax",
+                   help="how the range is chosen (default minmax; --block-size takes minmax only)")
+    s.add_argument("--plot", metavar="FILE.png", type=Path, help="also draw the SQNR per array (needs matplotlib)")
+    s.set_defaults(func=_quantize)
+
+    s = sub.add_parser("inspect", help="what a .npz, .npy or .safetensors file holds",
+                       description="The arrays of FILE: for a qarray file, each one's dtype, scheme, scales, "
+                       "zero points and stored bytes; for other files, name, shape and dtype.")
+    s.add_argument("file", metavar="FILE", type=Path)
+    s.set_defaults(func=_inspect)
+
+    s = sub.add_parser("examples", help="list the examples", description="The examples that 'qarray run' runs.")
+    s.set_defaults(func=_examples)
+
+    s = sub.add_parser("run", help="run an example", description="Run example NAME (see 'qarray examples'), "
+                       "as python -m qarray.examples.NAME does.")
+    s.add_argument("name", metavar="NAME", nargs="?", help="which example")
+    s.add_argument("--quick", action="store_true", help="a smaller run, a few seconds")
+    s.add_argument("--backend", choices=("numpy", "cupy"), default="numpy", help="the array library to run on")
+    s.set_defaults(func=_run)
+
+    s = sub.add_parser("bench", help="run the benchmarks of a source checkout",
+                       description="Run the benchmarks in the source tree's benchmarks/ directory (each in "
+                       "its own process; gpu only where CuPy sees a GPU) and show their ratios to the peers "
+                       "timed in the same run. Results go to FILE.json, never to benchmarks/results.")
+    s.add_argument("names", metavar="NAME", nargs="*", help=f"which ones: {', '.join(BENCHMARKS)} (default: all "
+                   "that can run here)")
+    s.add_argument("--quick", action="store_true", help="small sizes, few repeats: seconds, not a measurement")
+    s.add_argument("-o", "--output", metavar="FILE.json", type=Path, default=Path("qarray-bench.json"),
+                   help="where the combined results go (default qarray-bench.json)")
+    s.set_defaults(func=_bench)
+    return p
+
+
+def _qdtype(text):
+    try:
+        return qarray.qdtype(text)
+    except TypeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _need(module: str, install: str):
+    """``module`` imported, or CliError naming what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise CliError(f"this needs {module.split('.')[0]}: {install}") from None
+
+
+def _table(title, columns, rows, caption=None, left=1):
+    """A rich table (``left`` text columns, then numbers); no text is read as rich markup."""
+    _need("rich", "pip install 'qarray[cli]'")
+    from rich.markup import escape
+
+    from .examples._common import print_table
+
+    print_table(escape(title), [escape(c) for c in columns], [[escape(str(v)) for v in r] for r in rows],
+                caption and escape(caption), left)
+
+
+# -- files ---------------------------------------------------------------------
+
+
+def _read(path: Path) -> tuple[bool, dict]:
+    """``(written by qarray.save, {name: array or QArray})`` from a .npz, .npy or
+    .safetensors file; CliError (status 1) when it cannot be read."""
+    suffix = path.suffix.lower()
+    if suffix not in (".npz", ".npy", ".safetensors"):
+        raise CliError(f"{path}: expected a .npz, .npy or .safetensors file", 2)
+    if not path.is_file():
+        raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+    st = _need("safetensors.numpy", "pip install safetensors") if suffix == ".safetensors" else None
+    try:
+        if suffix == ".safetensors":
+            return False, st.load_file(path)
+        with open(path, "rb") as fh:  # not numpy's own: it leaves it open when the zip is damaged
+            if not fh.read(6).startswith(_MAGIC[suffix]):
+                raise CliError(f"{path} is not a {suffix} file: it does not start as one")
+            fh.seek(0)
+            if suffix == ".npy":
+                return False, {path.stem: np.load(fh, allow_pickle=False)}
+            with np.load(fh, allow_pickle=False) as f:
+                names = f.files
+                if not (names and all(io._MEMBER.fullmatch(n + ".npy") for n in names)
+                        and any(n.endswith(".meta") for n in names)):
+                    arrays = {}
+                    for name in names:
+                        try:
+                            arrays[name] = f[name]
+                        except Exception as e:
+                            raise CliError(f"{path}: cannot read array {name!r}: {_one_line(e)}") from None
+                    return False, arrays
+        return True, qarray.load(path)  # its ValueErrors name the file
+    except CliError:
+        raise
+    except ValueError as e:
+        raise CliError(str(e) if str(e).startswith(str(path)) else f"{path}: cannot read it: {_one_line(e)}") from None
+    except Exception as e:  # numpy, zipfile and safetensors raise many types
+        raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+
+
+def _scheme(q) -> str:
+    if q.axis is None:
+        return "per-tensor"
+    if q.block_size is None:
+        return f"per-channel axis {q.axis}"
+    short = q.shape[q.axis] % q.block_size
+    return f"blocks of {q.block_size} along axis {q.axis}" + (f" (last {short})" if short else "")
+
+
+def _stored_bytes(q) -> int:
+    """What qarray.save stores for ``q``: packed data, scale and zero point."""
+    return sum(int(to_host(a).nbytes) for a in (q.pack(), q.scale, q.zero_point))
+
+
+def _shape(a) -> str:
+    return "x".join(map(str, a.shape)) or "scalar"
+
+
+# -- info ----------------------------------------------------------------------
+
+
+def _info(args) -> int:
+    _need("rich", "pip install 'qarray[cli]'")
+    from rich.console import Console
+
+    rows = [("qarray", qarray.__version__), ("NumPy", np.__version__)]
+    with Console(stderr=True).status("probing (the CUDA kernels take a few seconds)"):
+        rows += [(label, _version(module)) for label, module in
+                 (("Numba", "numba"), ("onnxruntime", "onnxruntime"), ("CuPy", "cupy"))]
+        rows.append(("backends", _probe(lambda: ", ".join(qarray.backends.available()))))
+        rows.append(("CPU int8 GEMM", _probe(qarray.backends.gemm_engine)))
+        gpus = _gpus()
+        rows += gpus
+        rows.append(("CUDA kernels", _probe(lambda: _kernels(gpus[0][2] or "90"))))
+    _table("qarray info", ["", "found"], [r[:2] for r in rows], left=2)
+    return 0
+
+
+def _probe(fn) -> str:
+    try:
+        return fn()
+    except Exception as e:
+        return f"not available: {_one_line(e)}"
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return "not installed"
+        return f"broken: {_one_line(e)}"
+    except Exception as e:
+        return f"broken: {_one_line(e)}"
+
+
+def _gpus() -> list:
+    """``[(label, text, compute capability as "90" or None)]``: each GPU CuPy sees,
+    or one row saying why there is none."""
+    try:
+        cupy = qarray.backends.get("cupy").check()
+        rows = []
+        for i in range(cupy.cuda.runtime.getDeviceCount()):
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+            rows.append((f"GPU {i}", f"{name}, compute capability {p['major']}.{p['minor']}",
+                         f"{p['major']}{p['minor']}"))
+        return rows
+    except (ImportError, RuntimeError) as e:  # CupyBackend.check says what is missing
+        return [("GPU", f"none: {e}", None)]
+    except Exception as e:
+        return [("GPU", f"none: {_one_line(e)}", None)]
+
+
+def _kernels(arch: str) -> str:
+    """Compile every kernel file with CuPy's NVRTC for ``compute_<arch>``."""
+    from .backends import cupy as cuda_backend
+
+    names = sorted(p.name for p in cuda_backend.CUDA_DIR.glob("*.cu"))
+    for name in names:
+        cuda_backend.compile_ptx(name, arch)
+    import cupy
+
+    major, minor = cupy.cuda.nvrtc.getVersion()
+    return f"compile: {len(names)} files ({', '.join(names)}), NVRTC {major}.{minor}, compute_{arch}"
+
+
+# -- quantize ------------------------------------------------------------------
+
+
+def _quantize(args) -> int:
+    if args.block_size is not None and args.observer != "minmax":
+        raise CliError(f"--block-size takes --observer minmax only, got {args.observer} (the other observers "
+                       "give per-tensor or per-channel parameters)", 2)
+    if args.output.suffix.lower() != ".npz":
+        raise CliError(f"the output must be a .npz file, got {args.output}", 2)
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise CliError(f"--plot writes a .png file, got {args.plot}", 2)
+    _need("rich", "pip install 'qarray[cli]'")
+    if args.plot is not None:
+        _need("matplotlib", "pip install matplotlib")
+    quantized, arrays = _read(args.input)
+    if quantized:
+        raise CliError(f"{args.input} is already quantized (written by qarray.save); "
+                       "see what it holds with 'qarray inspect'")
+    from rich.progress import track
+
+    out, rows = {}, []
+    for name, x in track(arrays.items(), description="quantizing", transient=True):
+        out[name], row = _quantize_one(name, x, args)
+        rows.append(row)
+    try:
+        qarray.save(args.output, out)
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+    before, after = sum(r[-2] for r in rows), sum(r[-1] for r in rows)
+    _table(f"{args.input} -> {args.output}", ["name", "shape", "dtype", "scheme", "SQNR dB", "max abs error",
+                                                "bytes before", "bytes after"],
+           [(*r[:4], "" if r[4] is None else f"{r[4]:.2f}", "" if r[5] is None else f"{r[5]:.4g}", r[6], r[7])
+            for r in rows],
+           caption=f"{before} -> {after} bytes"
+           + (f" ({after / before:.1%})" if before else "")
+           + "; bytes after: packed data, scale and zero point", left=4)
+    if args.plot is not None:
+        _plot(args.plot, [(r[0], r[4]) for r in rows if r[4] is not None], args)
+    return 0
+
+
+def _quantize_one(name, x, args):
+    """``(what to save, (name, shape, dtype, scheme, sqnr, max error, bytes before, bytes after))``."""
+    if x.dtype.kind in "biu" or (x.dtype.kind == "f" and x.size == 0):
+        why = "passed through" + (" (empty)" if x.dtype.kind == "f" else "")
+        return x, (name, _shape(x), str(x.dtype), why, None, None, x.nbytes, x.nbytes)
+    if x.dtype.kind != "f":
+        raise CliError(f"{args.input}: {name!r} has dtype {x.dtype}: quantize takes float arrays "
+                       "(and passes integer and bool arrays through)")
+    axis, note = _axis(x.ndim, -1 if args.per_channel is None and args.block_size else args.per_channel)
+    try:
+        if args.block_size is not None and axis is not None:
+            q = qarray.quantize_dynamic(x, args.dtype, symmetric=args.symmetric, axis=axis,
+                                        block_size=args.block_size)
+        else:
+            from .observers import observer
+
+            q = observer(args.observer, args.dtype, symmetric=args.symmetric, axis=axis).update(x).quantize(x)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
+    sqnr, err = _errors(x, q)
+    return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, x.nbytes, _stored_bytes(q))
+
+
+def _axis(ndim: int, axis):
+    """``(axis as a non-negative int or None, note for the table)``."""
+    if axis is None:
+        return None, ""
+    if -ndim <= axis < ndim:
+        return axis % ndim, ""
+    return None, f" ({'scalar' if ndim == 0 else f'{ndim}-d'}: no axis {axis})"
+
+
+def _errors(x, q):
+    """SQNR in dB, ``10 log10(sum x^2 / sum (x - q.dequantize())^2)`` (inf when
+    exact), and the largest absolute error, both in float64."""
+    x = x.astype(np.float64)
+    e = x - q.dequantize().astype(np.float64)
+    signal, noise = float(np.sum(x * x)), float(np.sum(e * e))
+    if noise == 0:
+        return math.inf, 0.0
+    return (10 * math.log10(signal / noise) if signal else -math.inf), float(np.max(np.abs(e)))
+
+
+def _plot(path: Path, sqnr, args) -> None:
+    """A bar per quantized array: its SQNR (an exact one is drawn at 0, labelled inf)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(4.0, 0.5 * len(sqnr) + 2), 4), layout="constrained")
+    ax = fig.subplots()
+    names = [n for n, _ in sqnr]
+    bars = ax.bar(range(len(names)), [v if math.isfinite(v) else 0 for _, v in sqnr])
+    ax.bar_label(bars, labels=[f"{v:.1f}" for _, v in sqnr])
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    ax.set_ylabel("SQNR (dB)")
+    ax.set_title(f"{args.input.name}: {args.dtype.name}, {args.observer}"
+                 + (" symmetric" if args.symmetric else ""))
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+# -- inspect -------------------------------------------------------------------
+
+
+def _inspect(args) -> int:
+    _need("rich", "pip install 'qarray[cli]'")
+    quantized, arrays = _read(args.file)
+    if not quantized:
+        _table(str(args.file), ["name", "shape", "dtype", "bytes"],
+               [(n, _shape(a), str(a.dtype), a.nbytes) for n, a in arrays.items()], left=3)
+        return 0
+    rows = []
+    for name, q in arrays.items():
+        if isinstance(q, np.ndarray):
+            rows.append((name, _shape(q), str(q.dtype), "plain array", "", "", q.nbytes))
+            continue
+        s, z = to_host(q.scale), to_host(q.zero_point)
+        rows.append((name, _shape(q), q.dtype.name, _scheme(q), _span(s, "{:.6g}"), _span(z, "{}"), _stored_bytes(q)))
+    _table(f"{args.file} (qarray file)", ["name", "shape", "dtype", "scheme", "scale", "zero point", "stored bytes"],
+           rows, left=4)
+    return 0
+
+
+def _span(a, fmt) -> str:
+    lo, hi = a.min(), a.max()
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)} .. {fmt.format(hi)}"
+
+
+# -- examples, run -------------------------------------------------------------
+
+
+def _examples(args) -> int:
+    from . import examples
+
+    rows = [(name, importlib.import_module(f"qarray.examples.{name}").__doc__.strip().splitlines()[0])
+            for name in examples.NAMES]
+    _table("qarray examples", ["name", "description"], rows,
+           caption="run one: qarray run NAME [--quick] [--backend numpy|cupy]", left=2)
+    return 0
+
+
+def _run(args) -> int:
+    from . import examples
+
+    if args.name not in examples.NAMES:
+        which = f"unknown example {args.name!r}" if args.name else "run needs the NAME of an example"
+        raise CliError(f"{which}; the examples are {', '.join(examples.NAMES)}", 2)
+    argv = ["--backend", args.backend] + ["--quick"] * args.quick
+    return importlib.import_module(f"qarray.examples.{args.name}").main(argv)
+
+
+# -- bench ---------------------------------------------------------------------
+
+
+def _benchmarks_dir() -> Path:
+    return Path(qarray.__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench(args) -> int:
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        raise CliError(f"unknown benchmark {unknown[0]!r}; the benchmarks are {', '.join(BENCHMARKS)}", 2)
+    if args.output.suffix.lower() != ".json":
+        raise CliError(f"the output must be a .json file, got {args.output}", 2)
+    root = _benchmarks_dir()
+    if not (root / BENCHMARKS["core"]).is_file():
+        raise CliError(f"no benchmarks at {root}: 'qarray bench' runs from a source checkout "
+                       "(git clone, then pip install -e .), not from an installed wheel")
+    _need("rich", "pip install 'qarray[cli]'")
+    names = args.names or list(BENCHMARKS)
+    if "gpu" in names:
+        _, why, arch = _gpus()[0]
+        if arch is None and args.names:
+            raise CliError(f"the gpu benchmark needs a GPU ({why})")
+        if arch is None:
+            names.remove("gpu")
+    from rich.console import Console
+
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name in names:
+            script = root / BENCHMARKS[name]
+            with Console(stderr=True).status(f"running {script.name}{' --quick' if args.quick else ''}"):
+                r = subprocess.run([sys.executable, str(script), out] + ["--quick"] * args.quick,
+                                   capture_output=True, text=True)
+            if r.returncode:
+                last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+                raise CliError(f"{script.name} failed (exit status {r.returncode}): {last}")
+            results[script.stem] = json.loads((Path(out) / f"{script.stem}.json").read_text())
+    try:
+        args.output.write_text(json.dumps({"quick": args.quick, "results": results}, indent=1) + "\n")
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+    rows = [row for stem, result in results.items() for row in _ratios(stem, result["rows"])]
+    _table("qarray bench" + (" --quick" if args.quick else ""), ["op", "shape", "qarray vs peer", "ratio", "target",
+                                                                 "met"], rows,
+           caption=f"ratio: time / the peer's time (gpu: bandwidth / a device copy's); all results in {args.output}"
+           + ("; --quick: small sizes, not a measurement" if args.quick else ""), left=3)
+    return 0
+
+
+def _ratios(stem: str, rows):
+    """The table rows of one benchmark's JSON rows: ``(op, shape, who vs whom,
+    ratio, target, met)``, for the rows that have a ratio."""
+    met = {True: "yes", False: "no", None: "", "yes": "yes", "no": "no"}
+    for r in rows:
+        if stem == "bench_gpu":
+            who, ratio, target = "qarray vs device copy", r["fraction_of_copy"], r["target"] and f">= {r['target']}"
+        elif stem == "bench_ops":
+            who, ratio, target = f"{r['who']} vs {r['ref']}", r["ratio"], r["target"] and f"<= {r['target']}"
+        else:
+            who, ratio, target = f"qarray vs {r['peer']}", r["ratio"], r["target"] and f"<= {r['target']}"
+        if ratio is not None:
+            yield r["op"], r["shape"], who, f"{ratio:.3f}", target or "", met[r["met"]]
