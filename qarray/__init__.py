@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import backends
 from . import nn
+from . import observers
 from . import ops
 from ._api import choose_qparams
 from ._api import dequantize
@@ -37,6 +38,7 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
 __all__ = [
     "QArray",
     "nn",
+    "observers",
     "ops",
     *ops.__all__,
     "QDType",

@@ -93,21 +93,38 @@ class _Quantized:
         self.weight, self.bias = weight, bias
         self.scale = self.zero_point = self.dtype = None
         self._range = None  # the float output range seen by calibrate, (min, max)
+        self._observer = None  # calibrate(observer=...): the observer later calls feed
 
     def _float_bias(self):
         b = self.bias
         return to_host(b.dequantize()) if isinstance(b, QArray) else np.asarray(to_host(b), np.float32)
 
-    def calibrate(self, x, dtype=None, relu=False):
+    def calibrate(self, x, dtype=None, relu=False, observer=None):
         """Set ``scale``, ``zero_point`` and ``dtype`` from the float output range.
 
         Runs the float reference on the host (``x`` dequantized when it is a
         QArray, the dequantized weights, the float bias) and maps the range seen
         so far (each call widens it) onto ``dtype``: the given one, else the
         layer's, else ``x.dtype`` for a QArray ``x``, else quint8. ``relu=True``
-        keeps only the non-negative part of the range. Returns ``self``.
+        keeps only the non-negative part of the range (the reference output is
+        floored at 0 before it is observed). With an ``observer``
+        (:mod:`qarray.observers`, kept on the layer for later calls) the
+        reference output goes to ``observer.update`` and the parameters are its
+        ``qparams()`` and ``dtype``. Returns ``self``.
         """
         y = self._reference(x.dequantize() if isinstance(x, QArray) else x)
+        if relu:
+            y = np.maximum(y, 0)
+        if observer is not None:
+            self._observer = observer
+        if self._observer is not None:
+            if dtype is not None and qdtype(dtype) != self._observer.dtype:
+                raise ValueError(f"calibrate: dtype {qdtype(dtype).name} differs from the observer's "
+                                 f"{self._observer.dtype.name}; make the observer with the dtype wanted")
+            self._observer.update(y)
+            self.dtype = self._observer.dtype
+            self.scale, self.zero_point = self._observer.qparams()
+            return self
         lo, hi = float(y.min()), float(y.max())
         if self._range is not None:
             lo, hi = min(lo, self._range[0]), max(hi, self._range[1])
@@ -115,7 +132,7 @@ class _Quantized:
         d = dtype if dtype is not None else self.dtype if self.dtype is not None else \
             x.dtype if isinstance(x, QArray) else quint8
         self.dtype = qdtype(d)
-        s, z = choose_qparams(max(lo, 0.0) if relu else lo, hi, self.dtype)
+        s, z = choose_qparams(lo, hi, self.dtype)
         self.scale, self.zero_point = s, z
         return self
 

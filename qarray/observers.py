@@ -1,0 +1,457 @@
+"""Calibration observers: quantization parameters from data seen in batches.
+
+>>> obs = MinMax("qint8", symmetric=True)
+>>> for batch in (numpy.array([0.5, -1.0], numpy.float32), numpy.array([2.54], numpy.float32)):
+...     _ = obs.update(batch)
+>>> obs.qparams()
+(array(0.02, dtype=float32), array(0, dtype=int32))
+
+Every observer takes ``dtype``, ``symmetric`` and ``axis`` (None: per tensor;
+an int: one range per index along that axis of each batch, all other axes
+reduced; batches may differ in every other axis). ``update(x)`` takes NumPy or
+CuPy float arrays; ``qparams()`` maps the chosen range through
+:func:`qarray.choose_qparams` (so the range is widened to hold 0, as ONNX does)
+and returns ``(scale, zero_point)`` as :func:`qarray.quantize` takes them.
+
+- :class:`MinMax`: the range seen.
+- :class:`MovingAverageMinMax`: PyTorch's ``MovingAverageMinMaxObserver``: the
+  first batch sets the range, then ``r += c * (batch_r - r)`` in float32.
+- :class:`Histogram`: counts in ``bins`` equal bins over ``[-R, R)``, ``R`` the
+  smallest power of two above every ``|x|`` seen. When a batch needs a larger
+  ``R``, each doubling sums adjacent pairs of bins into the middle half: counts
+  stay exact integers, so merging the histograms of several workers gives the
+  histogram of all their data, bit for bit. The clipping range is then chosen
+  by ``method``:
+
+  - ``"percentile"``: symmetric, ``[-t, t]`` with ``t`` the bin edge where the
+    ``percentile``-th percentile of ``|x|`` is reached; otherwise ``lo`` and
+    ``hi`` at the ``100 - percentile`` and ``percentile`` percentiles of ``x``
+    (each tail keeps its share), bin edges, never beyond the values seen.
+  - ``"mse"``: the range with the least expected squared error over the
+    histogram, each bin's count at its centre ``c``: ``step**2 / 12`` inside
+    the range (rounding), ``(c - edge)**2`` outside (clipping), ``step`` the
+    scale that range gives; ``lo`` and ``hi`` searched over all bin edges
+    (``lo = -hi`` when symmetric).
+  - ``"entropy"``: the range with the least KL divergence between the
+    reference histogram and its quantized version, exactly as ONNX Runtime's
+    ``HistogramCollector.get_entropy_threshold`` (TensorRT's method) computes
+    it, with ``(qmax - qmin + 1) // 2`` quantized bins.
+
+State: ``state_dict()`` is a dict of NumPy arrays (``numpy.savez`` /
+``numpy.load(allow_pickle=False)`` keep it, as does :func:`qarray.save`) and
+:meth:`Observer.from_state` rebuilds the observer from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._api import choose_qparams, quantize
+from ._dtypes import qdtype
+from ._params import normalize_axis, to_host
+from .backends import for_array
+
+__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer"]
+
+METHODS = ("percentile", "mse", "entropy")
+
+
+class Observer:
+    """The common part: settings, batch checks, qparams, quantize, state."""
+
+    kind = ""
+    _fields: tuple = ()  # state arrays beyond the settings
+
+    def __init__(self, dtype="quint8", *, symmetric=False, axis=None):
+        self.dtype = qdtype(dtype)
+        self.symmetric = bool(symmetric)
+        if axis is not None and (isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer))):
+            raise TypeError(f"{type(self).__name__}: axis must be an integer or None, got {type(axis).__name__}")
+        self.axis = None if axis is None else int(axis)
+        self.reset()
+
+    def reset(self) -> "Observer":
+        """Forget every batch seen."""
+        self.lo = self.hi = None
+        return self
+
+    def _rows(self, x):
+        """``x`` as ``(channels, values)`` float rows on its device, checked."""
+        name = type(self).__name__
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            x = np.asarray(x)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"{name}.update: takes a real (float or integer) array, got dtype {x.dtype}")
+        if self.axis is None:
+            rows = x.reshape(1, -1)
+        else:
+            axis = normalize_axis(self.axis, x.ndim, f"{name}.update: axis")
+            rows = for_array(x).xp.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+        if rows.shape[1] == 0:
+            raise ValueError(f"{name}.update: the batch has no values to observe (shape {x.shape})")
+        if self.lo is not None and rows.shape[0] != self.lo.shape[0]:
+            raise ValueError(f"{name}.update: the batch has {rows.shape[0]} channels along axis {self.axis}, "
+                             f"earlier batches had {self.lo.shape[0]}")
+        lo = to_host(rows.min(axis=1)).astype(np.float64)
+        hi = to_host(rows.max(axis=1)).astype(np.float64)
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            raise ValueError(f"{name}.update: the batch holds NaN or inf; observe finite values only")
+        return rows, lo, hi
+
+    def update(self, x) -> "Observer":
+        """Take one batch into the statistics. Returns ``self``."""
+        _, lo, hi = self._rows(x)
+        self._take(lo, hi)
+        return self
+
+    def _take(self, lo, hi):
+        self.lo = lo if self.lo is None else np.minimum(self.lo, lo)
+        self.hi = hi if self.hi is None else np.maximum(self.hi, hi)
+
+    def _range(self):
+        return self.lo, self.hi
+
+    def qparams(self):
+        """``(scale, zero_point)`` for the range chosen so far: float32 and int32
+        arrays, 0-d per tensor, one per channel with ``axis``."""
+        if self.lo is None:
+            raise ValueError(f"{type(self).__name__}: no data observed yet; call update(x) first")
+        lo, hi = self._range()
+        scale, zero_point = choose_qparams(lo, hi, self.dtype, symmetric=self.symmetric)
+        if self.axis is None:
+            return scale.reshape(()), zero_point.reshape(())
+        return scale, zero_point
+
+    def quantize(self, x):
+        """``x`` quantized with :meth:`qparams` (``axis`` as the observer's)."""
+        scale, zero_point = self.qparams()
+        return quantize(x, scale, zero_point, self.dtype, axis=self.axis)
+
+    def merge(self, other) -> "Observer":
+        """Add the statistics of ``other`` (same class and settings) to these."""
+        self._check_same(other)
+        if other.lo is not None:
+            if self.lo is not None and self.lo.shape != other.lo.shape:
+                raise ValueError(f"{type(self).__name__}.merge: {self.lo.shape[0]} channels here, "
+                                 f"{other.lo.shape[0]} in the other")
+            self._merge(other)
+        return self
+
+    def _merge(self, other):
+        self._take(other.lo, other.hi)
+
+    def _settings(self) -> dict:
+        return dict(dtype=self.dtype.name, symmetric=self.symmetric, axis=self.axis)
+
+    def _check_same(self, other):
+        if type(other) is not type(self):
+            raise ValueError(f"{type(self).__name__}.merge: the other observer is a {type(other).__name__}")
+        mine, theirs = self._settings(), other._settings()
+        for key in mine:
+            if mine[key] != theirs[key]:
+                raise ValueError(f"{type(self).__name__}.merge: {key} differs ({mine[key]!r} here, "
+                                 f"{theirs[key]!r} in the other)")
+
+    def state_dict(self) -> dict:
+        """Settings and statistics as ``{name: numpy array}`` (no objects)."""
+        s = {"kind": np.array(self.kind)}
+        for key, v in self._settings().items():
+            if v is not None:  # axis None: no 'axis' entry
+                s[key] = np.array(v)
+        if self.lo is not None:
+            for key in ("lo", "hi", *self._fields):
+                s[key] = np.array(getattr(self, key))
+        return s
+
+    @classmethod
+    def from_state(cls, state) -> "Observer":
+        """The observer that :meth:`state_dict` described (any subclass)."""
+        kinds = {c.kind: c for c in (MinMax, MovingAverageMinMax, Histogram)}
+        kind = str(_field(state, "kind", "U", ()))
+        if kind not in kinds:
+            raise ValueError(f"Observer.from_state: field 'kind' is {kind!r}, not one of {sorted(kinds)}")
+        sub = kinds[kind]
+        if cls is not Observer and cls is not sub:
+            raise ValueError(f"{cls.__name__}.from_state: the state is a {sub.__name__}'s")
+        settings = {}
+        for key, default in sub._defaults().items():
+            if key == "axis" and key not in state:
+                continue
+            kinds_ok = "U" if isinstance(default, str) else "b" if isinstance(default, bool) else \
+                "iu" if isinstance(default, int) else "f"
+            settings[key] = _field(state, key, kinds_ok, ()).item()
+        try:
+            obs = sub(**settings)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Observer.from_state: a setting is invalid: {e}") from None
+        if "lo" in state:
+            obs._load(state)
+        return obs
+
+    @classmethod
+    def _defaults(cls) -> dict:
+        return dict(dtype="", symmetric=False, axis=0)
+
+    def _load(self, state):
+        lo = _field(state, "lo", "f", None).astype(np.float64)
+        hi = _field(state, "hi", "f", lo.shape).astype(np.float64)
+        if lo.ndim != 1 or (self.axis is None and lo.shape != (1,)) or not (lo <= hi).all() \
+                or not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            raise ValueError("Observer.from_state: fields 'lo' and 'hi' must be finite 1-d ranges, lo <= hi "
+                             "(one per channel, one per tensor)")
+        self.lo, self.hi = lo, hi
+
+    def __repr__(self):
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        seen = "no data" if self.lo is None else f"{self.lo.shape[0]} range(s)"
+        return f"{type(self).__name__}({settings}; {seen})"
+
+
+def _field(state, key, kinds, shape):
+    """``state[key]`` as an array of a dtype kind in ``kinds`` and ``shape`` (None: any)."""
+    try:
+        v = np.asarray(state[key])
+    except KeyError:
+        raise ValueError(f"Observer.from_state: field {key!r} is missing") from None
+    except TypeError:
+        raise ValueError(f"Observer.from_state: takes a dict of arrays, got {type(state).__name__}") from None
+    if v.dtype.kind not in kinds or (shape is not None and v.shape != shape):
+        raise ValueError(f"Observer.from_state: field {key!r} has dtype {v.dtype} and shape {v.shape}; "
+                         f"expected kind {kinds!r}" + (f" and shape {shape}" if shape is not None else ""))
+    return v
+
+
+class MinMax(Observer):
+    """The smallest and largest values seen (per channel with ``axis``)."""
+
+    kind = "minmax"
+
+
+class MovingAverageMinMax(Observer):
+    """PyTorch's ``MovingAverageMinMaxObserver``: the first batch sets ``lo``,
+    ``hi``; each later one moves them by ``averaging_constant`` times the
+    difference, in float32 as PyTorch does. ``merge`` raises: the average
+    depends on the order of the batches, so partial averages do not combine."""
+
+    kind = "moving_average"
+
+    def __init__(self, dtype="quint8", *, averaging_constant=0.01, symmetric=False, axis=None):
+        c = float(averaging_constant)
+        if not 0.0 < c <= 1.0:
+            raise ValueError(f"MovingAverageMinMax: averaging_constant must be in (0, 1], got {averaging_constant}")
+        self.averaging_constant = c
+        super().__init__(dtype, symmetric=symmetric, axis=axis)
+
+    def _take(self, lo, hi):
+        lo, hi = lo.astype(np.float32), hi.astype(np.float32)
+        if self.lo is None:
+            self.lo, self.hi = lo.astype(np.float64), hi.astype(np.float64)
+            return
+        c = np.float32(self.averaging_constant)
+        old_lo, old_hi = self.lo.astype(np.float32), self.hi.astype(np.float32)
+        self.lo = (old_lo + c * (lo - old_lo)).astype(np.float64)
+        self.hi = (old_hi + c * (hi - old_hi)).astype(np.float64)
+
+    def merge(self, other):
+        raise ValueError("MovingAverageMinMax.merge: a moving average depends on the order of its batches, "
+                         "so partial averages do not combine; merge MinMax or Histogram observers instead")
+
+    def _settings(self):
+        return dict(super()._settings(), averaging_constant=self.averaging_constant)
+
+    @classmethod
+    def _defaults(cls):
+        return dict(super()._defaults(), averaging_constant=0.0)
+
+
+class Histogram(Observer):
+    """Exact streaming histogram; the range by ``method`` (module docstring)."""
+
+    kind = "histogram"
+    _fields = ("exponent", "counts")
+
+    def __init__(self, dtype="quint8", *, method="percentile", bins=2048, percentile=99.99,
+                 symmetric=False, axis=None):
+        if method not in METHODS:
+            raise ValueError(f"Histogram: method must be one of {', '.join(METHODS)}; got {method!r}")
+        if isinstance(bins, (bool, np.bool_)) or not isinstance(bins, (int, np.integer)) \
+                or bins < 4 or bins & (bins - 1):
+            raise ValueError(f"Histogram: bins must be a power of two, 4 or more (the range doubles by "
+                             f"merging pairs of bins), got {bins!r}")
+        p = float(percentile)
+        if not 50.0 < p <= 100.0:
+            raise ValueError(f"Histogram: percentile must be in (50, 100], got {percentile}")
+        self.method, self.bins, self.percentile = method, int(bins), p
+        super().__init__(dtype, symmetric=symmetric, axis=axis)
+
+    def reset(self):
+        super().reset()
+        self.exponent = self.counts = None  # R = 2**exponent per channel; counts (channels, bins) int64
+        return self
+
+    def update(self, x):
+        """Take one batch (a CuPy batch is copied to the host for the counts)."""
+        rows, lo, hi = self._rows(x)
+        rows = to_host(rows)
+        need = np.frexp(np.maximum(np.abs(lo), np.abs(hi)))[1].astype(np.int64)  # |x| < 2**need
+        if self.counts is None:
+            self.counts = np.zeros((rows.shape[0], self.bins), np.int64)
+            self.exponent = need
+        self._grow(need)
+        self._take(lo, hi)
+        half = self.bins // 2
+        # x * bins / (2 R): a power of two, exact; floor gives the bin from -R
+        scale = np.ldexp(1.0, int(np.log2(half)) - self.exponent).astype(rows.dtype if rows.dtype.kind == "f"
+                                                                          else np.float64)
+        idx = np.floor(rows * scale[:, None]).astype(np.int64)
+        idx += half + self.bins * np.arange(rows.shape[0], dtype=np.int64)[:, None]
+        self.counts += np.bincount(idx.ravel(), minlength=self.counts.size).reshape(self.counts.shape)
+        return self
+
+    def _grow(self, need):
+        """Double ``R`` (per channel) until it reaches ``2**need``: bin ``i``
+        moves to ``(half * (2**k - 1) + i) >> k`` for ``k`` doublings."""
+        k = np.maximum(need - self.exponent, 0)
+        half = self.bins // 2
+        i = np.arange(self.bins, dtype=np.int64)
+        for c in np.flatnonzero(k):
+            kc = int(min(k[c], np.log2(self.bins) + 1))  # beyond this every bin lands on the middle two
+            grown = np.zeros(self.bins, np.int64)
+            np.add.at(grown, (half * ((1 << kc) - 1) + i) >> kc, self.counts[c])
+            self.counts[c] = grown
+        self.exponent = np.maximum(self.exponent, need)
+
+    def _merge(self, other):
+        self._grow(other.exponent)
+        o = Histogram.__new__(Histogram)
+        o.bins, o.counts, o.exponent = self.bins, other.counts.copy(), other.exponent.copy()
+        o._grow(self.exponent)
+        self.counts += o.counts
+        self._take(other.lo, other.hi)
+
+    def edges(self):
+        """The bin edges per channel, ``(channels, bins + 1)`` float64 (exact)."""
+        r = np.ldexp(1.0, self.exponent)[:, None]
+        return -r + (2 * r / self.bins) * np.arange(self.bins + 1)
+
+    def _range(self):
+        edges = self.edges()
+        pick = {"percentile": self._percentile, "mse": self._mse, "entropy": self._entropy}[self.method]
+        lo, hi = np.empty(len(edges)), np.empty(len(edges))
+        for c in range(len(edges)):
+            lo[c], hi[c] = pick(self.counts[c], edges[c])
+        return np.maximum(lo, self.lo), np.minimum(hi, self.hi)
+
+    def _percentile(self, counts, edges):
+        half, total = self.bins // 2, counts.sum()
+        if self.symmetric:
+            folded = counts[half:] + counts[:half][::-1]  # |x| in [j w, (j + 1) w)
+            j = np.searchsorted(np.cumsum(folded), self.percentile / 100 * total)
+            t = edges[half + min(j, half - 1) + 1]
+            return -t, t
+        cum = np.cumsum(counts)
+        hi = edges[min(np.searchsorted(cum, self.percentile / 100 * total), self.bins - 1) + 1]
+        lo = edges[np.searchsorted(cum, (1 - self.percentile / 100) * total, side="right")]
+        return lo, hi
+
+    def _mse(self, counts, edges):
+        """Least ``n_in * step**2 / 12 + sum over outside bins of n (c - edge)**2``."""
+        centres = (edges[:-1] + edges[1:]) / 2
+        n, nc, ncc = (np.concatenate([[0.0], np.cumsum(counts * centres**p)]) for p in (0, 1, 2))
+        half, levels = self.bins // 2, self.dtype.qmax - self.dtype.qmin
+        i_hi = np.arange(half, self.bins + 1)  # hi = edges[i_hi] >= 0: bins at i >= i_hi lie above it
+        i_lo = np.arange(0, half + 1)  # lo = edges[i_lo] <= 0: bins below i_lo lie under it
+        hi, lo = edges[i_hi], edges[i_lo]
+        above = (ncc[-1] - ncc[i_hi]) - 2 * hi * (nc[-1] - nc[i_hi]) + hi**2 * (n[-1] - n[i_hi])
+        below = ncc[i_lo] - 2 * lo * nc[i_lo] + lo**2 * n[i_lo]
+        if self.symmetric:  # lo = -hi: i_lo = bins - i_hi
+            inside = n[i_hi] - n[self.bins - i_hi]
+            cost = inside * (2 * hi / levels) ** 2 / 12 + above + below[::-1]
+            best = int(np.argmin(cost))
+            return -hi[best], hi[best]
+        inside = n[i_hi][None, :] - n[i_lo][:, None]
+        cost = inside * ((hi[None, :] - lo[:, None]) / levels) ** 2 / 12 + above[None, :] + below[:, None]
+        a, b = np.unravel_index(int(np.argmin(cost)), cost.shape)
+        return lo[a], hi[b]
+
+    def _entropy(self, counts, edges):
+        """ONNX Runtime's ``get_entropy_threshold`` on this histogram, vectorized
+        per candidate (the same integer steps, including its truncating
+        ``int64`` spread of each quantized bin)."""
+        nq = (self.dtype.qmax - self.dtype.qmin + 1) // 2
+        zero, nh = self.bins // 2, nq // 2
+        best, threshold = np.inf, (edges[0], edges[-1])
+        for i in range(nh, zero + 1):
+            start, end = zero - i, min(zero + i + 1, self.bins)
+            sliced = counts[start:end]
+            p = sliced.copy()
+            p[0] += counts[:start].sum()
+            p[-1] += counts[end:].sum()
+            nonzero = (p != 0).astype(np.int64)
+            merged = sliced.size // nq
+            body = nq * merged
+            quantized = sliced[:body].reshape(nq, merged).sum(axis=1)
+            quantized[-1] += sliced[body:].sum()
+            norm = nonzero[:body].reshape(nq, merged).sum(axis=1)
+            q = np.zeros(p.size, np.int64)  # ORT assigns the quotients into int64: truncated
+            q[:body] = np.repeat(np.where(norm != 0, quantized / np.maximum(norm, 1), 0.0), merged)
+            div = _kl(_smooth(p), _smooth(q))
+            if div < best:
+                best, threshold = div, (edges[start], edges[end])
+        return threshold
+
+    def _settings(self):
+        return dict(super()._settings(), method=self.method, bins=self.bins, percentile=self.percentile)
+
+    @classmethod
+    def _defaults(cls):
+        return dict(super()._defaults(), method="", bins=0, percentile=0.0)
+
+    def _load(self, state):
+        super()._load(state)
+        c = len(self.lo)
+        self.exponent = _field(state, "exponent", "iu", (c,)).astype(np.int64)
+        self.counts = _field(state, "counts", "iu", (c, self.bins)).astype(np.int64)
+        if (self.counts < 0).any() or (np.abs(self.lo) >= np.ldexp(1.0, self.exponent)).any() \
+                or (np.abs(self.hi) >= np.ldexp(1.0, self.exponent)).any():
+            raise ValueError("Observer.from_state: fields 'counts' and 'exponent' do not fit 'lo' and 'hi' "
+                             "(negative counts, or a range beyond 2**exponent)")
+
+
+def _smooth(p, eps=0.0001):
+    """ONNX Runtime's ``smooth_distribution``: zeros get ``eps``, taken from the
+    nonzero entries (float32); None when all are zero."""
+    zeros = (p == 0).astype(np.float32)
+    n_zeros = zeros.sum()
+    n_nonzeros = p.size - n_zeros
+    if not n_nonzeros:
+        return None
+    eps1 = eps * float(n_zeros) / float(n_nonzeros)
+    return p.astype(np.float32) + (eps * zeros + (-eps1) * (1 - zeros))
+
+
+def _kl(p, q):
+    """``scipy.stats.entropy(p, q)`` as ONNX Runtime calls it (SciPy when
+    installed; else the same sum in NumPy: both normalized, natural log)."""
+    if p is None or q is None:
+        return np.inf
+    try:
+        from scipy.stats import entropy
+    except ImportError:
+        p, q = p / p.sum(), q / q.sum()
+        return float(np.sum(p * np.log(p / q)))
+    return float(entropy(p, q))
+
+
+def observer(name, dtype="quint8", *, symmetric=False, axis=None) -> Observer:
+    """The observer the CLI's ``--observer`` names: ``"minmax"``,
+    ``"moving_average"``, ``"percentile"``, ``"mse"`` or ``"entropy"`` (a
+    :class:`Histogram` with that method and its defaults)."""
+    if name == "minmax":
+        return MinMax(dtype, symmetric=symmetric, axis=axis)
+    if name == "moving_average":
+        return MovingAverageMinMax(dtype, symmetric=symmetric, axis=axis)
+    if name in METHODS:
+        return Histogram(dtype, method=name, symmetric=symmetric, axis=axis)
+    raise ValueError(f"observer: unknown observer {name!r}; choose one of minmax, moving_average, "
+                     f"{', '.join(METHODS)}")
