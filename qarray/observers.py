@@ -38,11 +38,14 @@ and returns ``(scale, zero_point)`` as :func:`qarray.quantize` takes them.
     it, with ``(qmax - qmin + 1) // 2`` quantized bins.
 
 State: ``state_dict()`` is a dict of NumPy arrays (``numpy.savez`` /
-``numpy.load(allow_pickle=False)`` keep it, as does :func:`qarray.save`) and
+``numpy.load(allow_pickle=False)`` keep it, no pickle) and
 :meth:`Observer.from_state` rebuilds the observer from it.
 """
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -322,6 +325,10 @@ class Histogram(Observer):
         self.exponent = np.maximum(self.exponent, need)
 
     def _merge(self, other):
+        if self.counts is None:
+            self.counts, self.exponent = other.counts.copy(), other.exponent.copy()
+            self.lo, self.hi = other.lo.copy(), other.hi.copy()
+            return
         self._grow(other.exponent)
         o = Histogram.__new__(Histogram)
         o.bins, o.counts, o.exponent = self.bins, other.counts.copy(), other.exponent.copy()
@@ -343,15 +350,16 @@ class Histogram(Observer):
         return np.maximum(lo, self.lo), np.minimum(hi, self.hi)
 
     def _percentile(self, counts, edges):
-        half, total = self.bins // 2, counts.sum()
+        half, total = self.bins // 2, int(counts.sum())
+        keep = Fraction(repr(self.percentile)) / 100 * total  # 99.9 as the user wrote it, exactly
         if self.symmetric:
             folded = counts[half:] + counts[:half][::-1]  # |x| in [j w, (j + 1) w)
-            j = np.searchsorted(np.cumsum(folded), self.percentile / 100 * total)
+            j = np.searchsorted(np.cumsum(folded), math.ceil(keep))
             t = edges[half + min(j, half - 1) + 1]
             return -t, t
         cum = np.cumsum(counts)
-        hi = edges[min(np.searchsorted(cum, self.percentile / 100 * total), self.bins - 1) + 1]
-        lo = edges[np.searchsorted(cum, (1 - self.percentile / 100) * total, side="right")]
+        hi = edges[min(np.searchsorted(cum, math.ceil(keep)), self.bins - 1) + 1]
+        lo = edges[np.searchsorted(cum, math.floor(total - keep), side="right")]
         return lo, hi
 
     def _mse(self, counts, edges):

@@ -1,0 +1,344 @@
+"""qarray.observers against independent references: NumPy min/max, PyTorch's
+moving average, exact histogram counts, brute-force range searches on the raw
+samples and ONNX Runtime's own entropy search."""
+
+import io
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import nn, observers
+from qarray.observers import Histogram, MinMax, MovingAverageMinMax, Observer, observer
+
+
+def _batches(rng, shapes, axis=None, scale=1.0):
+    return [(rng.standard_normal(s) * scale).astype(np.float32) for s in shapes]
+
+
+def _same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+# -- MinMax ---------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [None, 0, 1, -1])
+def test_minmax_matches_numpy_over_batches_of_any_shape(rng, axis):
+    shapes = [(3, 4, 5), (7, 4, 2), (1, 4, 9)] if axis in (1, -1) and False else [(3, 4, 5), (7, 4, 5), (1, 4, 5)]
+    if axis == 0:
+        shapes = [(4, 5, 2), (4, 1, 7), (4, 3, 3)]
+    xs = _batches(rng, shapes)
+    obs = MinMax("qint8", axis=axis)
+    for x in xs:
+        assert obs.update(x) is obs
+    if axis is None:
+        lo = min(float(x.min()) for x in xs)
+        hi = max(float(x.max()) for x in xs)
+        want = qarray.choose_qparams(lo, hi, "qint8")
+        assert obs.qparams()[0].shape == () and obs.qparams()[1].shape == ()
+    else:
+        ax = axis % 3
+        lo = np.min([np.moveaxis(x, ax, 0).reshape(x.shape[ax], -1).min(1) for x in xs], axis=0)
+        hi = np.max([np.moveaxis(x, ax, 0).reshape(x.shape[ax], -1).max(1) for x in xs], axis=0)
+        want = qarray.choose_qparams(lo, hi, "qint8")
+    s, z = obs.qparams()
+    assert s.dtype == np.float32 and z.dtype == np.int32
+    np.testing.assert_array_equal(s, want[0])
+    np.testing.assert_array_equal(z, want[1])
+
+
+def test_symmetric_zero_point_and_quantize(rng):
+    x = rng.standard_normal((6, 8)).astype(np.float32) + 0.5
+    for d, z in (("qint8", 0), ("quint8", 128)):
+        obs = MinMax(d, symmetric=True, axis=0).update(x)
+        s, zp = obs.qparams()
+        assert (zp == z).all()
+        np.testing.assert_array_equal(s, np.abs(x).max(1).astype(np.float32) / np.float32(127.5))
+        q = obs.quantize(x)
+        assert q.axis == 0 and q.dtype is qarray.qdtype(d)
+        np.testing.assert_array_equal(q.int_repr(), qarray.quantize(x, s, zp, d, axis=0).int_repr())
+
+
+# -- MovingAverageMinMax -------------------------------------------------------------
+def test_moving_average_is_pytorchs(rng):
+    xs = _batches(rng, [(50,), (30,), (80,), (10,)], scale=2.0)
+    obs = MovingAverageMinMax("quint8", averaging_constant=0.1)
+    lo = hi = None
+    for x in xs:
+        obs.update(x)
+        b_lo, b_hi = np.float32(x.min()), np.float32(x.max())
+        if lo is None:
+            lo, hi = b_lo, b_hi
+        else:
+            lo = np.float32(lo + np.float32(0.1) * (b_lo - lo))
+            hi = np.float32(hi + np.float32(0.1) * (b_hi - hi))
+    assert obs.lo[0] == lo and obs.hi[0] == hi
+    torch = pytest.importorskip("torch")
+    ref = torch.ao.quantization.MovingAverageMinMaxObserver(averaging_constant=0.1)
+    for x in xs:
+        ref(torch.from_numpy(x))
+    assert float(ref.min_val) == float(lo) and float(ref.max_val) == float(hi)
+
+
+def test_moving_average_refuses_merge():
+    a = MovingAverageMinMax().update(np.ones(3))
+    with pytest.raises(ValueError, match="MovingAverageMinMax.merge: a moving average depends on the order"):
+        a.merge(MovingAverageMinMax().update(np.ones(3)))
+
+
+# -- Histogram: exact counts and merge ----------------------------------------------
+def _reference_counts(xs, obs, channel=0, axis=None):
+    """Counts by exact comparison with the (exact, power-of-two) edges."""
+    edges = obs.edges()[channel]
+    vals = np.concatenate([(x if axis is None else np.moveaxis(x, axis, 0)[channel]).ravel().astype(np.float64)
+                           for x in xs])
+    idx = np.searchsorted(edges, vals, side="right") - 1
+    return np.bincount(idx, minlength=obs.bins)
+
+
+def test_histogram_counts_are_exact_after_doublings(rng):
+    xs = [rng.standard_normal(1000).astype(np.float32) * s for s in (0.01, 1.0, 300.0, 0.5)]
+    xs.append(np.array([0.0, -0.0, np.float32(2.0**-140), -np.float32(2.0**-140)], np.float32))
+    obs = Histogram("qint8", bins=64)
+    for x in xs:
+        obs.update(x)
+    np.testing.assert_array_equal(obs.counts[0], _reference_counts(xs, obs))
+    assert obs.counts.sum() == sum(x.size for x in xs)
+    assert 2.0 ** (obs.exponent[0] - 1) <= max(abs(x).max() for x in xs) < 2.0 ** obs.exponent[0]
+
+
+def test_histogram_counts_match_numpy_histogram(rng):
+    xs = _batches(rng, [(5000,), (3000,)], scale=3.0)
+    obs = Histogram(bins=2048)
+    for x in xs:
+        obs.update(x)
+    want, _ = np.histogram(np.concatenate(xs), bins=obs.edges()[0])
+    np.testing.assert_array_equal(obs.counts[0], want)
+
+
+@pytest.mark.parametrize("axis", [None, 1])
+@pytest.mark.parametrize("kind", ["minmax", "percentile"])
+def test_merge_equals_one_observer(rng, axis, kind):
+    """Partial observers (different R: one saw small values, one large) merged
+    have the same state, bit for bit, as one observer that saw every batch."""
+    xs = [rng.standard_normal((4, 3, 5)).astype(np.float32) * s for s in (0.01, 0.02, 50.0, 1.0)]
+    whole = observer(kind, "qint8", axis=axis)
+    for x in xs:
+        whole.update(x)
+    a, b = observer(kind, "qint8", axis=axis), observer(kind, "qint8", axis=axis)
+    for x in xs[:2]:
+        a.update(x)
+    for x in xs[2:]:
+        b.update(x)
+    _same_state(a.merge(b), whole)
+    c, d = observer(kind, "qint8", axis=axis), observer(kind, "qint8", axis=axis)
+    for x in xs[2:]:
+        c.update(x)
+    for x in xs[:2]:
+        d.update(x)
+    _same_state(c.merge(d), whole)
+    _same_state(observer(kind, "qint8", axis=axis).merge(whole), whole)  # an empty one takes the other's
+
+
+def test_per_channel_histograms_are_independent(rng):
+    x = np.stack([rng.standard_normal(4000) * s for s in (0.1, 10.0, 1000.0)], axis=1).astype(np.float32)
+    obs = Histogram(axis=1, bins=256).update(x[:2000]).update(x[2000:])
+    for c in range(3):
+        np.testing.assert_array_equal(obs.counts[c], _reference_counts([x], obs, c, axis=1))
+
+
+# -- Histogram: the range methods against brute force -----------------------------
+def _distributions():
+    rng = np.random.default_rng(7)
+    n = 100_000
+    uniform = rng.uniform(-1, 1, n)
+    uniform[:5] = [40.0, -35.0, 60.0, 25.0, -50.0]  # a few far outliers
+    return {"normal": rng.standard_normal(n), "laplace": rng.laplace(0, 1, n), "uniform+outliers": uniform}
+
+
+DISTS = _distributions()
+
+
+@pytest.mark.parametrize("name", list(DISTS))
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_percentile_within_one_bin_of_numpy(name, symmetric):
+    x = DISTS[name].astype(np.float32)
+    obs = Histogram("qint8", method="percentile", percentile=99.9, symmetric=symmetric).update(x)
+    w = float(obs.edges()[0, 1] - obs.edges()[0, 0])
+    lo, hi = (v[0] for v in obs._range())
+    if symmetric:
+        t = np.percentile(np.abs(x.astype(np.float64)), 99.9)
+        assert abs(hi - t) <= w and lo == -hi
+    else:
+        assert abs(hi - np.percentile(x, 99.9)) <= w
+        assert abs(lo - np.percentile(x, 0.1)) <= w
+
+
+def _expected_mse(x, lo, hi, levels):
+    """The documented objective on the raw samples (no histogram)."""
+    step = (hi - lo) / levels
+    inside = (x >= lo) & (x <= hi)
+    return (inside.sum() * step**2 / 12 + ((x[x > hi] - hi) ** 2).sum() + ((lo - x[x < lo]) ** 2).sum()) / x.size
+
+
+def _actual_mse(x, lo, hi, d):
+    s, z = qarray.choose_qparams(lo, hi, d)
+    return float(np.mean((qarray.quantize(x, s, z, d).dequantize().astype(np.float64) - x) ** 2))
+
+
+@pytest.mark.parametrize("name", list(DISTS))
+@pytest.mark.parametrize("dtype", ["qint8", "qint4"])
+def test_mse_symmetric_within_one_bin_of_brute_force(name, dtype):
+    x = DISTS[name].astype(np.float32)
+    d = qarray.qdtype(dtype)
+    obs = Histogram(d, method="mse", symmetric=True).update(x)
+    w = float(obs.edges()[0, 1] - obs.edges()[0, 0])
+    t = obs._range()[1][0]
+    xs = x.astype(np.float64)
+    grid = np.arange(w, np.abs(xs).max() + w, w / 4)
+    costs = [_expected_mse(xs, -g, g, d.qmax - d.qmin) for g in grid]
+    best = grid[int(np.argmin(costs))]
+    assert abs(t - best) <= w + w / 4, (t, best, w)
+    # and the real error of quantizing with it is within 5% of the best real error on the grid
+    # (the step**2 / 12 model is loose where the bulk spans few steps: uniform + outliers, int8)
+    real = [_actual_mse(x, -g, g, d) for g in grid[:: max(1, len(grid) // 200)]]
+    assert _actual_mse(x, -t, t, d) <= 1.05 * min(real)
+
+
+@pytest.mark.parametrize("name", ["normal", "laplace"])
+def test_mse_asymmetric_within_one_bin_of_brute_force(name):
+    x = np.abs(DISTS[name]).astype(np.float32) - 0.5  # skewed: lo and hi differ
+    d = qarray.qint4
+    obs = Histogram(d, method="mse", bins=256).update(x)
+    w = float(obs.edges()[0, 1] - obs.edges()[0, 0])
+    lo, hi = (v[0] for v in obs._range())
+    xs = x.astype(np.float64)
+    los = np.arange(0, xs.min() - w, -w)
+    his = np.arange(0, xs.max() + w, w)
+    costs = np.array([[_expected_mse(xs, a, b, d.qmax - d.qmin) for b in his] for a in los])
+    a, b = np.unravel_index(int(np.argmin(costs)), costs.shape)
+    assert abs(lo - max(los[a], xs.min())) <= w and abs(hi - min(his[b], xs.max())) <= w
+
+
+@pytest.mark.parametrize("name", list(DISTS))
+@pytest.mark.parametrize("dtype", ["qint8", "quint4"])
+def test_entropy_is_onnxruntimes(name, dtype):
+    """The public reference: ONNX Runtime's HistogramCollector.get_entropy_threshold
+    on the same histogram (edges, min, max) gives the same threshold, exactly."""
+    calibrate = pytest.importorskip("onnxruntime.quantization.calibrate")
+    x = DISTS[name].astype(np.float32)
+    d = qarray.qdtype(dtype)
+    obs = Histogram(d, method="entropy", bins=512).update(x)
+    edges = obs.edges()[0]
+    collector = calibrate.HistogramCollector("entropy", True, 512, (d.qmax - d.qmin + 1) // 2, 99.99, "same")
+    want = collector.get_entropy_threshold((obs.counts[0], edges, x.min(), x.max(), edges[-1]),
+                                           (d.qmax - d.qmin + 1) // 2)
+    lo, hi = (v[0] for v in obs._range())
+    assert (lo, hi) == (float(want[0]), float(want[1]))
+
+
+def test_histogram_update_on_2_24_values_is_fast():
+    """Not a benchmark (benchmarks/bench_observers.py is): a guard against a
+    per-element Python loop, with a wide margin."""
+    import time
+
+    x = np.random.default_rng(0).standard_normal(2**24).astype(np.float32)
+    obs = Histogram()
+    t = time.perf_counter()
+    obs.update(x)
+    assert time.perf_counter() - t < 5.0
+
+
+# -- state ----------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: MinMax("qint8"), lambda: MinMax("quint4", symmetric=True, axis=-1),
+    lambda: MovingAverageMinMax("qint16", averaging_constant=0.25),
+    lambda: Histogram("qint8", method="mse", bins=128, axis=0),
+    lambda: Histogram("quint8", method="entropy", percentile=99.0),
+])
+def test_state_round_trips_without_pickle(rng, make):
+    obs = make()
+    for x in _batches(rng, [(4, 6), (4, 6)], scale=2.0):
+        obs.update(x)
+    buf = io.BytesIO()
+    np.savez(buf, **obs.state_dict())
+    buf.seek(0)
+    with np.load(buf, allow_pickle=False) as f:
+        back = Observer.from_state(dict(f))
+    assert type(back) is type(obs)
+    _same_state(back, obs)
+    for a, b in zip(back.qparams(), obs.qparams()):
+        np.testing.assert_array_equal(a, b)
+    empty = Observer.from_state(make().state_dict())  # no data yet: settings only
+    with pytest.raises(ValueError, match="no data observed yet"):
+        empty.qparams()
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s.pop("kind"), "field 'kind' is missing"),
+    (lambda s: s.update(kind=np.array("nope")), "field 'kind' is 'nope'"),
+    (lambda s: s.update(counts=s["counts"][:, :3]), "field 'counts' has dtype int64 and shape"),
+    (lambda s: s.update(counts=-s["counts"]), "fields 'counts' and 'exponent' do not fit"),
+    (lambda s: s.update(hi=s["lo"] - 1), "fields 'lo' and 'hi' must be finite"),
+    (lambda s: s.update(bins=np.array(100)), "a setting is invalid: Histogram: bins must be a power of two"),
+    (lambda s: s.update(lo=np.array(["x"])), "field 'lo' has dtype <U1"),
+])
+def test_damaged_state(rng, change, match):
+    s = Histogram(bins=64).update(rng.standard_normal(100)).state_dict()
+    change(s)
+    with pytest.raises(ValueError, match=match):
+        Observer.from_state(s)
+
+
+# -- errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: MinMax().qparams(), ValueError, r"MinMax: no data observed yet; call update\(x\) first"),
+    (lambda: MinMax().update(np.array([1.0, np.nan])), ValueError, "MinMax.update: the batch holds NaN or inf"),
+    (lambda: Histogram().update(np.array([np.inf])), ValueError, "Histogram.update: the batch holds NaN or inf"),
+    (lambda: MinMax().update(np.array(["a"])), TypeError, "MinMax.update: takes a real"),
+    (lambda: MinMax().update(np.zeros(0)), ValueError, "the batch has no values"),
+    (lambda: MinMax(axis=2).update(np.zeros((2, 2))), ValueError, "axis=2 is out of range"),
+    (lambda: MinMax(axis=1.5), TypeError, "MinMax: axis must be an integer or None"),
+    (lambda: MinMax(axis=0).update(np.zeros((2, 3))).update(np.zeros((3, 3))), ValueError,
+     "the batch has 3 channels along axis 0, earlier batches had 2"),
+    (lambda: Histogram(bins=100), ValueError, "Histogram: bins must be a power of two, 4 or more"),
+    (lambda: Histogram(percentile=30), ValueError, r"Histogram: percentile must be in \(50, 100\]"),
+    (lambda: Histogram(method="kl"), ValueError, "Histogram: method must be one of percentile, mse, entropy"),
+    (lambda: MovingAverageMinMax(averaging_constant=0), ValueError, "averaging_constant must be in"),
+    (lambda: observer("best"), ValueError, "observer: unknown observer 'best'; choose one of minmax"),
+    (lambda: MinMax("qint8").merge(MinMax("quint8")), ValueError, "MinMax.merge: dtype differs"),
+    (lambda: MinMax().merge(Histogram()), ValueError, "MinMax.merge: the other observer is a Histogram"),
+    (lambda: Histogram(bins=64).merge(Histogram(bins=128)), ValueError, "Histogram.merge: bins differs"),
+    (lambda: MinMax(axis=0).update(np.zeros((2, 1))).merge(MinMax(axis=0).update(np.zeros((3, 1)))), ValueError,
+     "MinMax.merge: 2 channels here, 3 in the other"),
+])
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_import_is_numpy_only():
+    assert "observers" in qarray.__all__ and qarray.observers is observers
+
+
+# -- nn -------------------------------------------------------------------------------
+def test_linear_calibrate_with_an_observer(rng):
+    w = (rng.standard_normal((5, 8)) * 0.3).astype(np.float32)
+    layer = nn.Linear.from_float(w, np.zeros(5, np.float32))
+    xs = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(3)]
+    obs = Histogram("qint8", method="percentile", percentile=99.0)
+    layer.calibrate(xs[0], observer=obs)
+    for x in xs[1:]:
+        layer.calibrate(x)  # the observer kept on the layer sees every batch
+    ref = Histogram("qint8", method="percentile", percentile=99.0)
+    for x in xs:
+        ref.update(layer._reference(x))
+    assert layer.dtype is qarray.qint8
+    for a, b in zip((layer.scale, layer.zero_point), ref.qparams()):
+        np.testing.assert_array_equal(a, b)
+    relu = nn.Linear.from_float(w).calibrate(xs[0], relu=True, observer=MinMax("quint8"))
+    assert int(relu.zero_point) == 0
+    with pytest.raises(ValueError, match="calibrate: dtype quint8 differs from the observer's qint8"):
+        layer.calibrate(xs[0], dtype="quint8")
