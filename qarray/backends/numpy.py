@@ -127,8 +127,12 @@ class NumpyBackend(Backend):
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
     def pack_weight(self, codes, qd, keep=False):
-        # Small weights skip the engine: its first use costs ~0.5 s (import, self-check).
-        if codes.size < _SMALL or 0 in codes.shape or _gemm.engine(config.gemm) == "blas":
+        # Small weights of a one-off matmul skip the engine: its first use costs ~0.5 s
+        # (import, self-check). Layers (``keep``) take it whatever their size: float32
+        # BLAS leaves OpenBLAS threads spinning after each call, and the Numba
+        # epilogue that follows then runs ~20x slower (7 ms instead of 0.3 ms for a
+        # 256x64x128 layer on 2 cores); the engine's threads sleep after a call.
+        if (codes.size < _SMALL and not keep) or 0 in codes.shape or _gemm.engine(config.gemm) == "blas":
             return super().pack_weight(codes, qd, keep)
         name = _gemm.engine(config.gemm)
         return _gemm.Packed(name, codes, qd, keep, numba=config.numba and _numba_kernels() is not None)
