@@ -58,3 +58,12 @@ def timeit(repeats, **fns):
                 f()
                 times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+
+
+def write(outdir: Path, name: str, lines: list, **data) -> None:
+    """``outdir/name.txt`` (the printed lines) and ``outdir/name.json`` (``data``)."""
+    import json
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    (outdir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")

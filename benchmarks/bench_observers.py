@@ -16,7 +16,6 @@ OUTDIR/bench_observers.{json,txt} (default benchmarks/results).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import sys
@@ -26,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import options, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+from _timing import options, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 from qarray.observers import Histogram, MinMax, Observer  # noqa: E402
 
 LINES: list[str] = []
@@ -81,9 +80,7 @@ def main(outdir, quick):
     fns["qarray qparams mse symmetric"] = full("mse", True).qparams
     fns["numpy.histogram (same edges)"] = lambda: np.histogram(x, bins=edges)
     report("qparams from 2048 bins", timeit(repeats, **fns), "numpy.histogram (same edges)")
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "bench_observers.txt").write_text("\n".join(LINES) + "\n")
-    (outdir / "bench_observers.json").write_text(json.dumps(dict(machine=info, rows=ROWS), indent=1) + "\n")
+    write(outdir, "bench_observers", LINES, machine=info, rows=ROWS)
 
 
 if __name__ == "__main__":

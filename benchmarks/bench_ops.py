@@ -19,7 +19,6 @@ OUTDIR/bench_ops.{json,txt} (default benchmarks/results); each JSON row has the
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import sys
@@ -30,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import TensorProto, helper, options, ort, timeit, torch  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+from _timing import TensorProto, helper, options, ort, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
 from qarray.ops import cat, conv2d, log_softmax, matmul, sigmoid, softmax  # noqa: E402
@@ -256,9 +255,7 @@ def main(outdir, quick):
         bench_conv(rng, 256, 256)
         bench_cat_lut(rng)
         bench_softmax(rng)
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "bench_ops.txt").write_text("\n".join(LINES) + "\n")
-    (outdir / "bench_ops.json").write_text(json.dumps(dict(machine=info, rows=ROWS), indent=1) + "\n")
+    write(outdir, "bench_ops", LINES, machine=info, rows=ROWS)
 
 
 if __name__ == "__main__":
