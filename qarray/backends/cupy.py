@@ -16,8 +16,11 @@ import os
 import re
 from pathlib import Path
 
+from typing import NamedTuple
+
 import numpy as np
 
+from .._fixed_point import identity
 from .._params import Layout, param_shape
 from ._base import Backend, nan_error
 
@@ -28,6 +31,14 @@ STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # ops.cu qa_store
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
+# cuBLAS's integer GEMM (library_types.h, cublas_api.h): int8 inputs, int32
+# output and compute, on the tensor cores; pointers 4-byte aligned, m, k and
+# the leading dimensions multiples of 4.
+CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I = 3, 10, 72
+CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_GEMM_DEFAULT = 0, 1, -1
+KPAD = 32  # packed weights' K is a multiple of this: cuBLAS's 4, and gemv's 16 bytes of 4-bit codes
+K_INT32 = (2**31 // 2**14) // KPAD * KPAD - KPAD  # values of K whose int8 x int8 sums always fit int32
+GEMV_ROWS = (1, 2, 4, 8, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row counts
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
@@ -144,6 +155,21 @@ def plan(xp, shape, axis, block_size, *params):
     return lay.size, lay.ints, lay.bidx(xp), ps
 
 
+class DeviceWeight(NamedTuple):
+    """:meth:`CupyBackend.pack_weight`'s weights ``(K, N)`` on the device: ``w8``
+    the int8 ``w' = codes - shift`` transposed to ``(N, K)`` and zero-padded to
+    ``(npad, kpad)`` (cuBLAS's "T" operand; gemv's columns), ``w4`` the same
+    codes of 4 bits or less as offset nibbles two to a byte (``gemm.cu`` gemv)
+    or None, and, as :class:`qarray.backends._base.FloatWeight`, ``shift``,
+    the int64 column sums of ``w'`` and the code width."""
+
+    w8: object
+    w4: object
+    shift: int
+    colsum: object
+    bits: int
+
+
 class CupyBackend(Backend):
     name = "cupy"
     module = "cupy"
@@ -152,6 +178,7 @@ class CupyBackend(Backend):
     def __init__(self):
         super().__init__()
         self._modules = {}
+        self._consts = {}
 
     @property
     def xp(self):
@@ -193,10 +220,34 @@ class CupyBackend(Backend):
         launches on the current device, which need not be the data's."""
         return x.device
 
+    def _device_id(self) -> int:
+        return self.xp.cuda.Device().id
+
+    def _const(self, a):
+        """Host array ``a`` as a C-contiguous device array on the current device,
+        copied once and kept (parameters and layouts that ops pass on every call)."""
+        a = np.ascontiguousarray(a)
+        key = (self._device_id(), a.dtype.str, a.shape, a.tobytes())
+        if key not in self._consts:
+            if len(self._consts) >= 4096:  # a bound, not an LRU: parameters repeat or they do not
+                self._consts.clear()
+            self._consts[key] = self.xp.asarray(a)
+        return self._consts[key]
+
+    @staticmethod
+    def _ptr(a) -> int:
+        """The device address of ``a``'s first element."""
+        return a.__cuda_array_interface__["data"][0]
+
+    def _blas(self):
+        """``(cublas module, handle)`` of the current device."""
+        cupy = self.xp
+        return cupy.cuda.cublas, cupy.cuda.device.get_cublas_handle()
+
     def _launch(self, source, name, grid, block, args, shared_mem=0):
         """Launch kernel ``name`` of ``cuda/<source>`` (compiled once per device)."""
         cupy = self.xp
-        key = (cupy.cuda.Device().id, source)
+        key = (self._device_id(), source)
         if key not in self._modules:
             self._modules[key] = cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
         self._modules[key].get_function(name)(grid, block, args, shared_mem=shared_mem)
@@ -372,3 +423,127 @@ class CupyBackend(Backend):
             lo, hi = self._minmax_rows(rows, o * i, block_size)
             want = x.shape[:axis] + (-1,) + x.shape[axis + 1 :]
             return tuple(a.reshape(o, i, -1).transpose(0, 2, 1).reshape(want).astype(dtype) for a in (lo, hi))
+
+    # -- integer GEMM: cuBLAS int8 on the tensor cores, or gemv for M <= 16, then
+    # our epilogue (cuda/gemm.cu) --------------------------------------------------
+    def pack_weight(self, codes, qd, keep=False):
+        if codes.ndim != 2 or 0 in codes.shape:
+            return super().pack_weight(codes, qd, keep)
+        xp = self.xp
+        with self.on(codes):
+            k, n = codes.shape
+            kpad, npad = -(-k // KPAD) * KPAD, -(-n // 4) * 4
+            shift = 0 if qd.signed else 1 << (qd.bits - 1)
+            centred = codes.astype(xp.int16) - shift  # every bit width: -128..127
+            w8 = xp.zeros((npad, kpad), xp.int8)
+            w8[:n, :k] = centred.T
+            w4 = None
+            if qd.bits <= 4:  # word j of 16 bytes: k = 8j..8j+3 low nibbles, 8j+4..8j+7 high, each w' + 8
+                u = (w8.astype(xp.int16) + 8).astype(xp.uint8).reshape(npad, kpad // 8, 2, 4)
+                w4 = xp.ascontiguousarray((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(npad, kpad // 2))
+            return DeviceWeight(w8, w4, shift, centred.sum(axis=0, dtype=xp.int64), qd.bits)
+
+    def _gemm_raw(self, a8, pw):
+        """``a8 @ pw.w8.T`` exactly, ``(rows, npad)``: one cuBLAS int8 GEMM to int32
+        per ``K_INT32`` values of K (where no int32 sum can wrap), the parts summed
+        in int64."""
+        xp = self.xp
+        rows, kpad = a8.shape
+        npad = pw.w8.shape[0]
+        blas, handle = self._blas()
+        one, zero = np.ones(1, np.int32), np.zeros(1, np.int32)  # alpha, beta: host values
+        parts = []
+        for k0 in range(0, kpad, K_INT32):
+            kk = min(K_INT32, kpad - k0)
+            c = xp.empty((rows, npad), xp.int32)
+            # column-major: C (npad x rows) = W' (kpad x npad, "T") x A' (kpad x rows, "N")
+            blas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, npad, rows, kk, one.ctypes.data,
+                        self._ptr(pw.w8) + k0, CUDA_R_8I, kpad, self._ptr(a8) + k0, CUDA_R_8I, kpad,
+                        zero.ctypes.data, self._ptr(c), CUDA_R_32I, npad, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT)
+            parts.append(c)
+        if len(parts) == 1:
+            return parts[0]
+        total = parts[0].astype(xp.int64)
+        for p in parts[1:]:
+            total += p
+        return total
+
+    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+        if not isinstance(pw, DeviceWeight) or a.dtype.itemsize != 1 or (
+                rq is not None and (rq.block_size is not None or rq.f.size not in (1, pw.colsum.size))):
+            return super().int_matmul(a, qd, za, pw, zw, bias, rq, acc_dtype)
+        xp = self.xp
+        with self.on(a):
+            n, k = pw.colsum.size, a.shape[-1]
+            rows = math.prod(a.shape[:-1])
+            npad, kpad = pw.w8.shape
+            out = xp.empty(a.shape[:-1] + (n,), acc_dtype if rq is None else rq.out_dtype)
+            if out.size == 0:
+                return out
+            off = 0 if qd.signed else -(1 << (qd.bits - 1))
+            a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
+            self._elementwise(f"to_s8_{a.dtype.name}", a8.size,
+                              (xp.ascontiguousarray(a), np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8),
+                              "gemm.cu")
+            za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
+            gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
+            use_w4 = gemv and pw.w4 is not None
+            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else self._const(np.zeros(1, np.int64))
+            rq = identity(0) if rq is None else rq
+            zo, m, sh, f = (self._const(p.reshape(-1)) for p in rq.params[1:])
+            terms = (self._const(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias),
+                     np.int64(bias is not None), pw.colsum, self._const(zw), np.int64(zw.size > 1), rowsum,
+                     np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
+            outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
+            name = out.dtype.name
+            if gemv:
+                mt = next(r for r in GEMV_ROWS if r >= rows)
+                bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
+                grid, block = launch_config(n * 32)
+                self._launch("gemm.cu", f"gemv{bits}_{mt}_{name}", grid, block,
+                             (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq, out))
+            else:
+                raw = self._gemm_raw(a8, pw)
+                self._elementwise(f"gemm_epilogue_{raw.dtype.name}_{name}", rows * n,
+                                  (raw, np.int64(npad), np.int64(rows), np.int64(n), *terms, *outq, out), "gemm.cu")
+            return out
+
+    # -- convolution: im2col into the GEMM, grouped conv direct -------------------
+    def im2col(self, xpad, kh, kw, stride, dilation):
+        if xpad.dtype.itemsize != 1:
+            return super().im2col(xpad, kh, kw, stride, dilation)
+        xp = self.xp
+        with self.on(xpad):
+            (sh, sw), (dh, dw) = stride, dilation
+            n, hp, wp, c = xpad.shape
+            oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+            out = xp.empty((n * oh * ow, kh * kw * c), xpad.dtype)
+            if out.size:
+                total = n * oh * ow * kh * kw
+                self._elementwise(f"im2col_{xpad.dtype.name}", total,
+                                  (xp.ascontiguousarray(xpad), *(np.int64(v) for v in (hp, wp, c, oh, ow, kh, kw, sh, sw, dh, dw, total)),
+                                   out), "gemm.cu")
+            return out
+
+    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
+        if xpad.dtype.name not in ("int8", "uint8", "int16", "uint16") or (
+                rq is not None and (rq.block_size is not None or rq.f.size not in (1, wc.shape[0]))):
+            return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
+        xp = self.xp
+        with self.on(xpad):
+            (sh, sw), (dh, dw) = stride, dilation
+            n, c, hp, wp = xpad.shape
+            o, cg, kh, kw = wc.shape
+            oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+            out = xp.empty((n, o, oh, ow), np.int64 if rq is None else rq.out_dtype)
+            rq = identity(0) if rq is None else rq
+            if out.size:
+                zo, m, s, f = (self._const(p.reshape(-1)) for p in rq.params[1:])
+                b = self._const(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
+                self._elementwise(
+                    f"conv_grouped_{xpad.dtype.name}_{out.dtype.name}", out.size,
+                    (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32)),
+                     *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
+                     np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),
+                     np.int32(rq.rounding), np.int64(out.size), out), "gemm.cu")
+            return out

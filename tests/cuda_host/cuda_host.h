@@ -24,6 +24,7 @@
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 inline dim3 blockIdx, threadIdx, blockDim, gridDim;  // threadIdx: the running fiber's
+struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
 
 #define __global__
 #define __device__
@@ -222,6 +223,13 @@ template <class T> T atomicOr(T* p, T v) { T o = *p; *p = o | v; return o; }
 template <class T> T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
 template <class T> T atomicCAS(T* p, T c, T v) { T o = *p; if (o == c) *p = v; return o; }
 template <class T> T __ldg(const T* p) { return *p; }
+
+// Four products of signed bytes, summed with c in int32 arithmetic (wrapping, as the instruction).
+inline int __dp4a(int a, int b, int c) {
+    unsigned r = (unsigned)c;
+    for (int j = 0; j < 4; ++j) r += (unsigned)((int)(signed char)(a >> (8 * j)) * (int)(signed char)(b >> (8 * j)));
+    return (int)r;
+}
 
 // IEEE round-to-nearest arithmetic: plain operators on the host (built with
 // -ffp-contract=off, so nothing is fused).

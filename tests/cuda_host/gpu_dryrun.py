@@ -7,6 +7,7 @@ the host-run kernels.
 """
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import cupy  # noqa: E402  (the fake)
 import qarray.backends as qb  # noqa: E402
 from qarray.backends.cupy import CupyBackend  # noqa: E402
 
+from . import cublas_host  # noqa: E402
 from .harness import HostCupyBackend, build  # noqa: E402
 
 assert cupy.__version__ == "0+fake", cupy.__file__
@@ -45,6 +47,8 @@ def fake_device(tmp_path_factory):
     host = HostCupyBackend(build(tmp_path_factory.mktemp("cuda_host") / "kernels.so"))
     host.devices = []
     cupy.RawModule = lambda code, options: HostModule(host, code, options)
+    cupy.cuda.cublas = cublas_host  # gemmEx on the host, under cuBLAS's rules
+    cupy.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
     backend = qb.register(CupyBackend())
     backend.host = host
     yield backend

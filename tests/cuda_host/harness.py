@@ -22,6 +22,8 @@ import pytest
 
 from qarray.backends.cupy import CUDA_DIR, CupyBackend
 
+from . import cublas_host
+
 HOST_HEADER = Path(__file__).parent / "cuda_host.h"
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 CXX = ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden", "-U_FORTIFY_SOURCE", "-Wno-attributes"]
@@ -90,6 +92,16 @@ class HostCupyBackend(CupyBackend):
 
     def on(self, x):  # NumPy arrays: one "device"
         return contextlib.nullcontext()
+
+    def _device_id(self):
+        return 0
+
+    @staticmethod
+    def _ptr(a):
+        return a.__array_interface__["data"][0]
+
+    def _blas(self):
+        return cublas_host, 0
 
     def _launch(self, source, name, grid, block, args, shared_mem=0):
         assert (CUDA_DIR / source).exists()

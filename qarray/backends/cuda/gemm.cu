@@ -1,0 +1,218 @@
+// The integer GEMM and conv of the CuPy backend, bit-identical to the NumPy
+// backend (qarray.backends._base.Backend.int_matmul and conv_grouped):
+//  - to_s8: activation codes a as the int8 a' = a + off, rows padded with
+//    zeros to the packed weights' K (cuBLAS and gemv read a' this way);
+//  - epilogue: one pass over cuBLAS's int32 product (or the int64 sum of its
+//    K-split parts): zero-point terms, bias, requantize, output dtype;
+//  - gemv: the same for M <= 16 rows without cuBLAS, reading each weight once
+//    (int8, or 4-bit two to a byte) with __dp4a, the epilogue in the same kernel;
+//  - im2col (channels-last rows for the GEMM) and conv_grouped (grouped and
+//    depthwise conv, direct, requantized in the same pass).
+#include "common.cuh"
+
+// The GEMM's per-column terms. With a' = a + off and w' = w - shift as the
+// kernels multiply them, za' = za + off and zw' = zw - shift:
+//     sum_k (a - za)(w - zw) + bias = raw + bias[n] - za' * colsum[n] - zw'[n] * (rowsum[r] - K * za')
+// where raw = sum_k a' w', colsum = sum_k w', rowsum = sum_k a'. A step of 0
+// reads element 0 of that array for every column (per-tensor) or row.
+struct GemmTerms {
+    const i64 *bias, *colsum, *zw, *rowsum;
+    i64 bstep, zstep, rstep, za, kza;
+    __device__ __forceinline__ i64 operator()(i64 raw, i64 r, i64 n) const {
+        return raw + bias[n * bstep] - za * colsum[n] - zw[n * zstep] * (rowsum[r * rstep] - kza);
+    }
+};
+#define GEMM_TERMS_ARGS const i64 *bias, i64 bstep, const i64 *colsum, const i64 *zw, i64 zstep, const i64 *rowsum, \
+                        i64 rstep, i64 za, i64 kza
+#define GEMM_TERMS GemmTerms{bias, colsum, zw, rowsum, bstep, zstep, rstep, za, kza}
+
+// The output requantize of column (channel) n: Requant with zp_in 0, its
+// parameters per column (pstep 1) or per tensor (pstep 0).
+struct OutQ {
+    const i64 *zo, *m, *sh;
+    const double* f;
+    i64 pstep, lo, hi;
+    int rounding;
+    __device__ __forceinline__ i64 operator()(i64 d, i64 n) const {
+        const i64 p = n * pstep;
+        return qa_requantize(d, zo[p], m[p], sh[p], f[p], lo, hi, rounding);
+    }
+};
+#define OUTQ_ARGS const i64 *zo, const i64 *m, const i64 *qshift, const double *f, i64 pstep, REQUANT_BOUNDS
+#define OUTQ OutQ{zo, m, qshift, f, pstep, lo, hi, rounding}
+
+// a' = a + off as int8, (rows, k) -> (rows, kpad), zeros past k.
+template <typename T>
+__device__ void to_s8_body(const T* a, i64 rows, i64 k, i64 kpad, int off, signed char* out) {
+    QA_GRID_STRIDE(idx, rows * kpad) {
+        const i64 r = idx / kpad, c = idx - r * kpad;
+        out[idx] = c < k ? (signed char)((int)a[r * k + c] + off) : (signed char)0;
+    }
+}
+
+// out[r, n] = q(terms(raw[r, n])), raw rows `ld` apart, out (rows, cols).
+template <typename TRaw, typename TOut>
+__device__ void epilogue_body(const TRaw* raw, i64 ld, i64 rows, i64 cols, GemmTerms t, OutQ q, TOut* out) {
+    QA_GRID_STRIDE(idx, rows * cols) {
+        const i64 r = idx / cols, n = idx - r * cols;
+        out[idx] = (TOut)q(t((i64)raw[r * ld + n], r, n), n);
+    }
+}
+
+// Four int8 products summed into c; as the __dp4a intrinsic (sm_61 and later).
+__device__ __forceinline__ int qa_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+
+// 16 bytes of a' (one row) against 16 bytes of weights: int8 weights are 16
+// values; 4-bit weights (BITS 4) are 32 values, each 32-bit word holding
+// k..k+3 in its low nibbles and k+4..k+7 in its high nibbles, offset by 8
+// (u = w' + 8 in 0..15): the 8 * sum(a') this adds is taken off by the caller.
+template <int BITS>
+__device__ __forceinline__ int qa_dot16(const int4* a, int4 w, int acc) {
+    const int wv[4] = {w.x, w.y, w.z, w.w};
+    if (BITS == 8) {
+        const int4 x = a[0];
+        const int av[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc = qa_dp4a(av[j], wv[j], acc);
+    } else {
+        const int4 x0 = a[0], x1 = a[1];
+        const int av[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc = qa_dp4a(av[2 * j], wv[j] & 0x0F0F0F0F, acc);
+            acc = qa_dp4a(av[2 * j + 1], (int)(((unsigned)wv[j] >> 4) & 0x0F0F0F0Fu), acc);
+        }
+    }
+    return acc;
+}
+
+// out[r, n] for r < rows <= MT: one warp per column n reads that column's
+// weights once, 16 bytes a lane (a warp: 512 contiguous bytes), against every
+// row of a' (rows kpad apart, kpad a multiple of 32 values); the lanes' int32
+// sums (each of at most kpad / 32 products) meet in int64, then the epilogue.
+// The backend takes this path while each lane's sum fits int32.
+template <int BITS, int MT, typename TOut>
+__device__ void gemv_body(const signed char* a, i64 rows, i64 kpad, const int4* w, i64 cols, GemmTerms t, OutQ q,
+                          TOut* out) {
+    const i64 vals = 128 / BITS;           // values in 16 bytes of weights
+    const i64 chunks = kpad / vals;        // 16-byte chunks in a column
+    const unsigned lane = threadIdx.x & 31;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 n = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; n < cols; n += warps) {
+        int acc[MT];
+#pragma unroll
+        for (int r = 0; r < MT; ++r) acc[r] = 0;
+        const int4* wn = w + n * chunks;
+        for (i64 c = lane; c < chunks; c += 32) {
+            const int4 wc = wn[c];
+#pragma unroll
+            for (int r = 0; r < MT; ++r)
+                if (r < rows) acc[r] = qa_dot16<BITS>(reinterpret_cast<const int4*>(a + r * kpad + c * vals), wc, acc[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < MT; ++r) {
+            if (r >= rows) break;  // warp-uniform
+            i64 s = acc[r];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+            if (lane == 0) {
+                if (BITS == 4) s -= 8 * t.rowsum[r];  // the offset of the nibbles (t.rstep is 1 here)
+                out[r * cols + n] = (TOut)q(t(s, r, n), n);
+            }
+        }
+    }
+}
+
+// im2col of channels-last xpad (N, Hp, Wp, C): row (n, i, j), column (p, q, c)
+// of out (N * OH * OW, kh * kw * C) is xpad[n, i*sh + p*dh, j*sw + q*dw, c];
+// one thread copies the C codes of one (row, tap).
+template <typename T>
+__device__ void im2col_body(const T* x, i64 hp, i64 wp, i64 c, i64 oh, i64 ow, i64 kh, i64 kw, i64 sh, i64 sw,
+                            i64 dh, i64 dw, i64 total, T* out) {
+    QA_GRID_STRIDE(idx, total) {  // total = N * OH * OW * kh * kw
+        const i64 tap = idx % (kh * kw), row = idx / (kh * kw);
+        const i64 j = row % ow, i = (row / ow) % oh, n = row / (ow * oh);
+        const i64 p = tap / kw, q = tap % kw;
+        const T* src = x + ((n * hp + i * sh + p * dh) * wp + j * sw + q * dw) * c;
+        T* dst = out + idx * c;
+        for (i64 k = 0; k < c; ++k) dst[k] = src[k];
+    }
+}
+
+// Grouped conv, NCHW: out[n, o, i, j] = q(sum over the taps of o's group of
+// (xpad - za) * wc + bias[o]) with wc the centred weights (O, cg, kh, kw),
+// exact in int64; one thread per output.
+template <typename T, typename TOut>
+__device__ void conv_grouped_body(const T* x, i64 za, const int* wc, i64 c, i64 hp, i64 wp, i64 o_n, i64 cg,
+                                  i64 kh, i64 kw, i64 oh, i64 ow, i64 sh, i64 sw, i64 dh, i64 dw, const i64* bias,
+                                  i64 bstep, OutQ q, i64 total, TOut* out) {
+    const i64 og = o_n / (c / cg);  // output channels per group
+    QA_GRID_STRIDE(idx, total) {
+        const i64 j = idx % ow, i = (idx / ow) % oh, o = (idx / (ow * oh)) % o_n, n = idx / (ow * oh * o_n);
+        const T* xg = x + (n * c + (o / og) * cg) * hp * wp + (i * sh) * wp + j * sw;
+        const int* wo = wc + o * cg * kh * kw;
+        i64 acc = 0;
+        for (i64 ch = 0; ch < cg; ++ch)
+            for (i64 p = 0; p < kh; ++p)
+                for (i64 r = 0; r < kw; ++r)
+                    acc += ((i64)xg[(ch * hp + p * dh) * wp + r * dw] - za) * wo[(ch * kh + p) * kw + r];
+        out[idx] = (TOut)q(acc + bias[o * bstep], o);
+    }
+}
+
+#define TO_S8(NAME, T)                                                                                    \
+    extern "C" __global__ void to_s8_##NAME(const T* a, i64 rows, i64 k, i64 kpad, int off, signed char* out) { \
+        to_s8_body<T>(a, rows, k, kpad, off, out);                                                         \
+    }
+TO_S8(int8, signed char)
+TO_S8(uint8, unsigned char)
+
+#define EPILOGUE(RAW, TRAW, OUT, TOUT)                                                                     \
+    extern "C" __global__ void gemm_epilogue_##RAW##_##OUT(const TRAW* raw, i64 ld, i64 rows, i64 cols,    \
+                                                           GEMM_TERMS_ARGS, OUTQ_ARGS, TOUT* out) {        \
+        epilogue_body<TRAW, TOUT>(raw, ld, rows, cols, GEMM_TERMS, OUTQ, out);                             \
+    }
+#define GEMV(BITS, MT, OUT, TOUT)                                                                          \
+    extern "C" __global__ void gemv##BITS##_##MT##_##OUT(const signed char* a, i64 rows, i64 kpad,         \
+                                                         const int4* w, i64 cols, GEMM_TERMS_ARGS,         \
+                                                         OUTQ_ARGS, TOUT* out) {                           \
+        gemv_body<BITS, MT, TOUT>(a, rows, kpad, w, cols, GEMM_TERMS, OUTQ, out);                          \
+    }
+#define GEMV_ROWS(M, OUT, TOUT) M(1, OUT, TOUT) M(2, OUT, TOUT) M(4, OUT, TOUT) M(8, OUT, TOUT) M(16, OUT, TOUT)
+#define GEMV8(MT, OUT, TOUT) GEMV(8, MT, OUT, TOUT)
+#define GEMV4(MT, OUT, TOUT) GEMV(4, MT, OUT, TOUT)
+#define PER_OUT(M, ...)                           \
+    M(__VA_ARGS__, int8, signed char)             \
+    M(__VA_ARGS__, uint8, unsigned char)          \
+    M(__VA_ARGS__, int16, short)                  \
+    M(__VA_ARGS__, uint16, unsigned short)        \
+    M(__VA_ARGS__, int32, int)                    \
+    M(__VA_ARGS__, int64, long long)
+PER_OUT(EPILOGUE, int32, int)
+PER_OUT(EPILOGUE, int64, long long)
+#define GEMV_ALL(OUT, TOUT) GEMV_ROWS(GEMV8, OUT, TOUT) GEMV_ROWS(GEMV4, OUT, TOUT)
+GEMV_ALL(int8, signed char)
+GEMV_ALL(uint8, unsigned char)
+GEMV_ALL(int16, short)
+GEMV_ALL(uint16, unsigned short)
+GEMV_ALL(int32, int)
+GEMV_ALL(int64, long long)
+
+#define IM2COL(NAME, T)                                                                                     \
+    extern "C" __global__ void im2col_##NAME(const T* x, i64 hp, i64 wp, i64 c, i64 oh, i64 ow, i64 kh,    \
+                                             i64 kw, i64 sh, i64 sw, i64 dh, i64 dw, i64 total, T* out) {  \
+        im2col_body<T>(x, hp, wp, c, oh, ow, kh, kw, sh, sw, dh, dw, total, out);                          \
+    }
+IM2COL(int8, signed char)
+IM2COL(uint8, unsigned char)
+
+#define CONV_GROUPED(IN, T, OUT, TOUT)                                                                      \
+    extern "C" __global__ void conv_grouped_##IN##_##OUT(                                                   \
+        const T* x, i64 za, const int* wc, i64 c, i64 hp, i64 wp, i64 o_n, i64 cg, i64 kh, i64 kw, i64 oh, \
+        i64 ow, i64 sh, i64 sw, i64 dh, i64 dw, const i64* bias, i64 bstep, OUTQ_ARGS, i64 total, TOUT* out) { \
+        conv_grouped_body<T, TOUT>(x, za, wc, c, hp, wp, o_n, cg, kh, kw, oh, ow, sh, sw, dh, dw, bias, bstep, \
+                                   OUTQ, total, out);                                                       \
+    }
+PER_OUT(CONV_GROUPED, int8, signed char)
+PER_OUT(CONV_GROUPED, uint8, unsigned char)
+PER_OUT(CONV_GROUPED, int16, short)
+PER_OUT(CONV_GROUPED, uint16, unsigned short)
