@@ -3,6 +3,8 @@ through fibers, against the NumPy backend bit for bit; and the harness's
 fibers themselves: kernels that are wrong without their barriers."""
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +202,44 @@ def test_warp_shuffles(harness_lib, rng):
     w = x.reshape(-1, 32)
     np.testing.assert_array_equal(s.reshape(-1, 32), np.repeat(w.sum(axis=1, keepdims=True), 32, axis=1))
     np.testing.assert_array_equal(f.reshape(-1, 32), np.repeat(w[:, :1], 32, axis=1))
+
+
+# -- the harness is no kinder than hardware ----------------------------------------
+def test_shared_memory_starts_as_garbage(harness_lib):
+    """Shared memory nobody wrote holds garbage at each block's start, different
+    from block to block: a kernel that reads it before writing fails here."""
+    out = np.zeros(4 * 64, np.int32)
+    HostCupyBackend(harness_lib).run("shared_unwritten", (4,), (64,), (out,))
+    blocks = out.reshape(4, 64)
+    assert np.count_nonzero(blocks) > 200
+    assert len({b.tobytes() for b in blocks}) == 4
+
+
+def test_blocks_run_in_a_shuffled_order(harness_lib):
+    tickets = []
+    for _ in range(2):
+        counter, out = np.zeros(1, np.int32), np.zeros(64, np.int32)
+        HostCupyBackend(harness_lib).run("block_tickets", (64,), (32,), (counter, out))
+        assert sorted(out) == list(range(64))
+        tickets.append(out.tolist())
+    assert tickets[0] != list(range(64)) and tickets[0] != tickets[1]
+
+
+@pytest.mark.parametrize("mode,message", [(0, "names a lane that is not running"), (1, "reads a lane outside it"),
+                                          (2, None)])
+def test_shuffle_masks_are_checked(harness_lib, mode, message):
+    """A shuffle whose mask names exited lanes, or that reads outside its mask,
+    aborts (undefined on hardware); a correct partial mask works. In a
+    subprocess: the harness aborts the process."""
+    code = (f"import ctypes, numpy as np, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from cuda_host.harness import HostCupyBackend\n"
+            f"out = np.full(32, -1, np.int32)\n"
+            f"HostCupyBackend(ctypes.CDLL({harness_lib._name!r})).run('shuffle_after_exit', (1,), (32,), "
+            f"(np.int32({mode}), out))\n"
+            "print(out[:16].tolist())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if message is None:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str([*range(1, 16), 15])
+    else:
+        assert r.returncode != 0 and message in r.stderr, r.stderr

@@ -1,11 +1,19 @@
 // Host execution of qarray's CUDA kernels: the CUDA built-ins the kernels use,
 // defined for an ordinary C++ compiler, and a launcher that runs a grid on the
-// CPU. Blocks run one after another; the threads of a block are fibers
-// (ucontext), run round-robin, each until it waits at a barrier or finishes:
-// __syncthreads waits for every live thread of the block, __syncwarp and the
-// warp shuffles for every live lane of the warp. The harness
-// (tests/cuda_host/harness.py) generates one launch_NAME per kernel with
-// QA_HOST_LAUNCHER.
+// CPU. The threads of a block are fibers (ucontext), run round-robin, each
+// until it waits at a barrier or finishes: __syncthreads waits for every live
+// thread of the block, __syncwarp and the warp shuffles for every live lane of
+// the warp. The harness (tests/cuda_host/harness.py) generates one
+// launch_NAME per kernel with QA_HOST_LAUNCHER.
+//
+// No kinder than hardware, where the host could be:
+// - blocks run one at a time but in a shuffled order, new for every launch;
+// - shared memory (static, rewritten by harness.py into qa_host::shared, and
+//   dynamic) holds garbage when each block starts, never zeros or the
+//   previous block's values;
+// - a shuffle checks its mask: the lane must be in it, every lane it names
+//   must be live and at the same shuffle with the same mask, and the lane read
+//   must be one of them; anything else aborts with a message.
 //
 // -DQA_HOST_BROKEN_BARRIER makes __syncthreads a no-op (the tests use it to
 // show that a kernel needs its barriers, and that the fibers provide them).
@@ -16,6 +24,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -32,7 +42,8 @@ struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
 #define __forceinline__ inline
 #define __restrict__
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static  // blocks run one at a time: one copy is per-block storage
+// harness.py rewrites every __shared__ declaration; one it missed fails to compile
+#define __shared__ qa_host_shared_declaration_not_rewritten
 
 namespace qa_host {
 
@@ -48,10 +59,32 @@ inline jmp_buf scheduler;
 inline std::vector<Fiber> fibers;
 inline std::vector<char> stacks;
 inline std::vector<unsigned long long> lane_value;  // the shuffles' per-thread slots
+inline std::vector<unsigned> lane_mask;             // and the masks they gave
 inline std::vector<unsigned char> dynamic_shared;   // extern __shared__ (rewritten to this)
 inline constexpr size_t STACK = 64 * 1024;
 inline void (*body)(void*);
 inline void* body_ctx;
+inline unsigned block_serial = 0;   // one per block run: shared memory is refilled on a new one
+inline unsigned launch_serial = 0;  // seeds the block order and the garbage
+
+inline void fill_garbage(void* p, size_t n) {
+    std::minstd_rand g(block_serial * 2654435761u + 12345u);
+    auto* b = static_cast<unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) b[i] = (unsigned char)(g() >> 7);
+}
+
+// __shared__ T name; (rewritten by harness.py to `auto& name = qa_host::shared<T>([]{});`,
+// the lambda making one variable per declaration): garbage at the start of every block.
+template <class T, class Site>
+T& shared(Site) {
+    alignas(16) static unsigned char storage[sizeof(T)];
+    static unsigned seen = ~0u;
+    if (seen != block_serial) {
+        seen = block_serial;
+        fill_garbage(storage, sizeof storage);
+    }
+    return *reinterpret_cast<T*>(storage);
+}
 
 inline void wait(State s) {
     Fiber& f = fibers[threadIdx.x];
@@ -95,8 +128,9 @@ inline void run_block(unsigned n) {
                 at_block += fibers[t].state == AT_BLOCK;
             }
             live += wl;
-            if (ww && ww == wl)
-                for (unsigned t = w; t < n && t < w + 32; ++t) fibers[t].state = RUN, ran = true;
+            if (ww && ww == wl)  // release the waiting lanes (an exited one stays exited)
+                for (unsigned t = w; t < n && t < w + 32; ++t)
+                    if (fibers[t].state == AT_WARP) fibers[t].state = RUN, ran = true;
         }
         if (live == 0) return;
         if (at_block == live) {
@@ -119,7 +153,8 @@ inline void run_grid(unsigned grid, unsigned block, size_t shmem, void (*fn)(voi
     fibers.resize(block);
     stacks.resize(block * STACK);
     lane_value.resize(block);
-    dynamic_shared.assign(shmem, 0);
+    lane_mask.resize(block);
+    dynamic_shared.resize(shmem);
     for (unsigned t = 0; t < block; ++t) {
         Fiber& f = fibers[t];
         getcontext(&f.ctx);
@@ -129,8 +164,13 @@ inline void run_grid(unsigned grid, unsigned block, size_t shmem, void (*fn)(voi
         makecontext(&f.ctx, entry, 0);
         f.started = false;
     }
-    for (unsigned b = 0; b < grid; ++b) {
+    std::vector<unsigned> order(grid);
+    for (unsigned b = 0; b < grid; ++b) order[b] = b;
+    std::shuffle(order.begin(), order.end(), std::mt19937(++launch_serial));
+    for (unsigned b : order) {
         blockIdx = dim3{b, 0, 0};
+        ++block_serial;
+        fill_garbage(dynamic_shared.data(), dynamic_shared.size());
         run_block(block);
     }
 }
@@ -163,15 +203,34 @@ const char* signature(void (*)(A...)) {
     return s.c_str();
 }
 
+[[noreturn]] inline void shuffle_error(const char* what, unsigned mask, unsigned lane) {
+    std::fprintf(stderr, "qa_host: block %u thread %u: shuffle with mask 0x%08x %s (lane %u)\n", blockIdx.x,
+                 threadIdx.x, mask, what, lane);
+    std::abort();
+}
+
+// Lane src's value (v itself when keep: the source is out of range, as the
+// hardware gives back), once every live lane of the warp has arrived; the
+// mask must name exactly lanes that are live and here with the same mask.
 template <class T>
-T shuffle(T v, int src, bool keep) {
+T shuffle(unsigned mask, T v, int src, bool keep) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
-    const unsigned t = threadIdx.x, base = t & ~31u;
+    const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+    if (!(mask >> lane & 1u)) shuffle_error("that leaves out the calling lane", mask, lane);
     std::memcpy(&lane_value[t], &v, sizeof(T));
+    lane_mask[t] = mask;
     wait(AT_WARP);
-    unsigned s = base + (unsigned)src;
+    for (unsigned l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1u)) continue;
+        const unsigned u = base + l;
+        if (u >= blockDim.x || fibers[u].state == DONE) shuffle_error("names a lane that is not running", mask, l);
+        if (lane_mask[u] != mask) shuffle_error("differs from the mask of", mask, l);
+    }
     T r = v;
-    if (!keep && src >= 0 && src < 32 && s < blockDim.x) std::memcpy(&r, &lane_value[s], sizeof(T));
+    if (!keep) {
+        if (src < 0 || src >= 32 || !(mask >> src & 1u)) shuffle_error("reads a lane outside it", mask, (unsigned)src);
+        std::memcpy(&r, &lane_value[base + (unsigned)src], sizeof(T));
+    }
     wait(AT_WARP);
     return r;
 }
@@ -193,26 +252,26 @@ inline void __syncthreads() { qa_host::wait(qa_host::AT_BLOCK); }
 #endif
 inline void __syncwarp(unsigned = 0xffffffffu) { qa_host::wait(qa_host::AT_WARP); }
 
-// Full-mask warp shuffles (width a power of two up to 32, as CUDA's).
+// Warp shuffles (width a power of two up to 32, as CUDA's), masks checked.
 template <class T>
-T __shfl_sync(unsigned, T v, int src, int width = 32) {
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     int lane = threadIdx.x & 31;
-    return qa_host::shuffle(v, (lane & ~(width - 1)) + (src & (width - 1)), false);
+    return qa_host::shuffle(mask, v, (lane & ~(width - 1)) + (src & (width - 1)), false);
 }
 template <class T>
-T __shfl_down_sync(unsigned, T v, unsigned d, int width = 32) {
+T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
     int lane = threadIdx.x & 31;
-    return qa_host::shuffle(v, lane + (int)d, (lane & (width - 1)) + (int)d >= width);
+    return qa_host::shuffle(mask, v, lane + (int)d, (lane & (width - 1)) + (int)d >= width);
 }
 template <class T>
-T __shfl_up_sync(unsigned, T v, unsigned d, int width = 32) {
+T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
     int lane = threadIdx.x & 31;
-    return qa_host::shuffle(v, lane - (int)d, (lane & (width - 1)) < (int)d);
+    return qa_host::shuffle(mask, v, lane - (int)d, (lane & (width - 1)) < (int)d);
 }
 template <class T>
-T __shfl_xor_sync(unsigned, T v, int m, int width = 32) {
+T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32) {
     int lane = threadIdx.x & 31, src = lane ^ m;
-    return qa_host::shuffle(v, src, (src & ~(width - 1)) > (lane & ~(width - 1)));
+    return qa_host::shuffle(mask, v, src, (src & ~(width - 1)) > (lane & ~(width - 1)));
 }
 
 // Atomics: fibers never interleave inside one, so plain read-modify-writes are atomic.

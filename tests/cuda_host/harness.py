@@ -31,6 +31,19 @@ CXX = ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-fno-strict-al
 _KERNEL = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
 # extern __shared__ T name[];  ->  the launch's dynamic shared memory buffer
 _DYN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w\s:*]+?)\s*(\w+)\s*\[\s*\]\s*;")
+# __shared__ T a[32], b;  ->  one qa_host::shared per name: garbage at every block's start
+_SHARED = re.compile(r"(?<!extern )__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+(?:\s*\*)?)\s+([^;]+);")
+_DECLARATOR = re.compile(r"^\s*(\w+)\s*((?:\[[^\]]+\]\s*)*)$")
+
+
+def _rewrite_shared(match):
+    decls = []
+    for part in match.group(2).split(","):
+        d = _DECLARATOR.match(part)
+        if d is None:
+            raise ValueError(f"the harness cannot rewrite this __shared__ declaration: {match.group(0)}")
+        decls.append(f"auto& {d.group(1)} = qa_host::shared<{match.group(1)}{d.group(2).replace(' ', '')}>([] {{}});")
+    return " ".join(decls)
 
 
 def _run(cmd):
@@ -60,6 +73,7 @@ def build(out: Path, sources=SOURCES, defines=()) -> ctypes.CDLL:
     work.mkdir(parents=True, exist_ok=True)
     for f in {*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cuh"), *map(Path, sources)}:  # rewritten copies
         text = _DYN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(qa_host::dynamic_shared.data());", f.read_text())
+        text = _SHARED.sub(_rewrite_shared, text)
         (work / f.name).write_text(text)
     tus = [_translation_unit(s, work, defines) for s in sources]
 

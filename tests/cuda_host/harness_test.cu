@@ -29,3 +29,27 @@ extern "C" __global__ void warp_ops(const int* x, int* sum, int* first) {
     sum[i] = v;
     first[i] = __shfl_sync(0xffffffffu, x[i], 0);
 }
+
+// Each thread's view of shared memory nobody wrote: garbage on hardware, and in the harness.
+extern "C" __global__ void shared_unwritten(int* out) {
+    __shared__ int s[64];
+    out[(i64)blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x % 64];
+}
+
+// The order blocks ran in: thread 0 takes a ticket.
+extern "C" __global__ void block_tickets(int* counter, int* out) {
+    if (threadIdx.x == 0) out[blockIdx.x] = atomicAdd(counter, 1);
+}
+
+// Lanes 16..31 leave; lanes 0..15 then shuffle with a full mask (mode 0: names exited
+// lanes), or with the mask 0xffff reading lane 16 (mode 1: outside the mask), or
+// correctly (mode 2: mask 0xffff, reading within it).
+extern "C" __global__ void shuffle_after_exit(int mode, int* out) {
+    const unsigned lane = threadIdx.x & 31;
+    if (lane >= 16) return;
+    int v = (int)lane;
+    if (mode == 0) v = __shfl_down_sync(0xffffffffu, v, 1);
+    if (mode == 1) v = __shfl_sync(0xffffu, v, 16);
+    if (mode == 2) v = __shfl_down_sync(0xffffu, v, 1, 16);
+    out[threadIdx.x] = v;
+}
