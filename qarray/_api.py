@@ -44,7 +44,6 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) 
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
-    s, z = b.asarray(s), b.asarray(z)
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
 
 
@@ -113,7 +112,7 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
         if not getattr(out.flags, "writeable", True):
             raise ValueError("requantize: out is read-only; pass a writeable array (or out=None for a new one)")
     data = b.requantize(q.data, rq, out)
-    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, axis, block_size, b)
+    return QArray._new(data, s_out, z_out, d, axis, block_size, b)
 
 
 def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import backends as _backends
 from ._dtypes import qdtype
-from ._params import check_params, normalize_axis, user_array
+from ._params import check_params, normalize_axis, to_host, user_array
 
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
@@ -49,8 +49,8 @@ class QArray:
         self = object.__new__(cls)
         self._backend = backend if backend is not None else _backends.for_array(data)
         self._data = data
-        self._scale = scale
-        self._zero_point = zero_point
+        self._scale = to_host(scale)  # host metadata whatever the data's device (a no-op for NumPy)
+        self._zero_point = to_host(zero_point)
         self._dtype = dtype
         self._axis = axis
         self._block_size = block_size
@@ -77,7 +77,7 @@ class QArray:
                     f"from_int: values span [{lo}, {hi}], outside the range "
                     f"[{d.qmin}, {d.qmax}] of {d.name}"
                 )
-        return cls._new(ints.astype(d.storage), b.asarray(s), b.asarray(z), d, axis, block_size, b)
+        return cls._new(ints.astype(d.storage), s, z, d, axis, block_size, b)
 
     # -- attributes -------------------------------------------------------
     data = property(lambda self: self._data, doc="The integer storage array.")
@@ -142,7 +142,7 @@ class QArray:
         def move(a):
             return b.asarray(self._backend.to_host(a))
 
-        return QArray._new(move(self._data), move(self._scale), move(self._zero_point),
+        return QArray._new(move(self._data), self._scale, self._zero_point,
                            self._dtype, self._axis, self._block_size, b)
 
     def get(self) -> "QArray":
@@ -291,10 +291,9 @@ class QArray:
         if self._axis is not None:
             a = self._axis
             if block is None:  # per-axis: the parameters of the items taken
-                pick = b.asarray(idx[a])
-                scale, zp = scale[pick], zp[pick]
+                scale, zp = scale[idx[a]], zp[idx[a]]
             else:  # blocked: one parameter per item taken along the axis
-                pidx = tuple(b.asarray(i) for i in np.ix_(*(i // block if k == a else i for k, i in enumerate(idx))))
+                pidx = np.ix_(*(i // block if k == a else i for k, i in enumerate(idx)))
                 scale, zp, block = scale[pidx], zp[pidx], 1
         data = self._data[tuple(b.asarray(i) for i in np.ix_(*idx))]
         corners = QArray._new(data, scale, zp, self._dtype, self._axis, block, b)

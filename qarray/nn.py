@@ -288,7 +288,7 @@ class DynamicLinear:
             qx = quantize_dynamic(x2, quint8)
             acc = self._packed.run("DynamicLinear", qx, None, None)
             s = np.float32(to_host(qx.scale)) * np.asarray(self._packed.scale, np.float32)
-            y = acc.astype(xp.float32) * backend.asarray(s)
+            y = acc.astype(xp.float32) * backend.param(s)
         if self.bias is not None:
             y = y + xp.asarray(self.bias)
         return y if x.ndim > 1 else y.reshape(-1)

@@ -76,6 +76,13 @@ class Backend:
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 
+    def param(self, a):
+        """Host array ``a`` (quantization parameters and what ops derive from them:
+        per-axis thresholds, weight zero points, a bias) as this backend's array.
+        Ops pass the same few values on every call: the CuPy backend keeps one
+        device copy of each (no copy per call)."""
+        return self.asarray(a)
+
     def to_host(self, a) -> np.ndarray:
         return to_host(a)
 

@@ -146,13 +146,14 @@ def _period(shape, full):
     return math.prod(s) if all(n == 1 for n in s[:k]) else None
 
 
-def plan(xp, shape, axis, block_size, *params):
+def plan(backend, shape, axis, block_size, *params):
     """``(total, layout ints, bidx, compact params)`` for the kernels' ``Layout``
-    (``qarray._params.Layout``: its ``ints``, its ``bidx`` and each parameter
-    as its ``pshape``, flattened)."""
+    (``qarray._params.Layout``: its ``ints``, its ``bidx`` and each host
+    parameter as its ``pshape``, flattened), the arrays as ``backend.param``
+    keeps them on the device: nothing is copied on a repeated call."""
     lay = Layout(shape, axis, block_size)
-    ps = [xp.ascontiguousarray(lay.compact(p)).reshape(-1) for p in params]
-    return lay.size, lay.ints, lay.bidx(xp), ps
+    ps = [backend.param(lay.compact(np.asarray(p)).reshape(-1)) for p in params]
+    return lay.size, lay.ints, backend.param(lay.bidx()), ps
 
 
 class DeviceWeight(NamedTuple):
@@ -223,9 +224,10 @@ class CupyBackend(Backend):
     def _device_id(self) -> int:
         return self.xp.cuda.Device().id
 
-    def _const(self, a):
+    def param(self, a):
         """Host array ``a`` as a C-contiguous device array on the current device,
-        copied once and kept (parameters and layouts that ops pass on every call)."""
+        copied there once and kept (parameters and layouts that ops pass on every
+        call); treat it as read-only."""
         a = np.ascontiguousarray(a)
         key = (self._device_id(), a.dtype.str, a.shape, a.tobytes())
         if key not in self._consts:
@@ -267,14 +269,14 @@ class CupyBackend(Backend):
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
             ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
-            s, z = xp.asarray(scale, ft), xp.asarray(zero_point, np.int32)  # copied here if on another device
-            total, lay, bidx, (s, z) = plan(xp, x.shape, axis, block_size, s, z)
+            s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
+            total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
             nan = xp.zeros(1, np.int32)
             if total:
                 self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
-            if int(nan[0]):
+            if int(nan[0]):  # the one device -> host copy of quantize: it waits for the kernel
                 raise nan_error(x)
             return out
 
@@ -283,8 +285,8 @@ class CupyBackend(Backend):
         with self.on(q):
             q = xp.ascontiguousarray(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
-            s, z = xp.asarray(scale, ft), xp.asarray(zero_point, np.int32)  # copied here if on another device
-            total, lay, bidx, (s, z) = plan(xp, q.shape, axis, block_size, s, z)
+            s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
+            total, lay, bidx, (s, z) = plan(self, q.shape, axis, block_size, s, z)
             out = xp.empty(q.shape, dtype)
             if total:
                 self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
@@ -294,8 +296,7 @@ class CupyBackend(Backend):
     def _requant_args(self, shape, rq):
         """``(total, args)``: what every requantizing kernel takes after its data,
         ``REQUANT_PARAMS`` to ``REQUANT_BOUNDS`` (``cuda/common.cuh``)."""
-        xp = self.xp
-        total, lay, bidx, ps = plan(xp, shape, rq.axis, rq.block_size, *(xp.asarray(p) for p in rq.params))
+        total, lay, bidx, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
         return total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
 
     def requantize(self, q, rq, out=None):
@@ -384,7 +385,7 @@ class CupyBackend(Backend):
             out = xp.empty(q.shape, table.dtype)
             if q.size:  # the table bits are copied: index and values as unsigned of their widths
                 u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
-                total, lay, bidx, _ = plan(xp, q.shape, axis, None, xp.empty(param_shape(q.shape, axis, None), np.int8))
+                total, lay, bidx, _ = plan(self, q.shape, axis, None, np.zeros(param_shape(q.shape, axis, None), np.int8))
                 self._elementwise(f"lut_{u.name}_{v.name}", total,
                                   (q.view(u), xp.ascontiguousarray(xp.asarray(table)).view(v), bidx,
                                    *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
@@ -488,11 +489,11 @@ class CupyBackend(Backend):
             za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
             gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
             use_w4 = gemv and pw.w4 is not None
-            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else self._const(np.zeros(1, np.int64))
+            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else self.param(np.zeros(1, np.int64))
             rq = identity(0) if rq is None else rq
-            zo, m, sh, f = (self._const(p.reshape(-1)) for p in rq.params[1:])
-            terms = (self._const(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias),
-                     np.int64(bias is not None), pw.colsum, self._const(zw), np.int64(zw.size > 1), rowsum,
+            zo, m, sh, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
+            terms = (self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias),
+                     np.int64(bias is not None), pw.colsum, self.param(zw), np.int64(zw.size > 1), rowsum,
                      np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
             outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
             name = out.dtype.name
@@ -538,8 +539,8 @@ class CupyBackend(Backend):
             out = xp.empty((n, o, oh, ow), np.int64 if rq is None else rq.out_dtype)
             rq = identity(0) if rq is None else rq
             if out.size:
-                zo, m, s, f = (self._const(p.reshape(-1)) for p in rq.params[1:])
-                b = self._const(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
+                zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
+                b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
                 self._elementwise(
                     f"conv_grouped_{xpad.dtype.name}_{out.dtype.name}", out.size,
                     (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32)),

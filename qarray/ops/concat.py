@@ -45,9 +45,8 @@ def _joined_params(qs, axis):
         return (first.scale, first.zero_point) if ok else None
     if k == axis and block is not None and any(q.shape[k] % block for q in qs[:-1]):
         return None  # a short block in the middle
-    xp = first._backend.xp
     pax = 0 if block is None else axis
-    return (xp.concatenate([q.scale for q in qs], axis=pax), xp.concatenate([q.zero_point for q in qs], axis=pax))
+    return (np.concatenate([q.scale for q in qs], axis=pax), np.concatenate([q.zero_point for q in qs], axis=pax))
 
 
 @on_data_device
@@ -101,7 +100,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
             part[...] = q.data
         else:
             requantize(q, s, z, d, mode=mode, rounding=rounding, out=part)
-    return QArray._new(out, backend.asarray(s), backend.asarray(z), d, None, None, backend)
+    return QArray._new(out, s, z, d, None, None, backend)
 
 
 @on_data_device

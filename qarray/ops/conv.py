@@ -94,7 +94,7 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
             return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
         xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=fill)
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
-        return b.conv_grouped(xpad, za, packed.data.astype(xp.int32) - b.asarray(zw), groups, stride, dilation,
+        return b.conv_grouped(xpad, za, packed.data.astype(xp.int32) - b.param(zw), groups, stride, dilation,
                               bias, rq)
 
     return finish(op, b, acc, factors, 1, scale, zero_point, dtype,

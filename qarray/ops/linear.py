@@ -83,7 +83,7 @@ class PackedWeight:
             (hi, dh), (lo, dl) = _bytes(a)
             acc = 256 * b.int_matmul(hi, dh, 0, self.packed, self.zp, None, None, np.int64)
             acc += b.int_matmul(lo, dl, 0, self.packed, self.zp, None, None, np.int64)
-            colsum = self.packed.colsum + k_len * (self.packed.shift - b.asarray(self.zp))  # sum_k (w - zw)
+            colsum = self.packed.colsum + k_len * (self.packed.shift - b.param(self.zp))  # sum_k (w - zw)
             acc -= za * colsum[..., None, :]
             if bias is not None:
                 acc += bias
@@ -128,7 +128,7 @@ def _bias_ints(op, b, bias, factors, n, mode, rounding):
             f"{bad[:3].tolist()}{more} (channel {c}: bias {bias_h[c]!s}, input scale * weight scale "
             f"{acc_scale[c]!s}); quantize x, or that channel's weights, with a larger scale"
         )
-    return b.asarray(q.astype(np.int64))
+    return b.param(q.astype(np.int64))
 
 
 @on_data_device

@@ -96,8 +96,8 @@ def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:
     table = np.full(real.shape[:-1] + (n_table,), z_out, d.storage)
     table[..., codes & (n_table - 1)] = quantize(y, s_out, z_out, d).data
     b = q._backend
-    data = b.lut(q.data, b.asarray(table), q.axis)
-    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+    data = b.lut(q.data, b.param(table), q.axis)
+    return QArray._new(data, s_out, z_out, d, None, None, b)
 
 
 def _activation(op, fn, q, scale, zero_point, dtype, default=None) -> QArray:

@@ -158,7 +158,7 @@ def _mean_output(op, q, scale, zero_point, dtype, mode, rounding):
             return xp.clip(v, d.qmin, d.qmax).astype(d.storage)
 
     def make(data):
-        return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+        return QArray._new(data, s_out, z_out, d, None, None, b)
 
     return d, rnd, make
 

@@ -96,7 +96,7 @@ def _softmax(op, q, axis, scale, zero_point, dtype, log):
     out = b.softmax(rows, table(s_in, q.dtype), float(s_in), float(s_out), int(z_out), d.qmin, d.qmax, log,
                     np.dtype(d.storage))
     data = xp.ascontiguousarray(xp.moveaxis(out.reshape(moved.shape), -1, axis))
-    return QArray._new(data, b.asarray(s_out), b.asarray(z_out), d, None, None, b)
+    return QArray._new(data, s_out, z_out, d, None, None, b)
 
 
 @on_data_device

@@ -24,6 +24,14 @@ __version__ = "0+fake"
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
             "Please use `.get()` to construct a NumPy array explicitly.")
 _current = [0]  # the current device
+# Copies between host and device, as CuPy would make them: host data into a
+# device array (asarray / array, a host index array), and device values read on
+# the host (get, asnumpy, int / float / bool / item / tolist of an array).
+transfers = {"h2d": 0, "d2h": 0}
+
+
+def _to_host():
+    transfers["d2h"] += 1
 
 
 def _check_devices(arrays):
@@ -104,7 +112,16 @@ class ndarray:
                 "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
 
     def get(self):
+        _to_host()
         return self._a.copy()
+
+    def item(self):
+        _to_host()
+        return self._a.item()
+
+    def tolist(self):
+        _to_host()
+        return self._a.tolist()
 
     def copy(self, order="C"):  # from any device to the current one, as CuPy's
         return ndarray._of(self._a.copy(order), _current[0])
@@ -128,7 +145,9 @@ class ndarray:
 
     def __getitem__(self, key):
         found = [self]
-        key = _unwrap(key if isinstance(key, tuple) else (key,), found, host_ok=True)  # index arrays may be on the host
+        key = key if isinstance(key, tuple) else (key,)
+        transfers["h2d"] += sum(isinstance(k, (_np.ndarray, list)) for k in key)  # host index arrays are copied over
+        key = _unwrap(key, found, host_ok=True)
         if not any(k is Ellipsis for k in key):
             key += (Ellipsis,)  # a 0-d view, not a NumPy scalar
         return _wrap(self._a[key], found)
@@ -148,12 +167,19 @@ class ndarray:
         return (self[i] for i in range(len(self)))
 
     def __bool__(self):
+        _to_host()
         return bool(self._a)
 
     def __int__(self):
+        _to_host()
+        return int(self._a)
+
+    def __index__(self):
+        _to_host()
         return int(self._a)
 
     def __float__(self):
+        _to_host()
         return float(self._a)
 
     def __repr__(self):
@@ -190,11 +216,13 @@ def asarray(a, dtype=None, order=None):
 
 
 def array(a, dtype=None, copy=True, order="K"):  # always a copy here
+    if not isinstance(a, ndarray):
+        transfers["h2d"] += 1
     return ndarray._of(_np.array(_unwrap(a, [], host_ok=True), dtype, order=order), _current[0])
 
 
 def asnumpy(a):
-    return a.get() if isinstance(a, ndarray) else _np.asarray(a)
+    return a.get() if isinstance(a, ndarray) else _np.asarray(a)  # get() counts the copy
 
 
 def __getattr__(name):  # every other NumPy name; functions refuse NumPy arrays
