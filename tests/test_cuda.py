@@ -15,7 +15,7 @@ from qarray._fixed_point import FLOAT, Requant, quantize_multiplier
 from qarray.backends import cupy as cuda_backend
 from qarray.backends.cupy import CUDA_DIR
 
-from cuda_host.harness import SOURCES, host, host_lib  # noqa: F401 (fixtures)
+from cuda_host.harness import HOST_GRID, SOURCES, host, host_lib  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
@@ -134,12 +134,12 @@ def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
 
 def test_grid_stride_tail_and_launch(host, rng):
     """More elements than one grid covers: the grid-stride loop's tail runs."""
-    n = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77
+    n = cuda_backend.BLOCK * HOST_GRID * 64 + 77
     x = rng.standard_normal(n).astype(np.float32)
     s, z = np.float32(0.03), np.int32(5)
     want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
     np.testing.assert_array_equal(got, want)
-    assert host.launches[-1] == ("quantize_float32_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, cuda_backend.BLOCK)
 
 
 def test_nan_is_the_cpu_error(host):

@@ -15,9 +15,9 @@ from qarray import QArray
 from qarray.backends import cupy as cuda_backend
 from qarray.backends.cupy import CUDA_DIR
 
-from cuda_host.harness import HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
+from cuda_host.harness import HOST_GRID, HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
 
-BIG = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77  # beyond one grid: the grid-stride tail runs
+BIG = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # beyond one grid: the grid-stride tail runs
 HARNESS_KERNELS = Path(__file__).parent / "cuda_host" / "harness_test.cu"
 
 
@@ -132,7 +132,7 @@ def test_minmax_per_tensor(host, rng, size, special, dtype):
     x = _data(rng, (size,), dtype, special)
     want, got = _numpy_and_host(host, lambda b: b.minmax(x, None, None))
     _assert_minmax(want, got, dtype)
-    assert host.launches[-1][0] == f"minmax_{'float64' if dtype == np.float64 else 'float32'}"
+    assert host.launches[-1][0].endswith(f"_{'float64' if dtype == np.float64 else 'float32'}") and host.launches[-1][0].startswith("minmax_")
 
 
 def test_minmax_all_nan_and_one_nan_per_slot(host):
@@ -243,3 +243,18 @@ def test_shuffle_masks_are_checked(harness_lib, mode, message):
         assert r.stdout.strip() == str([*range(1, 16), 15])
     else:
         assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_minmax_fills_the_device_per_axis_and_blocked(host, rng):
+    """Per-axis rows are cut into enough segments to fill the device (3 channels
+    do not make 3 blocks), then one pass over the segments; short blocks take
+    a thread each, not a block each."""
+    x = rng.standard_normal((3, 65536)).astype(np.float32)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(x, 0, None))
+    _assert_minmax(want, got, np.float32)
+    assert [n for n, _, _ in host.launches[-2:]] == ["minmax_float32", "minmax_each_float32"]
+    assert host.launches[-2][1] == HOST_GRID  # 3 rows x 3 segments, on a grid of the device's size
+    xb = rng.standard_normal((4, 256)).astype(np.float32)
+    want, got = _numpy_and_host(host, lambda b: b.minmax(xb, 1, 32))
+    _assert_minmax(want, got, np.float32)
+    assert host.launches[-1][0] == "minmax_each_float32"

@@ -4,7 +4,7 @@ backend bit for bit."""
 
 import numpy as np
 import pytest
-from cuda_host.harness import host, host_lib  # noqa: F401 (fixtures)
+from cuda_host.harness import HOST_GRID, host, host_lib  # noqa: F401 (fixtures)
 from test_cuda import _numpy_and_host, make_rq
 
 import qarray
@@ -12,7 +12,7 @@ from qarray import QArray, qdtype
 from qarray._fixed_point import identity
 from qarray.backends import cupy as cuda_backend
 
-TAIL = cuda_backend.BLOCK * cuda_backend.MAX_BLOCKS + 77  # more than one grid covers
+TAIL = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # more than one grid covers
 INT_DTYPES = ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
 
 
@@ -68,7 +68,7 @@ def test_clip_per_axis_bounds_and_tail(host, rng):
     x = _codes(rng, "quint8", TAIL)
     want, got = _numpy_and_host(host, lambda b: b.clip(x, 3, 200))
     _same(got, want)
-    assert host.launches[-1] == ("clip_uint8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("clip_uint8", HOST_GRID, cuda_backend.BLOCK)
 
 
 @pytest.mark.parametrize("fn", [qarray.relu, qarray.relu6, lambda q: qarray.clamp(q, -0.3, None),
@@ -102,9 +102,9 @@ def test_pack_unpack_2d_and_tail(host, rng):
     x = _codes(rng, "quint2", 4 * TAIL - 1)
     want, got = _numpy_and_host(host, lambda b: b.pack(x, 2))
     _same(got, want)
-    assert host.launches[-1] == ("pack_bits", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("pack_bits", HOST_GRID, cuda_backend.BLOCK)
     back = host.unpack(got, 2, False, x.size)
-    assert host.launches[-1] == ("unpack_bits", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("unpack_bits", HOST_GRID, cuda_backend.BLOCK)
     _same(back, x)
 
 
@@ -153,7 +153,7 @@ def test_binary_views_and_tail(host, rng):
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
     want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
     _same(got, want)
-    assert host.launches[-1] == ("binary_int16_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, cuda_backend.BLOCK)
 
 
 def _requant(rng, shape, out, rounding, relu, axis=None):
@@ -245,7 +245,7 @@ def test_strided_requantize_is_one_kernel_and_tail(host, rng):
     out = np.zeros((q.shape[0], 8), np.int8)
     args = _requantize_args(rng, q, "qint32", "qint8")
     host.requantize(q, *args, out=out[:, 2:7])
-    assert host.launches[-1] == ("requantize_rows_int32_int8", cuda_backend.MAX_BLOCKS, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("requantize_rows_int32_int8", HOST_GRID, cuda_backend.BLOCK)
     np.testing.assert_array_equal(out[:, 2:7], qarray.backends.get("numpy").requantize(q, *args))
     assert not out[:, :2].any() and not out[:, 7:].any()
 

@@ -4,7 +4,8 @@ quantize, dequantize and requantize. CuPy is imported on first use only.
 Kernel sources live in ``qarray/backends/cuda/`` and are compiled with
 ``cupy.RawModule`` once per device, their headers inlined (``kernel_source``).
 Each primitive here runs with its data's device current, whichever device is
-the caller's. ``plan`` and ``launch_config`` decide every argument and the grid;
+the caller's. ``plan`` and ``launch_config`` decide every argument and the grid
+(at most ``_max_grid`` blocks: the device's SMs times the kernel's occupancy);
 the host-execution harness in the tests calls this same class with NumPy arrays
 and a CPU build of the kernels, so it checks this launch logic too.
 """
@@ -26,7 +27,7 @@ from ._base import Backend, nan_error
 
 CUDA_DIR = Path(__file__).parent / "cuda"
 BLOCK = 256
-MAX_BLOCKS = 1024  # grid-stride loops cover the rest
+EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # ops.cu qa_store
@@ -110,9 +111,10 @@ def compile_ptx(name: str, arch: str = "90") -> tuple:
     raise RuntimeError(f"CuPy {cupy.__version__} did not compile {name} through NVRTC")
 
 
-def launch_config(total: int):
-    """``(grid, block)`` for ``total`` elements."""
-    return (max(1, min(-(-total // BLOCK), MAX_BLOCKS)),), (BLOCK,)
+def launch_config(total: int, max_grid: int):
+    """``(grid, block)`` for ``total`` elements: a thread each, at most ``max_grid``
+    blocks (grid-stride loops cover the rest)."""
+    return (max(1, min(-(-total // BLOCK), max_grid)),), (BLOCK,)
 
 
 def _rows(a):
@@ -180,6 +182,7 @@ class CupyBackend(Backend):
         super().__init__()
         self._modules = {}
         self._consts = {}
+        self._grids = {}
 
     @property
     def xp(self):
@@ -246,17 +249,33 @@ class CupyBackend(Backend):
         cupy = self.xp
         return cupy.cuda.cublas, cupy.cuda.device.get_cublas_handle()
 
-    def _launch(self, source, name, grid, block, args, shared_mem=0):
-        """Launch kernel ``name`` of ``cuda/<source>`` (compiled once per device)."""
-        cupy = self.xp
+    def _function(self, source, name):
+        """Kernel ``name`` of ``cuda/<source>``, compiled once per device."""
         key = (self._device_id(), source)
         if key not in self._modules:
-            self._modules[key] = cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
-        self._modules[key].get_function(name)(grid, block, args, shared_mem=shared_mem)
+            self._modules[key] = self.xp.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
+        return self._modules[key].get_function(name)
+
+    def _launch(self, source, name, grid, block, args, shared_mem=0):
+        """Launch kernel ``name`` of ``cuda/<source>``."""
+        self._function(source, name)(grid, block, args, shared_mem=shared_mem)
+
+    def _max_grid(self, source, name):
+        """Blocks of ``BLOCK`` threads that fill the current device once: its SM
+        count times how many blocks of this kernel one SM holds (the driver's
+        occupancy calculator); kept per device and kernel."""
+        key = (self._device_id(), source, name)
+        if key not in self._grids:
+            cupy = self.xp
+            sms = cupy.cuda.runtime.getDeviceProperties(key[0])["multiProcessorCount"]
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self._function(source, name).ptr, BLOCK, 0)
+            self._grids[key] = max(1, sms * per_sm)
+        return self._grids[key]
 
     def _elementwise(self, name, total, args, source="elementwise.cu"):
         """A grid-stride kernel of ``cuda/<source>`` over ``total`` elements."""
-        grid, block = launch_config(total)
+        grid, block = launch_config(total, self._max_grid(source, name))
         self._launch(source, name, grid, block, args)
 
     @staticmethod
@@ -391,15 +410,33 @@ class CupyBackend(Backend):
                                    *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
             return out
 
-    def _minmax_rows(self, x, rows, seg):
-        """Min and max of each ``seg``-long segment of the rows of ``x`` (``rows`` of them)."""
+    def _minmax_segments(self, x, rows, seg):
+        """Min and max of each ``seg``-long segment of the rows of ``x`` (``rows``
+        of them): a block a segment, or a thread a segment up to ``EACH`` values."""
         length = x.size // rows
         nseg = -(-length // seg)
         lo, hi = (self.xp.empty(rows * nseg, x.dtype) for _ in range(2))
-        grid = (max(1, min(rows * nseg, MAX_BLOCKS)),)
-        self._launch("reduce.cu", f"minmax_{x.dtype.name}", grid, (BLOCK,),
-                     (x, np.int64(rows), np.int64(length), np.int64(seg), np.int64(nseg), lo, hi))
+        args = (x, np.int64(rows), np.int64(length), np.int64(seg), np.int64(nseg), lo, hi)
+        if seg <= EACH:
+            self._elementwise(f"minmax_each_{x.dtype.name}", rows * nseg, args, "reduce.cu")
+        else:
+            name = f"minmax_{x.dtype.name}"
+            self._launch("reduce.cu", name, (max(1, min(rows * nseg, self._max_grid("reduce.cu", name))),), (BLOCK,),
+                         args)
         return lo, hi
+
+    def _minmax_rows(self, x, rows):
+        """Min and max of each row of ``x`` (``rows`` of them): each row cut into
+        enough segments to fill the device, then one more pass over the
+        segments' mins and maxes, both at once as ``2 * rows`` rows."""
+        length = x.size // rows
+        want = -(-self._max_grid("reduce.cu", f"minmax_{x.dtype.name}") // rows)  # segments a row
+        seg = max(-(-length // want), BLOCK * 16)
+        lo, hi = self._minmax_segments(x, rows, seg)
+        if lo.size == rows:
+            return lo, hi
+        lo, hi = self._minmax_segments(self.xp.concatenate([lo, hi]), 2 * rows, lo.size // rows)
+        return lo[:rows], hi[rows:]
 
     def minmax(self, x, axis, block_size):
         xp = self.xp
@@ -408,20 +445,16 @@ class CupyBackend(Backend):
                 return super().minmax(x, axis, block_size)
             dtype = x.dtype
             x = x.astype(np.float32) if dtype == np.float16 else x  # exact; the result is one of the values
-            if axis is None:  # per-tensor: up to MAX_BLOCKS segments, then their mins and maxes
-                seg = max(-(-x.size // MAX_BLOCKS), BLOCK * 16)
-                lo, hi = self._minmax_rows(xp.ascontiguousarray(x).reshape(-1), 1, seg)
-                if lo.size > 1:
-                    lo, hi = self._minmax_rows(xp.concatenate([lo, hi]), 2, lo.size)
-                    lo, hi = lo[:1], hi[1:]
+            if axis is None:  # per-tensor: one row
+                lo, hi = self._minmax_rows(xp.ascontiguousarray(x).reshape(-1), 1)
                 return lo.reshape(()).astype(dtype), hi.reshape(()).astype(dtype)
             o, n, i = Layout(x.shape, axis).dims
             if block_size is None:  # one row per index along axis
                 rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(1, 0, 2))
-                lo, hi = self._minmax_rows(rows, n, o * i)
+                lo, hi = self._minmax_rows(rows, n)
                 return lo.astype(dtype), hi.astype(dtype)
             rows = xp.ascontiguousarray(x.reshape(o, n, i).transpose(0, 2, 1))  # (o, i, n): blocks along n
-            lo, hi = self._minmax_rows(rows, o * i, block_size)
+            lo, hi = self._minmax_segments(rows, o * i, block_size)
             want = x.shape[:axis] + (-1,) + x.shape[axis + 1 :]
             return tuple(a.reshape(o, i, -1).transpose(0, 2, 1).reshape(want).astype(dtype) for a in (lo, hi))
 
@@ -500,8 +533,9 @@ class CupyBackend(Backend):
             if gemv:
                 mt = next(r for r in GEMV_ROWS if r >= rows)
                 bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
-                grid, block = launch_config(n * 32)
-                self._launch("gemm.cu", f"gemv{bits}_{mt}_{name}", grid, block,
+                kernel = f"gemv{bits}_{mt}_{name}"
+                grid, block = launch_config(n * 32, self._max_grid("gemm.cu", kernel))
+                self._launch("gemm.cu", kernel, grid, block,
                              (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq, out))
             else:
                 raw = self._gemm_raw(a8, pw)

@@ -88,6 +88,8 @@ def build(out: Path, sources=SOURCES, defines=()) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
+HOST_GRID = 8  # the host's "SMs x occupancy": small, so grid-stride loops run several rounds
+
 _CTYPES = {np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.int32): ctypes.c_int,
            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
 _CODES = {np.dtype(np.int64): "i8", np.dtype(np.int32): "i4", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8"}
@@ -109,6 +111,9 @@ class HostCupyBackend(CupyBackend):
 
     def _device_id(self):
         return 0
+
+    def _max_grid(self, source, name):
+        return HOST_GRID
 
     @staticmethod
     def _ptr(a):

@@ -172,34 +172,110 @@ __device__ __forceinline__ bool qa_lt(double a, double b) { return a < b; }
 __device__ __forceinline__ float qa_rint(float a) { return rintf(a); }
 __device__ __forceinline__ double qa_rint(double a) { return rint(a); }
 
+// The Layout of per-tensor data: qa_map reads no bidx for it.
+#define QA_PER_TENSOR Layout{1, 1, 1, 1, 0}
+
 #define QA_GRID_STRIDE(idx, n) \
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < (n); idx += (i64)blockDim.x * gridDim.x)
 
-// Apply ``op(value, slot)`` to every element. Per-tensor data whose pointers
-// allow it moves in N-element chunks with one 16-byte vector access on the
-// wider side (N = 16 / the wider element size); the rest, and every per-axis
-// or blocked layout, goes element by element.
-template <typename TIn, typename TOut, typename Op>
-__device__ void qa_map(const TIn* in, TOut* out, i64 total, Layout lay, const i64* bidx, Op op) {
+// Apply ``op(value, slot)`` to every element, moving N elements (16 bytes on
+// the wider side, N = 16 / the wider element size) per vector access, QA_UNROLL
+// vectors per thread per step, with 32-bit indices below 2**31 elements.
+// QA_UNROLL is 1: the backend's grid fills every SM (the occupancy calculator),
+// so an SM has 2048 threads x 16 bytes = 32 KB of loads in flight, above the
+// ~22 KB an H200 SM needs at full bandwidth (4.8 TB/s x ~600 ns / 132 SMs);
+// 2 doubled nvcc's time for elementwise.cu (22 -> 40 s an arch) with no device
+// to show that it pays. Raise it where bench_gpu.py shows a gain.
+//
+// Every layout runs as rows of contiguous elements whose parameter slot is
+// rowbase(row) + colterm(col): rows of `inner` elements when inner > 1 (row
+// (o, l): one slot, or pinner > 1 slots along the row: blocked on an outer
+// axis), else rows of `n` elements (row o: slot bidx[col], per-axis or blocked
+// along the last axis); per-tensor data is one row. Rows whose length is a
+// multiple of N move in vectors (the slot worked out once per vector where it
+// is one); the rest, and unaligned pointers, go element by element.
+#define QA_UNROLL 1
+
+template <typename I>
+struct QaRows {
+    I cols, n;            // row length; rows per outer index (inner > 1)
+    i64 pstride, pinner;  // slots per outer index (0: the same for every outer), slots along a row
+    bool by_col;          // slot bidx[col] (rows of n elements), else one slot per row (+ col when pinner > 1)
+    bool flat;            // per-tensor: slot 0, bidx never read (it may be null)
+    __device__ __forceinline__ QaRows(Layout lay, I total) {
+        by_col = lay.inner == 1 && lay.n > 1;
+        cols = (I)(by_col ? lay.n : lay.inner);
+        n = (I)lay.n;
+        pstride = lay.pouter_on * lay.blocks;
+        pinner = lay.pinner;
+        flat = lay.blocks == 1 && lay.pinner == 1 && lay.pouter_on == 0;
+        if (flat) {  // per-tensor: one row
+            by_col = false;
+            cols = total;
+            n = 1;
+        }
+    }
+    __device__ __forceinline__ i64 rowbase(I row, const i64* __restrict__ bidx) const {
+        if (flat) return 0;
+        if (by_col) return (i64)row * pstride;
+        const I o = row / n, l = row - o * n;
+        return ((i64)o * pstride + bidx[l]) * pinner;
+    }
+    __device__ __forceinline__ i64 colterm(I col, const i64* __restrict__ bidx) const {
+        return by_col ? bidx[col] : (pinner > 1 ? (i64)col : 0);
+    }
+};
+
+template <typename I, typename TIn, typename TOut, typename Op>
+__device__ __forceinline__ void qa_map_as(const TIn* __restrict__ in, TOut* __restrict__ out, I total, Layout lay,
+                                          const i64* __restrict__ bidx, Op op) {
     constexpr int N = 16 / (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
     struct alignas(N * sizeof(TIn)) VecIn { TIn v[N]; };
     struct alignas(N * sizeof(TOut)) VecOut { TOut v[N]; };
-    const bool per_tensor = lay.blocks == 1 && lay.pinner == 1 && lay.pouter_on == 0;
+    const QaRows<I> rows(lay, total);
+    const I step = (I)blockDim.x * gridDim.x, first = (I)blockIdx.x * blockDim.x + threadIdx.x;
     const bool aligned = (unsigned long long)in % sizeof(VecIn) == 0 && (unsigned long long)out % sizeof(VecOut) == 0;
-    i64 done = 0;
-    if (per_tensor && aligned) {
-        const i64 chunks = total / N;
-        QA_GRID_STRIDE(k, chunks) {
-            VecIn a = reinterpret_cast<const VecIn*>(in)[k];
-            VecOut b;
+    const bool one_slot = !rows.by_col && rows.pinner == 1;  // the slot is the row's for every element
+    I done = 0;
+    if (aligned && (rows.cols % N == 0 || rows.cols == total)) {
+        const I chunks = total / N, per_row = rows.cols / N > 0 ? rows.cols / N : 1;
+        for (I k0 = first; k0 < chunks; k0 += step * QA_UNROLL) {
+            VecIn a[QA_UNROLL];
 #pragma unroll
-            for (int j = 0; j < N; ++j) b.v[j] = op(a.v[j], 0);
-            reinterpret_cast<VecOut*>(out)[k] = b;
+            for (int u = 0; u < QA_UNROLL; ++u)
+                if (k0 + u * step < chunks) a[u] = reinterpret_cast<const VecIn*>(in)[k0 + u * step];
+#pragma unroll
+            for (int u = 0; u < QA_UNROLL; ++u) {
+                const I k = k0 + u * step;
+                if (k >= chunks) break;
+                const I row = k / per_row, c0 = (k - row * per_row) * N;
+                const i64 base = rows.rowbase(row, bidx);
+                VecOut b;
+#pragma unroll
+                for (int j = 0; j < N; ++j) b.v[j] = op(a[u].v[j], one_slot ? base : base + rows.colterm(c0 + j, bidx));
+                reinterpret_cast<VecOut*>(out)[k] = b;
+            }
         }
         done = chunks * N;
     }
-    QA_GRID_STRIDE(t, total - done) {
-        const i64 idx = done + t;
-        out[idx] = op(in[idx], lay.slot(idx, bidx));
+    for (I idx = done + first; idx < total; idx += step) {
+        const I row = idx / rows.cols, col = idx - row * rows.cols;
+        out[idx] = op(in[idx], rows.rowbase(row, bidx) + rows.colterm(col, bidx));
+    }
+}
+
+// Below 2**31 elements (every benchmark size) the vectors with 32-bit indices;
+// beyond, element by element with 64-bit ones (one copy of the op's code: the
+// vector path inlines it N * QA_UNROLL times).
+template <typename TIn, typename TOut, typename Op>
+__device__ void qa_map(const TIn* in, TOut* out, i64 total, Layout lay, const i64* bidx, Op op) {
+    if (total < ((i64)1 << 31)) {
+        qa_map_as<unsigned>(in, out, (unsigned)total, lay, bidx, op);
+        return;
+    }
+    const QaRows<unsigned long long> rows(lay, (unsigned long long)total);
+    QA_GRID_STRIDE(idx, total) {
+        const i64 row = idx / (i64)rows.cols, col = idx - row * (i64)rows.cols;
+        out[idx] = op(in[idx], rows.rowbase(row, bidx) + rows.colterm(col, bidx));
     }
 }

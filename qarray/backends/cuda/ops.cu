@@ -4,14 +4,13 @@
 // and the strided requantize of cat. Grid-stride loops with 64-bit indices.
 #include "common.cuh"
 
-// out = min(max(q, lo), hi), as numpy.clip.
+// out = min(max(q, lo), hi), as numpy.clip; 16-byte vectors where aligned.
 template <typename T>
 __device__ void clip_body(const T* q, i64 lo, i64 hi, i64 total, T* out) {
-    QA_GRID_STRIDE(idx, total) {
-        i64 v = (i64)q[idx];
-        v = v < lo ? lo : v;
-        out[idx] = (T)(v > hi ? hi : v);
-    }
+    qa_map(q, out, total, QA_PER_TENSOR, nullptr, [=](T x, i64) -> T {
+        const i64 v = (i64)x < lo ? lo : (i64)x;
+        return (T)(v > hi ? hi : v);
+    });
 }
 
 // One thread per byte: 8 / bits codes, the first in the low bits, zero padding.

@@ -56,3 +56,27 @@ __device__ void minmax_body(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T*
     }
 MINMAX(float32, float)
 MINMAX(float64, double)
+
+// The same for many short segments (blocked parameters of a few dozen values):
+// one thread a segment, rather than a block of threads for a few values.
+template <typename T>
+__device__ void minmax_each_body(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T* lo, T* hi) {
+    QA_GRID_STRIDE(s, rows * nseg) {
+        const T* p = x + (s / nseg) * len;
+        const i64 start = (s % nseg) * seg, end = start + seg < len ? start + seg : len;
+        T a = p[start], b = a;
+        for (i64 j = start + 1; j < end; ++j) {
+            a = qa_min(a, p[j]);
+            b = qa_max(b, p[j]);
+        }
+        lo[s] = a, hi[s] = b;
+    }
+}
+
+#define MINMAX_EACH(NAME, T)                                                                                \
+    extern "C" __global__ void minmax_each_##NAME(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T* lo, \
+                                                  T* hi) {                                                  \
+        minmax_each_body<T>(x, rows, len, seg, nseg, lo, hi);                                               \
+    }
+MINMAX_EACH(float32, float)
+MINMAX_EACH(float64, double)

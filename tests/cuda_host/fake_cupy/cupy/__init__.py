@@ -280,4 +280,6 @@ lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
     sliding_window_view=_numpy_function(_np.lib.stride_tricks.sliding_window_view)))
 cuda = types.SimpleNamespace(
     Device=_Device, Event=_Event, get_elapsed_time=lambda a, b: 1000 * (b.t - a.t),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda i: {"name": b"host harness"}))
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda i: {
+        "name": b"host harness", "multiProcessorCount": 2}),
+    driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, shmem: 4))
