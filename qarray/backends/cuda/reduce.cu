@@ -49,13 +49,6 @@ __device__ void minmax_body(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T*
     }
 }
 
-#define MINMAX(NAME, T)                                                                                \
-    extern "C" __global__ void minmax_##NAME(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T* lo, \
-                                             T* hi) {                                                  \
-        minmax_body<T>(x, rows, len, seg, nseg, lo, hi);                                               \
-    }
-MINMAX(float32, float)
-MINMAX(float64, double)
 
 // The same for many short segments (blocked parameters of a few dozen values):
 // one thread a segment, rather than a block of threads for a few values.
@@ -73,10 +66,11 @@ __device__ void minmax_each_body(const T* x, i64 rows, i64 len, i64 seg, i64 nse
     }
 }
 
-#define MINMAX_EACH(NAME, T)                                                                                \
-    extern "C" __global__ void minmax_each_##NAME(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T* lo, \
-                                                  T* hi) {                                                  \
-        minmax_each_body<T>(x, rows, len, seg, nseg, lo, hi);                                               \
+// minmax_NAME: a block a segment; minmax_each_NAME: a thread a segment.
+#define MINMAX_KERNEL(KERNEL, BODY, T)                                                                   \
+    extern "C" __global__ void KERNEL(const T* x, i64 rows, i64 len, i64 seg, i64 nseg, T* lo, T* hi) { \
+        BODY<T>(x, rows, len, seg, nseg, lo, hi);                                                       \
     }
-MINMAX_EACH(float32, float)
-MINMAX_EACH(float64, double)
+#define MINMAX(NAME, T) MINMAX_KERNEL(minmax_##NAME, minmax_body, T) MINMAX_KERNEL(minmax_each_##NAME, minmax_each_body, T)
+MINMAX(float32, float)
+MINMAX(float64, double)
