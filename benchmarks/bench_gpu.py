@@ -7,10 +7,15 @@ Run on a machine with a CUDA device and CuPy (PyTorch optional):
 
 Times come from CUDA events (median of REPEATS after a warm-up). Bandwidth is
 bytes read + bytes written per second; the reference is a device-to-device
-copy of the same input measured in the same run. Targets (issue 4):
-quantize/dequantize/requantize >= 80% of copy bandwidth, LUT and cat >= 70%.
+copy of the same input measured in the same run. Targets: quantize,
+dequantize and requantize >= 85% of copy bandwidth per-tensor and per-axis
+(issue 11; 80% in issue 4), LUT and cat >= 70%. Integer GEMM (issue 11): 8192^3
+int8 -> int32 at least 70% of ``torch._int_mm`` (cuBLASLt); with the requantize
+epilogue at most 10% slower than without; M = 16 against 8192x8192 weights at
+least 70% of the bandwidth of reading the weights once (copy bandwidth), packed
+4-bit at least 1.6x faster than int8.
 Writes bench_gpu.{txt,json} to OUTDIR (default benchmarks/results); each JSON
-row has the input ``shape``. ``--quick``: 2^24 elements, 3 repeats.
+row has the input ``shape``. ``--quick``: 2^24 elements and 2048^3, 3 repeats.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import cupy  # noqa: E402
+import numpy as np  # noqa: E402
 from _timing import options  # noqa: E402
 
 import qarray  # noqa: E402
@@ -37,6 +43,7 @@ except ImportError:
     torch = None
 
 N = 1 << 28
+G = 8192  # GEMM size
 REPEATS = 10
 LINES, ROWS = [], []
 
@@ -66,14 +73,58 @@ def row(op, ms, nbytes, copy_gbs, target=None, peer=None, shape=None):
     met = None if target is None else frac >= target
     ROWS.append(dict(op=op, shape=str(N) if shape is None else shape, ms=ms, gbs=gbs, fraction_of_copy=frac, target=target, met=met, peer=peer))
     extra = f"  torch {peer:.3f} ms ({ms / peer:.2f}x)" if peer else ""
-    say(f"{op:<44} {ms:8.3f} ms {gbs:8.1f} GB/s {100 * frac:6.1f}% of copy"
+    say(f"{op:<56} {ms:8.3f} ms {gbs:8.1f} GB/s {100 * frac:6.1f}% of copy"
         f"{'' if target is None else f'  target {int(100 * target)}%: ' + ('yes' if met else 'no')}{extra}")
 
 
+def ratio_row(op, ms, ref_ms, target, shape, better="lower"):
+    """A row that compares with a reference time: ``ms / ref_ms`` at most
+    ``target`` (or, ``better="higher"``, ``ref_ms / ms`` at least ``target``)."""
+    r = ms / ref_ms if better == "lower" else ref_ms / ms
+    met = None if target is None else (r <= target if better == "lower" else r >= target)
+    ROWS.append(dict(op=op, shape=shape, ms=ms, ref_ms=ref_ms, ratio=r, target=target, met=met))
+    want = "" if target is None else f"  target {'<=' if better == 'lower' else '>='} {target}: {'yes' if met else 'no'}"
+    say(f"{op:<56} {ms:8.3f} ms  reference {ref_ms:8.3f} ms  ratio {r:5.2f}{want}")
+
+
+def gemm_rows(copy_gbs):
+    """cuBLAS int8 GEMM through nn-style packed weights, and gemv for M = 16."""
+    from qarray.ops.linear import PackedWeight
+
+    rng = cupy.random
+    xa = qarray.QArray.from_int(rng.randint(-128, 128, (G, G), dtype=cupy.int8), 0.01, 0, "qint8")
+    wq = qarray.QArray.from_int(rng.randint(-128, 128, (G, G), dtype=cupy.int8), 0.01, 0, "qint8")
+    packed = PackedWeight(wq.T, 1, keep=True)  # packed once, as nn.Linear does
+    acc = gpu_ms(lambda: packed.matmul("bench", xa, None, None, None, None, None, None, False))
+    req = gpu_ms(lambda: packed.matmul("bench", xa, None, 0.5, 0, "qint8", None, None, False))
+    shape = f"{G}x{G}x{G}"
+    if torch is not None:
+        at, bt = torch.as_tensor(xa.data, device="cuda"), torch.as_tensor(wq.data, device="cuda").t()
+        ratio_row("int8 GEMM -> int32 vs torch._int_mm", acc, gpu_ms(lambda: torch._int_mm(at, bt)), 0.7, shape,
+                  better="higher")
+    ratio_row("int8 GEMM -> qint8 (epilogue) vs -> int32", req, acc, 1.1, shape)
+    x16 = qarray.QArray.from_int(rng.randint(-128, 128, (16, G), dtype=cupy.int8), 0.01, 0, "qint8")
+    w_bytes = G * G
+    for wd, lo, hi, nbytes in (("qint8", -128, 128, w_bytes), ("qint4", -8, 8, w_bytes // 2)):
+        w = qarray.QArray.from_int(rng.randint(lo, hi, (G, G), dtype=cupy.int8), 0.01, 0, wd)
+        pw = PackedWeight(w.T, 1, keep=True)
+        ms = gpu_ms(lambda: pw.matmul("bench", x16, None, 0.5, 0, "qint8", None, None, False))
+        gbs = nbytes / ms / 1e6
+        ROWS.append(dict(op=f"gemv M=16 {wd} weights", shape=f"16x{G}x{G}", ms=ms, weight_gbs=gbs,
+                         fraction_of_copy=gbs / copy_gbs, target=0.7 if wd == "qint8" else None))
+        label = f"gemv M=16 {wd} weights"
+        say(f"{label:<56} {ms:8.3f} ms {gbs:8.1f} GB/s of weights "
+            f"{100 * gbs / copy_gbs:6.1f}% of copy" + ("  target 70%: " + ("yes" if gbs / copy_gbs >= 0.7 else "no")
+                                                      if wd == "qint8" else ""))
+        if wd == "qint8":
+            int8_ms = ms
+    ratio_row("gemv M=16: packed 4-bit vs int8 weights", ms, int8_ms, 1.6, f"16x{G}x{G}", better="higher")
+
+
 def main(outdir: Path, quick: bool):
-    global N, REPEATS
+    global N, G, REPEATS
     if quick:
-        N, REPEATS = 1 << 24, 3
+        N, G, REPEATS = 1 << 24, 2048, 3
     dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
     say(f"device: {name}, cupy {cupy.__version__}, torch {getattr(torch, '__version__', None)}, elements {N}")
@@ -89,16 +140,28 @@ def main(outdir: Path, quick: bool):
         qt = torch.quantize_per_tensor(xt, 0.01, 3, torch.qint8)
         tq = gpu_ms(lambda: torch.quantize_per_tensor(xt, 0.01, 3, torch.qint8))
         td = gpu_ms(lambda: qt.dequantize())
-    row("quantize float32 -> qint8", gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8")), 5 * N, copy_gbs, 0.8, tq)
-    row("dequantize qint8 -> float32", gpu_ms(lambda: q.dequantize()), 5 * N, copy_gbs, 0.8, td)
+    row("quantize float32 -> qint8", gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8")), 5 * N, copy_gbs, 0.85, tq)
+    row("dequantize qint8 -> float32", gpu_ms(lambda: q.dequantize()), 5 * N, copy_gbs, 0.85, td)
+    # per-axis: channels along the last axis (a slot per column) and the first (a slot per row)
+    for axis, shape in ((1, (N // 4096, 4096)), (0, (4096, N // 4096))):
+        xs = x.reshape(shape)
+        s = np.linspace(0.005, 0.02, shape[axis]).astype(np.float32)
+        qs = qarray.quantize(xs, s, 0, "qint8", axis=axis)
+        q32s = qarray.QArray.from_int(q32.data.reshape(shape), s * 1e-2, 0, "qint32", axis=axis)
+        tag = f"per-axis {axis} of {shape[0]}x{shape[1]}"
+        row(f"quantize float32 -> qint8, {tag}", gpu_ms(lambda: qarray.quantize(xs, s, 0, "qint8", axis=axis)),
+            5 * N, copy_gbs, 0.85)
+        row(f"dequantize qint8 -> float32, {tag}", gpu_ms(lambda: qs.dequantize()), 5 * N, copy_gbs, 0.85)
+        row(f"requantize qint32 -> qint8, {tag}",
+            gpu_ms(lambda: qarray.requantize(q32s, s, 0, "qint8", axis=axis)), 5 * N, copy_gbs, 0.85)
     x16 = x.astype(cupy.float16)
     row("quantize float16 -> qint8", gpu_ms(lambda: qarray.quantize(x16, 0.01, 3, "qint8")), 3 * N, copy_gbs, 0.8)
     row("dequantize qint8 -> float16", gpu_ms(lambda: q.dequantize("float16")), 3 * N, copy_gbs, 0.8)
     for r in ("half_even", "tflite"):
         row(f"requantize qint32 -> qint8 ({r})", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", rounding=r)),
-            5 * N, copy_gbs, 0.8)
+            5 * N, copy_gbs, 0.85)
     row("requantize qint32 -> qint8 (float mode)", gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", mode="float")),
-        5 * N, copy_gbs, 0.8)
+        5 * N, copy_gbs, 0.85)
     row("sigmoid (LUT) qint8 -> quint8", gpu_ms(lambda: qarray.sigmoid(q)), 2 * N, copy_gbs, 0.7)
     half = q[: N // 2]
     other = qarray.quantize(x[: N // 2], 0.02, 0, "qint8")
@@ -112,6 +175,7 @@ def main(outdir: Path, quick: bool):
     row("mul qint8 * qint8 -> qint8 (fused)",
         gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs,
         shape=str(N // 2))
+    gemm_rows(copy_gbs)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_gpu.txt").write_text("\n".join(LINES) + "\n")
     (outdir / "bench_gpu.json").write_text(json.dumps(dict(device=name, copy_gbs=copy_gbs, rows=ROWS), indent=1) + "\n")

@@ -63,7 +63,7 @@ def test_paths(host, rng):
     w = _codes(rng, "qint4", (70, 9))
     pw = host.pack_weight(w, qdtype("qint4"))
     assert pw.w8.shape == (12, 96) and pw.w4.shape == (12, 48)
-    for m, kernel in ((1, "gemv4_1_int64"), (5, "gemv4_8_int64"), (16, "gemv4_16_int64"), (17, "gemm_epilogue_int32_int64")):
+    for m, kernel in ((1, "gemv4_1"), (5, "gemv4_16"), (16, "gemv4_16"), (17, "gemm_epilogue_int32_int64")):
         before = len(cublas_host.calls)
         a = _codes(rng, "quint8", (m, 70))
         got = host.int_matmul(a, qdtype("quint8"), 3, pw, np.int64(-2), None, None, np.int64)
@@ -73,7 +73,7 @@ def test_paths(host, rng):
     pw8 = host.pack_weight(_codes(rng, "qint8", (70, 9)), qdtype("qint8"))
     assert pw8.w4 is None
     host.int_matmul(_codes(rng, "qint8", (3, 70)), qdtype("qint8"), 0, pw8, np.int64(0), None, None, np.int32)
-    assert _kernel(host) == "gemv8_4_int32"
+    assert _kernel(host) == "gemv8_4"
 
 
 def test_k_beyond_int32_is_split_and_exact(host, rng, monkeypatch):

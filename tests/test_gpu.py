@@ -372,3 +372,21 @@ def test_no_host_round_trips(rng):
         cupy.transfers.update(h2d=0, d2h=0)
         fn()
         assert cupy.transfers == {"h2d": 0, "d2h": reads}, name
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+@pytest.mark.parametrize("wd", ["qint8", "quint8", "qint4"])
+def test_int8_gemm_paths(m, wd, rng):
+    """linear on the GPU, gemv (M <= 16, int8 or packed 4-bit weights) or cuBLAS's
+    integer GEMM plus our epilogue (M > 16): the NumPy backend's integers, for the
+    accumulator and requantized per-channel with bias and ReLU."""
+    x = rng.standard_normal((m, 200)).astype(np.float32)
+    w = rng.standard_normal((70, 200)).astype(np.float32)
+    b = rng.standard_normal(70).astype(np.float32)
+    for xd in ("quint8", "qint8"):
+        qx = qarray.quantize(x, 0.05, 3 if xd == "quint8" else -2, xd)
+        qw = qarray.quantize(w, np.linspace(0.01, 0.03, 70).astype(np.float32), 0, wd, axis=0)
+        gx, gw = qx.to("cupy"), qw.to("cupy")
+        same(qarray.linear(gx, gw), qarray.linear(qx, qw))
+        out = dict(scale=0.3, zero_point=-5, dtype="qint8", relu=True)
+        same(qarray.linear(gx, gw, b, **out), qarray.linear(qx, qw, b, **out))

@@ -30,7 +30,7 @@ BLOCK = 256
 EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
-OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # ops.cu qa_store
+OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # common.cuh qa_store
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
 # cuBLAS's integer GEMM (library_types.h, cublas_api.h): int8 inputs, int32
 # output and compute, on the tensor cores; pointers 4-byte aligned, m, k and
@@ -39,7 +39,8 @@ CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I = 3, 10, 72
 CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_GEMM_DEFAULT = 0, 1, -1
 KPAD = 32  # packed weights' K is a multiple of this: cuBLAS's 4, and gemv's 16 bytes of 4-bit codes
 K_INT32 = (2**31 // 2**14) // KPAD * KPAD - KPAD  # values of K whose int8 x int8 sums always fit int32
-GEMV_ROWS = (1, 2, 4, 8, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row counts
+GEMV_ROWS = (1, 4, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row counts
+GEMV_COLS = 4  # columns a warp of gemv computes (gemm.cu)
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
@@ -533,10 +534,11 @@ class CupyBackend(Backend):
             if gemv:
                 mt = next(r for r in GEMV_ROWS if r >= rows)
                 bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
-                kernel = f"gemv{bits}_{mt}_{name}"
-                grid, block = launch_config(n * 32, self._max_grid("gemm.cu", kernel))
+                kernel = f"gemv{bits}_{mt}"
+                grid, block = launch_config(-(-n // GEMV_COLS) * 32, self._max_grid("gemm.cu", kernel))
                 self._launch("gemm.cu", kernel, grid, block,
-                             (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq, out))
+                             (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq,
+                              np.int32(OUT_KINDS[name]), out))
             else:
                 raw = self._gemm_raw(a8, pw)
                 self._elementwise(f"gemm_epilogue_{raw.dtype.name}_{name}", rows * n,

@@ -172,6 +172,19 @@ __device__ __forceinline__ bool qa_lt(double a, double b) { return a < b; }
 __device__ __forceinline__ float qa_rint(float a) { return rintf(a); }
 __device__ __forceinline__ double qa_rint(double a) { return rint(a); }
 
+// Store v as the storage type numbered `kind` (CupyBackend's OUT_KINDS; for kernels whose
+// stores are few (binary's, gemv's), one kernel serves every output dtype).
+__device__ __forceinline__ void qa_store(void* out, int kind, i64 idx, i64 v) {
+    switch (kind) {
+        case 1: static_cast<signed char*>(out)[idx] = (signed char)v; break;
+        case 2: static_cast<unsigned char*>(out)[idx] = (unsigned char)v; break;
+        case 3: static_cast<short*>(out)[idx] = (short)v; break;
+        case 4: static_cast<unsigned short*>(out)[idx] = (unsigned short)v; break;
+        case 5: static_cast<int*>(out)[idx] = (int)v; break;
+        default: static_cast<i64*>(out)[idx] = v;
+    }
+}
+
 // The Layout of per-tensor data: qa_map reads no bidx for it.
 #define QA_PER_TENSOR Layout{1, 1, 1, 1, 0}
 

@@ -62,21 +62,20 @@ __device__ void epilogue_body(const TRaw* raw, i64 ld, i64 rows, i64 cols, GemmT
 // Four int8 products summed into c; as the __dp4a intrinsic (sm_61 and later).
 __device__ __forceinline__ int qa_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
-// 16 bytes of a' (one row) against 16 bytes of weights: int8 weights are 16
-// values; 4-bit weights (BITS 4) are 32 values, each 32-bit word holding
-// k..k+3 in its low nibbles and k+4..k+7 in its high nibbles, offset by 8
-// (u = w' + 8 in 0..15): the 8 * sum(a') this adds is taken off by the caller.
+// 16 bytes of weights against the a' values they meet (x: one int4 of a' for
+// int8 weights, two for 4-bit): int8 weights are 16 values; 4-bit weights are
+// 32, each 32-bit word holding k..k+3 in its low nibbles and k+4..k+7 in its
+// high nibbles, offset by 8 (u = w' + 8 in 0..15): the 8 * sum(a') that adds
+// is taken off by the caller.
 template <int BITS>
-__device__ __forceinline__ int qa_dot16(const int4* a, int4 w, int acc) {
+__device__ __forceinline__ int qa_dot16(const int4* x, int4 w, int acc) {
     const int wv[4] = {w.x, w.y, w.z, w.w};
     if (BITS == 8) {
-        const int4 x = a[0];
-        const int av[4] = {x.x, x.y, x.z, x.w};
+        const int av[4] = {x[0].x, x[0].y, x[0].z, x[0].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc = qa_dp4a(av[j], wv[j], acc);
     } else {
-        const int4 x0 = a[0], x1 = a[1];
-        const int av[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const int av[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             acc = qa_dp4a(av[2 * j], wv[j] & 0x0F0F0F0F, acc);
@@ -86,37 +85,54 @@ __device__ __forceinline__ int qa_dot16(const int4* a, int4 w, int acc) {
     return acc;
 }
 
-// out[r, n] for r < rows <= MT: one warp per column n reads that column's
-// weights once, 16 bytes a lane (a warp: 512 contiguous bytes), against every
-// row of a' (rows kpad apart, kpad a multiple of 32 values); the lanes' int32
-// sums (each of at most kpad / 32 products) meet in int64, then the epilogue.
-// The backend takes this path while each lane's sum fits int32.
-template <int BITS, int MT, typename TOut>
-__device__ void gemv_body(const signed char* a, i64 rows, i64 kpad, const int4* w, i64 cols, GemmTerms t, OutQ q,
-                          TOut* out) {
+// out[r, n] for r < rows <= MT: one warp per GEMV_COLS columns reads their
+// weights once, 16 bytes a lane and column (a warp: 512 contiguous bytes a
+// column), each row of a' (rows kpad apart, kpad a multiple of 32 values) loaded
+// once for all GEMV_COLS columns; the lanes' int32 sums (each of at most kpad / 32
+// products: the backend keeps that within int32) meet in int64, then the
+// epilogue. The packed weights have a multiple of 4 rows: no column is read
+// out of bounds.
+#define GEMV_COLS 4
+template <int BITS, int MT>
+__device__ void gemv_body(const signed char* __restrict__ a, i64 rows, i64 kpad, const int4* __restrict__ w, i64 cols,
+                          GemmTerms t, OutQ q, int kind, void* out) {
+    constexpr int V = BITS == 8 ? 1 : 2;  // int4s of a' against 16 bytes of weights
     const i64 vals = 128 / BITS;           // values in 16 bytes of weights
     const i64 chunks = kpad / vals;        // 16-byte chunks in a column
     const unsigned lane = threadIdx.x & 31;
-    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 n = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; n < cols; n += warps) {
-        int acc[MT];
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5, groups = (cols + GEMV_COLS - 1) / GEMV_COLS;
+    for (i64 g = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; g < groups; g += warps) {
+        const i64 n0 = g * GEMV_COLS;
+        int acc[MT][GEMV_COLS];
 #pragma unroll
-        for (int r = 0; r < MT; ++r) acc[r] = 0;
-        const int4* wn = w + n * chunks;
+        for (int r = 0; r < MT; ++r)
+#pragma unroll
+            for (int j = 0; j < GEMV_COLS; ++j) acc[r][j] = 0;
         for (i64 c = lane; c < chunks; c += 32) {
-            const int4 wc = wn[c];
+            int4 wc[GEMV_COLS];
 #pragma unroll
-            for (int r = 0; r < MT; ++r)
-                if (r < rows) acc[r] = qa_dot16<BITS>(reinterpret_cast<const int4*>(a + r * kpad + c * vals), wc, acc[r]);
+            for (int j = 0; j < GEMV_COLS; ++j) wc[j] = w[(n0 + j) * chunks + c];
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r >= rows) break;
+                int4 x[V];
+#pragma unroll
+                for (int v = 0; v < V; ++v) x[v] = reinterpret_cast<const int4*>(a + r * kpad + c * vals)[v];
+#pragma unroll
+                for (int j = 0; j < GEMV_COLS; ++j) acc[r][j] = qa_dot16<BITS>(x, wc[j], acc[r][j]);
+            }
         }
 #pragma unroll
         for (int r = 0; r < MT; ++r) {
             if (r >= rows) break;  // warp-uniform
-            i64 s = acc[r];
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
-            if (lane == 0) {
-                if (BITS == 4) s -= 8 * t.rowsum[r];  // the offset of the nibbles (t.rstep is 1 here)
-                out[r * cols + n] = (TOut)q(t(s, r, n), n);
+#pragma unroll
+            for (int j = 0; j < GEMV_COLS; ++j) {
+                i64 s = acc[r][j];
+                for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+                if (lane == 0 && n0 + j < cols) {
+                    if (BITS == 4) s -= 8 * t.rowsum[r];  // the offset of the nibbles (t.rstep is 1 here)
+                    qa_store(out, kind, r * cols + n0 + j, q(t(s, r, n0 + j), n0 + j));
+                }
             }
         }
     }
@@ -171,15 +187,18 @@ TO_S8(uint8, unsigned char)
                                                            GEMM_TERMS_ARGS, OUTQ_ARGS, TOUT* out) {        \
         epilogue_body<TRAW, TOUT>(raw, ld, rows, cols, GEMM_TERMS, OUTQ, out);                             \
     }
-#define GEMV(BITS, MT, OUT, TOUT)                                                                          \
-    extern "C" __global__ void gemv##BITS##_##MT##_##OUT(const signed char* a, i64 rows, i64 kpad,         \
-                                                         const int4* w, i64 cols, GEMM_TERMS_ARGS,         \
-                                                         OUTQ_ARGS, TOUT* out) {                           \
-        gemv_body<BITS, MT, TOUT>(a, rows, kpad, w, cols, GEMM_TERMS, OUTQ, out);                          \
+// gemv<BITS>_<MT>: one kernel for every output dtype (`kind`, as qa_store).
+#define GEMV(BITS, MT)                                                                                          \
+    extern "C" __global__ void gemv##BITS##_##MT(const signed char* a, i64 rows, i64 kpad, const int4* w,       \
+                                                 i64 cols, GEMM_TERMS_ARGS, OUTQ_ARGS, int kind, void* out) {  \
+        gemv_body<BITS, MT>(a, rows, kpad, w, cols, GEMM_TERMS, OUTQ, kind, out);                               \
     }
-#define GEMV_ROWS(M, OUT, TOUT) M(1, OUT, TOUT) M(2, OUT, TOUT) M(4, OUT, TOUT) M(8, OUT, TOUT) M(16, OUT, TOUT)
-#define GEMV8(MT, OUT, TOUT) GEMV(8, MT, OUT, TOUT)
-#define GEMV4(MT, OUT, TOUT) GEMV(4, MT, OUT, TOUT)
+GEMV(8, 1)
+GEMV(8, 4)
+GEMV(8, 16)
+GEMV(4, 1)
+GEMV(4, 4)
+GEMV(4, 16)
 #define PER_OUT(M, ...)                           \
     M(__VA_ARGS__, int8, signed char)             \
     M(__VA_ARGS__, uint8, unsigned char)          \
@@ -189,13 +208,6 @@ TO_S8(uint8, unsigned char)
     M(__VA_ARGS__, int64, long long)
 PER_OUT(EPILOGUE, int32, int)
 PER_OUT(EPILOGUE, int64, long long)
-#define GEMV_ALL(OUT, TOUT) GEMV_ROWS(GEMV8, OUT, TOUT) GEMV_ROWS(GEMV4, OUT, TOUT)
-GEMV_ALL(int8, signed char)
-GEMV_ALL(uint8, unsigned char)
-GEMV_ALL(int16, short)
-GEMV_ALL(uint16, unsigned short)
-GEMV_ALL(int32, int)
-GEMV_ALL(int64, long long)
 
 #define IM2COL(NAME, T)                                                                                     \
     extern "C" __global__ void im2col_##NAME(const T* x, i64 hp, i64 wp, i64 c, i64 oh, i64 ow, i64 kh,    \

@@ -47,18 +47,6 @@ __device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, 
     return qa_requantize(d, 0, m, s, 0.0, -0x7fffffffffffffffLL - 1, 0x7fffffffffffffffLL, code);
 }
 
-// Store v as the storage type numbered `kind` (CupyBackend's OUT_KINDS).
-__device__ __forceinline__ void qa_store(void* out, int kind, i64 idx, i64 v) {
-    switch (kind) {
-        case 1: static_cast<signed char*>(out)[idx] = (signed char)v; break;
-        case 2: static_cast<unsigned char*>(out)[idx] = (unsigned char)v; break;
-        case 3: static_cast<short*>(out)[idx] = (short)v; break;
-        case 4: static_cast<unsigned short*>(out)[idx] = (unsigned short)v; break;
-        case 5: static_cast<int*>(out)[idx] = (int)v; break;
-        default: static_cast<i64*>(out)[idx] = v;
-    }
-}
-
 // v = a' + b' (op 0), a' - b' (op 1) or a' * b' (op 2), exact in int64
 // (the ops refuse operands whose product could pass 2**63); operands
 // broadcast by period. With out_kind 0, out is v itself (int64); otherwise
