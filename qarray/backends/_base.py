@@ -171,7 +171,7 @@ class Backend:
 
     def clip(self, q, lo, hi):
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
-        return self.xp.clip(q, lo, hi).astype(q.dtype)
+        return self.xp.clip(q, lo, hi).astype(q.dtype, copy=False)
 
     def binary(self, op, a, b, ra, rb, rq=None):
         """``x op y`` with broadcasting, ``op`` being "add", "sub" or "mul": ``x`` and

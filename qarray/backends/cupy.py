@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from pathlib import Path
 
 from typing import NamedTuple
@@ -184,6 +185,7 @@ class CupyBackend(Backend):
         self._modules = {}
         self._consts = {}
         self._grids = {}
+        self._flags = {}
 
     @property
     def xp(self):
@@ -292,7 +294,11 @@ class CupyBackend(Backend):
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
             total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
-            nan = xp.zeros(1, np.int32)
+            key = (self._device_id(), threading.get_ident())
+            if key not in self._flags:  # one NaN flag per device and thread, reused
+                self._flags[key] = xp.zeros(1, np.int32)
+            nan = self._flags[key]
+            nan.fill(0)
             if total:
                 self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))

@@ -28,6 +28,7 @@ _current = [0]  # the current device
 # device array (asarray / array, a host index array), and device values read on
 # the host (get, asnumpy, int / float / bool / item / tolist of an array).
 transfers = {"h2d": 0, "d2h": 0}
+allocations = [0]  # new device arrays (not views) made since the count was last reset
 
 
 def _to_host():
@@ -73,6 +74,7 @@ def _wrap(r, inputs):
     if base is not None:
         return ndarray._of(r, base._dev)
     _check_devices(inputs)
+    allocations[0] += 1
     return ndarray._of(r, _current[0])
 
 
@@ -94,6 +96,7 @@ class ndarray:
 
     def __init__(self, shape, dtype=float):
         self._a, self._dev = _np.empty(shape, dtype), _current[0]
+        allocations[0] += 1
 
     @classmethod
     def _of(cls, a, dev):
@@ -124,6 +127,7 @@ class ndarray:
         return self._a.tolist()
 
     def copy(self, order="C"):  # from any device to the current one, as CuPy's
+        allocations[0] += 1
         return ndarray._of(self._a.copy(order), _current[0])
 
     def __array__(self, dtype=None, copy=None):
@@ -218,6 +222,7 @@ def asarray(a, dtype=None, order=None):
 def array(a, dtype=None, copy=True, order="K"):  # always a copy here
     if not isinstance(a, ndarray):
         transfers["h2d"] += 1
+    allocations[0] += 1
     return ndarray._of(_np.array(_unwrap(a, [], host_ok=True), dtype, order=order), _current[0])
 
 
