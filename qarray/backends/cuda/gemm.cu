@@ -50,13 +50,23 @@ __device__ void to_s8_body(const T* a, i64 rows, i64 k, i64 kpad, int off, signe
     }
 }
 
-// out[r, n] = q(terms(raw[r, n])), raw rows `ld` apart, out (rows, cols).
-template <typename TRaw, typename TOut>
-__device__ void epilogue_body(const TRaw* raw, i64 ld, i64 rows, i64 cols, GemmTerms t, OutQ q, TOut* out) {
-    QA_GRID_STRIDE(idx, rows * cols) {
-        const i64 r = idx / cols, n = idx - r * cols;
+// out[r, n] = q(terms(raw[r, n])), raw rows `ld` apart, out (rows, cols);
+// 32-bit indices (a 32-bit divide an element) below 2**31 elements.
+template <typename I, typename TRaw, typename TOut>
+__device__ __forceinline__ void epilogue_as(const TRaw* __restrict__ raw, I ld, I total, I cols, GemmTerms t, OutQ q,
+                                            TOut* __restrict__ out) {
+    for (I idx = (I)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (I)blockDim.x * gridDim.x) {
+        const I r = idx / cols, n = idx - r * cols;
         out[idx] = (TOut)q(t((i64)raw[r * ld + n], r, n), n);
     }
+}
+template <typename TRaw, typename TOut>
+__device__ void epilogue_body(const TRaw* raw, i64 ld, i64 rows, i64 cols, GemmTerms t, OutQ q, TOut* out) {
+    if (rows * ld < ((i64)1 << 31))
+        epilogue_as<unsigned>(raw, (unsigned)ld, (unsigned)(rows * cols), (unsigned)cols, t, q, out);
+    else
+        epilogue_as<unsigned long long>(raw, (unsigned long long)ld, (unsigned long long)(rows * cols),
+                                        (unsigned long long)cols, t, q, out);
 }
 
 // Four int8 products summed into c; as the __dp4a intrinsic (sm_61 and later).
