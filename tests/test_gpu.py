@@ -333,15 +333,9 @@ def test_beyond_2_31_elements():
     del x, q, r
 
 
-def test_no_host_round_trips(rng):
-    """A repeated op copies nothing host -> device (parameters are host metadata,
-    their device copies kept), and device -> host only where it needs an answer
-    (quantize reads one NaN flag); it allocates its output and nothing else, but
-    for the GEMM's intermediates (a' = a + off, the int32 product, the row sums).
-    Counted by the stand-in CuPy of the dry run (``cupy.transfers``,
-    ``cupy.allocations``); real CuPy has no such counters."""
-    if not hasattr(cupy, "transfers"):
-        pytest.skip("transfers are counted by the stand-in CuPy (tests/test_gpu_dryrun.py)")
+def _repeated_ops(rng):
+    """``{name: (op, device -> host copies, allocations or None)}`` for the tests
+    of what a repeated op costs beyond its kernels."""
     x = cupy.asarray(rng.standard_normal((64, 96)).astype(np.float32))
     img = cupy.asarray(rng.standard_normal((2, 6, 9, 9)).astype(np.float32))
     q = qarray.quantize(x, 0.05, 3, "quint8")
@@ -354,7 +348,7 @@ def test_no_host_round_trips(rng):
     layer = qarray.nn.Linear(w, bias)
     conv = qarray.nn.Conv2d(wc, padding=1, groups=2)
     out = dict(scale=0.2, zero_point=1, dtype="qint8")
-    ops = {  # name: (op, device -> host copies, allocations)
+    return {
         "quantize": (lambda: qarray.quantize(x, 0.05, 3, "quint8"), 1, 1),
         "quantize per-axis": (lambda: qarray.quantize(x, np.full(96, 0.05, np.float32), 0, "qint8", axis=1), 1, 1),
         "dequantize": (lambda: qc.dequantize(), 0, 1),
@@ -370,10 +364,69 @@ def test_no_host_round_trips(rng):
         "linear per-channel (packs per call)": (lambda: qarray.linear(q, w, bias, **out), 0, None),
         "matmul accumulator": (lambda: qarray.matmul(q2, w.T), 0, None),
     }
-    for name, (fn, reads, allocations) in ops.items():
+
+
+def test_no_host_round_trips(rng):
+    """A repeated op copies nothing host -> device (parameters are host metadata,
+    their device copies kept), and device -> host only where it needs an answer
+    (quantize reads one NaN flag); it allocates its output and nothing else, but
+    for the GEMM's intermediates (a' = a + off, the int32 product, the row sums).
+    Counted by the stand-in CuPy of the dry run (``cupy.transfers``,
+    ``cupy.allocations``); on a device, test_ops_do_not_wait_for_the_device."""
+    if not hasattr(cupy, "transfers"):
+        pytest.skip("transfers are counted by the stand-in CuPy (tests/test_gpu_dryrun.py)")
+    for name, (fn, reads, allocations) in _repeated_ops(rng).items():
         fn()  # the first call may copy parameters over, once
         cupy.transfers.update(h2d=0, d2h=0)
         cupy.allocations[0] = 0
         fn()
         assert cupy.transfers == {"h2d": 0, "d2h": reads}, name
         assert allocations is None or cupy.allocations[0] == allocations, (name, cupy.allocations[0])
+
+
+def test_ops_do_not_wait_for_the_device(rng):
+    """On a device: a copy from or to pageable host memory waits for the stream,
+    so an op that copies nothing returns while earlier work still runs; CuPy's
+    memory hook counts the arrays it allocates (as the dry run's counter)."""
+    if hasattr(cupy, "transfers"):
+        pytest.skip("the stand-in runs nothing asynchronously (its counters: test_no_host_round_trips)")
+    busy = cupy.ones((4096, 4096), cupy.float32)
+
+    class Mallocs(cupy.cuda.MemoryHook):
+        name = "qarray_count"
+
+        def __init__(self):
+            self.count = 0
+
+        def malloc_preprocess(self, **kwargs):
+            self.count += 1
+
+    for name, (fn, reads, allocations) in _repeated_ops(rng).items():
+        fn()
+        cupy.cuda.Device().synchronize()
+        for _ in range(20):  # tens of ms of device work queued ahead of the op
+            busy @ busy
+        with Mallocs() as hook:
+            fn()
+        still_running = not cupy.cuda.get_current_stream().done
+        cupy.cuda.Device().synchronize()
+        assert still_running == (reads == 0), name
+        assert allocations is None or hook.count == allocations, (name, hook.count)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+@pytest.mark.parametrize("wd", ["qint8", "quint8", "qint4"])
+def test_int8_gemm_paths(m, wd, rng):
+    """linear on the GPU, gemv (M <= 16, int8 or packed 4-bit weights) or cuBLAS's
+    integer GEMM plus our epilogue (M > 16): the NumPy backend's integers, for the
+    accumulator and requantized per-channel with bias and ReLU."""
+    x = rng.standard_normal((m, 200)).astype(np.float32)
+    w = rng.standard_normal((70, 200)).astype(np.float32)
+    b = rng.standard_normal(70).astype(np.float32)
+    for xd in ("quint8", "qint8"):
+        qx = qarray.quantize(x, 0.05, 3 if xd == "quint8" else -2, xd)
+        qw = qarray.quantize(w, np.linspace(0.01, 0.03, 70).astype(np.float32), 0, wd, axis=0)
+        gx, gw = qx.to("cupy"), qw.to("cupy")
+        same(qarray.linear(gx, gw), qarray.linear(qx, qw))
+        out = dict(scale=0.3, zero_point=-5, dtype="qint8", relu=True)
+        same(qarray.linear(gx, gw, b, **out), qarray.linear(qx, qw, b, **out))
