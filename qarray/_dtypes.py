@@ -31,6 +31,13 @@ class QDType:
     def __repr__(self) -> str:
         return self.name
 
+    def __eq__(self, other):
+        """Equal to itself and to its name (``q.dtype == "qint8"``)."""
+        return self is other or (isinstance(other, str) and other == self.name)
+
+    def __hash__(self):
+        return hash(self.name)
+
     def __reduce__(self):
         return (qdtype, (self.name,))
 

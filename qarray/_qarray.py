@@ -8,6 +8,7 @@ import operator
 import numpy as np
 
 from . import backends as _backends
+from . import _protocols
 from ._dtypes import qdtype
 from ._params import check_params, normalize_axis, to_host, user_array
 
@@ -149,14 +150,43 @@ class QArray:
         """The same QArray with NumPy storage (a copy from the device for CuPy)."""
         return self.to("numpy")
 
-    def __array__(self, dtype=None, copy=None):
-        if self._backend.name != "numpy":
+    # -- ndarray-style methods (NumPy's protocols: qarray/_protocols.py) ------------
+    nbytes = property(lambda self: int(self._data.nbytes), doc="Bytes of the codes as stored (one a byte below 8 bits).")
+
+    def copy(self) -> "QArray":
+        """A QArray with its own copy of the codes and parameters."""
+        return QArray._new(self._data.copy(), self._scale.copy(), self._zero_point.copy(), self._dtype,
+                           self._axis, self._block_size, self._backend)
+
+    def astype(self, dtype) -> "QArray":
+        """The dequantized values as float16/32/64 (``dequantize(dtype)``). Another
+        quantized or integer dtype needs parameters: TypeError pointing to
+        ``requantize`` and ``int_repr``."""
+        try:
+            float_dtype(dtype)
+        except TypeError:
             raise TypeError(
-                f"implicit conversion of a {self._backend.name} QArray to NumPy is not allowed; "
-                "use .get() first"
-            )
-        out = self.dequantize()
-        return out if dtype is None else out.astype(dtype)
+                f"astype({dtype!r}): a QArray converts to float16/32/64 (its dequantized values); for another "
+                "quantized dtype use q.requantize(scale, zero_point, dtype), for the integer codes q.int_repr()"
+            ) from None
+        return self.dequantize(dtype)
+
+    def tolist(self):
+        """The dequantized values as nested Python floats (``numpy.ndarray.tolist``)."""
+        return self._backend.to_host(self.dequantize()).tolist()
+
+    def item(self) -> float:
+        """The one dequantized value of a size-1 QArray, as a Python float."""
+        return float(self)
+
+    def ravel(self) -> "QArray":
+        return self.reshape(-1)
+
+    def flatten(self) -> "QArray":
+        return self.reshape(-1).copy()
+
+    def squeeze(self, axis=None) -> "QArray":
+        return np.squeeze(self, axis)
 
     def __reduce__(self):
         return (_rebuild, (self._data, self._scale, self._zero_point, self._dtype.name,
@@ -331,3 +361,6 @@ def _rebuild(data, scale, zero_point, dtype_name, axis, block_size):
 
 
 __all__ = ["QArray"]
+
+
+_protocols.install(QArray)  # the operators and NumPy's protocols, from one table
