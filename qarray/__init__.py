@@ -26,6 +26,7 @@ from ._dtypes import qdtype
 from ._dtypes import qint2, qint4, qint8, qint16, qint32
 from ._dtypes import quint2, quint4, quint8, quint16
 from ._qarray import QArray
+from .interop import from_torch
 from .io import load
 from .io import save
 from .ops import *  # noqa: F403  (the ops, re-exported; names in ops.__all__)
@@ -46,6 +47,7 @@ __all__ = [
     "choose_qparams",
     "config",
     "dequantize",
+    "from_torch",
     "iinfo",
     "load",
     "qdtype",

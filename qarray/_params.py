@@ -38,7 +38,8 @@ def user_array(x, what: str):
     data is normalised (quantize, quantize_dynamic, from_int, unpack, ``nn``);
     ``what`` names the caller in errors.
 
-    Python numbers, lists and tuples become NumPy arrays; NumPy subclasses such as
+    Python numbers, lists and tuples become NumPy arrays; other DLPack arrays
+    (PyTorch, JAX) NumPy or CuPy arrays; NumPy subclasses such as
     ``numpy.matrix`` become plain ndarrays (their own reshape and ``*`` rules
     would break the kernels); non-native byte order (``'>f4'``) is converted to
     native. Masked arrays are refused: their masked slots hold arbitrary values.
@@ -52,6 +53,10 @@ def user_array(x, what: str):
         )
     if isinstance(x, (list, tuple, int, float, np.generic)) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray):
         x = np.asarray(x)
+    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and type(x).__module__.split(".")[0] != "cupy":
+        from .interop import from_dlpack  # PyTorch, JAX, ...: NumPy (CPU) or CuPy (CUDA), no copy where allowed
+
+        x = from_dlpack(x, what)
     if isinstance(x, np.ndarray) and not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
     return x, _backends.for_array(x)

@@ -380,3 +380,10 @@ def install(cls) -> None:
     cls.__float__ = lambda self: _scalar(self, "float()")
     cls.__int__ = lambda self: int(_scalar(self, "int()"))
     cls.__format__ = to_format
+    cls.__dlpack__ = cls.__dlpack_device__ = no_dlpack
+
+
+def no_dlpack(self, *args, **kwargs):
+    raise TypeError("a QArray is integer codes plus parameters, not one DLPack tensor: pass q.data (no copy, e.g. "
+                    "torch.from_dlpack(q.data)) with q.scale and q.zero_point, or q.to_torch() for a PyTorch "
+                    "quantized tensor")

@@ -171,6 +171,12 @@ class QArray:
             ) from None
         return self.dequantize(dtype)
 
+    def to_torch(self):
+        """A PyTorch quantized tensor with the same integers and parameters (``qarray.interop``)."""
+        from .interop import to_torch
+
+        return to_torch(self)
+
     def tolist(self):
         """The dequantized values as nested Python floats (``numpy.ndarray.tolist``)."""
         return self._backend.to_host(self.dequantize()).tolist()

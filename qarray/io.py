@@ -7,8 +7,15 @@ writes. For a QArray called NAME: ``NAME.data`` (``QArray.pack()`` bytes),
 ``{"format": "qarray", "version": 2, "dtype": "qint4", "shape": [3, 10], "axis": 1,
 "block_size": 4}``. For a plain array (numeric or bool): ``NAME.array`` and
 ``NAME.meta`` saying ``{"format": "qarray", "version": 2, "kind": "ndarray",
-"dtype": "<i4", "shape": [3]}`` (``numpy.dtype.str``). Names may hold dots (as
-safetensors names do), not ``/``.
+"dtype": "<i4", "shape": [3]}`` (``numpy.dtype.str``). Names may hold dots and
+slashes (``fc1.weight``, ``encoder/layer0``).
+
+A path ending in ``.safetensors`` is a safetensors file instead (the
+``safetensors`` package, optional): for a QArray NAME the tensors ``NAME``
+(its codes, one a byte below 8 bits), ``NAME.scale`` and ``NAME.zero_point``,
+and the header's metadata entry NAME holding the meta JSON above; a plain array
+is the tensor NAME alone. Float weights saved by other tools load as ndarrays,
+ready for ``qarray.quantize``.
 
 Versions: ``save`` writes version 2; ``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 import tokenize
@@ -42,7 +50,7 @@ _ARRAY_KEYS = {"format", "version", "kind", "dtype", "shape"}  # a plain array (
 _FIELDS = ("data", "scale", "zero_point", "meta")
 _ARRAY_FIELDS = ("array", "meta")
 _ARRAY_KINDS = "biufc"  # bool, integers, floats, complex: what save takes as plain arrays
-_MEMBER = re.compile(r"([^/]+)\.(data|scale|zero_point|array|meta)\.npy")
+_MEMBER = re.compile(r"(.+)\.(data|scale|zero_point|array|meta)\.npy")
 _HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 # What zipfile, numpy's npy header parser (tokenize, ast.literal_eval) and a damaged
 # file can raise; warnings are made errors while reading, so they are here too.
@@ -50,18 +58,26 @@ _READ_ERRORS = (ValueError, TypeError, KeyError, IndexError, SyntaxError, Runtim
                 OSError, EOFError, struct.error, zipfile.BadZipFile, zlib.error, tokenize.TokenError, Warning)
 
 
+def _safetensors(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and str(path).endswith(".safetensors")
+
+
 def save(path, arrays: dict) -> None:
-    """Write ``{name: QArray or numpy.ndarray}`` to ``path`` (an ``.npz`` file).
+    """Write ``{name: QArray or numpy.ndarray}`` to ``path``: an ``.npz`` file (a
+    path, NumPy adding ``.npz`` where it is missing, or a binary file object),
+    or a ``.safetensors`` file.
 
     Plain arrays must be numeric or bool (``load`` gives them back as ndarrays,
-    dtype and shape unchanged); names are non-empty strings without ``/``.
+    dtype and shape unchanged); names are non-empty strings, not starting with
+    ``/`` (they may hold ``.`` and ``/``).
     """
     if not isinstance(arrays, dict):
         raise TypeError(f"save takes a dict of name -> QArray or numpy.ndarray, got {type(arrays).__name__}")
+    if _safetensors(path):
+        return _save_safetensors(path, arrays)
     out = {}
     for name, q in arrays.items():
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"save: names must be non-empty strings without '/', got {name!r}")
+        _check_name(name)
         if type(q) is np.ndarray:
             if q.dtype.kind not in _ARRAY_KINDS:
                 raise TypeError(f"save: {name!r} has dtype {q.dtype}; plain arrays must be numeric or bool")
@@ -81,8 +97,15 @@ def save(path, arrays: dict) -> None:
     np.savez(path, **out)
 
 
+def _check_name(name):
+    if not isinstance(name, str) or not name or name.startswith("/") or "\0" in name:
+        raise ValueError(f"save: names must be non-empty strings, not starting with '/', got {name!r}")
+
+
 def load(path) -> dict:
-    """Read a file written by :func:`save` as ``{name: QArray or numpy.ndarray}``.
+    """Read a file written by :func:`save` as ``{name: QArray or numpy.ndarray}``:
+    a path (``NAME`` finds the ``NAME.npz`` that ``save("NAME", ...)`` wrote), a
+    binary file object, or a ``.safetensors`` file.
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -91,9 +114,84 @@ def load(path) -> dict:
     read, so memory use stays within the file's size; nothing is unpickled. The
     format versions read are those in ``VERSIONS`` (see the module docstring).
     """
+    if _safetensors(path):
+        return _load_safetensors(path)
+    if hasattr(path, "read"):
+        with _open("<file object>", path) as zf:
+            members = _members("<file object>", path, zf)
+            return {name: _load_one("<file object>", zf, name, fields) for name, fields in members.items()}
+    if not os.path.exists(path) and os.path.exists(f"{os.fspath(path)}.npz"):
+        path = f"{os.fspath(path)}.npz"  # as numpy.savez named it
     with open(path, "rb") as fh, _open(path, fh) as zf:
         members = _members(path, fh, zf)
         return {name: _load_one(path, zf, name, fields) for name, fields in members.items()}
+
+
+def _save_safetensors(path, arrays):
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ImportError("saving .safetensors needs the safetensors package: pip install safetensors") from None
+    tensors, metadata = {}, {}
+    for name, q in arrays.items():
+        _check_name(name)
+        if type(q) is np.ndarray:
+            if q.dtype.kind not in "biuf":
+                raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
+            parts = {name: q}
+        elif isinstance(q, QArray):
+            parts = {name: to_host(q.data), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
+            metadata[name] = json.dumps({"format": FORMAT, "version": VERSION, "dtype": q.dtype.name,
+                                         "shape": list(q.shape), "axis": q.axis, "block_size": q.block_size})
+        else:
+            raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
+        for key, a in parts.items():
+            if key in tensors:
+                raise ValueError(f"save: the tensor name {key!r} is used twice (a QArray {name!r} stores "
+                                 f"{name}, {name}.scale and {name}.zero_point)")
+            tensors[key] = np.ascontiguousarray(a)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _load_safetensors(path) -> dict:
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ImportError("reading .safetensors needs the safetensors package: pip install safetensors") from None
+    try:
+        with safe_open(str(path), "np") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    out = {}
+    for name, text in metadata.items():
+        if not _is_qarray_meta(text):
+            continue  # other tools' metadata
+        d, shape, axis, block_size = _parse_meta(path, name, text)
+        missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")
+        data, scale, zp = tensors.pop(name), tensors.pop(f"{name}.scale"), tensors.pop(f"{name}.zero_point")
+        if data.dtype != d.storage or data.shape != shape:
+            raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata says "
+                             f"{d.name} (stored as {d.storage}) {list(shape)}")
+        if scale.dtype != np.float32 or zp.dtype != np.int32:
+            raise ValueError(f"{path}: {name}.scale / {name}.zero_point must be float32 / int32, got "
+                             f"{scale.dtype} / {zp.dtype}")
+        try:
+            out[name] = QArray.from_int(data, scale, zp, d, axis, block_size)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: QArray {name!r} is invalid: {e}") from None
+    out.update(tensors)
+    return out
+
+
+def _is_qarray_meta(text) -> bool:
+    try:
+        return json.loads(text).get("format") == FORMAT
+    except (ValueError, AttributeError):
+        return False
 
 
 def _open(path, fh) -> zipfile.ZipFile:

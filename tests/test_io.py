@@ -1,4 +1,5 @@
 import json
+import io
 import re
 import zipfile
 
@@ -103,8 +104,8 @@ def test_save_errors(tmp_path, arrays):
     path = tmp_path / "x.npz"
     with pytest.raises(TypeError, match="dict of name -> QArray or numpy.ndarray, got list"):
         qarray.save(path, [arrays["t"]])
-    for name in ("a/b", "", 3):
-        with pytest.raises(ValueError, match="names must be non-empty strings without '/', got"):
+    for name in ("/a", "", 3, "a\0b"):
+        with pytest.raises(ValueError, match="names must be non-empty strings, not starting with '/', got"):
             qarray.save(path, {name: arrays["t"]})
     with pytest.raises(TypeError, match=r"'w' is a builtins\.list, not a QArray or numpy\.ndarray"):
         qarray.save(path, {"w": [1.0, 2.0]})
@@ -230,3 +231,97 @@ def test_damaged_plain_array_data(tmp_path):
     path.write_bytes(bytes(data[: info.header_offset + 30 + len(info.filename) + 500]))  # truncated there
     with pytest.raises(ValueError, match=re.escape(f"{path} is not a readable qarray file: no zip end record")):
         qarray.load(path)
+
+
+# -- issue 12: names with "/", file objects, a path without .npz, safetensors ---------
+
+
+def _same_q(a, b):
+    assert isinstance(a, QArray) and (a.dtype, a.shape, a.axis, a.block_size) == (b.dtype, b.shape, b.axis, b.block_size)
+    np.testing.assert_array_equal(a.int_repr(), b.int_repr())
+    np.testing.assert_array_equal(a.scale, b.scale)
+    np.testing.assert_array_equal(a.zero_point, b.zero_point)
+    assert a.scale.dtype == np.float32 and a.zero_point.dtype == np.int32
+
+
+def _checkpoint(rng):
+    w = qarray.quantize(rng.standard_normal((6, 8)).astype(np.float32), np.linspace(0.01, 0.1, 6).astype(np.float32),
+                        np.arange(-3, 3).astype(np.int32), "qint4", axis=0)
+    blocked = qarray.quantize(rng.standard_normal((4, 10)).astype(np.float32), 0.05, 0, "quint8", axis=1, block_size=4)
+    return {"encoder/fc1.weight": w, "encoder/fc1.bias": rng.standard_normal(6).astype(np.float32),
+            "head.w": blocked, "steps": np.arange(3, dtype=np.int64), "q32": qarray.QArray.from_int(
+                np.array([-(2**31), 2**31 - 1]), 1e-3, -7, "qint32")}
+
+
+def _check_checkpoint(got, want):
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        if isinstance(v, QArray):
+            _same_q(got[k], v)
+        else:
+            assert type(got[k]) is np.ndarray and got[k].dtype == v.dtype
+            np.testing.assert_array_equal(got[k], v)
+
+
+def test_names_with_slashes_file_objects_and_paths_without_npz(tmp_path, rng):
+    want = _checkpoint(rng)
+    qarray.save(tmp_path / "model", want)  # numpy adds .npz
+    assert (tmp_path / "model.npz").exists() and not (tmp_path / "model").exists()
+    _check_checkpoint(qarray.load(tmp_path / "model"), want)
+    _check_checkpoint(qarray.load(str(tmp_path / "model.npz")), want)
+    buf = io.BytesIO()
+    qarray.save(buf, want)
+    buf.seek(0)
+    _check_checkpoint(qarray.load(buf), want)
+    with pytest.raises(ValueError, match=r"<file object> is not a readable qarray file"):
+        qarray.load(io.BytesIO(b"not a zip at all, long enough for the end record"))
+
+
+def test_safetensors_round_trip_exact(tmp_path, rng):
+    want = _checkpoint(rng)
+    path = tmp_path / "m.safetensors"
+    qarray.save(path, want)
+    _check_checkpoint(qarray.load(path), want)
+    from safetensors.numpy import load_file
+    from safetensors import safe_open
+
+    raw = load_file(str(path))  # plain tensors any safetensors reader sees
+    np.testing.assert_array_equal(raw["encoder/fc1.weight"], want["encoder/fc1.weight"].int_repr())
+    with safe_open(str(path), "np") as f:
+        meta = json.loads(f.metadata()["head.w"])
+    assert meta == {"format": "qarray", "version": 2, "dtype": "quint8", "shape": [4, 10], "axis": 1, "block_size": 4}
+
+
+def test_safetensors_float_weights_from_other_tools_quantize(tmp_path, rng):
+    from safetensors.numpy import save_file
+
+    w = rng.standard_normal((5, 7)).astype(np.float32)
+    save_file({"layer.weight": w}, str(tmp_path / "f.safetensors"), metadata={"source": "another tool"})
+    got = qarray.load(tmp_path / "f.safetensors")
+    np.testing.assert_array_equal(got["layer.weight"], w)
+    q = qarray.quantize(got["layer.weight"], 0.02, 0, "qint8")
+    np.testing.assert_array_equal(q.int_repr(), qarray.quantize(w, 0.02, 0, "qint8").int_repr())
+
+
+def test_safetensors_errors(tmp_path, rng):
+    from safetensors.numpy import save_file
+
+    q = qarray.quantize(rng.standard_normal(4).astype(np.float32), 0.1, 0, "qint8")
+    with pytest.raises(ValueError, match=r"tensor name 'w.scale' is used twice"):
+        qarray.save(tmp_path / "a.safetensors", {"w": q, "w.scale": np.zeros(1, np.float32)})
+    meta = json.dumps({"format": "qarray", "version": 2, "dtype": "qint8", "shape": [4], "axis": None, "block_size": None})
+    save_file({"w": q.int_repr(), "w.scale": np.array(0.1, np.float32)}, str(tmp_path / "b.safetensors"),
+              metadata={"w": meta})
+    with pytest.raises(ValueError, match=r"QArray 'w' has no tensor 'w.zero_point'"):
+        qarray.load(tmp_path / "b.safetensors")
+    save_file({"w": q.int_repr().astype(np.int16), "w.scale": np.array(0.1, np.float32),
+               "w.zero_point": np.array(0, np.int32)}, str(tmp_path / "c.safetensors"), metadata={"w": meta})
+    with pytest.raises(ValueError, match=r"tensor 'w' is int16 \[4\], but its metadata says qint8"):
+        qarray.load(tmp_path / "c.safetensors")
+    save_file({"w": np.array([1, 2, 3, 200], np.int16).astype(np.int8), "w.scale": np.array(-0.1, np.float32),
+               "w.zero_point": np.array(0, np.int32)}, str(tmp_path / "d.safetensors"), metadata={"w": meta})
+    with pytest.raises(ValueError, match=r"QArray 'w' is invalid: .*scale"):
+        qarray.load(tmp_path / "d.safetensors")
+    (tmp_path / "e.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        qarray.load(tmp_path / "e.safetensors")
