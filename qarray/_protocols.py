@@ -380,10 +380,16 @@ def install(cls) -> None:
     cls.__float__ = lambda self: _scalar(self, "float()")
     cls.__int__ = lambda self: int(_scalar(self, "int()"))
     cls.__format__ = to_format
-    cls.__dlpack__ = cls.__dlpack_device__ = no_dlpack
+    cls.__dlpack__ = cls.__dlpack_device__ = property(no_dlpack)
 
 
-def no_dlpack(self, *args, **kwargs):
-    raise TypeError("a QArray is integer codes plus parameters, not one DLPack tensor: pass q.data (no copy, e.g. "
+class NotDLPack(TypeError, AttributeError):
+    """A QArray is not one DLPack tensor. Also an AttributeError, so that
+    ``hasattr(q, "__dlpack__")`` is False: code that probes for DLPack goes on
+    to the other protocols rather than fail on this one."""
+
+
+def no_dlpack(self):
+    raise NotDLPack("a QArray is integer codes plus parameters, not one DLPack tensor: pass q.data (no copy, e.g. "
                     "torch.from_dlpack(q.data)) with q.scale and q.zero_point, or q.to_torch() for a PyTorch "
                     "quantized tensor")

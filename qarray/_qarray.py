@@ -204,6 +204,13 @@ class QArray:
             raise TypeError("len() of a 0-d QArray")
         return self.shape[0]
 
+    def __iter__(self):
+        """The QArrays along axis 0; a 0-d QArray is not iterable (as NumPy's), so
+        code that asks ``iter(x)`` (matplotlib) sees a scalar."""
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d QArray")
+        return (self[i] for i in range(self.shape[0]))
+
     def reshape(self, *shape) -> "QArray":
         """Reshape; per-axis and blocked parameters need their axis kept whole.
 

@@ -222,3 +222,16 @@ def test_device_qarrays_refuse_implicit_conversion(q):
     d = QArray._new(q.data, q.scale, q.zero_point, q.dtype, None, None, Device(np))
     with pytest.raises(TypeError, match=r"use .get\(\) first"):
         np.asarray(d)
+
+
+def test_matplotlib_hist_takes_a_qarray():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    q = qarray.quantize(np.linspace(-1, 1, 50).astype(np.float32), 0.05, 0, "qint8")
+    counts, edges, _ = plt.hist(q, bins=5)
+    want, want_edges = np.histogram(q.dequantize(), bins=5)
+    np.testing.assert_array_equal(counts, want)
+    np.testing.assert_array_equal(edges, want_edges)
+    plt.close("all")
