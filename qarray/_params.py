@@ -53,7 +53,7 @@ def user_array(x, what: str):
         )
     if isinstance(x, (list, tuple, int, float, np.generic)) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray):
         x = np.asarray(x)
-    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and type(x).__module__.split(".")[0] != "cupy":
+    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and not _backends.handles(x):
         from .interop import from_dlpack  # PyTorch, JAX, ...: NumPy (CPU) or CuPy (CUDA), no copy where allowed
 
         x = from_dlpack(x, what)

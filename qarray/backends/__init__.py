@@ -73,6 +73,15 @@ def for_array(x) -> Backend:
     )
 
 
+def handles(x) -> bool:
+    """Whether a registered backend takes arrays of ``x``'s type as they are."""
+    try:
+        for_array(x)
+    except TypeError:
+        return False
+    return True
+
+
 def common(*arrays) -> Backend:
     """The one backend of all ``arrays``; TypeError naming both when they differ."""
     found = None
