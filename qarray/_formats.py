@@ -59,6 +59,7 @@ def fmt(spec) -> FloatFormat:
     """The format ``spec`` names: ml_dtypes', ONNX's or PyTorch's spelling, or an ml_dtypes dtype."""
     if isinstance(spec, FloatFormat):
         return spec
+    spec = getattr(spec, "name", spec) if not isinstance(spec, (str, np.dtype)) else spec  # a QDType
     key = spec if isinstance(spec, str) else getattr(np.dtype(spec), "name", str(spec))
     if key.lower() in _SPELLINGS:
         return _SPELLINGS[key.lower()]
@@ -70,7 +71,7 @@ def dtype(spec) -> np.dtype:
     return np.dtype(getattr(ml_dtypes(), fmt(spec).name))
 
 
-class finfo(NamedTuple):
+class FInfo(NamedTuple):
     """``max``, ``smallest_normal``, ``smallest_subnormal`` and ``eps`` of a
     format (float values, ml_dtypes' numbers)."""
 
@@ -80,11 +81,16 @@ class finfo(NamedTuple):
     smallest_subnormal: float
     eps: float
 
-    @classmethod
-    def of(cls, spec) -> "finfo":
-        f = fmt(spec)
-        i = ml_dtypes().finfo(dtype(f))
-        return cls(f.name, float(i.max), float(i.smallest_normal), float(i.smallest_subnormal), float(i.eps))
+
+def finfo(spec) -> FInfo:
+    """The numbers of a floating format (a QDType or any spelling ``fmt`` takes).
+
+    >>> finfo("float8_e4m3fn").max
+    448.0
+    """
+    f = fmt(spec)
+    i = ml_dtypes().finfo(dtype(f))
+    return FInfo(f.name, float(i.max), float(i.smallest_normal), float(i.smallest_subnormal), float(i.eps))
 
 
 def quantize(x, scale, spec, saturate: bool = True) -> np.ndarray:
@@ -98,12 +104,12 @@ def quantize(x, scale, spec, saturate: bool = True) -> np.ndarray:
     s = np.asarray(scale)
     if s.dtype != np.float32:
         s = s.astype(np.float32)  # float16 and bfloat16 widen exactly
-    v = x.astype(np.float32, copy=False) / s
+    v = (x if x.dtype == np.float64 else x.astype(np.float32, copy=False)) / s  # float64 input: one rounding
     if not f.has_nan and np.isnan(v).any():
         raise ValueError(f"cannot quantize NaN to {f.name}, which holds no NaN; replace it first "
                          "(e.g. numpy.nan_to_num)")
     if saturate or not (f.has_inf or f.has_nan):
-        top = np.float32(finfo.of(f).max)
+        top = np.float32(finfo(f).max)
         v = np.clip(v, -top, top)  # NaN stays NaN; beyond the range (inf too): +-max
     if not f.has_nan:  # ONNX adds the zero point, +0.0, for float4/float6: -0 becomes +0 (its reference does;
         v = v + np.float32(0)  # for float8 it adds nothing, so -0 stays -0 there)
