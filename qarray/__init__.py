@@ -20,6 +20,7 @@ from ._api import requantize
 from ._api import unpack
 from ._config import config
 from ._config import set_num_threads
+from ._formats import finfo
 from ._dtypes import QDType
 from ._dtypes import iinfo
 from ._dtypes import qdtype
@@ -47,6 +48,7 @@ __all__ = [
     "choose_qparams",
     "config",
     "dequantize",
+    "finfo",
     "from_torch",
     "iinfo",
     "load",

@@ -7,12 +7,13 @@ import operator
 
 import numpy as np
 
+from . import _formats
 from . import backends as _backends
 from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, param_shape, to_host, user_array
+from ._params import check_params, expand, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -30,7 +31,7 @@ def _float_input(x, what):
 
 
 @on_data_device
-def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) -> QArray:
+def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
     The division is IEEE float32 for float16/float32 input, float64 for float64
@@ -44,7 +45,20 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) 
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
+    if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
+        _numpy_only(b, "quantize")
+        data = _formats.quantize(x, expand(s, x.shape, axis, block_size, np), d, True if saturate is None else saturate)
+        return QArray._new(data, s, z, d, axis, block_size, b)
+    if saturate is not None:
+        raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
+                        "saturates")
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
+
+
+def _numpy_only(b, what):
+    if b.name != "numpy":
+        raise TypeError(f"{what}: floating formats run on NumPy arrays so far (no {b.name} kernels yet); "
+                        "q.get() / x.get() first")
 
 
 @on_data_device
@@ -54,6 +68,11 @@ def dequantize(q: QArray, dtype="float32"):
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
+    if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
+        _numpy_only(q._backend, "dequantize")
+        wide = np.float64 if ft == np.float64 else np.float32
+        with np.errstate(over="ignore"):
+            return _formats.dequantize(q.data, expand(q.scale, q.shape, q.axis, q.block_size, np), wide).astype(ft, copy=False)
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
 
 
@@ -90,8 +109,13 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     """
     if not isinstance(q, QArray):
         raise TypeError(f"requantize takes a QArray, got {type(q).__name__}")
-    mode, rounding = resolve(mode, rounding)
     d = q.dtype if dtype is None else qdtype(dtype)
+    if "float" in (q.dtype.kind, d.kind):  # through the real values: dequantize, then quantize
+        if mode is not None or rounding is not None or out is not None:
+            raise TypeError("requantize to or from a floating format dequantizes to float32 and quantizes again: "
+                            "mode=, rounding= and out= do not apply")
+        return quantize(dequantize(q), scale, zero_point, d, axis, block_size)
+    mode, rounding = resolve(mode, rounding)
     s_out, z_out, axis, block_size = check_params(scale, zero_point, d, q.shape, axis, block_size)
     lax, lblock = _common_layout(q, axis, block_size)
     want = param_shape(q.shape, lax, lblock)

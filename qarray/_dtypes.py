@@ -18,15 +18,21 @@ class QDType:
     ``QArray.pack()`` gives the packed layout.
     """
 
-    __slots__ = ("name", "bits", "signed", "qmin", "qmax", "storage")
+    __slots__ = ("name", "bits", "signed", "qmin", "qmax", "storage", "kind")
 
-    def __init__(self, name: str, bits: int, signed: bool, storage: str):
+    def __init__(self, name: str, bits: int, signed: bool, storage, kind: str = "int"):
         self.name = name
         self.bits = bits
         self.signed = signed
+        self.kind = kind  # "int", or "float" for the floating formats (qarray._formats)
         self.qmin = -(1 << (bits - 1)) if signed else 0
         self.qmax = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
         self.storage = np.dtype(storage)
+        if kind == "float":  # the largest finite values; the zero point is always 0
+            from ._formats import finfo
+
+            self.qmax = finfo(name).max
+            self.qmin = -self.qmax
 
     def __repr__(self) -> str:
         return self.name
@@ -83,6 +89,9 @@ def qdtype(spec) -> QDType:
         key = key[6:] if key.startswith("torch.") else key
         if key in _NAMES:
             return _NAMES[key]
+        floating = _floating(spec)
+        if floating is not None:
+            return floating
         raise TypeError(
             f"unknown quantized dtype {spec!r}; use one of "
             + ", ".join(d.name for d in ALL)
@@ -94,12 +103,33 @@ def qdtype(spec) -> QDType:
         np_dtype = None
     if np_dtype is not None and np_dtype in _BY_NUMPY:
         return _BY_NUMPY[np_dtype]
+    if np_dtype is not None and _floating(np_dtype.name) is not None:  # an ml_dtypes dtype
+        return _floating(np_dtype.name)
     text = str(spec)
     if text.startswith("torch."):  # torch.qint8 and friends, without importing torch
         return qdtype(text)
     raise TypeError(
         f"unknown quantized dtype {spec!r}; use one of " + ", ".join(d.name for d in ALL)
     )
+
+
+_FLOATING = {}
+
+
+def _floating(spec):
+    """The floating-format QDType ``spec`` names (ml_dtypes', ONNX's or PyTorch's
+    spelling), made on first use (it needs ml_dtypes); None if it names none."""
+    from . import _formats
+
+    try:
+        f = _formats.fmt(spec)
+    except TypeError:
+        return None
+    if f.name == "float8_e8m0fnu":  # a scale type, not an element type
+        return None
+    if f.name not in _FLOATING:
+        _FLOATING[f.name] = QDType(f.name, f.bits, True, _formats.dtype(f), kind="float")
+    return _FLOATING[f.name]
 
 
 class iinfo:
@@ -113,6 +143,8 @@ class iinfo:
 
     def __init__(self, dtype):
         d = qdtype(dtype)
+        if d.kind != "int":
+            raise TypeError(f"iinfo takes integer formats; {d.name} is a floating format: use qarray.finfo")
         self.dtype = d
         self.kind = "i" if d.signed else "u"
         self.bits = d.bits

@@ -143,6 +143,8 @@ def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=N
             "round it first (e.g. int(round(zp)))"
         )
     z = _fit(z, want, "zero_point", axis, block_size)
+    if dtype.kind == "float" and z.any():
+        raise ValueError(f"zero_point must be 0 for the floating format {dtype.name}, got {int(z.reshape(-1)[np.flatnonzero(z)[0]])}")
     bad = (z < dtype.qmin) | (z > dtype.qmax)
     if bad.any():
         first = z.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]

@@ -100,6 +100,9 @@ def _real(q):
     in it (``|q - z| < 2**29``: a float32 scale has 24 significant bits), else
     an object array of Fractions (host)."""
     xp = q._backend.xp
+    if q.dtype.kind == "float":  # element * scale: exact in float64 (<= 4-bit significands times 24 bits)
+        return q.data.astype(xp.float64) * q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis,
+                                                                    q.block_size, np))
     d = q.data.astype(xp.int64) - q._backend.param(expand(q.zero_point.astype(np.int64), q.shape, q.axis,
                                                           q.block_size, np))
     s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size, np))

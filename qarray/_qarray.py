@@ -66,6 +66,8 @@ class QArray:
         """
         d = qdtype(dtype)
         ints, b = user_array(ints, "from_int")
+        if d.kind == "float":
+            return cls._from_codes(ints, b, scale, zero_point, d, axis, block_size)
         if ints.dtype.kind not in "iu":
             raise TypeError(
                 f"from_int takes integer data, got dtype {ints.dtype}; use qarray.quantize for floats"
@@ -82,6 +84,21 @@ class QArray:
 
     # -- attributes -------------------------------------------------------
     data = property(lambda self: self._data, doc="The integer storage array.")
+    @classmethod
+    def _from_codes(cls, codes, b, scale, zero_point, d, axis, block_size):
+        """``from_int`` for a floating format: codes as its ml_dtypes array, or
+        their bit patterns as uint8 (bits above the format's width must be 0)."""
+        if codes.dtype == np.uint8:
+            if codes.size and int(b.to_host(codes.max())) >> d.bits:
+                raise ValueError(f"from_int: {d.name} has {d.bits}-bit patterns; a uint8 code above "
+                                 f"{(1 << d.bits) - 1} is none of them")
+            codes = codes.view(d.storage)
+        elif codes.dtype != d.storage:
+            raise TypeError(f"from_int: {d.name} codes come as an ml_dtypes {d.storage} array or as uint8 bit "
+                            f"patterns, got {codes.dtype}")
+        s, z, axis, block_size = check_params(scale, zero_point, d, codes.shape, axis, block_size)
+        return cls._new(codes, s, z, d, axis, block_size, b)
+
     scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked.")
     zero_point = property(lambda self: self._zero_point, doc="int32 zero point, shaped like scale.")
     axis = property(lambda self: self._axis, doc="Parameter axis, or None for per-tensor.")
@@ -124,12 +141,20 @@ class QArray:
         return requantize(self, scale, zero_point, dtype, axis, block_size, mode=mode, rounding=rounding)
 
     def int_repr(self):
-        """A copy of the integer storage (one value per element, also for 2/4 bits)."""
-        return self._data.copy()
+        """A copy of the integer storage (one value per element, also for 2/4 bits);
+        for a floating format, the elements' bit patterns as uint8."""
+        return self._data.view(np.uint8).copy() if self._dtype.kind == "float" else self._data.copy()
 
     def pack(self):
         """The flattened values in ONNX/PyTorch byte layout (uint8, first value in the
-        low bits); 8 bits and wider come back as a copy of the storage."""
+        low bits); 8 bits and wider come back as a copy of the storage. Floating
+        formats give their bit patterns: float8 one a byte, float4 two a byte."""
+        if self._dtype.kind == "float":
+            if self._dtype.bits == 6:
+                raise TypeError("pack() of float6 (four values in three bytes) is not written yet; "
+                                "int_repr() gives one bit pattern a byte")
+            bits = self._backend.xp.ascontiguousarray(self._data).reshape(-1).view(np.uint8)
+            return bits.copy() if self._dtype.bits == 8 else self._backend.pack(bits, 4)
         if not self._dtype.packed:
             return self._backend.xp.ascontiguousarray(self._data).reshape(-1).copy()
         return self._backend.pack(self._data, self._dtype.bits)

@@ -126,9 +126,16 @@ def on_data_device(op):
     or a sequence of QArrays): CuPy allocates and launches on the current
     device, which need not be the data's. Every public op is wrapped in it."""
 
+    integer_only = op.__module__.startswith("qarray.ops")  # the ops take integer formats only (so far)
+
     @functools.wraps(op)
     def on_device(first, *args, **kwargs):
         x = first[0] if isinstance(first, (list, tuple)) and first else first
+        if integer_only:
+            for q in (*(first if isinstance(first, (list, tuple)) else (first,)), *args, *kwargs.values()):
+                if getattr(getattr(q, "dtype", None), "kind", None) == "float" and hasattr(q, "_backend"):
+                    raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
+                                    "dequantize it (q.dequantize()) or requantize it to an integer format first")
         if hasattr(x, "_backend"):  # a QArray
             b, x = x._backend, x.data
         else:

@@ -1,0 +1,202 @@
+"""Floating-point formats (qarray/_formats.py): ONNX's QuantizeLinear /
+DequantizeLinear for float8, float4 against ``onnx.reference`` bit for bit
+(random data, ties, saturation, inf, NaN, both saturate modes, per tensor, axis
+and block), float6 (which ONNX lacks) against ml_dtypes' own rounding, and
+finfo against ml_dtypes."""
+
+import numpy as np
+import pytest
+
+from qarray import _formats as F
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+ONNX_TYPES = {"float8_e4m3fn": TensorProto.FLOAT8E4M3FN, "float8_e4m3fnuz": TensorProto.FLOAT8E4M3FNUZ,
+              "float8_e5m2": TensorProto.FLOAT8E5M2, "float8_e5m2fnuz": TensorProto.FLOAT8E5M2FNUZ,
+              "float4_e2m1fn": TensorProto.FLOAT4E2M1}
+LAYOUTS = [((5, 8), None, None), ((5, 8), 0, None), ((5, 8), 1, None), ((4, 12), 1, 4)]
+
+
+def _x(rng, shape, f):
+    top = F.finfo(f).max
+    x = (rng.standard_normal(shape) * top / 3).astype(np.float32)
+    flat = x.reshape(-1)
+    specials = [0.0, -0.0, top, -top, top * 1.1, -top * 4, F.finfo(f).smallest_subnormal / 2,
+                F.finfo(f).smallest_subnormal * 1.5, 3 * F.finfo(f).smallest_subnormal / 2]
+    flat[: len(specials)] = specials
+    if F.fmt(f).has_nan:
+        flat[len(specials): len(specials) + 3] = [np.inf, -np.inf, np.nan]
+    return x
+
+
+def _reference(x, scale, f, axis, block_size, saturate):
+    attrs = {"saturate": int(saturate)}
+    if axis is not None:
+        attrs["axis"] = axis
+    if block_size is not None:
+        attrs["block_size"] = block_size
+    zp = helper.make_tensor("zp", ONNX_TYPES[f], scale.shape, [0] * scale.size)
+    node = helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], **attrs)
+    dq = helper.make_node("DequantizeLinear", ["y", "s", "zp"], ["z"], **{k: v for k, v in attrs.items() if k != "saturate"})
+    graph = helper.make_graph([node, dq], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                                                helper.make_tensor_value_info("s", TensorProto.FLOAT if scale.dtype == np.float32 else TensorProto.FLOAT16, scale.shape)],
+                              [helper.make_tensor_value_info("y", ONNX_TYPES[f], x.shape),
+                               helper.make_tensor_value_info("z", TensorProto.FLOAT, x.shape)], [zp])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)])
+    with np.errstate(over="ignore"):  # a float16 dequantize of e5m2's largest values overflows to inf
+        return ReferenceEvaluator(model).run(None, {"x": x, "s": scale})
+
+
+def _expand(s, shape, axis, block_size):
+    if axis is None:
+        return s
+    if block_size is None:
+        return s.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return np.repeat(s, block_size, axis=axis)[tuple(slice(0, n) for n in shape)]
+
+
+@pytest.mark.parametrize("f", list(ONNX_TYPES))
+@pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_quantize_dequantize_equal_onnx_reference(rng, f, shape, axis, block_size, saturate, scale_dtype):
+    x = _x(rng, shape, f)
+    pshape = () if axis is None else (shape[axis],) if block_size is None else \
+        tuple(-(-n // block_size) if i == axis else n for i, n in enumerate(shape))
+    scale = rng.choice(np.array([1.0, 0.5, 0.375, 2.0, 0.1], scale_dtype), pshape).astype(scale_dtype)
+    if not F.fmt(f).has_nan:
+        x = np.nan_to_num(x, nan=0.0, posinf=1e30, neginf=-1e30)
+    y, z = _reference(x, np.asarray(scale), f, axis, block_size, saturate)
+    s = _expand(np.asarray(scale), shape, axis, block_size)
+    got = F.quantize(x, s, f, saturate)
+    assert got.dtype == F.dtype(f)
+    np.testing.assert_array_equal(got.view(np.uint8), np.asarray(y).astype(F.dtype(f)).view(np.uint8))
+    # DequantizeLinear computes in the scale's type: a float16 scale gives float16, the
+    # exact float32 product (two 11-bit significands) rounded once
+    with np.errstate(over="ignore"):  # e5m2's 57344 times 2 passes float16's 65504: inf, as ONNX's
+        np.testing.assert_array_equal(F.dequantize(got, s).astype(np.asarray(z).dtype), z)
+
+
+@pytest.mark.parametrize("f", ["float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"])
+def test_formats_without_nan_saturate_and_refuse_nan(f):
+    top = F.finfo(f).max
+    got = F.quantize(np.array([1e30, -np.inf, np.inf, top * 2], np.float32), np.float32(1), f, saturate=False)
+    np.testing.assert_array_equal(got.astype(np.float32), [top, -top, top, top])
+    with pytest.raises(ValueError, match=f"cannot quantize NaN to {f}"):
+        F.quantize(np.array([1.0, np.nan], np.float32), np.float32(1), f)
+
+
+def test_float6_rounds_to_nearest_even_against_exhaustive_grid():
+    """float6 (no ONNX type): every midpoint between neighbouring values rounds
+    to the one with the even bit pattern, checked over all 64 codes."""
+    for f in ("float6_e2m3fn", "float6_e3m2fn"):
+        codes = np.arange(64, dtype=np.uint8).view(F.dtype(f))
+        vals = np.unique(codes.astype(np.float64))
+        vals = vals[vals >= 0]
+        mids = ((vals[:-1] + vals[1:]) / 2).astype(np.float32)
+        got = F.quantize(mids, np.float32(1), f).astype(np.float64)
+        lo, hi = vals[:-1], vals[1:]
+        lo_bits = np.array(lo, np.float32).astype(F.dtype(f)).view(np.uint8)
+        np.testing.assert_array_equal(got, np.where(lo_bits % 2 == 0, lo, hi))
+
+
+@pytest.mark.parametrize("f", list(F.FORMATS))
+def test_finfo_and_spellings(f):
+    i = ml_dtypes.finfo(getattr(ml_dtypes, f))
+    got = F.finfo(f)
+    assert (got.max, got.smallest_normal, got.smallest_subnormal, got.eps) == (
+        float(i.max), float(i.smallest_normal), float(i.smallest_subnormal), float(i.eps))
+    for alias in F.FORMATS[f].aliases:
+        assert F.fmt(alias) is F.FORMATS[f]
+    with pytest.raises(TypeError, match="unknown floating format"):
+        F.fmt("float8_e4m3")
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        F.quantize(np.ones(2, np.float32), np.float32(1), f if f != "float8_e8m0fnu" else "float8_e5m2", saturate=1)
+
+
+# -- the QArray path ---------------------------------------------------------------------
+import qarray  # noqa: E402
+from qarray import QArray  # noqa: E402
+
+
+@pytest.mark.parametrize("f", list(ONNX_TYPES))
+@pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)
+def test_qarray_quantize_dequantize_equal_onnx(rng, f, shape, axis, block_size):
+    x = _x(rng, shape, f)
+    if not F.fmt(f).has_nan:
+        x = np.nan_to_num(x, nan=0.0)
+    pshape = () if axis is None else (shape[axis],) if block_size is None else \
+        tuple(-(-n // block_size) if i == axis else n for i, n in enumerate(shape))
+    scale = rng.choice(np.float32([1.0, 0.5, 0.375, 2.0]), pshape).astype(np.float32)
+    for saturate in (True, False):
+        q = qarray.quantize(x, scale, 0, f, axis=axis, block_size=block_size, saturate=saturate)
+        y, z = _reference(x, np.asarray(scale), f, axis, block_size, saturate)
+        assert q.dtype == f and q.dtype.kind == "float" and q.data.dtype == F.dtype(f)
+        np.testing.assert_array_equal(q.int_repr(), np.asarray(y).astype(F.dtype(f)).view(np.uint8))
+        np.testing.assert_array_equal(q.dequantize(), z)
+        assert q.int_repr().dtype == np.uint8
+        back = QArray.from_int(q.int_repr(), scale, 0, f, axis, block_size)  # from bit patterns
+        np.testing.assert_array_equal(back.int_repr(), q.int_repr())
+        np.testing.assert_array_equal(QArray.from_int(q.data, scale, 0, f, axis, block_size).int_repr(), q.int_repr())
+
+
+def test_spellings_name_one_qdtype():
+    d = qarray.qdtype("float8_e4m3fn")
+    assert qarray.qdtype("float8e4m3fn") is d and qarray.qdtype("torch.float8_e4m3fn") is d
+    assert qarray.qdtype(ml_dtypes.float8_e4m3fn) is d and qarray.qdtype(np.dtype(ml_dtypes.float8_e4m3fn)) is d
+    assert qarray.qdtype("float4e2m1") is qarray.qdtype("float4_e2m1fn")
+    assert (d.kind, d.bits, d.qmax, d.qmin) == ("float", 8, 448.0, -448.0)
+    assert qarray.finfo(d).max == 448.0
+    with pytest.raises(TypeError, match="unknown quantized dtype"):
+        qarray.qdtype("float8_e8m0fnu")  # a scale type, not an element type
+
+
+def test_requantize_goes_through_the_real_values(rng):
+    x = rng.standard_normal(64).astype(np.float32)
+    q8 = qarray.quantize(x, 0.05, 0, "float8_e4m3fn")
+    r = q8.requantize(0.02, 3, "qint8")
+    np.testing.assert_array_equal(r.int_repr(), qarray.quantize(q8.dequantize(), 0.02, 3, "qint8").int_repr())
+    qi = qarray.quantize(x, 0.01, 0, "qint16")
+    r = qi.requantize(0.125, 0, "float4_e2m1fn")
+    np.testing.assert_array_equal(r.int_repr(), qarray.quantize(qi.dequantize(), 0.125, 0, "float4_e2m1fn").int_repr())
+
+
+def test_floating_errors(rng):
+    x = rng.standard_normal(8).astype(np.float32)
+    q = qarray.quantize(x, 0.1, 0, "float8_e5m2")
+    with pytest.raises(ValueError, match="zero_point must be 0 for the floating format float8_e5m2, got 2"):
+        qarray.quantize(x, 0.1, 2, "float8_e5m2")
+    with pytest.raises(TypeError, match="saturate= is for floating formats; qint8 is an integer format"):
+        qarray.quantize(x, 0.1, 0, "qint8", saturate=False)
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        qarray.quantize(x, 0.1, 0, "float8_e5m2", saturate="no")
+    for op in (lambda: qarray.add(q, q, scale=1.0), lambda: qarray.relu(q), lambda: qarray.matmul(q[None], q[:, None]),
+               lambda: qarray.cat([q, q])):
+        with pytest.raises(TypeError, match="takes integer formats; float8_e5m2 is a floating format"):
+            op()
+    with pytest.raises(TypeError, match="use qarray.finfo"):
+        qarray.iinfo("float8_e5m2")
+    with pytest.raises(ValueError, match="a uint8 code above 15 is none of them"):
+        QArray.from_int(np.array([3, 200], np.uint8), 1.0, 0, "float4_e2m1fn")
+    with pytest.raises(TypeError, match="come as an ml_dtypes float8_e5m2 array or as uint8 bit patterns, got int16"):
+        QArray.from_int(np.array([3], np.int16), 1.0, 0, "float8_e5m2")
+    with pytest.raises(TypeError, match="mode=, rounding= and out= do not apply"):
+        q.requantize(0.1, 0, "qint8", rounding="half_away")
+
+
+def test_pack_gives_bit_patterns_and_save_refuses_floating_formats(rng, tmp_path):
+    x = rng.standard_normal(7).astype(np.float32)
+    q8 = qarray.quantize(x, 0.1, 0, "float8_e4m3fn")
+    np.testing.assert_array_equal(q8.pack(), q8.int_repr())
+    q4 = qarray.quantize(x, 0.5, 0, "float4_e2m1fn")
+    bits = q4.int_repr()
+    want = np.array([bits[i] | (bits[i + 1] << 4 if i + 1 < 7 else 0) for i in range(0, 7, 2)], np.uint8)
+    np.testing.assert_array_equal(q4.pack(), want)  # ONNX's order: the first value in the low nibble
+    with pytest.raises(TypeError, match="pack\\(\\) of float6"):
+        qarray.quantize(x, 0.5, 0, "float6_e2m3fn").pack()
+    for path in (tmp_path / "a.npz", tmp_path / "a.safetensors"):
+        with pytest.raises(TypeError, match="floating format float8_e4m3fn, which files do not hold yet"):
+            qarray.save(path, {"w": q8})
