@@ -99,8 +99,8 @@ def save(path, arrays: dict) -> None:
 
 
 def _integer_format(name, q):
-    if q.dtype.kind != "int":
-        raise TypeError(f"save: {name!r} is in the floating format {q.dtype.name}, which files do not hold yet; "
+    if q.dtype.kind == "float" and q.dtype.bits == 6:
+        raise TypeError(f"save: {name!r} is in {q.dtype.name}, which files do not hold yet (no float6 packing); "
                         "save q.int_repr() (its bit patterns) and q.scale beside it")
 
 
@@ -148,7 +148,7 @@ def _save_safetensors(path, arrays):
             parts = {name: q}
         elif isinstance(q, QArray):
             _integer_format(name, q)
-            parts = {name: to_host(q.data), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
+            parts = {name: to_host(q.int_repr()), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps({"format": FORMAT, "version": VERSION, "dtype": q.dtype.name,
                                          "shape": list(q.shape), "axis": q.axis, "block_size": q.block_size})
         else:
@@ -181,6 +181,8 @@ def _load_safetensors(path) -> dict:
         if missing:
             raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")
         data, scale, zp = tensors.pop(name), tensors.pop(f"{name}.scale"), tensors.pop(f"{name}.zero_point")
+        if d.kind == "float" and data.dtype == np.uint8 and data.shape == shape:  # bit patterns (int_repr)
+            data = data.view(d.storage)
         if data.dtype != d.storage or data.shape != shape:
             raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata says "
                              f"{d.name} (stored as {d.storage}) {list(shape)}")
@@ -296,7 +298,7 @@ def _load_one(path, zf, name, fields):
         data = unpack(packed, dtype, shape)
     except (TypeError, ValueError) as e:
         raise _bad(path, name, "data", e) from None
-    if not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
+    if dtype.kind == "int" and not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
         raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
     return QArray._new(data, s, z, dtype, axis, block_size)
 

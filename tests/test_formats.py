@@ -198,5 +198,22 @@ def test_pack_gives_bit_patterns_and_save_refuses_floating_formats(rng, tmp_path
     with pytest.raises(TypeError, match="pack\\(\\) of float6"):
         qarray.quantize(x, 0.5, 0, "float6_e2m3fn").pack()
     for path in (tmp_path / "a.npz", tmp_path / "a.safetensors"):
-        with pytest.raises(TypeError, match="floating format float8_e4m3fn, which files do not hold yet"):
-            qarray.save(path, {"w": q8})
+        with pytest.raises(TypeError, match="float6_e3m2fn, which files do not hold yet"):
+            qarray.save(path, {"w": qarray.quantize(x, 0.5, 0, "float6_e3m2fn")})
+
+
+@pytest.mark.parametrize("suffix", ["npz", "safetensors"])
+def test_save_load_floating_formats_exactly(rng, tmp_path, suffix):
+    x = _x(rng, (6, 10), "float8_e5m2")
+    arrays = {"e4m3": qarray.quantize(np.nan_to_num(x, posinf=1e9, neginf=-1e9), np.float32(64), 0, "float8_e4m3fn"),
+              "e5m2": qarray.quantize(x, np.linspace(1, 4, 10).astype(np.float32), 0, "float8_e5m2", axis=1,
+                                      saturate=False),
+              "fp4": qarray.quantize(np.nan_to_num(x, nan=0.0), np.float32(1e4), 0, "float4_e2m1fn", axis=1,
+                                     block_size=4)}
+    path = tmp_path / f"m.{suffix}"
+    qarray.save(path, arrays)
+    got = qarray.load(path)
+    for k, q in arrays.items():
+        assert got[k].dtype is q.dtype and (got[k].axis, got[k].block_size) == (q.axis, q.block_size)
+        np.testing.assert_array_equal(got[k].int_repr(), q.int_repr())  # bits: NaN, inf and -0 included
+        np.testing.assert_array_equal(got[k].scale, q.scale)
