@@ -199,7 +199,10 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
     """Quantize with parameters from the data's own range (per tensor, axis or block).
 
     The asymmetric range always includes 0, as in ONNX DynamicQuantizeLinear,
-    whose results this equals bit for bit for quint8.
+    whose results this equals bit for bit for quint8. A floating format takes
+    ``scale = amax / its largest value`` (float32; the "current scaling" of
+    Transformer Engine and torchao; ``symmetric`` does not apply), an all-zero
+    slice scale 1.
     """
     x, b = _float_input(x, "quantize_dynamic")
     d = qdtype(dtype)
@@ -212,6 +215,10 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
         if bool(b.xp.isnan(x).any()):
             raise nan_error(x)
         raise ValueError("quantize_dynamic needs finite input to choose parameters; x has inf")
+    if d.kind == "float":
+        amax = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float32)
+        scale = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(d.qmax), np.float32(2.0**-149)))
+        return quantize(x, scale.astype(np.float32), 0, d, axis, block_size)
     scale, zp = _qparams(lo, hi, d, symmetric, "quantize_dynamic: the data's range")
     return quantize(x, scale, zp, d, axis, block_size)
 

@@ -217,3 +217,24 @@ def test_save_load_floating_formats_exactly(rng, tmp_path, suffix):
         assert got[k].dtype is q.dtype and (got[k].axis, got[k].block_size) == (q.axis, q.block_size)
         np.testing.assert_array_equal(got[k].int_repr(), q.int_repr())  # bits: NaN, inf and -0 included
         np.testing.assert_array_equal(got[k].scale, q.scale)
+
+
+@pytest.mark.parametrize("f", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"])
+@pytest.mark.parametrize("axis,block_size", [(None, None), (0, None), (1, 4)])
+def test_quantize_dynamic_scales_amax_to_the_largest_value(rng, f, axis, block_size):
+    x = rng.standard_normal((3, 8)).astype(np.float32) * 5
+    x[0] = 0.0  # an all-zero row: scale 1 where it is a slice of its own
+    q = qarray.quantize_dynamic(x, f, axis=axis, block_size=block_size)
+    top = F.finfo(f).max
+    if axis is None:
+        want = np.float32(np.abs(x).max()) / np.float32(top)
+    elif block_size is None:
+        a = np.abs(x).max(axis=1).astype(np.float32)
+        want = np.where(a == 0, np.float32(1), a / np.float32(top))
+    else:
+        a = np.abs(x).reshape(3, 2, 4).max(axis=2).astype(np.float32)
+        want = np.where(a == 0, np.float32(1), a / np.float32(top))
+    np.testing.assert_array_equal(q.scale, want)
+    assert q.scale.dtype == np.float32
+    np.testing.assert_array_equal(q.int_repr(), qarray.quantize(x, want, 0, f, axis=axis, block_size=block_size).int_repr())
+    assert np.abs(q.dequantize()).max() == pytest.approx(np.abs(x).max(), rel=0.07)  # the largest value lands on +-max
