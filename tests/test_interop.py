@@ -9,9 +9,13 @@ import qarray
 from qarray import QArray
 from qarray._params import param_shape
 
-torch = pytest.importorskip("torch")
 # PyTorch deprecates its own quantized tensors (a warning from torch, not qarray)
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
 
 
 def _same(a, b):
@@ -24,7 +28,7 @@ def _same(a, b):
 # -- PyTorch quantized tensors ---------------------------------------------------------------
 @pytest.mark.parametrize("tdtype,qd", [("quint8", "quint8"), ("qint8", "qint8"), ("qint32", "qint32"),
                                        ("quint4x2", "quint4")])
-def test_from_torch_per_tensor_and_back(tdtype, qd, rng):
+def test_from_torch_per_tensor_and_back(torch, tdtype, qd, rng):
     x = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32) * 4)
     d = qarray.qdtype(qd)
     for zp in (d.qmin, d.qmax, (d.qmin + d.qmax) // 2):
@@ -43,7 +47,7 @@ def test_from_torch_per_tensor_and_back(tdtype, qd, rng):
 
 @pytest.mark.parametrize("qd", ["qint8", "quint8", "qint32"])
 @pytest.mark.parametrize("axis", [0, 1])
-def test_per_channel_round_trip(qd, axis, rng):
+def test_per_channel_round_trip(torch, qd, axis, rng):
     d = qarray.qdtype(qd)
     x = rng.standard_normal((4, 6)).astype(np.float32) * 3
     n = x.shape[axis]
@@ -56,7 +60,7 @@ def test_per_channel_round_trip(qd, axis, rng):
     _same(qarray.from_torch(t), q)
 
 
-def test_torch_interop_errors(rng):
+def test_torch_interop_errors(torch, rng):
     x = torch.randn(2, 3)
     with pytest.raises(TypeError, match="takes a quantized torch.Tensor, got Tensor of dtype torch.float32"):
         qarray.from_torch(x)
@@ -74,7 +78,7 @@ def test_torch_interop_errors(rng):
 
 
 # -- DLPack ----------------------------------------------------------------------------
-def test_dlpack_arrays_go_into_quantize_and_from_int(rng):
+def test_dlpack_arrays_go_into_quantize_and_from_int(torch, rng):
     x = rng.standard_normal((3, 5)).astype(np.float32)
     _same(qarray.quantize(torch.from_numpy(x), 0.05, 1, "qint8"), qarray.quantize(x, 0.05, 1, "qint8"))
     ints = torch.tensor([[-128, 0, 127]], dtype=torch.int8)
@@ -85,7 +89,7 @@ def test_dlpack_arrays_go_into_quantize_and_from_int(rng):
         qarray.quantize(torch.ones(3, requires_grad=True), 0.1, 0, "qint8")
 
 
-def test_data_moves_out_without_a_copy_and_a_qarray_is_not_one_tensor(rng):
+def test_data_moves_out_without_a_copy_and_a_qarray_is_not_one_tensor(torch, rng):
     q = qarray.quantize(rng.standard_normal(6).astype(np.float32), 0.1, 0, "qint8")
     t = torch.from_dlpack(q.data)
     assert t.data_ptr() == q.data.ctypes.data  # the same memory
