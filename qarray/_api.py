@@ -225,10 +225,8 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
 
 def packed_layout(d: QDType, count: int):
     """How ``QArray.pack()`` stores ``count`` values of ``d``: ``(NumPy dtype, number of items)``."""
-    if d.kind == "float":  # bit patterns: float8 one a byte, float4 two
-        if d.bits == 6:
-            raise TypeError("float6 has no packed layout yet (four values in three bytes is not written)")
-        return np.dtype(np.uint8), count if d.bits == 8 else -(-count // 2)
+    if d.kind == "float":  # bit patterns: float8 one a byte, float4 two, float6 four in three bytes
+        return np.dtype(np.uint8), {8: count, 6: -(-count // 4) * 3, 4: -(-count // 2)}[d.bits]
     if d.packed:
         return np.dtype(np.uint8), -(-count // (8 // d.bits))
     return d.storage, count
@@ -266,7 +264,10 @@ def unpack(packed, dtype, shape):
     if packed.size != items:
         raise ValueError(f"unpack: {count} {d.name} values need {items} items, got {packed.size}")
     if d.kind == "float":  # bit patterns, as the format's elements
-        bits = packed.reshape(shape).copy() if d.bits == 8 else b.unpack(packed.reshape(-1), 4, False, count)
+        if d.bits == 6:
+            bits = _formats.unpack6(to_host(packed), count)
+        else:
+            bits = packed.reshape(shape).copy() if d.bits == 8 else b.unpack(packed.reshape(-1), 4, False, count)
         return bits.reshape(shape).view(d.storage)
     if not d.packed:
         return packed.reshape(shape).copy()

@@ -120,3 +120,28 @@ def dequantize(q, scale, out=np.float32) -> np.ndarray:
     """``element * scale`` in float32 (float64 when asked): DequantizeLinear."""
     ft = np.dtype(out)
     return q.astype(ft) * np.asarray(scale).astype(ft)
+
+
+# float6 packing: four 6-bit patterns d0..d3 in three bytes, torchao's MXFP6 layout
+# (pytorch/ao, torchao/prototype/mx_formats/kernels.py, pack_uint6_pytorch):
+#   byte 0: d0[5:2] d1[5:2]    byte 1: d3[5:2] d2[5:2]    byte 2: d0[1:0] d1[1:0] d3[1:0] d2[1:0]
+# (high bits first in each byte). A count that is not a multiple of 4 is padded with zeros.
+def pack6(bits) -> np.ndarray:
+    """6-bit patterns (uint8, flattened) packed four to three bytes."""
+    d = np.asarray(bits, np.uint8).reshape(-1)
+    d = np.concatenate([d, np.zeros(-d.size % 4, np.uint8)]).reshape(-1, 4)
+    hi, lo = d >> 2, d & 3  # the top four and the bottom two bits of each value
+    out = np.empty((d.shape[0], 3), np.uint8)
+    out[:, 0] = (hi[:, 0] << 4) | hi[:, 1]
+    out[:, 1] = (hi[:, 3] << 4) | hi[:, 2]
+    out[:, 2] = (lo[:, 0] << 6) | (lo[:, 1] << 4) | (lo[:, 3] << 2) | lo[:, 2]
+    return out.reshape(-1)
+
+
+def unpack6(packed, count: int) -> np.ndarray:
+    """The first ``count`` 6-bit patterns of :func:`pack6` bytes."""
+    p = np.asarray(packed, np.uint8).reshape(-1, 3)
+    a, b, c = p[:, 0], p[:, 1], p[:, 2]
+    d = np.stack([((a >> 4) << 2) | (c >> 6), ((a & 15) << 2) | ((c >> 4) & 3),
+                  ((b & 15) << 2) | (c & 3), ((b >> 4) << 2) | ((c >> 2) & 3)], axis=1)
+    return d.reshape(-1)[:count].astype(np.uint8)

@@ -148,12 +148,14 @@ class QArray:
     def pack(self):
         """The flattened values in ONNX/PyTorch byte layout (uint8, first value in the
         low bits); 8 bits and wider come back as a copy of the storage. Floating
-        formats give their bit patterns: float8 one a byte, float4 two a byte."""
-        if self._dtype.kind == "float":
-            if self._dtype.bits == 6:
-                raise TypeError("pack() of float6 (four values in three bytes) is not written yet; "
-                                "int_repr() gives one bit pattern a byte")
+        formats give their bit patterns: float8 one a byte, float4 two a byte,
+        float6 four in three bytes (torchao's MXFP6 layout, ``qarray._formats.pack6``)."""
+        if self._dtype.kind == "float":  # float6: four in three bytes, torchao's MXFP6 layout
             bits = self._backend.xp.ascontiguousarray(self._data).reshape(-1).view(np.uint8)
+            if self._dtype.bits == 6:
+                from ._formats import pack6
+
+                return pack6(bits)
             return bits.copy() if self._dtype.bits == 8 else self._backend.pack(bits, 4)
         if not self._dtype.packed:
             return self._backend.xp.ascontiguousarray(self._data).reshape(-1).copy()

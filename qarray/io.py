@@ -88,7 +88,6 @@ def save(path, arrays: dict) -> None:
         if not isinstance(q, QArray):
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, "
                             "not a QArray or numpy.ndarray")
-        _integer_format(name, q)
         meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape),
                 "axis": q.axis, "block_size": q.block_size}
         out[f"{name}.data"] = to_host(q.pack())
@@ -96,12 +95,6 @@ def save(path, arrays: dict) -> None:
         out[f"{name}.zero_point"] = to_host(q.zero_point)
         out[f"{name}.meta"] = np.array(json.dumps(meta))
     np.savez(path, **out)
-
-
-def _integer_format(name, q):
-    if q.dtype.kind == "float" and q.dtype.bits == 6:
-        raise TypeError(f"save: {name!r} is in {q.dtype.name}, which files do not hold yet (no float6 packing); "
-                        "save q.int_repr() (its bit patterns) and q.scale beside it")
 
 
 def _check_name(name):
@@ -147,7 +140,6 @@ def _save_safetensors(path, arrays):
                 raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
             parts = {name: q}
         elif isinstance(q, QArray):
-            _integer_format(name, q)
             parts = {name: to_host(q.int_repr()), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps({"format": FORMAT, "version": VERSION, "dtype": q.dtype.name,
                                          "shape": list(q.shape), "axis": q.axis, "block_size": q.block_size})

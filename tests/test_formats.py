@@ -195,11 +195,31 @@ def test_pack_gives_bit_patterns_and_save_refuses_floating_formats(rng, tmp_path
     bits = q4.int_repr()
     want = np.array([bits[i] | (bits[i + 1] << 4 if i + 1 < 7 else 0) for i in range(0, 7, 2)], np.uint8)
     np.testing.assert_array_equal(q4.pack(), want)  # ONNX's order: the first value in the low nibble
-    with pytest.raises(TypeError, match="pack\\(\\) of float6"):
-        qarray.quantize(x, 0.5, 0, "float6_e2m3fn").pack()
-    for path in (tmp_path / "a.npz", tmp_path / "a.safetensors"):
-        with pytest.raises(TypeError, match="float6_e3m2fn, which files do not hold yet"):
-            qarray.save(path, {"w": qarray.quantize(x, 0.5, 0, "float6_e3m2fn")})
+
+
+def _torchao_pack_uint6(d):
+    """torchao's MXFP6 packing as published (pytorch/ao,
+    torchao/prototype/mx_formats/kernels.py, ``pack_uint6_pytorch``),
+    transcribed with its own formulas for the three bytes of every four values."""
+    d = d.astype(np.uint8)
+    a = (d[1::4] >> 2) | ((d[::4] << 2) & 0xF0)
+    b = (d[2::4] >> 2) | ((d[3::4] << 2) & 0xF0)
+    c = (d[::4] << 6) | ((d[1::4] << 4) & 0x30) | ((d[3::4] << 2) & 0xC) | (d[2::4] & 0x3)
+    return np.stack([a, b, c], axis=-1).reshape(-1)
+
+
+def test_float6_packs_four_in_three_bytes_as_torchao(rng):
+    bits = rng.integers(0, 64, 4 * 50).astype(np.uint8)
+    bits[:8] = [0x3F, 0x00, 0x2A, 0x15, 0x01, 0x20, 0x3E, 0x07]
+    np.testing.assert_array_equal(F.pack6(bits), _torchao_pack_uint6(bits))
+    np.testing.assert_array_equal(F.pack6(bits[:4]), [240, 90, 198])  # worked by hand from the formulas
+    for n in (1, 2, 3, 5, 199):  # padded with zero values to whole groups of four
+        np.testing.assert_array_equal(F.unpack6(F.pack6(bits[:n]), n), bits[:n])
+        assert F.pack6(bits[:n]).size == -(-n // 4) * 3
+    x = rng.standard_normal(11).astype(np.float32)
+    q = qarray.quantize(x, 0.5, 0, "float6_e2m3fn")
+    np.testing.assert_array_equal(q.pack(), F.pack6(q.int_repr()))
+    np.testing.assert_array_equal(qarray.unpack(q.pack(), "float6_e2m3fn", (11,)).view(np.uint8), q.int_repr())
 
 
 @pytest.mark.parametrize("suffix", ["npz", "safetensors"])
@@ -209,7 +229,8 @@ def test_save_load_floating_formats_exactly(rng, tmp_path, suffix):
               "e5m2": qarray.quantize(x, np.linspace(1, 4, 10).astype(np.float32), 0, "float8_e5m2", axis=1,
                                       saturate=False),
               "fp4": qarray.quantize(np.nan_to_num(x, nan=0.0), np.float32(1e4), 0, "float4_e2m1fn", axis=1,
-                                     block_size=4)}
+                                     block_size=4),
+              "fp6": qarray.quantize(np.nan_to_num(x, nan=0.0)[:, :7], np.float32(1e3), 0, "float6_e3m2fn")}
     path = tmp_path / f"m.{suffix}"
     qarray.save(path, arrays)
     got = qarray.load(path)
