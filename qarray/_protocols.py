@@ -244,7 +244,7 @@ def _swapaxes(q, axis1, axis2):
     return q.transpose(order)
 
 
-def _squeeze(q, axis=None):
+def squeeze(q, axis=None):
     axes = [n for n in range(q.ndim) if q.shape[n] == 1] if axis is None else \
         [normalize_axis(a, q.ndim) for a in np.atleast_1d(axis)]
     if any(q.shape[a] != 1 for a in axes):
@@ -344,7 +344,7 @@ def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 STRUCTURAL = {
     np.reshape: lambda q, *shape, **kw: q.reshape(*(kw.get("shape", kw.get("newshape")) or shape)),
     np.transpose: lambda q, axes=None: q.transpose() if axes is None else q.transpose(axes),
-    np.moveaxis: _moveaxis, np.swapaxes: _swapaxes, np.squeeze: _squeeze, np.expand_dims: _expand_dims,
+    np.moveaxis: _moveaxis, np.swapaxes: _swapaxes, np.squeeze: squeeze, np.expand_dims: _expand_dims,
     np.ravel: lambda q, order="C": q.reshape(-1), np.flip: _flip, np.take: _take, np.broadcast_to: _broadcast_to,
     np.copy: lambda q, *a, **kw: q.copy(), np.concatenate: _join("concatenate"), np.stack: _join("stack"),
     np.where: _where, np.sort: _sort, np.min: _codes_reduction("min"), np.max: _codes_reduction("max"),

@@ -219,7 +219,7 @@ class QArray:
         return self.reshape(-1).copy()
 
     def squeeze(self, axis=None) -> "QArray":
-        return np.squeeze(self, axis)
+        return _protocols.squeeze(self, axis)
 
     def __reduce__(self):
         return (_rebuild, (self._data, self._scale, self._zero_point, self._dtype.name,

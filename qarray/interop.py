@@ -36,24 +36,24 @@ def from_dlpack(x, what: str):
     """A DLPack-capable array ``x`` as a NumPy array (CPU memory) or a CuPy array
     (CUDA memory), without a copy where ``x``'s library allows one."""
     device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _KDL_CPU
+    if device in (_KDL_CPU, _KDL_CUDA_HOST):
+        take = np.from_dlpack
+    elif device in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+        try:
+            import cupy
+        except ImportError:
+            raise TypeError(f"{what}: {type(x).__name__} lives on a CUDA device; install CuPy "
+                            "(pip install 'qarray[cuda13]') or move it to the CPU first") from None
+        take = cupy.from_dlpack
+    else:
+        raise TypeError(f"{what}: {type(x).__name__} lives on DLPack device type {device}, which qarray does not "
+                        "take; move it to the CPU or a CUDA device first")
     try:
-        if device in (_KDL_CPU, _KDL_CUDA_HOST):
-            return np.from_dlpack(x)
-        if device in (_KDL_CUDA, _KDL_CUDA_MANAGED):
-            try:
-                import cupy
-            except ImportError:
-                raise TypeError(f"{what}: {type(x).__name__} lives on a CUDA device; install CuPy "
-                                "(pip install 'qarray[cuda13]') or move it to the CPU first") from None
-            return cupy.from_dlpack(x)
+        return take(x)
     except (BufferError, RuntimeError, TypeError) as e:
-        if isinstance(e, TypeError) and "CUDA device" in str(e):
-            raise
         raise TypeError(f"{what}: could not take the {type(x).__module__}.{type(x).__qualname__} through DLPack "
                         f"({e}); pass a NumPy or CuPy array (for a PyTorch tensor: t.detach(), and "
                         "qarray.from_torch for a quantized one)") from None
-    raise TypeError(f"{what}: {type(x).__name__} lives on DLPack device type {device}, which qarray does not take; "
-                    "move it to the CPU or a CUDA device first")
 
 
 def from_torch(t) -> QArray:
@@ -98,13 +98,14 @@ def to_torch(q: QArray):
                         "(quint8, qint8, qint32 and quint4 map to quint8, qint8, qint32, quint4x2)")
     if q.block_size is not None:
         raise TypeError("to_torch: PyTorch has no blocked quantization; requantize per-tensor or per-channel first")
-    codes = torch.from_numpy(np.ascontiguousarray(q.get().data))
+    q = q.get()  # PyTorch's quantized tensors live on the CPU
+    codes = torch.from_numpy(np.ascontiguousarray(q.data))
     if q.dtype.packed:  # PyTorch makes quint4x2 by quantizing; the integers are checked below
         if q.axis is not None:
             raise TypeError("to_torch: PyTorch has no per-channel quint4x2")
-        out = torch.quantize_per_tensor(torch.from_numpy(q.get().dequantize()), float(q.scale), int(q.zero_point),
+        out = torch.quantize_per_tensor(torch.from_numpy(q.dequantize()), float(q.scale), int(q.zero_point),
                                         torch.quint4x2)
-        if not np.array_equal(out.int_repr().numpy(), q.get().pack()):
+        if not np.array_equal(out.int_repr().numpy(), q.pack()):
             raise ValueError("to_torch: PyTorch's quint4x2 quantize did not reproduce the codes")  # never seen
         return out
     if q.axis is None:

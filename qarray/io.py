@@ -88,13 +88,18 @@ def save(path, arrays: dict) -> None:
         if not isinstance(q, QArray):
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, "
                             "not a QArray or numpy.ndarray")
-        meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape),
-                "axis": q.axis, "block_size": q.block_size}
+        meta = _meta(q)
         out[f"{name}.data"] = to_host(q.pack())
         out[f"{name}.scale"] = to_host(q.scale)
         out[f"{name}.zero_point"] = to_host(q.zero_point)
         out[f"{name}.meta"] = np.array(json.dumps(meta))
     np.savez(path, **out)
+
+
+def _meta(q) -> dict:
+    """A QArray's ``NAME.meta`` (also its safetensors metadata entry)."""
+    return {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
+            "block_size": q.block_size}
 
 
 def _check_name(name):
@@ -117,12 +122,16 @@ def load(path) -> dict:
     if _safetensors(path):
         return _load_safetensors(path)
     if hasattr(path, "read"):
-        with _open("<file object>", path) as zf:
-            members = _members("<file object>", path, zf)
-            return {name: _load_one("<file object>", zf, name, fields) for name, fields in members.items()}
+        return _load_zip("<file object>", path)
     if not os.path.exists(path) and os.path.exists(f"{os.fspath(path)}.npz"):
         path = f"{os.fspath(path)}.npz"  # as numpy.savez named it
-    with open(path, "rb") as fh, _open(path, fh) as zf:
+    with open(path, "rb") as fh:
+        return _load_zip(path, fh)
+
+
+def _load_zip(path, fh) -> dict:
+    """Every array of the archive in ``fh`` (``path`` names it in errors)."""
+    with _open(path, fh) as zf:
         members = _members(path, fh, zf)
         return {name: _load_one(path, zf, name, fields) for name, fields in members.items()}
 
@@ -141,8 +150,7 @@ def _save_safetensors(path, arrays):
             parts = {name: q}
         elif isinstance(q, QArray):
             parts = {name: to_host(q.int_repr()), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
-            metadata[name] = json.dumps({"format": FORMAT, "version": VERSION, "dtype": q.dtype.name,
-                                         "shape": list(q.shape), "axis": q.axis, "block_size": q.block_size})
+            metadata[name] = json.dumps(_meta(q))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
         for key, a in parts.items():

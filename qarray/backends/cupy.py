@@ -585,7 +585,7 @@ class CupyBackend(Backend):
                 b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
                 self._elementwise(
                     f"conv_grouped_{xpad.dtype.name}_{out.dtype.name}", out.size,
-                    (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32)),
+                    (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32, copy=False)),
                      *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
                      np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),
                      np.int32(rq.rounding), np.int64(out.size), out), "gemm.cu")

@@ -185,6 +185,16 @@ __device__ __forceinline__ void qa_store(void* out, int kind, i64 idx, i64 v) {
     }
 }
 
+// M(args..., NAME, TYPE) for every integer storage type: the list the kernel
+// files instantiate their extern "C" names from.
+#define QA_PER_INT(M, ...)                        \
+    M(__VA_ARGS__, int8, signed char)             \
+    M(__VA_ARGS__, uint8, unsigned char)          \
+    M(__VA_ARGS__, int16, short)                  \
+    M(__VA_ARGS__, uint16, unsigned short)        \
+    M(__VA_ARGS__, int32, int)                    \
+    M(__VA_ARGS__, int64, long long)
+
 // The Layout of per-tensor data: qa_map reads no bidx for it.
 #define QA_PER_TENSOR Layout{1, 1, 1, 1, 0}
 

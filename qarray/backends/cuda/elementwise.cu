@@ -67,14 +67,7 @@ QUANTIZE_ALL(float64, double, double)
     M(IN, TIN, int16, short)                  \
     M(IN, TIN, uint16, unsigned short)        \
     M(IN, TIN, int32, int)
-#define PER_INT_IN(M)                         \
-    PER_INT(M, int8, signed char)             \
-    PER_INT(M, uint8, unsigned char)          \
-    PER_INT(M, int16, short)                  \
-    PER_INT(M, uint16, unsigned short)        \
-    PER_INT(M, int32, int)                    \
-    PER_INT(M, int64, long long)
-PER_INT_IN(REQUANTIZE)
+QA_PER_INT(PER_INT, REQUANTIZE)
 
 #define DEQ_IN(IN, TIN)                          \
     DEQUANTIZE(IN, TIN, float16, float, qa_half) \

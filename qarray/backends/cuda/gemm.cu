@@ -209,15 +209,8 @@ GEMV(8, 16)
 GEMV(4, 1)
 GEMV(4, 4)
 GEMV(4, 16)
-#define PER_OUT(M, ...)                           \
-    M(__VA_ARGS__, int8, signed char)             \
-    M(__VA_ARGS__, uint8, unsigned char)          \
-    M(__VA_ARGS__, int16, short)                  \
-    M(__VA_ARGS__, uint16, unsigned short)        \
-    M(__VA_ARGS__, int32, int)                    \
-    M(__VA_ARGS__, int64, long long)
-PER_OUT(EPILOGUE, int32, int)
-PER_OUT(EPILOGUE, int64, long long)
+QA_PER_INT(EPILOGUE, int32, int)
+QA_PER_INT(EPILOGUE, int64, long long)
 
 #define IM2COL(NAME, T)                                                                                     \
     extern "C" __global__ void im2col_##NAME(const T* x, i64 hp, i64 wp, i64 c, i64 oh, i64 ow, i64 kh,    \
@@ -234,7 +227,7 @@ IM2COL(uint8, unsigned char)
         conv_grouped_body<T, TOUT>(x, za, wc, c, hp, wp, o_n, cg, kh, kw, oh, ow, sh, sw, dh, dw, bias, bstep, \
                                    OUTQ, total, out);                                                       \
     }
-PER_OUT(CONV_GROUPED, int8, signed char)
-PER_OUT(CONV_GROUPED, uint8, unsigned char)
-PER_OUT(CONV_GROUPED, int16, short)
-PER_OUT(CONV_GROUPED, uint16, unsigned short)
+QA_PER_INT(CONV_GROUPED, int8, signed char)
+QA_PER_INT(CONV_GROUPED, uint8, unsigned char)
+QA_PER_INT(CONV_GROUPED, int16, short)
+QA_PER_INT(CONV_GROUPED, uint16, unsigned short)
