@@ -13,7 +13,7 @@ from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, expand, param_shape, to_host, user_array
+from ._params import check_params, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -46,19 +46,12 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
     if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
-        _numpy_only(b, "quantize")
-        data = _formats.quantize(x, expand(s, x.shape, axis, block_size, np), d, True if saturate is None else saturate)
+        data = b.quantize_float(x, s, d, axis, block_size, _formats.check_saturate(saturate))
         return QArray._new(data, s, z, d, axis, block_size, b)
     if saturate is not None:
         raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
                         "saturates")
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
-
-
-def _numpy_only(b, what):
-    if b.name != "numpy":
-        raise TypeError(f"{what}: floating formats run on NumPy arrays so far (no {b.name} kernels yet); "
-                        "q.get() / x.get() first")
 
 
 @on_data_device
@@ -69,10 +62,7 @@ def dequantize(q: QArray, dtype="float32"):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
-        _numpy_only(q._backend, "dequantize")
-        wide = np.float64 if ft == np.float64 else np.float32
-        with np.errstate(over="ignore"):
-            return _formats.dequantize(q.data, expand(q.scale, q.shape, q.axis, q.block_size, np), wide).astype(ft, copy=False)
+        return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
 
 

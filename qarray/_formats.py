@@ -93,13 +93,21 @@ def finfo(spec) -> FInfo:
     return FInfo(f.name, float(i.max), float(i.smallest_normal), float(i.smallest_subnormal), float(i.eps))
 
 
+def check_saturate(saturate) -> bool:
+    """``saturate=`` as a bool (None: the default, True)."""
+    if saturate is None:
+        return True
+    if not isinstance(saturate, (bool, np.bool_)):
+        raise TypeError(f"saturate must be True or False, got {saturate!r}")
+    return bool(saturate)
+
+
 def quantize(x, scale, spec, saturate: bool = True) -> np.ndarray:
     """``cast(x / scale)`` to format ``spec`` as ONNX QuantizeLinear does; ``scale``
     broadcasts against ``x`` (per tensor, axis or block: the caller expands it)
     and may be float32, float16 or bfloat16."""
     f = fmt(spec)
-    if not isinstance(saturate, (bool, np.bool_)):
-        raise TypeError(f"saturate must be True or False, got {saturate!r}")
+    saturate = check_saturate(saturate)
     x = np.asarray(x)
     s = np.asarray(scale)
     if s.dtype != np.float32:

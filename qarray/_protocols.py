@@ -101,8 +101,7 @@ def _real(q):
     an object array of Fractions (host)."""
     xp = q._backend.xp
     if q.dtype.kind == "float":  # element * scale: exact in float64 (<= 4-bit significands times 24 bits)
-        return q.data.astype(xp.float64) * q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis,
-                                                                    q.block_size, np))
+        return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, np.float64)
     d = q.data.astype(xp.int64) - q._backend.param(expand(q.zero_point.astype(np.int64), q.shape, q.axis,
                                                           q.block_size, np))
     s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size, np))

@@ -92,8 +92,10 @@ class QArray:
             if codes.size and int(b.to_host(codes.max())) >> d.bits:
                 raise ValueError(f"from_int: {d.name} has {d.bits}-bit patterns; a uint8 code above "
                                  f"{(1 << d.bits) - 1} is none of them")
-            codes = codes.view(d.storage)
-        elif codes.dtype != d.storage:
+            codes = codes.copy().view(b.float_storage(d))
+        elif codes.dtype == d.storage:
+            codes = b.asarray(codes.view(np.uint8)).view(b.float_storage(d))
+        else:
             raise TypeError(f"from_int: {d.name} codes come as an ml_dtypes {d.storage} array or as uint8 bit "
                             f"patterns, got {codes.dtype}")
         s, z, axis, block_size = check_params(scale, zero_point, d, codes.shape, axis, block_size)
@@ -168,6 +170,8 @@ class QArray:
             return self
 
         def move(a):
+            if self._dtype.kind == "float":  # bit patterns move; each backend views them its way
+                return b.asarray(self._backend.to_host(a.view(np.uint8))).view(b.float_storage(self._dtype))
             return b.asarray(self._backend.to_host(a))
 
         return QArray._new(move(self._data), self._scale, self._zero_point,

@@ -144,6 +144,33 @@ class Backend:
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return self._chunked(fn, q, out, Layout(q.shape, axis, block_size), params)
 
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate):
+        """``x / scale`` cast to the floating format ``qd`` (ONNX's QuantizeLinear,
+        ``qarray._formats.quantize``), in ``qd``'s storage. The reference runs on
+        the host; a backend with kernels overrides it (CuPy: the bit patterns as uint8)."""
+        from .. import _formats
+        from .._params import expand
+
+        xh, s = to_host(x), expand(scale, x.shape, axis, block_size, np)
+        return self.asarray(_formats.quantize(xh, s, qd, saturate).view(np.uint8)).view(self.float_storage(qd))
+
+    def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
+        """``element * scale`` of floating-format codes in float32 (float64 when
+        ``dtype`` is float64), as ``dtype``."""
+        from .. import _formats
+        from .._params import expand
+
+        wide = np.float64 if dtype == np.float64 else np.float32
+        codes = to_host(q).view(qd.storage)
+        with np.errstate(over="ignore"):
+            v = _formats.dequantize(codes, expand(scale, q.shape, axis, block_size, np), wide)
+        return self.asarray(v.astype(dtype, copy=False))
+
+    def float_storage(self, qd):
+        """How this backend stores floating-format codes: the ml_dtypes dtype
+        (NumPy), or uint8 bit patterns where the array library has no such dtype."""
+        return qd.storage
+
     def requantize(self, q, rq, out=None):
         """``rq`` (a ``qarray._fixed_point.Requant``) applied to every element of
         ``q``: ``clamp(R((q - zp_in) * M) + zp_out, lo, hi)`` in ``rq``'s output

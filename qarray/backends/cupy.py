@@ -285,6 +285,10 @@ class CupyBackend(Backend):
     def _layout_scalars(total, lay):
         return (np.int64(total), *(np.int64(v) for v in lay))
 
+    def float_storage(self, qd):
+        """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit patterns."""
+        return np.dtype(np.uint8)
+
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
         with self.on(x):
