@@ -15,7 +15,7 @@ from . import ops
 from ._api import choose_qparams
 from ._api import dequantize
 from ._api import quantize
-from ._api import quantize_dynamic
+from ._api import quantize_dynamic, quantize_mx, quantize_nvfp4
 from ._api import requantize
 from ._api import unpack
 from ._config import config
@@ -60,6 +60,8 @@ __all__ = [
     "qint32",
     "quantize",
     "quantize_dynamic",
+    "quantize_mx",
+    "quantize_nvfp4",
     "quint2",
     "quint4",
     "quint8",

@@ -13,11 +13,12 @@ from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, param_shape, to_host, user_array
+from ._params import Layout, check_params, check_scale, expand, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
-__all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "choose_qparams", "unpack"]
+__all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "quantize_mx", "quantize_nvfp4",
+           "choose_qparams", "unpack"]
 
 
 def _float_input(x, what):
@@ -62,7 +63,14 @@ def dequantize(q: QArray, dtype="float32"):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
-        return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)
+        if q.global_scale is None:
+            return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)
+        # NVFP4: element * block scale is exact in float32 (2 + 4 significant bits);
+        # times the tensor scale it rounds once (float64: exactly)
+        wide = np.float64 if ft == np.float64 else np.float32
+        v = q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, wide)
+        with np.errstate(over="ignore"):
+            return (v * wide(q.global_scale)).astype(ft, copy=False)
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
 
 
@@ -211,6 +219,107 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
         return quantize(x, scale.astype(np.float32), 0, d, axis, block_size)
     scale, zp = _qparams(lo, hi, d, symmetric, "quantize_dynamic: the data's range")
     return quantize(x, scale, zp, d, axis, block_size)
+
+
+def _block_amax(x, axis, block_size):
+    """``max(|x|)`` per block (the parameters' shape), NaN where a block has NaN."""
+    from ._params import param_shape
+
+    lay = Layout(x.shape, axis, block_size)
+    n, full = lay.n, lay.n // block_size * block_size
+    x3 = np.abs(x.reshape(lay.dims))
+    parts = []
+    if full:
+        parts.append(x3[:, :full].reshape(lay.outer, full // block_size, block_size, lay.inner).max(axis=2))
+    if full < n:  # the short last block
+        parts.append(x3[:, full:].max(axis=1, keepdims=True))
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)).reshape(param_shape(x.shape, axis, block_size))
+
+
+def _block_input(x, what, axis, block_size):
+    """Checked float input of the MX and NVFP4 quantizers on the host: float16
+    widened to float32 (float64 stays), the axis normalised."""
+    x, b = _float_input(x, what)
+    if x.ndim == 0:
+        raise ValueError(f"{what} takes an array of at least one dimension (blocks run along an axis)")
+    xh = to_host(x)
+    if xh.dtype == np.float16:
+        xh = xh.astype(np.float32)
+    _, _, axis, block_size = check_params(1.0, 0, qdtype("qint8"), xh.shape, axis, block_size)
+    return xh, b, axis, block_size
+
+
+@on_data_device
+def quantize_mx(x, fmt, axis=-1, block_size=32, scale_rounding="floor") -> QArray:
+    """OCP Microscaling (MX v1.0): one power-of-two scale per ``block_size``
+    elements along ``axis``, stored as E8M0 (``q.scale.dtype`` is
+    ``float8_e8m0fnu``); ``fmt`` is ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e2m3``,
+    ``mxfp6_e3m2``, ``mxfp4`` or ``mxint8``.
+
+    The scale of a block is ``2**e``: ``scale_rounding="floor"`` is the spec's
+    ``floor(log2(amax)) - emax_elem``; ``"ceil"``, ``"even"`` and ``"rceil"``
+    (``ceil(log2(amax / max_elem))``, NVIDIA's and cuBLAS's) as torchao's
+    ``ScaleCalculationMode`` defines them, computed exactly
+    (``qarray._formats.mx_exponents``). Elements are ``x / 2**e`` rounded to the
+    nearest element value, ties to even, saturating to the element's largest;
+    a block holding NaN or inf gets the NaN scale (0xFF, the spec's rule; its
+    elements are 0), an all-zero block the smallest scale 2**-127. The last block
+    may be short. ``dequantize`` gives ``element * 2**e`` (exact unless it
+    overflows float32).
+
+    >>> q = quantize_mx(numpy.array([[1.0, -3.0, 0.375, 6.0]], numpy.float32), "mxfp4", block_size=4)
+    >>> q.dequantize(), q.scale.astype(numpy.float32)
+    (array([[ 1. , -3. ,  0.5,  6. ]], dtype=float32), array([[1.]], dtype=float32))
+    """
+    if fmt not in _formats.MX_FORMATS:
+        raise ValueError(f"quantize_mx: fmt must be one of {', '.join(_formats.MX_FORMATS)}, got {fmt!r}")
+    if scale_rounding not in _formats.SCALE_ROUNDINGS:
+        raise ValueError(f"quantize_mx: scale_rounding must be one of {', '.join(_formats.SCALE_ROUNDINGS)}, "
+                         f"got {scale_rounding!r}")
+    mx = _formats.MX_FORMATS[fmt]
+    xh, b, axis, block_size = _block_input(x, "quantize_mx", axis, block_size)
+    d = qdtype(mx.element)
+    bits = _formats.mx_exponents(_block_amax(xh, axis, block_size), mx, scale_rounding)
+    codes = _formats.mx_elements(xh, expand(bits, xh.shape, axis, block_size, np), mx)
+    scale = bits.view(_formats.dtype("float8_e8m0fnu"))
+    return QArray._new(b.asarray(codes.view(np.uint8)).view(b.float_storage(d)), scale,
+                       np.zeros(bits.shape, np.int32), d, axis, block_size, b)
+
+
+@on_data_device
+def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
+    """NVIDIA's NVFP4: float4_e2m1fn elements in blocks of 16 along ``axis``, one
+    float8_e4m3fn scale per block and one float32 tensor scale (``q.global_scale``),
+    as NVIDIA and torchao's ``NVFP4Tensor`` define them.
+
+    ``global_scale`` defaults to ``amax / (448 * 6)`` over the finite values (1
+    where that is 0). In float32, as torchao: ``s = e4m3(clamp(amax_block / 6 /
+    global_scale, 2**-6, 448))``, elements ``e2m1(clamp(x * ((1 / global_scale) / s),
+    -6, 6))`` rounding to nearest even. A block holding NaN or inf gets a NaN
+    scale (its elements 0), as MX does. ``dequantize`` is ``float32(element * s) *
+    global_scale``, one rounding.
+    """
+    xh, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
+    x32 = xh.astype(np.float32, copy=False)
+    finite = np.isfinite(x32)
+    if global_scale is None:
+        amax = np.float32(np.abs(np.where(finite, x32, 0)).max(initial=0))
+        global_scale = amax / np.float32(448 * 6) if amax > 0 else np.float32(1)
+    gs = check_scale(global_scale)
+    if gs.shape != ():
+        raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {gs.shape}")
+    amax = _block_amax(x32, axis, block_size)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
+        recip = (np.float32(1) / gs) / expand(s.astype(np.float32), x32.shape, axis, block_size, np)
+        v = np.clip(x32 * recip, np.float32(-6), np.float32(6))
+    nan = ~np.isfinite(amax)
+    s[nan] = np.float32("nan")
+    v[expand(nan, x32.shape, axis, block_size, np)] = 0
+    d = qdtype("float4_e2m1fn")
+    codes = _formats.cast(v, d)
+    return QArray._new(b.asarray(codes.view(np.uint8)).view(b.float_storage(d)), s,
+                       np.zeros(s.shape, np.int32), d, axis, block_size, b, global_scale=gs)
 
 
 def packed_layout(d: QDType, count: int):

@@ -1,10 +1,11 @@
-"""Floating-point element formats (issue 15, first part): the table, ``finfo``,
-and ONNX's QuantizeLinear / DequantizeLinear arithmetic for them on NumPy arrays.
+"""Floating-point element formats: the table, ``finfo``, ONNX's QuantizeLinear /
+DequantizeLinear arithmetic for them, and the OCP Microscaling (MX v1.0) and
+NVFP4 block scalings, on NumPy arrays (the reference the backends follow).
 
 The element types are ml_dtypes' (an optional dependency: extra ``formats``);
 this module imports it on first use and names the extra when it is missing.
-Not yet wired into QDType / QArray: the functions here take and return plain
-arrays, the reference that the QArray path will call.
+``mxint8`` is MXINT8's element: an int8 code ``c`` meaning ``c * 2**-6``
+(stored as int8; the OCP spec's "8-bit two's complement with an implicit scale").
 
 ONNX's contract (QuantizeLinear-21..25, DequantizeLinear): ``x / scale``
 computed in float32 (the scale's float16 or bfloat16 value widened exactly),
@@ -43,7 +44,9 @@ FORMATS = {f.name: f for f in (
     FloatFormat("float6_e3m2fn", 6, False, False, ("float6e3m2fn", "e3m2fn")),
     FloatFormat("float4_e2m1fn", 4, False, False, ("float4e2m1", "float4_e2m1fn_x2", "torch.float4_e2m1fn_x2", "e2m1")),
     FloatFormat("float8_e8m0fnu", 8, False, True, ("float8e8m0", "torch.float8_e8m0fnu", "e8m0")),
+    FloatFormat("mxint8", 8, False, False, ()),
 )}
+MXINT8_UNIT = 2.0**-6  # the value of mxint8 code 1
 _SPELLINGS = {a: f for f in FORMATS.values() for a in (f.name, *f.aliases)}
 
 
@@ -67,8 +70,9 @@ def fmt(spec) -> FloatFormat:
 
 
 def dtype(spec) -> np.dtype:
-    """The ml_dtypes NumPy dtype of a format."""
-    return np.dtype(getattr(ml_dtypes(), fmt(spec).name))
+    """The NumPy dtype that holds a format: ml_dtypes' (int8 for mxint8)."""
+    f = fmt(spec)
+    return np.dtype(np.int8) if f.name == "mxint8" else np.dtype(getattr(ml_dtypes(), f.name))
 
 
 class FInfo(NamedTuple):
@@ -89,6 +93,8 @@ def finfo(spec) -> FInfo:
     448.0
     """
     f = fmt(spec)
+    if f.name == "mxint8":  # codes -127..127 times 2**-6 (the spec's range, symmetric as microxcaling has it)
+        return FInfo(f.name, 127 * MXINT8_UNIT, MXINT8_UNIT, MXINT8_UNIT, MXINT8_UNIT)
     i = ml_dtypes().finfo(dtype(f))
     return FInfo(f.name, float(i.max), float(i.smallest_normal), float(i.smallest_subnormal), float(i.eps))
 
@@ -105,29 +111,45 @@ def check_saturate(saturate) -> bool:
 def quantize(x, scale, spec, saturate: bool = True) -> np.ndarray:
     """``cast(x / scale)`` to format ``spec`` as ONNX QuantizeLinear does; ``scale``
     broadcasts against ``x`` (per tensor, axis or block: the caller expands it)
-    and may be float32, float16 or bfloat16."""
+    and may be float32, float16, bfloat16 or an 8-bit scale format."""
     f = fmt(spec)
     saturate = check_saturate(saturate)
     x = np.asarray(x)
     s = np.asarray(scale)
     if s.dtype != np.float32:
-        s = s.astype(np.float32)  # float16 and bfloat16 widen exactly
+        s = s.astype(np.float32)  # float16, bfloat16 and the 8-bit scales widen exactly
     v = (x if x.dtype == np.float64 else x.astype(np.float32, copy=False)) / s  # float64 input: one rounding
     if not f.has_nan and np.isnan(v).any():
         raise ValueError(f"cannot quantize NaN to {f.name}, which holds no NaN; replace it first "
                          "(e.g. numpy.nan_to_num)")
-    if saturate or not (f.has_inf or f.has_nan):
-        top = np.float32(finfo(f).max)
-        v = np.clip(v, -top, top)  # NaN stays NaN; beyond the range (inf too): +-max
     if not f.has_nan:  # ONNX adds the zero point, +0.0, for float4/float6: -0 becomes +0 (its reference does;
         v = v + np.float32(0)  # for float8 it adds nothing, so -0 stays -0 there)
+    return cast(v, f, saturate)
+
+
+def cast(v, spec, saturate: bool = True) -> np.ndarray:
+    """Float values ``v`` rounded to the nearest value of the format, ties to even;
+    ``saturate`` sends what lies beyond the largest value (inf too) to +-max, else
+    to inf or NaN as the format has them (float6, float4 and mxint8 always saturate)."""
+    f = fmt(spec)
+    if saturate or not (f.has_inf or f.has_nan):
+        top = np.asarray(finfo(f).max, v.dtype)
+        v = np.clip(v, -top, top)  # NaN stays NaN; beyond the range (inf too): +-max
+    if f.name == "mxint8":
+        return np.rint(v * np.asarray(1 / MXINT8_UNIT, v.dtype)).astype(np.int8)
     return v.astype(dtype(f))
 
 
-def dequantize(q, scale, out=np.float32) -> np.ndarray:
+def values(codes, spec, out=np.float32) -> np.ndarray:
+    """The values of format codes, exactly, as ``out`` (float32 or float64)."""
+    v = np.asarray(codes).astype(out)
+    return v * np.asarray(MXINT8_UNIT, out) if fmt(spec).name == "mxint8" else v
+
+
+def dequantize(q, scale, spec, out=np.float32) -> np.ndarray:
     """``element * scale`` in float32 (float64 when asked): DequantizeLinear."""
     ft = np.dtype(out)
-    return q.astype(ft) * np.asarray(scale).astype(ft)
+    return values(q, spec, ft) * np.asarray(scale).astype(ft)
 
 
 # float6 packing: four 6-bit patterns d0..d3 in three bytes, torchao's MXFP6 layout
@@ -153,3 +175,65 @@ def unpack6(packed, count: int) -> np.ndarray:
     d = np.stack([((a >> 4) << 2) | (c >> 6), ((a & 15) << 2) | ((c >> 4) & 3),
                   ((b & 15) << 2) | (c & 3), ((b >> 4) << 2) | ((c >> 2) & 3)], axis=1)
     return d.reshape(-1)[:count].astype(np.uint8)
+
+
+# -- OCP Microscaling (MX v1.0) ------------------------------------------------
+class MXFormat(NamedTuple):
+    """An MX format: its element format, the exponent of the element's largest
+    power of two (``emax_elem`` in the spec) and its mantissa bits (for "even")."""
+
+    name: str
+    element: str
+    emax: int
+    mbits: int
+
+
+MX_FORMATS = {m.name: m for m in (
+    MXFormat("mxfp8_e4m3", "float8_e4m3fn", 8, 3),
+    MXFormat("mxfp8_e5m2", "float8_e5m2", 15, 2),
+    MXFormat("mxfp6_e2m3", "float6_e2m3fn", 2, 3),
+    MXFormat("mxfp6_e3m2", "float6_e3m2fn", 4, 2),
+    MXFormat("mxfp4", "float4_e2m1fn", 2, 1),
+    MXFormat("mxint8", "mxint8", 0, 6),
+)}
+SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil")
+E8M0_NAN = 0xFF  # the E8M0 NaN pattern; 2**e is stored as e + 127 (e in [-127, 127])
+
+
+def mx_exponents(amax, mx: MXFormat, rounding: str) -> np.ndarray:
+    """The shared exponent of each block from its largest magnitude ``amax``
+    (float32 or float64): E8M0 bit patterns (uint8), ``E8M0_NAN`` where ``amax``
+    is NaN or inf. Every rule is exact on the value of ``amax``:
+
+    - ``floor`` (the spec): ``floor(log2(amax)) - emax``;
+    - ``ceil``: ``ceil(log2(amax)) - emax``;
+    - ``even``: ``floor(log2(amax rounded half up to mbits mantissa bits)) - emax``;
+    - ``rceil`` (NVIDIA, cuBLAS): ``ceil(log2(amax / max))``, the division in
+      ``amax``'s precision (for float32 it is NVIDIA's; no MX format's largest
+      value lets the rounded and the exact quotient straddle a power of two).
+
+    clamped to [-127, 127]; an all-zero block gets -127, the smallest scale.
+    """
+    a = np.asarray(amax)
+    top = finfo(mx.element).max
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = a / a.dtype.type(top) if rounding == "rceil" else a
+        m, e = np.frexp(v)  # v = m * 2**e, m in [0.5, 1): floor(log2 v) = e - 1
+    e = e.astype(np.int64) - 1
+    if rounding in ("ceil", "rceil"):
+        e = e + (m > 0.5)  # not a power of two: one up
+    elif rounding == "even":
+        e = e + (m >= 1 - 2.0 ** -(mx.mbits + 2))  # rounds up to the next power of two
+    if rounding != "rceil":
+        e = e - mx.emax
+    e = np.where(v == 0, -127, np.clip(e, -127, 127))
+    return np.where(np.isfinite(a), e + 127, E8M0_NAN).astype(np.uint8)
+
+
+def mx_elements(x, bits, mx: MXFormat) -> np.ndarray:
+    """``x / 2**e`` (``bits``: the E8M0 patterns, broadcast against ``x``) rounded to
+    the element format, ties to even, saturating; 0 where the scale is NaN."""
+    e = bits.astype(np.int32) - 127
+    nan = bits == E8M0_NAN
+    v = np.ldexp(np.where(nan, 0, x), np.where(nan, 0, -e).astype(np.int32))  # exact: a power of two
+    return cast(v.astype(x.dtype, copy=False), mx.element, True)

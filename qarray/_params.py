@@ -116,22 +116,33 @@ def _fit(a: np.ndarray, want: tuple, name: str, axis, block_size) -> np.ndarray:
     )
 
 
-def check_scale(scale, want=(), axis=None, block_size=None) -> np.ndarray:
-    """``scale`` as float32 of shape ``want``: finite and > 0, else ValueError."""
+# scale dtypes a floating format keeps (ONNX's float16 / bfloat16 scales; the MX
+# and NVFP4 block scales, whose NaN marks a block that held NaN or inf)
+KEPT_SCALES = ("float32", "float16", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
+_NAN_SCALES = ("float8_e8m0fnu", "float8_e4m3fn")
+
+
+def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.ndarray:
+    """``scale`` of shape ``want``, finite and > 0 in float32, else ValueError: as
+    float32, or (``keep``, for the floating formats) in its own dtype when that is
+    one of ``KEPT_SCALES``, the 8-bit block scales allowed NaN."""
     s = to_host(scale)
-    if s.dtype.kind not in "fiu" or s.dtype == np.bool_:
+    if (s.dtype.kind not in "fiu" or s.dtype == np.bool_) and s.dtype.name not in KEPT_SCALES:
         raise TypeError(f"scale must be a real number or array, got dtype {s.dtype}")
     s = _fit(s, want, "scale", axis, block_size)
+    keep = keep and s.dtype.name in KEPT_SCALES
     with np.errstate(over="ignore"):  # too large for float32: reported below
         s32 = s.astype(np.float32)
     bad = ~(np.isfinite(s32) & (s32 > 0))
+    if keep and s.dtype.name in _NAN_SCALES:
+        bad &= ~np.isnan(s32)
     if bad.any():
         first = s.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]
         raise ValueError(
             f"scale must be finite and > 0 in float32; got {first!r} "
             f"({int(bad.sum())} bad value(s))"
         )
-    return s32
+    return (s if s.flags.c_contiguous else s.copy()) if keep else s32
 
 
 def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=None) -> np.ndarray:
@@ -160,8 +171,9 @@ def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
 
     A ``block_size`` above ``shape[axis]`` means one block along the axis and
     comes back as ``shape[axis]`` (the same layout, no size taken from it).
-    Returns ``(scale float32, zero_point int32, axis, block_size)`` on the host,
-    with axis made non-negative.
+    Returns ``(scale, zero_point int32, axis, block_size)`` on the host, with
+    axis made non-negative; the scale is float32, or for a floating format its
+    own dtype where that is one of ``KEPT_SCALES``.
     """
     axis = normalize_axis(axis, len(shape))
     block_size = normalize_block_size(block_size, axis)
@@ -171,7 +183,7 @@ def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
         block_size = min(block_size, max(shape[axis], 1))
     want = param_shape(shape, axis, block_size)
     return (
-        check_scale(scale, want, axis, block_size),
+        check_scale(scale, want, axis, block_size, keep=dtype.kind == "float"),
         check_zero_point(zero_point, dtype, want, axis, block_size),
         axis,
         block_size,

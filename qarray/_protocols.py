@@ -92,7 +92,8 @@ def _same_params(a, b) -> bool:
         return False
     if a.axis is not None and a.shape != b.shape:
         return False
-    return bool(np.array_equal(a.scale, b.scale) and np.array_equal(a.zero_point, b.zero_point))
+    return bool(np.array_equal(a.scale, b.scale) and np.array_equal(a.zero_point, b.zero_point)
+                and np.array_equal(np.asarray(a.global_scale, object), np.asarray(b.global_scale, object)))
 
 
 def _real(q):
@@ -100,8 +101,9 @@ def _real(q):
     in it (``|q - z| < 2**29``: a float32 scale has 24 significant bits), else
     an object array of Fractions (host)."""
     xp = q._backend.xp
-    if q.dtype.kind == "float":  # element * scale: exact in float64 (<= 4-bit significands times 24 bits)
-        return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, np.float64)
+    if q.dtype.kind == "float":  # element * scale (* NVFP4's tensor scale): exact in float64 (<= 4 + 4 + 24 bits)
+        v = q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, np.float64)
+        return v if q.global_scale is None else v * np.float64(q.global_scale)
     d = q.data.astype(xp.int64) - q._backend.param(expand(q.zero_point.astype(np.int64), q.shape, q.axis,
                                                           q.block_size, np))
     s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size, np))

@@ -37,7 +37,7 @@ class QArray:
     array([  50, -100], dtype=int8)
     """
 
-    __slots__ = ("_data", "_scale", "_zero_point", "_axis", "_block_size", "_dtype", "_backend")
+    __slots__ = ("_data", "_scale", "_zero_point", "_axis", "_block_size", "_dtype", "_backend", "_global_scale")
 
     def __new__(cls, *args, **kwargs):
         raise TypeError(
@@ -46,8 +46,9 @@ class QArray:
         )
 
     @classmethod
-    def _new(cls, data, scale, zero_point, dtype, axis=None, block_size=None, backend=None):
+    def _new(cls, data, scale, zero_point, dtype, axis=None, block_size=None, backend=None, global_scale=None):
         self = object.__new__(cls)
+        self._global_scale = global_scale  # NVFP4's float32 tensor scale over the block scales, or None
         self._backend = backend if backend is not None else _backends.for_array(data)
         self._data = data
         self._scale = to_host(scale)  # host metadata whatever the data's device (a no-op for NumPy)
@@ -101,7 +102,10 @@ class QArray:
         s, z, axis, block_size = check_params(scale, zero_point, d, codes.shape, axis, block_size)
         return cls._new(codes, s, z, d, axis, block_size, b)
 
-    scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked.")
+    scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked; a floating "
+                     "format keeps a float16, bfloat16 or 8-bit (MX's E8M0, NVFP4's E4M3) scale dtype.")
+    global_scale = property(lambda self: self._global_scale,
+                            doc="A float32 0-d scale over the block scales (NVFP4's tensor scale), or None.")
     zero_point = property(lambda self: self._zero_point, doc="int32 zero point, shaped like scale.")
     axis = property(lambda self: self._axis, doc="Parameter axis, or None for per-tensor.")
     block_size = property(lambda self: self._block_size, doc="Block length along axis, or None.")
@@ -127,6 +131,7 @@ class QArray:
             axis,
             block_size,
             self._backend,
+            self._global_scale,
         )
 
     # -- conversions --------------------------------------------------------
@@ -175,7 +180,7 @@ class QArray:
             return b.asarray(self._backend.to_host(a))
 
         return QArray._new(move(self._data), self._scale, self._zero_point,
-                           self._dtype, self._axis, self._block_size, b)
+                           self._dtype, self._axis, self._block_size, b, self._global_scale)
 
     def get(self) -> "QArray":
         """The same QArray with NumPy storage (a copy from the device for CuPy)."""
@@ -187,7 +192,7 @@ class QArray:
     def copy(self) -> "QArray":
         """A QArray with its own copy of the codes and parameters."""
         return QArray._new(self._data.copy(), self._scale.copy(), self._zero_point.copy(), self._dtype,
-                           self._axis, self._block_size, self._backend)
+                           self._axis, self._block_size, self._backend, self._global_scale)
 
     def astype(self, dtype) -> "QArray":
         """The dequantized values as float16/32/64 (``dequantize(dtype)``). Another
@@ -227,7 +232,7 @@ class QArray:
 
     def __reduce__(self):
         return (_rebuild, (self._data, self._scale, self._zero_point, self._dtype.name,
-                           self._axis, self._block_size))
+                           self._axis, self._block_size, self._global_scale))
 
     # -- shape --------------------------------------------------------------
     def __len__(self):
@@ -370,7 +375,7 @@ class QArray:
                 pidx = np.ix_(*(i // block if k == a else i for k, i in enumerate(idx)))
                 scale, zp, block = scale[pidx], zp[pidx], 1
         data = self._data[tuple(b.asarray(i) for i in np.ix_(*idx))]
-        corners = QArray._new(data, scale, zp, self._dtype, self._axis, block, b)
+        corners = QArray._new(data, scale, zp, self._dtype, self._axis, block, b, self._global_scale)
         return b.to_host(corners.dequantize()), True
 
     def __repr__(self):
@@ -383,6 +388,8 @@ class QArray:
             params += f", axis={self._axis}"
         if self._block_size is not None:
             params += f", block_size={self._block_size}"
+        if self._global_scale is not None:
+            params += f", global_scale={self._global_scale[()]}"
         pad = " " * len(head)
         return f"{head}{body},\n{pad}{params},\n{pad}qscheme={self.qscheme}, backend={self._backend.name})"
 
@@ -400,8 +407,8 @@ def _show(backend, p) -> str:
     return f"<{h.dtype} array of shape {h.shape}>"
 
 
-def _rebuild(data, scale, zero_point, dtype_name, axis, block_size):
-    return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size)
+def _rebuild(data, scale, zero_point, dtype_name, axis, block_size, global_scale=None):
+    return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size, global_scale=global_scale)
 
 
 __all__ = ["QArray"]

@@ -17,7 +17,12 @@ and the header's metadata entry NAME holding the meta JSON above; a plain array
 is the tensor NAME alone. Float weights saved by other tools load as ndarrays,
 ready for ``qarray.quantize``.
 
-Versions: ``save`` writes version 2; ``load`` reads the versions in ``VERSIONS``.
+Versions: ``save`` writes version 2, or version 3 for a QArray whose scale is
+not float32 or that has a ``global_scale`` (the floating formats, MX, NVFP4):
+its meta adds ``"scale_dtype"`` (``"float16"``, ``"bfloat16"``,
+``"float8_e8m0fnu"``, ``"float8_e4m3fn"``; ``NAME.scale`` then holds the bit
+patterns as uint16 / uint8) and ``"global_scale"`` (a number or null).
+``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
 field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
@@ -38,14 +43,15 @@ import numpy as np
 
 from ._api import packed_layout, unpack
 from ._dtypes import qdtype
-from ._params import check_params, normalize_axis, normalize_block_size, param_shape, to_host
+from ._params import KEPT_SCALES, check_params, check_scale, normalize_axis, normalize_block_size, param_shape, to_host
 from ._qarray import QArray
 
 FORMAT = "qarray"
-VERSION = 2  # what save writes
-VERSIONS = (1, 2)  # what load reads
+VERSION = 2  # what save writes (3 where a QArray needs it)
+VERSIONS = (1, 2, 3)  # what load reads
 _LEGACY_FORMAT = "qarray-1"  # version 1 before the version field: no "version" key
 _KEYS = {"format", "version", "dtype", "shape", "axis", "block_size"}
+_KEYS_3 = _KEYS | {"scale_dtype", "global_scale"}
 _ARRAY_KEYS = {"format", "version", "kind", "dtype", "shape"}  # a plain array (version 2)
 _FIELDS = ("data", "scale", "zero_point", "meta")
 _ARRAY_FIELDS = ("array", "meta")
@@ -90,7 +96,7 @@ def save(path, arrays: dict) -> None:
                             "not a QArray or numpy.ndarray")
         meta = _meta(q)
         out[f"{name}.data"] = to_host(q.pack())
-        out[f"{name}.scale"] = to_host(q.scale)
+        out[f"{name}.scale"] = _scale_bits(q)
         out[f"{name}.zero_point"] = to_host(q.zero_point)
         out[f"{name}.meta"] = np.array(json.dumps(meta))
     np.savez(path, **out)
@@ -98,8 +104,25 @@ def save(path, arrays: dict) -> None:
 
 def _meta(q) -> dict:
     """A QArray's ``NAME.meta`` (also its safetensors metadata entry)."""
-    return {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
+    meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
             "block_size": q.block_size}
+    if q.scale.dtype != np.float32 or q.global_scale is not None:
+        gs = None if q.global_scale is None else float(q.global_scale)  # float32 -> float64 -> JSON: exact
+        meta.update(version=3, scale_dtype=q.scale.dtype.name, global_scale=gs)
+    return meta
+
+
+def _scale_bits(q) -> np.ndarray:
+    """The scale as stored: float32, or the bit patterns of another scale dtype."""
+    s = to_host(q.scale)
+    s = s if s.flags.c_contiguous else s.copy()  # (ascontiguousarray would make a 0-d scale 1-d)
+    return s if s.dtype == np.float32 else s.view(f"u{s.dtype.itemsize}")
+
+
+def _scale_dtype(name) -> np.dtype:
+    from . import _formats
+
+    return np.dtype(np.float16) if name == "float16" else np.dtype(getattr(_formats.ml_dtypes(), name))
 
 
 def _check_name(name):
@@ -149,7 +172,7 @@ def _save_safetensors(path, arrays):
                 raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
             parts = {name: q}
         elif isinstance(q, QArray):
-            parts = {name: to_host(q.int_repr()), f"{name}.scale": np.asarray(q.scale), f"{name}.zero_point": np.asarray(q.zero_point)}
+            parts = {name: to_host(q.int_repr()), f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps(_meta(q))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
@@ -176,7 +199,7 @@ def _load_safetensors(path) -> dict:
     for name, text in metadata.items():
         if not _is_qarray_meta(text):
             continue  # other tools' metadata
-        d, shape, axis, block_size = _parse_meta(path, name, text)
+        d, shape, axis, block_size, sd, gs = _parse_meta(path, name, text)
         missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
         if missing:
             raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")
@@ -186,11 +209,11 @@ def _load_safetensors(path) -> dict:
         if data.dtype != d.storage or data.shape != shape:
             raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata says "
                              f"{d.name} (stored as {d.storage}) {list(shape)}")
-        if scale.dtype != np.float32 or zp.dtype != np.int32:
-            raise ValueError(f"{path}: {name}.scale / {name}.zero_point must be float32 / int32, got "
+        if scale.dtype != _stored(sd) or zp.dtype != np.int32:
+            raise ValueError(f"{path}: {name}.scale / {name}.zero_point must be {_stored(sd)} / int32, got "
                              f"{scale.dtype} / {zp.dtype}")
         try:
-            out[name] = QArray.from_int(data, scale, zp, d, axis, block_size)
+            out[name] = _with_global(QArray.from_int(data, scale.view(sd), zp, d, axis, block_size), gs)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: QArray {name!r} is invalid: {e}") from None
     out.update(tensors)
@@ -277,7 +300,7 @@ def _load_one(path, zf, name, fields):
     text = _read(path, zf, fields["meta"], f"{name}.meta",
                  lambda dtype, shape: None if dtype.kind == "U" and shape == () else "expected a JSON string")
     plain = "array" in fields
-    dtype, shape, axis, block_size = _parse_meta(path, name, str(text[()]), plain)
+    dtype, shape, axis, block_size, sd, gs = _parse_meta(path, name, str(text[()]), plain)
     if plain:
         a = _read(path, zf, fields["array"], f"{name}.array", _exactly(dtype, shape))
         if dtype.kind == "b" and a.size and a.view(np.uint8).max() > 1:
@@ -285,7 +308,7 @@ def _load_one(path, zf, name, fields):
         return a.copy()  # writable, as numpy.load gives it
     count = math.prod(shape)
     pshape = param_shape(shape, axis, block_size)
-    scale = _read(path, zf, fields["scale"], f"{name}.scale", _exactly(np.dtype(np.float32), pshape))
+    scale = _read(path, zf, fields["scale"], f"{name}.scale", _exactly(_stored(sd), pshape)).view(sd)
     zero_point = _read(path, zf, fields["zero_point"], f"{name}.zero_point", _exactly(np.dtype(np.int32), pshape))
     try:
         s, z, _, _ = check_params(scale, zero_point, dtype, shape, axis, block_size)
@@ -300,7 +323,18 @@ def _load_one(path, zf, name, fields):
         raise _bad(path, name, "data", e) from None
     if dtype.kind == "int" and not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
         raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
-    return QArray._new(data, s, z, dtype, axis, block_size)
+    return _with_global(QArray._new(data, s, z, dtype, axis, block_size), gs)
+
+
+def _stored(scale_dtype) -> np.dtype:
+    """How ``NAME.scale`` holds a scale of ``scale_dtype``: float32, else its bits."""
+    return scale_dtype if scale_dtype == np.float32 else np.dtype(f"u{scale_dtype.itemsize}")
+
+
+def _with_global(q, gs):
+    if gs is not None:
+        q._global_scale = gs
+    return q
 
 
 def _exactly(dtype, shape, what=""):
@@ -370,7 +404,7 @@ def _parse_meta(path, name, text, plain=False):
             raise _bad(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
     if plain and (legacy or meta.get("version") == 1):
         raise _bad(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
-    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS
+    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] == 3 else _KEYS
     if meta.keys() != want:
         raise _bad(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
@@ -381,7 +415,7 @@ def _parse_meta(path, name, text, plain=False):
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise _bad(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
     if plain:
-        return _plain_dtype(path, name, meta["dtype"]), tuple(shape), None, None
+        return _plain_dtype(path, name, meta["dtype"]), tuple(shape), None, None, None, None
     try:
         dtype = qdtype(meta["dtype"])
     except TypeError as e:
@@ -395,7 +429,20 @@ def _parse_meta(path, name, text, plain=False):
         block_size = normalize_block_size(meta["block_size"], axis)
     except ValueError as e:
         raise _bad(path, name, "meta", e) from None
-    return dtype, tuple(shape), axis, block_size
+    sd, gs = np.dtype(np.float32), None
+    if meta.get("version") == 3:
+        if meta["scale_dtype"] not in KEPT_SCALES or dtype.kind != "float" and meta["scale_dtype"] != "float32":
+            raise _bad(path, name, "meta", f"scale_dtype must be one of {', '.join(KEPT_SCALES)} (float32 for "
+                       f"integer formats), got {meta['scale_dtype']!r}")
+        sd = _scale_dtype(meta["scale_dtype"]) if meta["scale_dtype"] != "float32" else sd
+        if meta["global_scale"] is not None:
+            if type(meta["global_scale"]) not in (int, float):
+                raise _bad(path, name, "meta", f"global_scale must be a number or null, got {meta['global_scale']!r}")
+            try:
+                gs = check_scale(meta["global_scale"])
+            except ValueError as e:
+                raise _bad(path, name, "meta", f"global_scale: {e}") from None
+    return dtype, tuple(shape), axis, block_size, sd, gs
 
 
 def _plain_dtype(path, name, text) -> np.dtype:

@@ -163,7 +163,7 @@ class Backend:
         wide = np.float64 if dtype == np.float64 else np.float32
         codes = to_host(q).view(qd.storage)
         with np.errstate(over="ignore"):
-            v = _formats.dequantize(codes, expand(scale, q.shape, axis, block_size, np), wide)
+            v = _formats.dequantize(codes, expand(scale, q.shape, axis, block_size, np), qd, wide)
         return self.asarray(v.astype(dtype, copy=False))
 
     def float_storage(self, qd):
