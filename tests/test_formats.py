@@ -113,6 +113,8 @@ def test_finfo_and_spellings(f):
         assert F.fmt(alias) is F.FORMATS[f]
     with pytest.raises(TypeError, match="unknown floating format"):
         F.fmt("float8_e4m3")
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        F.quantize(np.ones(2, np.float32), np.float32(1), f if f != "float8_e8m0fnu" else "float8_e5m2", saturate=1)
 
 
 def test_mxint8_element():
@@ -122,8 +124,6 @@ def test_mxint8_element():
     v = np.array([0.5 / 64, 1.5 / 64, 2.5 / 64, -2.5 / 64, 1.0, 127.5 / 64, 3.0, -2.0, -np.inf], np.float32)
     np.testing.assert_array_equal(F.cast(v, "mxint8"), np.array([0, 2, 2, -2, 64, 127, 127, -127, -127], np.int8))
     np.testing.assert_array_equal(F.values(np.array([-127, 1], np.int8), "mxint8"), np.float32([-127 / 64, 1 / 64]))
-    with pytest.raises(TypeError, match="saturate must be True or False"):
-        F.quantize(np.ones(2, np.float32), np.float32(1), f if f != "float8_e8m0fnu" else "float8_e5m2", saturate=1)
 
 
 # -- the QArray path ---------------------------------------------------------------------
