@@ -305,9 +305,9 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
     if global_scale is None:
         amax = np.float32(np.abs(np.where(finite, x32, 0)).max(initial=0))
         global_scale = amax / np.float32(448 * 6) if amax > 0 else np.float32(1)
+    if np.shape(to_host(global_scale)) != ():
+        raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
     gs = check_scale(global_scale)
-    if gs.shape != ():
-        raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {gs.shape}")
     amax = _block_amax(x32, axis, block_size)
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
