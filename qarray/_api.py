@@ -17,6 +17,8 @@ from ._params import Layout, check_params, check_scale, expand, param_shape, to_
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
+_host = _backends.get("numpy")  # MX and NVFP4 run on the host so far
+
 __all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "quantize_mx", "quantize_nvfp4",
            "choose_qparams", "unpack"]
 
@@ -280,10 +282,17 @@ def quantize_mx(x, fmt, axis=-1, block_size=32, scale_rounding="floor") -> QArra
     xh, b, axis, block_size = _block_input(x, "quantize_mx", axis, block_size)
     d = qdtype(mx.element)
     bits = _formats.mx_exponents(_block_amax(xh, axis, block_size), mx, scale_rounding)
-    codes = _formats.mx_elements(xh, expand(bits, xh.shape, axis, block_size, np), mx)
     scale = bits.view(_formats.dtype("float8_e8m0fnu"))
+    codes = _host.quantize_float(xh, scale, d, axis, block_size, True, mx=True)  # x / 2**e: exact, then rounded
+    return _blocks(codes, scale, bits == _formats.E8M0_NAN, d, axis, block_size, b)
+
+
+def _blocks(codes, scale, nan, d, axis, block_size, b, global_scale=None):
+    """The QArray of MX or NVFP4 block codes (host), 0 in the blocks whose scale is NaN."""
+    if nan.any():
+        codes[expand(nan, codes.shape, axis, block_size, np)] = 0
     return QArray._new(b.asarray(codes.view(np.uint8)).view(b.float_storage(d)), scale,
-                       np.zeros(bits.shape, np.int32), d, axis, block_size, b)
+                       np.zeros(scale.shape, np.int32), d, axis, block_size, b, global_scale)
 
 
 @on_data_device
@@ -309,17 +318,14 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
         raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
     gs = check_scale(global_scale)
     amax = _block_amax(x32, axis, block_size)
+    nan = ~np.isfinite(amax)
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
-        recip = (np.float32(1) / gs) / expand(s.astype(np.float32), x32.shape, axis, block_size, np)
-        v = np.clip(x32 * recip, np.float32(-6), np.float32(6))
-    nan = ~np.isfinite(amax)
+        recip = (np.float32(1) / gs) / s.astype(np.float32)
     s[nan] = np.float32("nan")
-    v[expand(nan, x32.shape, axis, block_size, np)] = 0
     d = qdtype("float4_e2m1fn")
-    codes = _formats.cast(v, d)
-    return QArray._new(b.asarray(codes.view(np.uint8)).view(b.float_storage(d)), s,
-                       np.zeros(s.shape, np.int32), d, axis, block_size, b, global_scale=gs)
+    codes = _host.quantize_float(x32, recip, d, axis, block_size, True, mx=True, multiply=True)  # x * recip, rounded
+    return _blocks(codes, s, nan, d, axis, block_size, b, gs)
 
 
 def packed_layout(d: QDType, count: int):

@@ -118,13 +118,18 @@ def quantize(x, scale, spec, saturate: bool = True) -> np.ndarray:
     s = np.asarray(scale)
     if s.dtype != np.float32:
         s = s.astype(np.float32)  # float16, bfloat16 and the 8-bit scales widen exactly
-    v = (x if x.dtype == np.float64 else x.astype(np.float32, copy=False)) / s  # float64 input: one rounding
+    with np.errstate(over="ignore"):  # beyond float32: inf, then as inf
+        v = (x if x.dtype == np.float64 else x.astype(np.float32, copy=False)) / s  # float64 input: one rounding
     if not f.has_nan and np.isnan(v).any():
-        raise ValueError(f"cannot quantize NaN to {f.name}, which holds no NaN; replace it first "
-                         "(e.g. numpy.nan_to_num)")
+        raise nan_error(f)
     if not f.has_nan:  # ONNX adds the zero point, +0.0, for float4/float6: -0 becomes +0 (its reference does;
         v = v + np.float32(0)  # for float8 it adds nothing, so -0 stays -0 there)
     return cast(v, f, saturate)
+
+
+def nan_error(spec) -> ValueError:
+    return ValueError(f"cannot quantize NaN to {fmt(spec).name}, which holds no NaN; replace it first "
+                      "(e.g. numpy.nan_to_num)")
 
 
 def cast(v, spec, saturate: bool = True) -> np.ndarray:
@@ -230,10 +235,30 @@ def mx_exponents(amax, mx: MXFormat, rounding: str) -> np.ndarray:
     return np.where(np.isfinite(a), e + 127, E8M0_NAN).astype(np.uint8)
 
 
-def mx_elements(x, bits, mx: MXFormat) -> np.ndarray:
-    """``x / 2**e`` (``bits``: the E8M0 patterns, broadcast against ``x``) rounded to
-    the element format, ties to even, saturating; 0 where the scale is NaN."""
-    e = bits.astype(np.int32) - 127
-    nan = bits == E8M0_NAN
-    v = np.ldexp(np.where(nan, 0, x), np.where(nan, 0, -e).astype(np.int32))  # exact: a power of two
-    return cast(v.astype(x.dtype, copy=False), mx.element, True)
+class Codes(NamedTuple):
+    """A format's rounding on float32 bits (``backends._numba._fbits`` and the CUDA
+    kernels): mantissa bits, smallest normal exponent, the largest finite magnitude
+    code, the code beyond it, the NaN code (bit 8 set: no sign), the sign bit, and
+    the zeros rule (0 signed, 1 exact -0 to +0, 2 unsigned)."""
+
+    m: int
+    emin: int
+    maxc: int
+    ovf: int
+    nanc: int
+    sign_at: int
+    zeros: int
+
+
+def codes(spec, saturate=True, onnx_zero=True) -> Codes:
+    """The :class:`Codes` of a float format; ``onnx_zero``: ONNX's +0 zero point for
+    float4/float6 (``quantize``), else (MX, NVFP4) -0 keeps its sign."""
+    f = fmt(spec)
+    d, i = dtype(f), ml_dtypes().finfo(dtype(f))
+    bits = lambda v: int(np.array(v, np.float32).astype(d).view(np.uint8))  # noqa: E731
+    fnuz = f.name.endswith("fnuz")
+    maxc = bits(i.max)
+    nanc = (0x180 if fnuz else bits(np.nan)) if f.has_nan else maxc
+    ovf = maxc if saturate or not (f.has_inf or f.has_nan) else 0x180 if fnuz else bits(np.inf)
+    zeros = 2 if fnuz else 1 if onnx_zero and not f.has_nan else 0
+    return Codes(int(i.nmant), int(i.minexp), maxc, ovf, nanc, f.bits - 1, zeros)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from qarray import _formats as F
+from qarray._params import expand
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 onnx = pytest.importorskip("onnx")
@@ -268,3 +269,47 @@ def test_quantize_dynamic_scales_amax_to_the_largest_value(rng, f, axis, block_s
     assert q.scale.dtype == np.float32
     np.testing.assert_array_equal(q.int_repr(), qarray.quantize(x, want, 0, f, axis=axis, block_size=block_size).int_repr())
     assert np.abs(q.dequantize()).max() == pytest.approx(np.abs(x).max(), rel=0.07)  # the largest value lands on +-max
+
+
+def _boundaries(f, rng):
+    """float32 values at every code of ``f``, every midpoint between neighbours, one
+    ulp either side of each, beyond the range, specials, and random values."""
+    d = F.dtype(f)
+    allc = np.arange(1 << F.fmt(f).bits, dtype=np.uint8).view(d).astype(np.float64)
+    vals = np.unique(allc[np.isfinite(allc)])
+    mids = (vals[:-1] + vals[1:]) / 2
+    top, sub = vals[-1], vals[vals > 0][0]
+    ext = np.array([top * 1.0625, top * 1.125, top * 1.1875, top * 1.25, top * 2, sub / 2, sub / 4])
+    base = np.concatenate([vals, mids, ext, -ext]).astype(np.float32)
+    return np.concatenate([base, np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf)),
+                           np.float32([0, -0.0, np.inf, -np.inf, 1e-40, -1e-40, 3e38, -3e38]),
+                           rng.standard_normal(5000).astype(np.float32) * np.float32(top / 3),
+                           (rng.standard_normal(5000) * 2.0 ** rng.integers(-30, 30, 5000)).astype(np.float32)])
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("f", [f for f in F.FORMATS if f not in ("float8_e8m0fnu", "mxint8")])
+def test_kernel_rounding_on_every_boundary(kernels, rng, f, saturate):
+    """The Numba kernel's rounding on the float32 bits (``_fbits``) equals ml_dtypes'
+    cast at every boundary of every format, both saturate modes, ONNX's zeros (the
+    QArray path) and MX's (signed zeros, NaN allowed), per tensor, axis and block."""
+    from qarray.backends import get
+
+    b = get("numpy")
+    x = _boundaries(f, rng)
+    if F.fmt(f).has_nan:
+        x = np.concatenate([x, np.float32([np.nan, -np.nan])])
+    want = F.quantize(x, np.float32(1), f, saturate).view(np.uint8)
+    np.testing.assert_array_equal(b.quantize_float(x, np.float32(1), qarray.qdtype(f), None, None, saturate).view(np.uint8), want)
+    mx = b.quantize_float(x, np.float32(1), qarray.qdtype(f), None, None, saturate, mx=True).view(np.uint8)
+    ok = ~np.isnan(x)
+    np.testing.assert_array_equal(mx[ok], F.cast(x[ok], f, saturate).view(np.uint8))
+    x2 = x[: x.size // 60 * 60].reshape(60, -1)
+    s = rng.uniform(0.25, 4, 60).astype(np.float32)
+    for axis, block, sp in ((0, None, s), (1, 7, rng.uniform(0.25, 4, (60, -(-x2.shape[1] // 7))).astype(np.float32))):
+        got = b.quantize_float(x2, sp, qarray.qdtype(f), axis, block, saturate)
+        np.testing.assert_array_equal(got.view(np.uint8), F.quantize(x2, expand(sp, x2.shape, axis, block, np), f,
+                                                                    saturate).view(np.uint8))
+    if not F.fmt(f).has_nan:
+        with pytest.raises(ValueError, match=f"cannot quantize NaN to {f}, which holds no NaN"):
+            b.quantize_float(np.float32([1, np.nan]), np.float32(1), qarray.qdtype(f), None, None, saturate)

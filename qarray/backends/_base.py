@@ -144,15 +144,25 @@ class Backend:
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return self._chunked(fn, q, out, Layout(q.shape, axis, block_size), params)
 
-    def quantize_float(self, x, scale, qd, axis, block_size, saturate):
-        """``x / scale`` cast to the floating format ``qd`` (ONNX's QuantizeLinear,
-        ``qarray._formats.quantize``), in ``qd``'s storage. The reference runs on
-        the host; a backend with kernels overrides it (CuPy: the bit patterns as uint8)."""
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
+        """``x / scale`` (``x * scale`` with ``multiply``) cast to the floating format
+        ``qd`` (ONNX's QuantizeLinear, ``qarray._formats.quantize``), in ``qd``'s
+        storage. ``mx``: the elements of an MX or NVFP4 block (-0 keeps its sign;
+        NaN is allowed, its code left for the caller to overwrite). The reference
+        runs on the host; a backend with kernels overrides it (CuPy: the bit
+        patterns as uint8)."""
         from .. import _formats
         from .._params import expand
 
         xh, s = to_host(x), expand(scale, x.shape, axis, block_size, np)
-        return self.asarray(_formats.quantize(xh, s, qd, saturate).view(np.uint8)).view(self.float_storage(qd))
+        if not mx and not multiply:
+            codes = _formats.quantize(xh, s, qd, saturate)
+        else:
+            ft = np.float64 if xh.dtype == np.float64 else np.float32
+            with np.errstate(invalid="ignore", over="ignore"):
+                v = xh.astype(ft, copy=False) * s.astype(ft) if multiply else xh.astype(ft, copy=False) / s.astype(ft)
+            codes = _formats.cast(np.where(np.isnan(v), 0, v) if mx else v, qd, saturate)
+        return self.asarray(codes.view(np.uint8)).view(self.float_storage(qd))
 
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
         """``element * scale`` of floating-format codes in float32 (float64 when

@@ -91,6 +91,21 @@ class NumpyBackend(Backend):
             raise nan_error(x)
         return out
 
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
+        k = self._fast(x)
+        if k is None or x.dtype == np.float64 or qd.name == "mxint8":
+            return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
+        from .. import _formats
+
+        if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
+            x = x.astype(np.float32)
+        out = np.empty(x.shape, np.uint8)
+        c = _formats.codes(qd, saturate, onnx_zero=not mx)
+        nans = self._run(k.quantize_float, x, out, axis, block_size, (np.asarray(scale, np.float32),), multiply, *c)
+        if any(nans) and not (mx or _formats.fmt(qd).has_nan):
+            raise _formats.nan_error(qd)
+        return out.view(qd.storage)
+
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         k = self._fast(q)
         if k is None:
