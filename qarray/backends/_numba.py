@@ -313,76 +313,80 @@ def _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, ou
 
 
 # -- floating formats: float32 -> format bit patterns ---------------------------------------
-@njit(inline="always")
-def _fbits(u, m, emin, maxc, ovf, nanc, sign_at, zeros):
-    """The format code of the float32 whose bits are ``u``: round to nearest, ties to
-    even, on the bits (``qarray._formats.FLOAT_CODES`` gives the parameters).
-    ``m`` mantissa bits, ``emin`` the smallest normal exponent, ``maxc`` the largest
-    finite magnitude code, ``ovf`` the code beyond it (``maxc`` when saturating,
-    else inf or NaN), ``nanc`` the NaN code (bit 8 set: unsigned, the fnuz formats),
-    ``sign_at`` the sign bit; ``zeros``: 0 every zero keeps its sign, 1 an exact
-    -0 becomes +0 (ONNX adds a +0 zero point for float4/float6), 2 no zero has a
-    sign (the fnuz formats)."""
-    u = np.int64(u)
-    if zeros == 1 and u == 0x80000000:
-        u = 0
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:  # NaN
-        c = nanc
-    elif a == 0x7F800000:  # inf
-        c = ovf
-    else:
-        e = (a >> 23) - 127
-        if e < emin:  # the format's subnormals: a multiple of 2**(emin - m), rounded
-            sig = (a & 0x7FFFFF) | 0x800000 if e > -127 else a
-            sh = 23 + emin - m - max(e, -126)
-            c = 0 if sh > 25 else (sig + (1 << (sh - 1)) - 1 + ((sig >> sh) & 1)) >> sh
-        else:  # normal: round the mantissa to m bits (a carry moves to the exponent)
-            sh = 23 - m
-            c = ((a + (1 << (sh - 1)) - 1 + ((a >> sh) & 1)) >> sh) - ((126 + emin) << m)
-        if c > maxc:
-            c = ovf
-    if c >= 256:  # the fnuz formats' NaN: 0x80, no sign
-        return np.uint8(c & 0xFF)
-    if c == 0 and zeros == 2:
-        return np.uint8(0)
-    return np.uint8(c | ((u >> 31) << sign_at))
+def _make_quantize_float(zeros, mul, consts):
+    """The kernel ``out = code(x / s)`` (``x * s`` when ``mul``) in float32 for one
+    floating format: ``zeros`` and ``consts`` (from its ``qarray._formats.Codes``,
+    see :func:`quantize_float`) are closure constants, so the shifts are immediate,
+    the branches fold away and the loops vectorize (1.5x faster than the same
+    values as arguments); Numba's cache key holds them. Rounding to nearest, ties to even, on the
+    float32 bits: in the format's normal range the mantissa rounds to ``m`` bits
+    (a carry moves into the exponent); below it, adding ``2**(emin - m + 23)``
+    makes the float32 addition itself round to the subnormal step
+    ``2**(emin - m)``. Returns the number of NaN quotients."""
 
+    @njit(inline="always")
+    def code(u, us, sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at):
+        a = u & np.uint32(0x7FFFFFFF)
+        c = ((a + half + ((a >> sh) & np.uint32(1))) >> sh) - bias if a >= top else us - magic_bits
+        c = ovf if c > maxc else c  # inf lands here too
+        c = nanc if a > np.uint32(0x7F800000) else c
+        sign = (u >> np.uint32(31)) << sign_at
+        if zeros == 0:
+            return np.uint8(c | sign)
+        drop = (c >= np.uint32(256)) | (c == np.uint32(0)) if zeros == 2 else u == np.uint32(0x80000000)
+        return np.uint8((c & np.uint32(0xFF)) | (np.uint32(0) if drop else sign))
 
-@njit(parallel=True, cache=True)
-def quantize_float(x, s, bidx, mul, m, emin, maxc, ovf, nanc, sign_at, zeros, out):
-    """``out = code(x / s)`` (``x * s`` when ``mul``) in float32 for a floating
-    format (``_fbits``); returns how many results were NaN."""
-    o_n, n, i_n = x.shape
-    pos = np.int64(s.shape[0] > 1)
-    pin = s.shape[2] > 1
-    nans = 0
-    if i_n == 1:  # parameters change along the contiguous axis: a row is one o
-        for o in prange(o_n):
-            po = np.int64(o) * pos
-            buf = np.empty(n, np.float32)
-            for l in range(n):
-                buf[l] = x[o, l, 0] * s[po, bidx[l], 0] if mul else x[o, l, 0] / s[po, bidx[l], 0]
-            ub = buf.view(np.uint32)
-            for l in range(n):
-                nans += (ub[l] & 0x7FFFFFFF) > 0x7F800000
-                out[o, l, 0] = _fbits(ub[l], m, emin, maxc, ovf, nanc, sign_at, zeros)
+    @njit(inline="always")
+    def row(xs, ss, magic, out):
+        """``out[i] = code(xs[i] / ss[i])`` for a row (``ss`` a float32 row); NaN count."""
+        n = xs.shape[0]
+        v, w = np.empty(n, np.float32), np.empty(n, np.float32)
+        nans = 0
+        for i in range(n):
+            v[i] = xs[i] * ss[i] if mul else xs[i] / ss[i]
+            nans += v[i] != v[i]
+        for i in range(n):
+            w[i] = abs(v[i]) + magic
+        vb, wb = v.view(np.uint32), w.view(np.uint32)
+        sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at = consts
+        for i in range(n):
+            out[i] = code(vb[i], wb[i], sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at)
         return nans
-    for t in prange(o_n * n):
-        o = t // n
-        l = t - o * n
-        po = np.int64(o) * pos
-        b = bidx[l]
-        buf = np.empty(i_n, np.float32)
-        if pin:
-            for i in range(i_n):
-                buf[i] = x[o, l, i] * s[po, b, i] if mul else x[o, l, i] / s[po, b, i]
-        else:
-            sr = s[po, b, 0]
-            for i in range(i_n):
-                buf[i] = x[o, l, i] * sr if mul else x[o, l, i] / sr
-        ub = buf.view(np.uint32)
-        for i in range(i_n):
-            nans += (ub[i] & 0x7FFFFFFF) > 0x7F800000
-            out[o, l, i] = _fbits(ub[i], m, emin, maxc, ovf, nanc, sign_at, zeros)
-    return nans
+
+    @njit(parallel=True, cache=True)
+    def quantize_float(x, s, bidx, magic, out):
+        o_n, n, i_n = x.shape
+        pos = np.int64(s.shape[0] > 1)
+        nans = 0
+        if i_n == 1:  # parameters change along the contiguous axis: a row is one o
+            for o in prange(o_n):
+                po = np.int64(o) * pos
+                sr = np.empty(n, np.float32)
+                for l in range(n):
+                    sr[l] = s[po, bidx[l], 0]
+                nans += row(x[o, :, 0], sr, magic, out[o, :, 0])
+            return nans
+        for t in prange(o_n * n):
+            o = t // n
+            l = t - o * n
+            sp = s[np.int64(o) * pos, bidx[l]]
+            nans += row(x[o, l], sp if sp.shape[0] == i_n else np.full(i_n, sp[0], np.float32), magic, out[o, l])
+        return nans
+
+    return quantize_float
+
+
+_FLOAT_KERNELS = {}
+
+
+def quantize_float(codes, mul):
+    """``(kernel, magic)``: the kernel of :func:`_make_quantize_float` for ``codes``
+    and ``mul`` (made once each) and the float32 its rows add (``2**(emin - m + 23)``)."""
+    m, emin, maxc, ovf, nanc, sign_at, zeros = (int(v) for v in codes)
+    magic = np.float32(2.0 ** (emin - m + 23))
+    fields = tuple(np.uint32(v) for v in (23 - m, (1 << (22 - m)) - 1, (126 + emin) << m, (127 + emin) << 23,
+                                          magic.view(np.uint32), maxc, ovf, nanc, sign_at))
+    key = (zeros, bool(mul), fields)
+    if key not in _FLOAT_KERNELS:
+        _FLOAT_KERNELS[key] = _make_quantize_float(*key)
+    return _FLOAT_KERNELS[key], magic
