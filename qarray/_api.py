@@ -225,17 +225,8 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
 
 def _block_amax(x, axis, block_size):
     """``max(|x|)`` per block (the parameters' shape), NaN where a block has NaN."""
-    from ._params import param_shape
-
-    lay = Layout(x.shape, axis, block_size)
-    n, full = lay.n, lay.n // block_size * block_size
-    x3 = np.abs(x.reshape(lay.dims))
-    parts = []
-    if full:
-        parts.append(x3[:, :full].reshape(lay.outer, full // block_size, block_size, lay.inner).max(axis=2))
-    if full < n:  # the short last block
-        parts.append(x3[:, full:].max(axis=1, keepdims=True))
-    return (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)).reshape(param_shape(x.shape, axis, block_size))
+    lo, hi = _host.minmax(x, axis, block_size)
+    return np.maximum(-lo, hi)
 
 
 def _block_input(x, what, axis, block_size):
@@ -310,15 +301,14 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
     """
     xh, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
     x32 = xh.astype(np.float32, copy=False)
-    finite = np.isfinite(x32)
-    if global_scale is None:
-        amax = np.float32(np.abs(np.where(finite, x32, 0)).max(initial=0))
-        global_scale = amax / np.float32(448 * 6) if amax > 0 else np.float32(1)
+    amax = _block_amax(x32, axis, block_size)
+    nan = ~np.isfinite(amax)
+    if global_scale is None:  # the finite values' amax (all of x only where a block has NaN or inf)
+        top = np.float32(amax.max(initial=0) if not nan.any() else np.abs(x32[np.isfinite(x32)]).max(initial=0))
+        global_scale = top / np.float32(448 * 6) if top > 0 else np.float32(1)
     if np.shape(to_host(global_scale)) != ():
         raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
     gs = check_scale(global_scale)
-    amax = _block_amax(x32, axis, block_size)
-    nan = ~np.isfinite(amax)
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
         recip = (np.float32(1) / gs) / s.astype(np.float32)

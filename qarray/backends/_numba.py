@@ -337,20 +337,30 @@ def _make_quantize_float(zeros, mul, consts):
         return np.uint8((c & np.uint32(0xFF)) | (np.uint32(0) if drop else sign))
 
     @njit(inline="always")
-    def row(xs, ss, magic, out):
-        """``out[i] = code(xs[i] / ss[i])`` for a row (``ss`` a float32 row); NaN count."""
-        n = xs.shape[0]
-        v, w = np.empty(n, np.float32), np.empty(n, np.float32)
+    def rows(x, s, bidx, o, l0, l1, po, magic, out):
+        """``out = code(x / s)`` for ``x[o, l0:l1, :]`` (one buffer); the NaN count."""
+        i_n = x.shape[2]
+        pin = s.shape[2] > 1
+        v = np.empty((l1 - l0) * i_n, np.float32)
+        w = np.empty_like(v)
         nans = 0
-        for i in range(n):
-            v[i] = xs[i] * ss[i] if mul else xs[i] / ss[i]
-            nans += v[i] != v[i]
-        for i in range(n):
-            w[i] = abs(v[i]) + magic
+        for l in range(l0, l1):
+            b, k = bidx[l], (l - l0) * i_n
+            if pin:
+                for i in range(i_n):
+                    v[k + i] = x[o, l, i] * s[po, b, i] if mul else x[o, l, i] / s[po, b, i]
+            else:
+                sr = s[po, b, 0]
+                for i in range(i_n):
+                    v[k + i] = x[o, l, i] * sr if mul else x[o, l, i] / sr
+        for k in range(v.size):
+            nans += v[k] != v[k]
+            w[k] = abs(v[k]) + magic
         vb, wb = v.view(np.uint32), w.view(np.uint32)
         sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at = consts
-        for i in range(n):
-            out[i] = code(vb[i], wb[i], sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at)
+        flat = out[o, l0:l1].reshape(-1)
+        for k in range(v.size):
+            flat[k] = code(vb[k], wb[k], sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at)
         return nans
 
     @njit(parallel=True, cache=True)
@@ -358,19 +368,12 @@ def _make_quantize_float(zeros, mul, consts):
         o_n, n, i_n = x.shape
         pos = np.int64(s.shape[0] > 1)
         nans = 0
-        if i_n == 1:  # parameters change along the contiguous axis: a row is one o
+        if o_n > 1:  # threads split the outer dimension, a whole x[o] each
             for o in prange(o_n):
-                po = np.int64(o) * pos
-                sr = np.empty(n, np.float32)
-                for l in range(n):
-                    sr[l] = s[po, bidx[l], 0]
-                nans += row(x[o, :, 0], sr, magic, out[o, :, 0])
-            return nans
-        for t in prange(o_n * n):
-            o = t // n
-            l = t - o * n
-            sp = s[np.int64(o) * pos, bidx[l]]
-            nans += row(x[o, l], sp if sp.shape[0] == i_n else np.full(i_n, sp[0], np.float32), magic, out[o, l])
+                nans += rows(x, s, bidx, o, 0, n, np.int64(o) * pos, magic, out)
+        else:  # threads split the rows
+            for l in prange(n):
+                nans += rows(x, s, bidx, 0, l, l + 1, 0, magic, out)
         return nans
 
     return quantize_float
@@ -390,3 +393,23 @@ def quantize_float(codes, mul):
     if key not in _FLOAT_KERNELS:
         _FLOAT_KERNELS[key] = _make_quantize_float(*key)
     return _FLOAT_KERNELS[key], magic
+
+
+@njit(parallel=True, cache=True)
+def block_minmax(x, step, lo, hi):
+    """``lo``, ``hi`` ``(outer, blocks, inner)``: the min and max of each block of
+    ``step`` positions along ``x``'s middle axis (the last one short); NaN
+    propagates, as in NumPy's min and max."""
+    o_n, n, i_n = x.shape
+    blocks = lo.shape[1]
+    for t in prange(o_n * blocks):
+        o = t // blocks
+        b = t - o * blocks
+        l0 = b * step
+        for i in range(i_n):
+            lo[o, b, i] = x[o, l0, i]
+            hi[o, b, i] = x[o, l0, i]
+        for l in range(l0 + 1, min(l0 + step, n)):
+            for i in range(i_n):
+                lo[o, b, i] = np.minimum(lo[o, b, i], x[o, l, i])
+                hi[o, b, i] = np.maximum(hi[o, b, i], x[o, l, i])

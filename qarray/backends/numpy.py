@@ -116,6 +116,16 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype, copy=False)
 
+    def minmax(self, x, axis, block_size):
+        k = self._fast(x)
+        if k is None or block_size is None or x.dtype == np.float16:
+            return super().minmax(x, axis, block_size)
+        lay = Layout(x.shape, axis, block_size)
+        lo, hi = (np.empty((lay.outer, lay.blocks, lay.inner), x.dtype) for _ in range(2))
+        k.block_minmax(_contiguous(x).reshape(lay.dims), block_size, lo, hi)
+        want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1:]
+        return lo.reshape(want), hi.reshape(want)
+
     def lut(self, q, table, axis=None):
         k = self._fast(q)
         if k is None or axis is not None:
