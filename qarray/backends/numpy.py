@@ -100,8 +100,8 @@ class NumpyBackend(Backend):
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         out = np.empty(x.shape, np.uint8)
-        kernel, *args = k.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
-        nans = self._run(kernel, x, out, axis, block_size, (np.asarray(scale, np.float32),), *args)
+        kernel = k.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
+        nans = self._run(kernel, x, out, axis, block_size, (np.asarray(scale, np.float32),))
         if any(nans) and not (mx or _formats.fmt(qd).has_nan):
             raise _formats.nan_error(qd)
         return out.view(qd.storage)
