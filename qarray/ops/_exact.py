@@ -117,7 +117,9 @@ class _Operand:
             nonzero = True
             s = expand(s, q.shape, q.axis, q.block_size, np)
             s = s.take([0], axis=kaxis) if np.ndim(s) == q.ndim else s
-        low = self.unit + np.where(nonzero, _v2(s), _NONE).min(axis=kaxis, keepdims=True, initial=_NONE)
+        low = np.where(nonzero, _v2(s), _NONE)
+        low = self.unit + low.reshape(low.shape if low.ndim == q.ndim else (1,) * q.ndim).min(
+            axis=kaxis, keepdims=True, initial=_NONE)
         return int(np.where(self.amax > 0, self.top - low, 0).max(initial=0))
 
 
@@ -252,7 +254,7 @@ def _round_to_odd(exact, bias, relu, scale):
     x, side = np.frompyfunc(lambda v: _quotient(v * top, bottom), 1, 2)(num)
     x, side = x.astype(np.float64), side.astype(np.int64)
     odd = (x.view(np.int64) & 1).astype(bool)
-    return np.where((side == 0) | odd, x, np.nextafter(x, side * np.inf))
+    return np.where((side == 0) | odd, x, np.nextafter(x, np.copysign(np.inf, side)))
 
 
 def _quotient(a, b):
@@ -281,7 +283,8 @@ def _finish(op, backend, r, target, rounding):
     """The float64 rounded-to-odd ``r`` rounded once to the output."""
     kind, _, zp, d = target
     if kind == "float32":
-        return backend.asarray(r.astype(np.float32))
+        with np.errstate(over="ignore"):  # beyond float32: +-inf, as IEEE rounding gives
+            return backend.asarray(r.astype(np.float32))
     if kind == "int":
         bad = ~np.isfinite(r)
     else:  # formats with NaN keep it; infinities saturate, as quantize's
