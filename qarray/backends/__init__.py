@@ -126,7 +126,8 @@ def on_data_device(op):
     or a sequence of QArrays): CuPy allocates and launches on the current
     device, which need not be the data's. Every public op is wrapped in it."""
 
-    integer_only = op.__module__.startswith("qarray.ops")  # the ops take integer formats only (so far)
+    # the ops take integer formats only (so far); matmul and linear also floating ones (exactly: ops._exact)
+    integer_only = op.__module__.startswith("qarray.ops") and op.__module__ != "qarray.ops.linear"
 
     @functools.wraps(op)
     def on_device(first, *args, **kwargs):

@@ -12,6 +12,9 @@ backend packs them: :meth:`Backend.pack_weight`) -> :meth:`Backend.int_matmul`
 (``raw_matmul``: the products of codes, on the CPU onnxruntime's int8 kernels,
 ``qarray.backends._gemm``, or exact float32 BLAS chunks; then
 ``gemm_epilogue``: zero-point terms, bias and requantize in one pass).
+Floating-format operands (float8/float6/float4, MX, NVFP4, alone or mixed with
+integer ones) go to :mod:`qarray.ops._exact`: the exact rational product,
+rounded once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..backends import on_data_device
 from .._dtypes import qint8, qint32, quint8
 from .._params import to_host
 from .._qarray import QArray
+from . import _exact
 from ._output import finish
 
 __all__ = ["matmul", "linear", "PackedWeight"]
@@ -145,7 +149,20 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     >>> w = QArray.from_int(numpy.array([[3], [-4]]), 0.25, 0, "qint8")
     >>> matmul(a, w).int_repr(), matmul(a, w).scale
     (array([[-5]], dtype=int32), array(0.125, dtype=float32))
+
+    When either operand has a floating format (float8, float6, float4, MX,
+    NVFP4; the other may be an integer format of up to 16 bits), any layout of
+    parameters, the product is computed exactly and rounded once (``bias``, a
+    float array of N, added exactly and ``relu`` applied before): with no
+    output parameters, or ``dtype="float32"`` (``scale`` optional), to a
+    float32 array, correctly rounded; with ``scale`` (``zero_point``,
+    ``dtype``, which defaults to ``a.dtype``) to that QArray: an integer format
+    by ``rounding=`` (``mode`` does not apply), a floating one to nearest even,
+    saturating. NaN/inf operand values or NaN block scales give their outputs
+    IEEE float64's answer (an integer output refuses them).
     """
+    if _exact.takes(a, b):
+        return _exact.matmul("matmul", a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
     _check_operand("matmul", "a", a, weight=False)
     _check_operand("matmul", "b", b, weight=True)
     if a.ndim < 2 or b.ndim < 2:
@@ -159,17 +176,23 @@ def linear(x: QArray, w: QArray, bias=None, *, scale=None, zero_point=None, dtyp
            relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``x @ w.T + bias``, with ``w`` of shape ``(out, in)`` per-tensor or
     per-channel along axis 0. ``bias`` is float (quantized to qint32 at scale
-    ``x.scale * w.scale``) or a qint32 QArray. Output rules as :func:`matmul`."""
-    _check_operand("linear", "x", x, weight=False)
-    _check_operand("linear", "w", w, weight=True)
+    ``x.scale * w.scale``) or a qint32 QArray. Output rules as :func:`matmul`,
+    floating formats too (then ``w`` may have any layout, e.g. MX blocks along in_features)."""
+    exact = _exact.takes(x, w)
+    if exact:
+        _exact.check_types("linear", ("x", x), ("w", w))
+    else:
+        _check_operand("linear", "x", x, weight=False)
+        _check_operand("linear", "w", w, weight=True)
     if w.ndim != 2:
         raise ValueError(f"linear: w must have shape (out_features, in_features), got {w.shape}")
-    if w.axis not in (None, 0):
+    if not exact and w.axis not in (None, 0):
         raise ValueError(f"linear: per-channel weights must have their parameters along axis 0 (output features), got axis {w.axis}")
     if x.ndim < 1:
         raise ValueError("linear: x must have at least one dimension")
     x2 = x if x.ndim > 1 else x.reshape(1, -1)
-    out = PackedWeight(w.T, 1).matmul("linear", x2, bias, scale, zero_point, dtype, mode, rounding, relu)
+    if exact:
+        out = _exact.matmul("linear", x2, w.T, bias, scale, zero_point, dtype, relu, mode, rounding)
+    else:
+        out = PackedWeight(w.T, 1).matmul("linear", x2, bias, scale, zero_point, dtype, mode, rounding, relu)
     return out if x.ndim > 1 else out.reshape(-1)
-
-
