@@ -15,6 +15,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
+SCALE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 ONNX_TYPES = {"float8_e4m3fn": TensorProto.FLOAT8E4M3FN, "float8_e4m3fnuz": TensorProto.FLOAT8E4M3FNUZ,
               "float8_e5m2": TensorProto.FLOAT8E5M2, "float8_e5m2fnuz": TensorProto.FLOAT8E5M2FNUZ,
               "float4_e2m1fn": TensorProto.FLOAT4E2M1}
@@ -43,7 +44,7 @@ def _reference(x, scale, f, axis, block_size, saturate):
     node = helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], **attrs)
     dq = helper.make_node("DequantizeLinear", ["y", "s", "zp"], ["z"], **{k: v for k, v in attrs.items() if k != "saturate"})
     graph = helper.make_graph([node, dq], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
-                                                helper.make_tensor_value_info("s", TensorProto.FLOAT if scale.dtype == np.float32 else TensorProto.FLOAT16, scale.shape)],
+                                                helper.make_tensor_value_info("s", SCALE_TYPES[scale.dtype.name], scale.shape)],
                               [helper.make_tensor_value_info("y", ONNX_TYPES[f], x.shape),
                                helper.make_tensor_value_info("z", TensorProto.FLOAT, x.shape)], [zp])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)])
@@ -62,7 +63,7 @@ def _expand(s, shape, axis, block_size):
 @pytest.mark.parametrize("f", list(ONNX_TYPES))
 @pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)
 @pytest.mark.parametrize("saturate", [True, False])
-@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_quantize_dequantize_equal_onnx_reference(rng, f, shape, axis, block_size, saturate, scale_dtype):
     x = _x(rng, shape, f)
     pshape = () if axis is None else (shape[axis],) if block_size is None else \
@@ -79,6 +80,12 @@ def test_quantize_dequantize_equal_onnx_reference(rng, f, shape, axis, block_siz
     # exact float32 product (two 11-bit significands) rounded once
     with np.errstate(over="ignore"):  # e5m2's 57344 times 2 passes float16's 65504: inf, as ONNX's
         np.testing.assert_array_equal(F.dequantize(got, s, f).astype(np.asarray(z).dtype), z)
+    # the QArray path keeps the scale's dtype and gives the same bits (the Numba kernel where installed)
+    q = qarray.quantize(x, scale, 0, f, axis, block_size, saturate=saturate)
+    assert q.scale.dtype == np.dtype(scale_dtype) and q.scale.shape == np.shape(scale)
+    np.testing.assert_array_equal(q.int_repr(), got.view(np.uint8))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(q.dequantize().astype(np.asarray(z).dtype), z)
 
 
 @pytest.mark.parametrize("f", ["float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"])
