@@ -6,7 +6,7 @@
 // in hardware (cvt.rn.satfinite), which rounds the same way.
 #include "common.cuh"
 
-// What a format does beyond its finite values (CupyBackend.FORMAT_KINDS):
+// What a format does beyond its finite values (qarray/backends/cupy.py FORMAT_*):
 #define QA_FMT_IEEE 0    // inf, and NaNs with an all-ones exponent (e5m2)
 #define QA_FMT_FN 1      // no inf, NaN the all-ones pattern with either sign (e4m3fn)
 #define QA_FMT_FNUZ 2    // no inf, no -0, one NaN: the sign bit alone (e4m3fnuz, e5m2fnuz)
@@ -142,7 +142,7 @@ __device__ void quantize_format_body(const TIn* x, const TF* s, const i64* bidx,
     qa_map(x, out, total, lay, bidx, [=](TIn in, i64 p) -> unsigned char {
         const TF v = qa_float(in);
         if (qa_isnan(v)) {
-            if (f.kind == QA_FMT_FINITE) *nan_seen = 1;
+            if (f.kind == QA_FMT_FINITE) *nan_seen = 1;  // and the host path raises; the code is never read
             return (unsigned char)f.nan(qa_neg(in));
         }
         return (unsigned char)qa_to_format(qa_div(v, s[p]), f, saturate);
