@@ -149,6 +149,35 @@ def test_float32_subnormals_are_kept(rng):
     np.testing.assert_array_equal(ints(got), ints(want))
 
 
+@pytest.mark.parametrize("f", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float6_e2m3fn",
+                               "float6_e3m2fn", "float4_e2m1fn"])
+@pytest.mark.parametrize("saturate", [True, False])
+def test_floating_formats(f, saturate, rng):
+    """cuda/formats.cu (sm_89 and later: the hardware e4m3fn / e5m2 conversion
+    with saturation) against NumPy: every float32 and float64 boundary of the
+    format, every float16, per tensor and blocked; dequantize of every code."""
+    from test_cuda_formats import float32_boundaries, float64_boundaries
+
+    x16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    for x, scale, layout in ((float32_boundaries(f), 1.0, {}), (float64_boundaries(f), 1.0, {}),
+                             (x16, 0.37, {}), (x16.reshape(256, 256), np.full((256, 8), 0.25, np.float32),
+                                               dict(axis=1, block_size=32))):
+        if not qarray._formats.fmt(f).has_nan:
+            x = np.where(np.isnan(x), 0, x).astype(x.dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            want, got = both(lambda a: qarray.quantize(a, scale, 0, f, saturate=saturate, **layout), x)
+        assert got.backend == "cupy" and got.data.dtype == np.uint8
+        np.testing.assert_array_equal(got.int_repr().get(), want.int_repr())
+        np.testing.assert_array_equal(got.get().int_repr(), want.int_repr())
+        for ft in ("float16", "float32", "float64"):
+            with np.errstate(over="ignore"):
+                np.testing.assert_array_equal(got.dequantize(ft).get().view(np.uint8), want.dequantize(ft).view(np.uint8))
+    codes = qarray.QArray.from_int(np.arange(1 << qarray.qdtype(f).bits, dtype=np.uint8), 0.37, 0, f)
+    for ft in ("float16", "float32", "float64"):
+        np.testing.assert_array_equal(codes.to("cupy").dequantize(ft).get().view(np.uint8),
+                                      codes.dequantize(ft).view(np.uint8))
+
+
 @pytest.mark.parametrize("op", [qarray.add, qarray.sub, qarray.mul])
 @pytest.mark.parametrize("shapes", [((300, 257), (300, 257)), ((300, 257), (257,)), ((5, 1, 7), (5, 3, 7))])
 @pytest.mark.parametrize("relu", [False, True])

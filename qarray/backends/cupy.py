@@ -1,5 +1,6 @@
 """CuPy backend: the generic primitives on the GPU, with our own CUDA kernels for
-quantize, dequantize and requantize. CuPy is imported on first use only.
+quantize, dequantize (integer and floating formats) and requantize. CuPy is
+imported on first use only.
 
 Kernel sources live in ``qarray/backends/cuda/`` and are compiled with
 ``cupy.RawModule`` once per device, their headers inlined (``kernel_source``).
@@ -31,6 +32,9 @@ BLOCK = 256
 EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
 BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
+FLOATS = ("float16", "float32", "float64")
+# QA_FMT_* in cuda/formats.cu: inf and NaN (e5m2), NaN only (e4m3fn), one NaN and no -0 (the fnuz formats), neither
+FORMAT_IEEE, FORMAT_FN, FORMAT_FNUZ, FORMAT_FINITE = range(4)
 OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # common.cuh qa_store
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
 # cuBLAS's integer GEMM (library_types.h, cublas_api.h): int8 inputs, int32
@@ -158,6 +162,18 @@ def plan(backend, shape, axis, block_size, *params):
     lay = Layout(shape, axis, block_size)
     ps = [backend.param(lay.compact(np.asarray(p)).reshape(-1)) for p in params]
     return lay.size, lay.ints, backend.param(lay.bidx()), ps
+
+
+def format_args(qd) -> tuple:
+    """The floating format ``qd`` as cuda/formats.cu's ``FORMAT_ARGS``: exponent and
+    mantissa bits, bias and kind, from ml_dtypes' numbers (``qarray._formats``)."""
+    from .. import _formats
+
+    f = _formats.fmt(qd)
+    i = _formats.ml_dtypes().finfo(_formats.dtype(f))
+    kind = FORMAT_IEEE if f.has_inf else FORMAT_FINITE if not f.has_nan else (
+        FORMAT_FNUZ if f.name.endswith("fnuz") else FORMAT_FN)
+    return np.int32(i.nexp), np.int32(i.nmant), np.int32(1 - i.minexp), np.int32(kind)
 
 
 class DeviceWeight(NamedTuple):
@@ -289,6 +305,15 @@ class CupyBackend(Backend):
         """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit patterns."""
         return np.dtype(np.uint8)
 
+    def _nan_flag(self):
+        """A device int32 set to 0, that quantize kernels set to 1 on NaN input
+        (one per device and thread, reused)."""
+        key = (self._device_id(), threading.get_ident())
+        if key not in self._flags:
+            self._flags[key] = self.xp.zeros(1, np.int32)
+        self._flags[key].fill(0)
+        return self._flags[key]
+
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
         with self.on(x):
@@ -298,11 +323,7 @@ class CupyBackend(Backend):
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
             total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
-            key = (self._device_id(), threading.get_ident())
-            if key not in self._flags:  # one NaN flag per device and thread, reused
-                self._flags[key] = xp.zeros(1, np.int32)
-            nan = self._flags[key]
-            nan.fill(0)
+            nan = self._nan_flag()
             if total:
                 self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
@@ -321,6 +342,39 @@ class CupyBackend(Backend):
             if total:
                 self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
                                   (q, s, z, bidx, *self._layout_scalars(total, lay), out))
+            return out
+
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate):
+        xp = self.xp
+        with self.on(x):
+            if x.dtype.name not in FLOATS:
+                return super().quantize_float(x, scale, qd, axis, block_size, saturate)
+            x = xp.ascontiguousarray(x)
+            ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
+            s = np.asarray(scale).astype(np.float32).astype(ft)  # float16 and bfloat16 scales widen exactly
+            total, lay, bidx, (s,) = plan(self, x.shape, axis, block_size, s)
+            out = xp.empty(x.shape, np.uint8)
+            fmt, nan = format_args(qd), self._nan_flag()
+            if total:
+                self._elementwise(f"quantize_format_{x.dtype.name}", total,
+                                  (x, s, bidx, *self._layout_scalars(total, lay), *fmt, np.int32(bool(saturate)), out, nan),
+                                  "formats.cu")
+            if fmt[-1] == FORMAT_FINITE and int(nan[0]):  # a format without NaN: the host path raises its error
+                return super().quantize_float(x, scale, qd, axis, block_size, saturate)
+            return out
+
+    def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
+        xp = self.xp
+        with self.on(q):
+            if np.dtype(dtype).name not in FLOATS or q.dtype != np.uint8:
+                return super().dequantize_float(q, scale, qd, axis, block_size, dtype)
+            q = xp.ascontiguousarray(q)
+            ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
+            total, lay, bidx, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
+            out = xp.empty(q.shape, dtype)
+            if total:
+                self._elementwise(f"dequantize_format_{np.dtype(dtype).name}", total,
+                                  (q, s, bidx, *self._layout_scalars(total, lay), *format_args(qd), out), "formats.cu")
             return out
 
     def _requant_args(self, shape, rq):

@@ -1,0 +1,180 @@
+// Quantize / dequantize of the floating element formats (qarray/_formats.py:
+// ONNX QuantizeLinear / DequantizeLinear to float8, float6, float4), bit for
+// bit as ml_dtypes casts, codes stored as uint8 bit patterns. One software
+// converter serves every format, from its exponent and mantissa widths, bias
+// and kind; sm_89 and later convert float32 to e4m3fn / e5m2 with saturation
+// in hardware (cvt.rn.satfinite), which rounds the same way.
+#include "common.cuh"
+
+// What a format does beyond its finite values (qarray/backends/cupy.py FORMAT_*):
+#define QA_FMT_IEEE 0    // inf, and NaNs with an all-ones exponent (e5m2)
+#define QA_FMT_FN 1      // no inf, NaN the all-ones pattern with either sign (e4m3fn)
+#define QA_FMT_FNUZ 2    // no inf, no -0, one NaN: the sign bit alone (e4m3fnuz, e5m2fnuz)
+#define QA_FMT_FINITE 3  // neither inf nor NaN: always saturates, NaN input refused (float6, float4)
+
+struct QaFormat {
+    int e, m, bias, kind;
+    __device__ unsigned sign() const { return 1u << (e + m); }
+    __device__ unsigned top() const {  // the largest finite magnitude
+        return kind == QA_FMT_IEEE ? (((1u << e) - 1) << m) - 1 : sign() - (kind == QA_FMT_FN ? 2 : 1);
+    }
+    __device__ unsigned inf() const { return ((1u << e) - 1) << m; }
+    __device__ bool isnan(unsigned c) const {
+        const unsigned a = c & (sign() - 1);
+        return kind == QA_FMT_IEEE ? a > inf() : kind == QA_FMT_FN ? a == sign() - 1 : kind == QA_FMT_FNUZ && c == sign();
+    }
+    __device__ unsigned nan(bool neg) const {  // ml_dtypes' NaN: quiet, the input's sign (fnuz: its one NaN)
+        if (kind == QA_FMT_FNUZ) return sign();
+        return (kind == QA_FMT_IEEE ? inf() | (1u << (m - 1)) : sign() - 1) | (neg ? sign() : 0);
+    }
+};
+#define FORMAT_ARGS int fe, int fm, int fbias, int fkind
+#define FORMAT QaFormat{fe, fm, fbias, fkind}
+
+// Bits of float and double, and back.
+template <typename T> struct QaBits;
+template <> struct QaBits<float> {
+    typedef unsigned U;
+    static constexpr int E = 8, M = 23, BIAS = 127;
+};
+template <> struct QaBits<double> {
+    typedef unsigned long long U;
+    static constexpr int E = 11, M = 52, BIAS = 1023;
+};
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned qa_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned long long qa_bits(double v) { return (unsigned long long)__double_as_longlong(v); }
+__device__ __forceinline__ float qa_from_bits(unsigned u) { return __uint_as_float(u); }
+__device__ __forceinline__ double qa_from_bits(unsigned long long u) { return __longlong_as_double((long long)u); }
+#else
+template <typename U, typename F> U qa_pun(F v) {
+    U u;
+    __builtin_memcpy(&u, &v, sizeof u);
+    return u;
+}
+inline unsigned qa_bits(float v) { return qa_pun<unsigned>(v); }
+inline unsigned long long qa_bits(double v) { return qa_pun<unsigned long long>(v); }
+inline float qa_from_bits(unsigned u) { return qa_pun<float>(u); }
+inline double qa_from_bits(unsigned long long u) { return qa_pun<double>(u); }
+#endif
+// NaN and sign tests on the bits: no float compare to flush (-ftz=true), and
+// the sign of a NaN as the input holds it (hardware arithmetic drops it).
+template <typename T> __device__ __forceinline__ bool qa_isnan(T v) {
+    typedef QaBits<T> B;
+    return (qa_bits(v) & ~((typename B::U)1 << (B::E + B::M))) > ((typename B::U)((1 << B::E) - 1) << B::M);
+}
+template <typename T> __device__ __forceinline__ bool qa_neg(T v) { return qa_bits(v) >> (QaBits<T>::E + QaBits<T>::M); }
+__device__ __forceinline__ bool qa_neg(qa_half h) { return h.bits >> 15; }
+
+// v (not NaN) rounded to nearest, ties to even, into format f, as ml_dtypes'
+// cast from T: beyond the largest finite value (inf included) gives +-max when
+// saturating (float6 and float4 always), else inf (e5m2) or NaN.
+template <typename T> __device__ __forceinline__ unsigned qa_encode(T v, QaFormat f, bool saturate) {
+    typedef QaBits<T> B;
+    typedef typename B::U U;
+    const U u = qa_bits(v), a = u & ~((U)1 << (B::E + B::M));
+    const bool neg = u != a;
+    const int be = (int)(a >> B::M);               // biased exponent; all ones for inf
+    const int e0 = (be ? be : 1) - B::BIAS;        // exponent of sig's leading digit
+    const U sig = (a & (((U)1 << B::M) - 1)) | ((U)(be ? 1 : 0) << B::M);
+    const int emin = 1 - f.bias, ex = e0 > emin ? e0 : emin;  // the format's exponent (subnormals: emin)
+    const int shift = ex - f.m - e0 + B::M;        // digits of sig below the format's last, >= 1
+    const U n = shift > B::M + 1 ? 0 : (sig + ((U)1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift;
+    // n counts units of the last digit; a carry out of the mantissa moves to the next exponent by itself
+    const long long code = (long long)n + ((long long)(ex - emin) << f.m);
+    const unsigned s = neg ? f.sign() : 0;
+    if (code > (long long)f.top()) {
+        if (saturate || f.kind == QA_FMT_FINITE) return f.top() | s;
+        return f.kind == QA_FMT_IEEE ? f.inf() | s : f.nan(neg);
+    }
+    // -0 stays -0 but in fnuz (none there), and float6/float4 take an exact -0 as +0 (ONNX adds a +0 zero point)
+    if (code == 0 && (f.kind == QA_FMT_FNUZ || (f.kind == QA_FMT_FINITE && a == 0))) return 0;
+    return (unsigned)code | s;
+}
+
+// float32 to the format: on sm_89 and later e4m3fn and e5m2 with saturation
+// in hardware (round to nearest even, +-max beyond the range, inf included,
+// as qa_encode; NaN never comes here), else qa_encode.
+__device__ __forceinline__ unsigned qa_to_format(float v, QaFormat f, bool saturate) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if (saturate && f.kind == QA_FMT_FN && f.e == 4 && f.m == 3 && f.bias == 7) {
+        unsigned short r;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+        return r & 0xFFu;
+    }
+    if (saturate && f.kind == QA_FMT_IEEE && f.e == 5 && f.m == 2 && f.bias == 15) {
+        unsigned short r;
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+        return r & 0xFFu;
+    }
+#endif
+    return qa_encode(v, f, saturate);
+}
+// float64 input is divided in float64 and rounded once, straight into the format
+__device__ __forceinline__ unsigned qa_to_format(double v, QaFormat f, bool saturate) { return qa_encode(v, f, saturate); }
+
+// The value of code c (not NaN) exactly in T: its significand times a signed power of two.
+template <typename T> __device__ __forceinline__ T qa_decode(unsigned c, QaFormat f) {
+    typedef QaBits<T> B;
+    typedef typename B::U U;
+    const bool neg = c & f.sign();
+    const unsigned be = (c & (f.sign() - 1)) >> f.m, mant = c & ((1u << f.m) - 1);
+    if (f.kind == QA_FMT_IEEE && be == (1u << f.e) - 1)
+        return qa_from_bits(((U)neg << (B::E + B::M)) | ((U)((1 << B::E) - 1) << B::M));  // +-inf
+    const int k = (int)(be ? be : 1) - f.bias - f.m;
+    const T pow2 = qa_from_bits(((U)neg << (B::E + B::M)) | ((U)(k + B::BIAS) << B::M));
+    return qa_mul((T)(be ? mant | (1u << f.m) : mant), pow2);
+}
+
+// Quiet NaN with the given sign, as NumPy and ml_dtypes give it in each output type.
+template <typename T> __device__ __forceinline__ T qa_nan(bool neg);
+template <> __device__ __forceinline__ float qa_nan<float>(bool neg) { return qa_from_bits((neg ? 0xFFC00000u : 0x7FC00000u)); }
+template <> __device__ __forceinline__ double qa_nan<double>(bool neg) {
+    return qa_from_bits((unsigned long long)(neg ? 0xFFF8000000000000ull : 0x7FF8000000000000ull));
+}
+template <> __device__ __forceinline__ qa_half qa_nan<qa_half>(bool neg) { return qa_half{(unsigned short)(neg ? 0xFE00 : 0x7E00)}; }
+
+// out = code of x / s (TF: float for float16 and float32 input, double for
+// float64), NaN input its NaN (flagged where the format has none).
+template <typename TIn, typename TF>
+__device__ void quantize_format_body(const TIn* x, const TF* s, const i64* bidx, i64 total, Layout lay, QaFormat f,
+                                     bool saturate, unsigned char* out, int* nan_seen) {
+    qa_map(x, out, total, lay, bidx, [=](TIn in, i64 p) -> unsigned char {
+        const TF v = qa_float(in);
+        if (qa_isnan(v)) {
+            if (f.kind == QA_FMT_FINITE) *nan_seen = 1;  // and the host path raises; the code is never read
+            return (unsigned char)f.nan(qa_neg(in));
+        }
+        return (unsigned char)qa_to_format(qa_div(v, s[p]), f, saturate);
+    });
+}
+
+// out = decode(q) * s in TF, one rounding, then (float16 output) one more;
+// NaN codes give the quiet NaN of their sign without arithmetic.
+template <typename TF, typename TOut>
+__device__ void dequantize_format_body(const unsigned char* q, const TF* s, const i64* bidx, i64 total, Layout lay,
+                                       QaFormat f, TOut* out) {
+    qa_map(q, out, total, lay, bidx, [=](unsigned char c, i64 p) -> TOut {
+        if (f.isnan(c)) return qa_nan<TOut>(c & f.sign());
+        return qa_cast<TOut>(qa_mul(qa_decode<TF>(c, f), s[p]));
+    });
+}
+
+#define QUANTIZE_FORMAT(IN, TIN, TF)                                                                          \
+    extern "C" __global__ void quantize_format_##IN(const TIN* x, const TF* s, const i64* bidx, i64 total,    \
+                                                    LAYOUT_ARGS, FORMAT_ARGS, int saturate, unsigned char* out, \
+                                                    int* nan_seen) {                                          \
+        quantize_format_body<TIN, TF>(x, s, bidx, total, LAYOUT, FORMAT, saturate != 0, out, nan_seen);       \
+    }
+QUANTIZE_FORMAT(float16, qa_half, float)
+QUANTIZE_FORMAT(float32, float, float)
+QUANTIZE_FORMAT(float64, double, double)
+
+#define DEQUANTIZE_FORMAT(OUT, TF, TOUT)                                                                       \
+    extern "C" __global__ void dequantize_format_##OUT(const unsigned char* q, const TF* s, const i64* bidx,   \
+                                                       i64 total, LAYOUT_ARGS, FORMAT_ARGS, TOUT* out) {      \
+        dequantize_format_body<TF, TOUT>(q, s, bidx, total, LAYOUT, FORMAT, out);                             \
+    }
+DEQUANTIZE_FORMAT(float16, float, qa_half)
+DEQUANTIZE_FORMAT(float32, float, float)
+DEQUANTIZE_FORMAT(float64, double, double)
