@@ -302,8 +302,9 @@ class CupyBackend(Backend):
         return (np.int64(total), *(np.int64(v) for v in lay))
 
     def float_storage(self, qd):
-        """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit patterns."""
-        return np.dtype(np.uint8)
+        """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit
+        patterns (mxint8's int8 codes stay int8)."""
+        return np.dtype(np.uint8) if qd.storage.kind == "V" else qd.storage
 
     def _nan_flag(self):
         """A device int32 set to 0, that quantize kernels set to 1 on NaN input
@@ -344,11 +345,11 @@ class CupyBackend(Backend):
                                   (q, s, z, bidx, *self._layout_scalars(total, lay), out))
             return out
 
-    def quantize_float(self, x, scale, qd, axis, block_size, saturate):
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         xp = self.xp
         with self.on(x):
-            if x.dtype.name not in FLOATS:
-                return super().quantize_float(x, scale, qd, axis, block_size, saturate)
+            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # MX and NVFP4: the host, so far
+                return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
             s = np.asarray(scale).astype(np.float32).astype(ft)  # float16 and bfloat16 scales widen exactly
