@@ -13,11 +13,9 @@ from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import Layout, check_params, check_scale, expand, param_shape, to_host, user_array
+from ._params import check_params, check_scale, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
-
-_host = _backends.get("numpy")  # MX and NVFP4 run on the host so far
 
 __all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "quantize_mx", "quantize_nvfp4",
            "choose_qparams", "unpack"]
@@ -223,23 +221,16 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
     return quantize(x, scale, zp, d, axis, block_size)
 
 
-def _block_amax(x, axis, block_size):
-    """``max(|x|)`` per block (the parameters' shape), NaN where a block has NaN."""
-    lo, hi = _host.minmax(x, axis, block_size)
-    return np.maximum(-lo, hi)
-
-
 def _block_input(x, what, axis, block_size):
-    """Checked float input of the MX and NVFP4 quantizers on the host: float16
-    widened to float32 (float64 stays), the axis normalised."""
+    """Checked float input of the MX and NVFP4 quantizers: float16 widened to
+    float32 (float64 stays), the axis normalised."""
     x, b = _float_input(x, what)
     if x.ndim == 0:
         raise ValueError(f"{what} takes an array of at least one dimension (blocks run along an axis)")
-    xh = to_host(x)
-    if xh.dtype == np.float16:
-        xh = xh.astype(np.float32)
-    _, _, axis, block_size = check_params(1.0, 0, qdtype("qint8"), xh.shape, axis, block_size)
-    return xh, b, axis, block_size
+    if x.dtype == np.float16:
+        x = x.astype(np.float32)
+    _, _, axis, block_size = check_params(1.0, 0, qdtype("qint8"), x.shape, axis, block_size)
+    return x, b, axis, block_size
 
 
 @on_data_device
@@ -258,7 +249,7 @@ def quantize_mx(x, fmt, axis=-1, block_size=32, scale_rounding="floor") -> QArra
     a block holding NaN or inf gets the NaN scale (0xFF, the spec's rule; its
     elements are 0), an all-zero block the smallest scale 2**-127. The last block
     may be short. ``dequantize`` gives ``element * 2**e`` (exact unless it
-    overflows float32).
+    overflows float32). The arithmetic: :meth:`Backend.quantize_mx`.
 
     >>> q = quantize_mx(numpy.array([[1.0, -3.0, 0.375, 6.0]], numpy.float32), "mxfp4", block_size=4)
     >>> q.dequantize(), q.scale.astype(numpy.float32)
@@ -270,20 +261,10 @@ def quantize_mx(x, fmt, axis=-1, block_size=32, scale_rounding="floor") -> QArra
         raise ValueError(f"quantize_mx: scale_rounding must be one of {', '.join(_formats.SCALE_ROUNDINGS)}, "
                          f"got {scale_rounding!r}")
     mx = _formats.MX_FORMATS[fmt]
-    xh, b, axis, block_size = _block_input(x, "quantize_mx", axis, block_size)
-    d = qdtype(mx.element)
-    bits = _formats.mx_exponents(_block_amax(xh, axis, block_size), mx, scale_rounding)
-    scale = bits.view(_formats.dtype("float8_e8m0fnu"))
-    codes = _host.quantize_float(xh, scale, d, axis, block_size, True, mx=True)  # x / 2**e: exact, then rounded
-    return _blocks(codes, scale, bits == _formats.E8M0_NAN, d, axis, block_size, b)
-
-
-def _blocks(codes, scale, nan, d, axis, block_size, b, global_scale=None):
-    """The QArray of MX or NVFP4 block codes (host), 0 in the blocks whose scale is NaN."""
-    if nan.any():
-        codes[expand(nan, codes.shape, axis, block_size, np)] = 0
-    return QArray._new(b.asarray(codes.view(np.uint8)).view(b.float_storage(d)), scale,
-                       np.zeros(scale.shape, np.int32), d, axis, block_size, b, global_scale)
+    x, b, axis, block_size = _block_input(x, "quantize_mx", axis, block_size)
+    codes, bits = b.quantize_mx(x, mx, axis, block_size, scale_rounding)
+    return QArray._new(codes, bits.view(_formats.dtype("float8_e8m0fnu")), np.zeros(bits.shape, np.int32),
+                       qdtype(mx.element), axis, block_size, b)
 
 
 @on_data_device
@@ -297,25 +278,22 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
     global_scale, 2**-6, 448))``, elements ``e2m1(clamp(x * ((1 / global_scale) / s),
     -6, 6))`` rounding to nearest even. A block holding NaN or inf gets a NaN
     scale (its elements 0), as MX does. ``dequantize`` is ``float32(element * s) *
-    global_scale``, one rounding.
+    global_scale``, one rounding. The arithmetic: :meth:`Backend.quantize_nvfp4`.
     """
-    xh, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
-    x32 = xh.astype(np.float32, copy=False)
-    amax = _block_amax(x32, axis, block_size)
-    nan = ~np.isfinite(amax)
+    x, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
+    x = x.astype(np.float32, copy=False)
     if global_scale is None:  # the finite values' amax (all of x only where a block has NaN or inf)
-        top = np.float32(amax.max(initial=0) if not nan.any() else np.abs(x32[np.isfinite(x32)]).max(initial=0))
+        lo, hi = (to_host(v) for v in b.minmax(x, axis, block_size))
+        amax = np.maximum(-lo, hi)
+        top = np.float32(amax.max(initial=0) if np.isfinite(amax).all()
+                         else to_host(b.xp.abs(x[b.xp.isfinite(x)]).max(initial=0)))
         global_scale = top / np.float32(448 * 6) if top > 0 else np.float32(1)
     if np.shape(to_host(global_scale)) != ():
         raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
     gs = check_scale(global_scale)
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
-        recip = (np.float32(1) / gs) / s.astype(np.float32)
-    s[nan] = np.float32("nan")
-    d = qdtype("float4_e2m1fn")
-    codes = _host.quantize_float(x32, recip, d, axis, block_size, True, mx=True, multiply=True)  # x * recip, rounded
-    return _blocks(codes, s, nan, d, axis, block_size, b, gs)
+    codes, bits = b.quantize_nvfp4(x, axis, block_size, gs)
+    return QArray._new(codes, bits.view(_formats.dtype("float8_e4m3fn")), np.zeros(bits.shape, np.int32),
+                       qdtype("float4_e2m1fn"), axis, block_size, b, gs)
 
 
 def packed_layout(d: QDType, count: int):

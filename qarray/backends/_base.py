@@ -164,6 +164,46 @@ class Backend:
             codes = _formats.cast(np.where(np.isnan(v), 0, v) if mx else v, qd, saturate)
         return self.asarray(codes.view(np.uint8)).view(self.float_storage(qd))
 
+    def quantize_mx(self, x, mx, axis, block_size, rounding):
+        """MX blocks of ``x`` (float32 or float64): ``(codes, bits)``, the element
+        codes in this backend's storage (0 in a block whose scale is NaN) and the
+        E8M0 scale bits (uint8, host). The reference: block max (``minmax``), the
+        exponent (``qarray._formats.mx_exponents``), then ``x / 2**e`` (exact)
+        rounded by :meth:`quantize_float` with MX's signed zeros."""
+        from .. import _formats
+        from .._dtypes import qdtype
+
+        lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
+        bits = _formats.mx_exponents(np.maximum(-lo, hi), mx, rounding)
+        scale = bits.view(_formats.dtype("float8_e8m0fnu")).astype(np.float32)  # 2**e, NaN for NaN blocks
+        codes = self.quantize_float(x, scale, qdtype(mx.element), axis, block_size, True, mx=True)
+        return self._zero_blocks(codes, bits == _formats.E8M0_NAN, axis, block_size), bits
+
+    def quantize_nvfp4(self, x, axis, block_size, gs):
+        """NVFP4 blocks of float32 ``x`` with tensor scale ``gs``: ``(codes, bits)``,
+        the float4 codes (0 in a block with NaN or inf) and the float8_e4m3fn
+        block-scale bits (uint8, host), in float32 as torchao computes them."""
+        from .. import _formats
+        from .._dtypes import qdtype
+
+        lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
+        amax = np.maximum(-lo, hi)
+        nan = ~np.isfinite(amax)
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
+            recip = (np.float32(1) / gs) / s.astype(np.float32)
+        s[nan] = np.float32("nan")
+        codes = self.quantize_float(x, recip, qdtype("float4_e2m1fn"), axis, block_size, True, mx=True, multiply=True)
+        return self._zero_blocks(codes, nan, axis, block_size), s.view(np.uint8)
+
+    def _zero_blocks(self, codes, nan, axis, block_size):
+        """``codes`` with 0 in the blocks where ``nan`` (host, the parameters' shape)."""
+        if nan.any():
+            from .._params import expand
+
+            codes[self.asarray(expand(nan, codes.shape, axis, block_size, np))] = 0
+        return codes
+
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
         """``element * scale`` of floating-format codes in float32 (float64 when
         ``dtype`` is float64), as ``dtype``."""
