@@ -59,14 +59,28 @@ class QArray:
         return self
 
     @classmethod
-    def from_int(cls, ints, scale, zero_point=0, dtype="qint8", axis=None, block_size=None) -> "QArray":
+    def from_int(cls, ints, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, *,
+                 global_scale=None) -> "QArray":
         """Wrap integers already quantized. Values outside ``dtype``'s range raise.
+        Floating-format codes come as their ml_dtypes array or uint8 bit patterns;
+        ``global_scale`` (one float32 number, floating formats only) is NVFP4's
+        tensor scale over the block scales.
 
         >>> QArray.from_int(numpy.array([1, -2]), 0.5, 0, "qint4").dequantize()
         array([ 0.5, -1. ], dtype=float32)
         """
         d = qdtype(dtype)
         ints, b = user_array(ints, "from_int")
+        if global_scale is not None:
+            if d.kind != "float":
+                raise TypeError(f"from_int: global_scale= is for floating formats (NVFP4); {d.name} is an integer format")
+            if np.shape(to_host(global_scale)) != ():
+                raise ValueError(f"from_int: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
+            from ._params import check_scale
+
+            q = cls._from_codes(ints, b, scale, zero_point, d, axis, block_size)
+            q._global_scale = check_scale(global_scale)
+            return q
         if d.kind == "float":
             return cls._from_codes(ints, b, scale, zero_point, d, axis, block_size)
         if ints.dtype.kind not in "iu":

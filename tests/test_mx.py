@@ -299,3 +299,17 @@ def test_errors():
     e8 = np.full((2, 1), np.nan, np.float32).astype(F.dtype("float8_e8m0fnu"))
     with pytest.raises(ValueError, match="scale must be finite and > 0"):  # NaN block scales: floating formats only
         qarray.QArray.from_int(np.ones((2, 32), np.int8), e8, 0, "qint8", axis=1, block_size=32)
+
+
+def test_from_int_takes_a_global_scale():
+    """An NVFP4 tensor from elsewhere (codes, e4m3 block scales, tensor scale) wraps
+    with from_int and dequantizes as quantize_nvfp4's own."""
+    x = np.random.default_rng(3).standard_normal((4, 32)).astype(np.float32)
+    q = qarray.quantize_nvfp4(x)
+    w = qarray.QArray.from_int(q.int_repr(), q.scale, 0, "float4_e2m1fn", axis=1, block_size=16, global_scale=q.global_scale)
+    assert w.global_scale == q.global_scale and w.scale.dtype == q.scale.dtype
+    np.testing.assert_array_equal(w.dequantize(), q.dequantize())
+    with pytest.raises(TypeError, match="from_int: global_scale= is for floating formats"):
+        qarray.QArray.from_int(np.ones(3, np.int8), 1.0, 0, "qint8", global_scale=1.0)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        qarray.QArray.from_int(q.int_repr(), q.scale, 0, "float4_e2m1fn", axis=1, block_size=16, global_scale=0.0)
