@@ -352,7 +352,7 @@ class CupyBackend(Backend):
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         xp = self.xp
         with self.on(x):
-            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # MX and NVFP4 elements: formats.cu's block kernels do them whole
+            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # only the generic MX / NVFP4 path: the host
                 return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
