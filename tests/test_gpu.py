@@ -178,6 +178,30 @@ def test_floating_formats(f, saturate, rng):
                                       codes.dequantize(ft).view(np.uint8))
 
 
+@pytest.mark.parametrize("fmt", list(qarray._formats.MX_FORMATS))
+def test_mx_and_nvfp4(fmt, rng):
+    """cuda/formats.cu's block kernels against NumPy: torchao's vectors (NaN, inf,
+    zero, subnormal, tie blocks) and float64 data, every scale rounding, blocks along
+    the last axis and down the first (strided, a short last block); NVFP4 too."""
+    from test_cuda_mx import X
+
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    x64 = rng.standard_normal((40, 70)) * np.exp(rng.uniform(-300, 300, (40, 1)))
+    for x, axis, rounding in [(X, -1, r) for r in qarray._formats.SCALE_ROUNDINGS] + [(X, 0, "floor"), (x64, 0, "rceil")]:
+        with np.errstate(invalid="ignore", over="ignore"):
+            want, got = both(lambda a: qarray.quantize_mx(a, fmt, axis=axis, scale_rounding=rounding), x)
+        assert got.backend == "cupy"
+        np.testing.assert_array_equal(bits(got.scale), bits(want.scale))
+        np.testing.assert_array_equal(bits(ints(got)), bits(ints(want)))
+    if fmt == "mxfp4":
+        for axis, gs in ((-1, None), (0, 0.37)):
+            with np.errstate(invalid="ignore", over="ignore"):
+                want, got = both(lambda a: qarray.quantize_nvfp4(a, axis=axis, global_scale=gs), X)
+            np.testing.assert_array_equal(bits(got.scale), bits(want.scale))
+            np.testing.assert_array_equal(bits(ints(got)), bits(ints(want)))
+            np.testing.assert_array_equal(got.global_scale, want.global_scale)
+
+
 @pytest.mark.parametrize("op", [qarray.add, qarray.sub, qarray.mul])
 @pytest.mark.parametrize("shapes", [((300, 257), (300, 257)), ((300, 257), (257,)), ((5, 1, 7), (5, 3, 7))])
 @pytest.mark.parametrize("relu", [False, True])

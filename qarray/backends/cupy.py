@@ -35,6 +35,9 @@ BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 FLOATS = ("float16", "float32", "float64")
 # QA_FMT_* in cuda/formats.cu: inf and NaN (e5m2), NaN only (e4m3fn), one NaN and no -0 (the fnuz formats), neither
 FORMAT_IEEE, FORMAT_FN, FORMAT_FNUZ, FORMAT_FINITE = range(4)
+# mxint8's element for the converter: sign and magnitude E1M6 with bias 1, whose values are n * 2**-6,
+# n = 0..127 (rint(v * 64) saturating); formats.cu turns a negative code into the int8 -n
+MXINT8_FORMAT = tuple(np.int32(v) for v in (1, 6, 1, FORMAT_FINITE))
 OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # common.cuh qa_store
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
 # cuBLAS's integer GEMM (library_types.h, cublas_api.h): int8 inputs, int32
@@ -303,8 +306,9 @@ class CupyBackend(Backend):
 
     def float_storage(self, qd):
         """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit
-        patterns (mxint8's int8 codes stay int8)."""
-        return np.dtype(np.uint8) if qd.storage.kind == "V" else qd.storage
+        patterns (mxint8's int8 codes stay int8). ml_dtypes gives float8_e5m2 the kind
+        "f", the other formats "V": every storage but an integer one is bits."""
+        return qd.storage if qd.storage.kind in "iu" else np.dtype(np.uint8)
 
     def _nan_flag(self):
         """A device int32 set to 0, that quantize kernels set to 1 on NaN input
@@ -348,7 +352,7 @@ class CupyBackend(Backend):
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         xp = self.xp
         with self.on(x):
-            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # MX and NVFP4: the host, so far
+            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # only the generic MX / NVFP4 path: the host
                 return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
@@ -377,6 +381,39 @@ class CupyBackend(Backend):
                 self._elementwise(f"dequantize_format_{np.dtype(dtype).name}", total,
                                   (q, s, bidx, *self._layout_scalars(total, lay), *format_args(qd), out), "formats.cu")
             return out
+
+    def quantize_mx(self, x, mx, axis, block_size, rounding):
+        from .. import _formats
+        from .._dtypes import qdtype
+
+        if x.dtype.name not in ("float32", "float64"):
+            return super().quantize_mx(x, mx, axis, block_size, rounding)
+        qd, ft = qdtype(mx.element), x.dtype.type
+        fmt = MXINT8_FORMAT if mx.name == "mxint8" else format_args(qd)
+        codes, bits = self._blocks(f"quantize_mx_{x.dtype.name}", x, axis, block_size,
+                                   (*fmt, np.int32(mx.name == "mxint8"), np.int32(mx.emax), np.int32(mx.mbits),
+                                    np.int32(_formats.SCALE_ROUNDINGS.index(rounding)), ft(_formats.finfo(qd).max)))
+        return codes.view(self.float_storage(qd)), bits
+
+    def quantize_nvfp4(self, x, axis, block_size, gs):
+        if x.dtype != np.float32:
+            return super().quantize_nvfp4(x, axis, block_size, gs)
+        return self._blocks("quantize_nvfp4", x, axis, block_size, (np.float32(gs),))
+
+    def _blocks(self, name, x, axis, block_size, args):
+        """``(codes, bits)`` of an MX or NVFP4 kernel of formats.cu, a thread per block
+        of ``x`` along ``axis``: the element codes as uint8 on the device, the scale
+        bits as uint8 on the host in the parameters' shape."""
+        xp = self.xp
+        with self.on(x):
+            x = xp.ascontiguousarray(x)
+            lay = Layout(x.shape, axis, block_size)
+            cols = lay.outer * lay.blocks * lay.inner
+            codes, bits = xp.empty(x.shape, np.uint8), xp.empty(cols, np.uint8)
+            if cols:
+                self._elementwise(name, cols, (x, *(np.int64(v) for v in (cols, lay.n, lay.inner, lay.blocks, block_size)),
+                                               *args, codes, bits), "formats.cu")
+            return codes, self.to_host(bits).reshape(param_shape(x.shape, axis, block_size))
 
     def _requant_args(self, shape, rq):
         """``(total, args)``: what every requantizing kernel takes after its data,

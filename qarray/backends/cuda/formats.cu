@@ -68,8 +68,10 @@ __device__ __forceinline__ bool qa_neg(qa_half h) { return h.bits >> 15; }
 
 // v (not NaN) rounded to nearest, ties to even, into format f, as ml_dtypes'
 // cast from T: beyond the largest finite value (inf included) gives +-max when
-// saturating (float6 and float4 always), else inf (e5m2) or NaN.
-template <typename T> __device__ __forceinline__ unsigned qa_encode(T v, QaFormat f, bool saturate) {
+// saturating (float6 and float4 always), else inf (e5m2) or NaN. signed_zero:
+// MX and NVFP4 elements, where float6/float4 keep an exact -0 as ml_dtypes does.
+template <typename T>
+__device__ __forceinline__ unsigned qa_encode(T v, QaFormat f, bool saturate, bool signed_zero = false) {
     typedef QaBits<T> B;
     typedef typename B::U U;
     const U u = qa_bits(v), a = u & ~((U)1 << (B::E + B::M));
@@ -88,14 +90,14 @@ template <typename T> __device__ __forceinline__ unsigned qa_encode(T v, QaForma
         return f.kind == QA_FMT_IEEE ? f.inf() | s : f.nan(neg);
     }
     // -0 stays -0 but in fnuz (none there), and float6/float4 take an exact -0 as +0 (ONNX adds a +0 zero point)
-    if (code == 0 && (f.kind == QA_FMT_FNUZ || (f.kind == QA_FMT_FINITE && a == 0))) return 0;
+    if (code == 0 && (f.kind == QA_FMT_FNUZ || (f.kind == QA_FMT_FINITE && a == 0 && !signed_zero))) return 0;
     return (unsigned)code | s;
 }
 
 // float32 to the format: on sm_89 and later e4m3fn and e5m2 with saturation
 // in hardware (round to nearest even, +-max beyond the range, inf included,
 // as qa_encode; NaN never comes here), else qa_encode.
-__device__ __forceinline__ unsigned qa_to_format(float v, QaFormat f, bool saturate) {
+__device__ __forceinline__ unsigned qa_to_format(float v, QaFormat f, bool saturate, bool signed_zero = false) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     if (saturate && f.kind == QA_FMT_FN && f.e == 4 && f.m == 3 && f.bias == 7) {
         unsigned short r;
@@ -108,10 +110,12 @@ __device__ __forceinline__ unsigned qa_to_format(float v, QaFormat f, bool satur
         return r & 0xFFu;
     }
 #endif
-    return qa_encode(v, f, saturate);
+    return qa_encode(v, f, saturate, signed_zero);
 }
 // float64 input is divided in float64 and rounded once, straight into the format
-__device__ __forceinline__ unsigned qa_to_format(double v, QaFormat f, bool saturate) { return qa_encode(v, f, saturate); }
+__device__ __forceinline__ unsigned qa_to_format(double v, QaFormat f, bool saturate, bool signed_zero = false) {
+    return qa_encode(v, f, saturate, signed_zero);
+}
 
 // The value of code c (not NaN) exactly in T: its significand times a signed power of two.
 template <typename T> __device__ __forceinline__ T qa_decode(unsigned c, QaFormat f) {
@@ -178,3 +182,126 @@ QUANTIZE_FORMAT(float64, double, double)
 DEQUANTIZE_FORMAT(float16, float, qa_half)
 DEQUANTIZE_FORMAT(float32, float, float)
 DEQUANTIZE_FORMAT(float64, double, double)
+
+// -- MX and NVFP4 blocks (qarray/backends/_base.py Backend.quantize_mx and
+// quantize_nvfp4, bit for bit): one thread per block, that is per (outer,
+// block, inner) column of the (outer, n, inner) data, its elements `inner`
+// apart; it reads its block twice (the largest magnitude, then the elements)
+// and writes the scale code bits[col] and every element code. A block whose
+// largest magnitude is NaN or inf gets the NaN scale and codes 0.
+
+// The first element of column `col` and how many its block holds (the last one may be short).
+__device__ __forceinline__ i64 qa_block(i64 col, i64 n, i64 inner, i64 blocks, i64 bs, i64* count) {
+    const i64 i = col % inner, rest = col / inner, b = rest % blocks, o = rest / blocks;
+    *count = n - b * bs < bs ? n - b * bs : bs;
+    return (o * n + b * bs) * inner + i;
+}
+
+// The largest magnitude of a block as its bits: NaN's above inf's above every finite one's.
+template <typename T>
+__device__ __forceinline__ typename QaBits<T>::U qa_amax_bits(const T* x, i64 first, i64 count, i64 stride) {
+    typedef typename QaBits<T>::U U;
+    U a = 0;
+    for (i64 j = 0; j < count; ++j) {
+        const U u = qa_bits(x[first + j * stride]) & ~((U)1 << (QaBits<T>::E + QaBits<T>::M));
+        a = u > a ? u : a;
+    }
+    return a;
+}
+template <typename T> __device__ __forceinline__ bool qa_finite_bits(typename QaBits<T>::U a) {
+    return a < ((typename QaBits<T>::U)((1 << QaBits<T>::E) - 1) << QaBits<T>::M);
+}
+
+// Scale roundings, in qarray._formats.SCALE_ROUNDINGS' order.
+#define QA_MX_FLOOR 0
+#define QA_MX_CEIL 1
+#define QA_MX_EVEN 2
+#define QA_MX_RCEIL 3
+
+// The E8M0 code of a block whose (finite) largest magnitude has bits `a`:
+// qarray._formats.mx_exponents, exact on the bits (rceil divides by the
+// element's largest value `top` in T first).
+template <typename T>
+__device__ unsigned qa_mx_exponent(typename QaBits<T>::U a, int emax, int mbits, int rounding, T top) {
+    typedef QaBits<T> B;
+    typedef typename B::U U;
+    const U frac_mask = ((U)1 << B::M) - 1;
+    if (rounding == QA_MX_RCEIL) a = qa_bits(qa_div(qa_from_bits(a), top));
+    if (a == 0) return 0;  // an all-zero block: 2**-127
+    const int be = (int)(a >> B::M);
+    int e = (be ? be : 1) - B::BIAS;  // floor(log2(a)) once the leading one is at bit M
+    U sig = a;
+    if (!be)
+        for (; !(sig >> B::M); sig <<= 1) --e;  // a subnormal: its leading one up to bit M
+    const U frac = sig & frac_mask;  // a = (1 + frac / 2**M) * 2**e
+    if (rounding == QA_MX_CEIL || rounding == QA_MX_RCEIL) e += frac != 0;
+    else if (rounding == QA_MX_EVEN) e += frac >= frac_mask + 1 - ((U)1 << (B::M - mbits - 1));  // rounds up to 2**(e+1)
+    if (rounding != QA_MX_RCEIL) e -= emax;
+    return (unsigned)((e < -127 ? -127 : e > 127 ? 127 : e) + 127);
+}
+
+// 2**k exactly in T, k in [-127, 127] (a float32 subnormal at -127).
+template <typename T> __device__ __forceinline__ T qa_pow2(int k) {
+    typedef QaBits<T> B;
+    typedef typename B::U U;
+    return qa_from_bits(k > -B::BIAS ? (U)(k + B::BIAS) << B::M : (U)1 << (B::M - 1 + B::BIAS + k));
+}
+
+// An element's code: v rounded into f, saturating, -0 kept (NaN: code 0, as the
+// reference's); mxint8 takes f = E1M6 with bias 1, whose values are n * 2**-6 for
+// n = 0..127 (rint(v * 64) clamped), and stores the int8 -n for a negative code.
+template <typename T> __device__ __forceinline__ unsigned char qa_mx_element(T v, QaFormat f, bool int8) {
+    if (qa_isnan(v)) return 0;
+    const unsigned c = qa_to_format(v, f, true, true);
+    return (unsigned char)(int8 && (c & f.sign()) ? 0u - (c & (f.sign() - 1)) : c);
+}
+
+template <typename T>
+__device__ void quantize_mx_body(const T* x, i64 cols, i64 n, i64 inner, i64 blocks, i64 bs, QaFormat f, bool int8,
+                                 int emax, int mbits, int rounding, T top, unsigned char* out, unsigned char* bits) {
+    QA_GRID_STRIDE(col, cols) {
+        i64 count;
+        const i64 first = qa_block(col, n, inner, blocks, bs, &count);
+        const typename QaBits<T>::U a = qa_amax_bits(x, first, count, inner);
+        const bool finite = qa_finite_bits<T>(a);
+        const unsigned code = finite ? qa_mx_exponent<T>(a, emax, mbits, rounding, top) : 0xFFu;
+        const T s = qa_pow2<T>((int)code - 127);
+        for (i64 j = 0; j < count; ++j) {
+            const i64 p = first + j * inner;
+            out[p] = finite ? qa_mx_element(qa_div(x[p], s), f, int8) : 0;
+        }
+        bits[col] = (unsigned char)code;
+    }
+}
+
+#define QUANTIZE_MX(IN, T)                                                                                        \
+    extern "C" __global__ void quantize_mx_##IN(const T* x, i64 cols, i64 n, i64 inner, i64 blocks, i64 bs,        \
+                                                FORMAT_ARGS, int int8, int emax, int mbits, int rounding, T top,   \
+                                                unsigned char* out, unsigned char* bits) {                         \
+        quantize_mx_body<T>(x, cols, n, inner, blocks, bs, FORMAT, int8 != 0, emax, mbits, rounding, top, out, bits); \
+    }
+QUANTIZE_MX(float32, float)
+QUANTIZE_MX(float64, double)
+
+// NVFP4 in float32 as the reference: s = e4m3(clamp(amax / 6 / gs, 2**-6, 448)),
+// elements e2m1(x * ((1 / gs) / s)); a NaN or inf block: scale 0x7F (NaN), codes 0.
+extern "C" __global__ void quantize_nvfp4(const float* x, i64 cols, i64 n, i64 inner, i64 blocks, i64 bs, float gs,
+                                          unsigned char* out, unsigned char* bits) {
+    const QaFormat e4m3{4, 3, 7, QA_FMT_FN}, e2m1{2, 1, 1, QA_FMT_FINITE};
+    const float lo = 0.015625f, hi = 448.0f;
+    QA_GRID_STRIDE(col, cols) {
+        i64 count;
+        const i64 first = qa_block(col, n, inner, blocks, bs, &count);
+        const unsigned a = qa_amax_bits(x, first, count, inner);
+        const bool finite = qa_finite_bits<float>(a);
+        float s = qa_div(qa_div(qa_from_bits(a), 6.0f), gs);
+        s = qa_lt(s, lo) ? lo : qa_lt(hi, s) ? hi : s;
+        const unsigned code = qa_to_format(s, e4m3, true);
+        const float recip = qa_div(qa_div(1.0f, gs), qa_decode<float>(code, e4m3));
+        for (i64 j = 0; j < count; ++j) {
+            const i64 p = first + j * inner;
+            out[p] = finite ? qa_mx_element(qa_mul(x[p], recip), e2m1, false) : 0;
+        }
+        bits[col] = finite ? (unsigned char)code : 0x7F;
+    }
+}
