@@ -282,16 +282,12 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
     """
     x, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
     x = x.astype(np.float32, copy=False)
-    if global_scale is None:  # the finite values' amax (all of x only where a block has NaN or inf)
-        lo, hi = (to_host(v) for v in b.minmax(x, axis, block_size))
-        amax = np.maximum(-lo, hi)
-        top = np.float32(amax.max(initial=0) if np.isfinite(amax).all()
-                         else to_host(b.xp.abs(x[b.xp.isfinite(x)]).max(initial=0)))
-        global_scale = top / np.float32(448 * 6) if top > 0 else np.float32(1)
-    if np.shape(to_host(global_scale)) != ():
-        raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
-    gs = check_scale(global_scale)
-    codes, bits = b.quantize_nvfp4(x, axis, block_size, gs)
+    gs = None
+    if global_scale is not None:
+        if np.shape(to_host(global_scale)) != ():
+            raise ValueError(f"quantize_nvfp4: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
+        gs = check_scale(global_scale)
+    codes, bits, gs = b.quantize_nvfp4(x, axis, block_size, gs)
     return QArray._new(codes, bits.view(_formats.dtype("float8_e4m3fn")), np.zeros(bits.shape, np.int32),
                        qdtype("float4_e2m1fn"), axis, block_size, b, gs)
 

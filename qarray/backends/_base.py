@@ -180,21 +180,32 @@ class Backend:
         return self._zero_blocks(codes, bits == _formats.E8M0_NAN, axis, block_size), bits
 
     def quantize_nvfp4(self, x, axis, block_size, gs):
-        """NVFP4 blocks of float32 ``x`` with tensor scale ``gs``: ``(codes, bits)``,
-        the float4 codes (0 in a block with NaN or inf) and the float8_e4m3fn
-        block-scale bits (uint8, host), in float32 as torchao computes them."""
+        """NVFP4 blocks of float32 ``x`` with tensor scale ``gs``: ``(codes, bits, gs)``,
+        the float4 codes (0 in a block with NaN or inf), the float8_e4m3fn
+        block-scale bits (uint8, host), in float32 as torchao computes them, and
+        the tensor scale (``gs``, or where it is None :meth:`nvfp4_global_scale`)."""
         from .. import _formats
         from .._dtypes import qdtype
 
         lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
         amax = np.maximum(-lo, hi)
         nan = ~np.isfinite(amax)
+        gs = self.nvfp4_global_scale(x, amax) if gs is None else gs
         with np.errstate(over="ignore", invalid="ignore"):
             s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
             recip = (np.float32(1) / gs) / s.astype(np.float32)
         s[nan] = np.float32("nan")
         codes = self.quantize_float(x, recip, qdtype("float4_e2m1fn"), axis, block_size, True, mx=True, multiply=True)
-        return self._zero_blocks(codes, nan, axis, block_size), s.view(np.uint8)
+        return self._zero_blocks(codes, nan, axis, block_size), s.view(np.uint8), gs
+
+    def nvfp4_global_scale(self, x, amax):
+        """NVFP4's default tensor scale, ``amax / (448 * 6)`` over the finite values
+        of ``x`` (1 where that is 0), from the block maxima ``amax`` (host; all of
+        ``x`` is read again only where a block holds NaN or inf)."""
+        xp = self.xp
+        top = np.float32(amax.max(initial=0) if np.isfinite(amax).all()
+                         else to_host(xp.abs(x[xp.isfinite(x)]).max(initial=0)))
+        return np.asarray(top / np.float32(448 * 6) if top > 0 else np.float32(1), np.float32)
 
     def _zero_blocks(self, codes, nan, axis, block_size):
         """``codes`` with 0 in the blocks where ``nan`` (host, the parameters' shape)."""

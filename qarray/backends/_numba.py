@@ -354,8 +354,10 @@ def _frows(x, s, bidx, o, l0, l1, po, mul, zeros, magic, f, out):
             sr = s[po, b, 0]
             for i in range(i_n):
                 v[k + i] = x[o, l, i] * sr if mul else x[o, l, i] / sr
+    if f[7] == f[5]:  # nanc == maxc: a format without NaN counts the NaN it is given
+        for k in range(v.size):
+            nans += v[k] != v[k]
     for k in range(v.size):
-        nans += v[k] != v[k]
         w[k] = abs(v[k]) + magic
     vb, wb = v.view(np.uint32), w.view(np.uint32)
     sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at = f

@@ -398,7 +398,10 @@ class CupyBackend(Backend):
     def quantize_nvfp4(self, x, axis, block_size, gs):
         if x.dtype != np.float32:
             return super().quantize_nvfp4(x, axis, block_size, gs)
-        return self._blocks("quantize_nvfp4", x, axis, block_size, (np.float32(gs),))
+        if gs is None:  # the default tensor scale: a pass for the block maxima first
+            lo, hi = (self.to_host(v) for v in self.minmax(x, axis, block_size))
+            gs = self.nvfp4_global_scale(x, np.maximum(-lo, hi))
+        return (*self._blocks("quantize_nvfp4", x, axis, block_size, (np.float32(gs),)), gs)
 
     def _blocks(self, name, x, axis, block_size, args):
         """``(codes, bits)`` of an MX or NVFP4 kernel of formats.cu, a thread per block
