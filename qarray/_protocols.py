@@ -102,8 +102,7 @@ def _real(q):
     an object array of Fractions (host)."""
     xp = q._backend.xp
     if q.dtype.kind == "float":  # element * scale (* NVFP4's tensor scale): exact in float64 (<= 4 + 4 + 24 bits)
-        v = q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, np.float64)
-        return v if q.global_scale is None else v * np.float64(q.global_scale)
+        return q.dequantize(np.float64)
     d = q.data.astype(xp.int64) - q._backend.param(expand(q.zero_point.astype(np.int64), q.shape, q.axis,
                                                           q.block_size, np))
     s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size, np))

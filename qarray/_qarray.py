@@ -78,11 +78,9 @@ class QArray:
                 raise ValueError(f"from_int: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
             from ._params import check_scale
 
-            q = cls._from_codes(ints, b, scale, zero_point, d, axis, block_size)
-            q._global_scale = check_scale(global_scale)
-            return q
+            global_scale = check_scale(global_scale)
         if d.kind == "float":
-            return cls._from_codes(ints, b, scale, zero_point, d, axis, block_size)
+            return cls._from_codes(ints, b, scale, zero_point, d, axis, block_size, global_scale)
         if ints.dtype.kind not in "iu":
             raise TypeError(
                 f"from_int takes integer data, got dtype {ints.dtype}; use qarray.quantize for floats"
@@ -100,7 +98,7 @@ class QArray:
     # -- attributes -------------------------------------------------------
     data = property(lambda self: self._data, doc="The integer storage array.")
     @classmethod
-    def _from_codes(cls, codes, b, scale, zero_point, d, axis, block_size):
+    def _from_codes(cls, codes, b, scale, zero_point, d, axis, block_size, global_scale=None):
         """``from_int`` for a floating format: codes as its ml_dtypes array, or
         their bit patterns as uint8 (bits above the format's width must be 0)."""
         if codes.dtype == np.uint8:
@@ -114,7 +112,7 @@ class QArray:
             raise TypeError(f"from_int: {d.name} codes come as an ml_dtypes {d.storage} array or as uint8 bit "
                             f"patterns, got {codes.dtype}")
         s, z, axis, block_size = check_params(scale, zero_point, d, codes.shape, axis, block_size)
-        return cls._new(codes, s, z, d, axis, block_size, b)
+        return cls._new(codes, s, z, d, axis, block_size, b, global_scale)
 
     scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked; a floating "
                      "format keeps a float16, bfloat16 or 8-bit (MX's E8M0, NVFP4's E4M3) scale dtype.")

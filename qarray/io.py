@@ -213,7 +213,7 @@ def _load_safetensors(path) -> dict:
             raise ValueError(f"{path}: {name}.scale / {name}.zero_point must be {_stored(sd)} / int32, got "
                              f"{scale.dtype} / {zp.dtype}")
         try:
-            out[name] = _with_global(QArray.from_int(data, scale.view(sd), zp, d, axis, block_size), gs)
+            out[name] = QArray.from_int(data, scale.view(sd), zp, d, axis, block_size, global_scale=gs)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: QArray {name!r} is invalid: {e}") from None
     out.update(tensors)
@@ -323,18 +323,12 @@ def _load_one(path, zf, name, fields):
         raise _bad(path, name, "data", e) from None
     if dtype.kind == "int" and not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
         raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
-    return _with_global(QArray._new(data, s, z, dtype, axis, block_size), gs)
+    return QArray._new(data, s, z, dtype, axis, block_size, global_scale=gs)
 
 
 def _stored(scale_dtype) -> np.dtype:
     """How ``NAME.scale`` holds a scale of ``scale_dtype``: float32, else its bits."""
     return scale_dtype if scale_dtype == np.float32 else np.dtype(f"u{scale_dtype.itemsize}")
-
-
-def _with_global(q, gs):
-    if gs is not None:
-        q._global_scale = gs
-    return q
 
 
 def _exactly(dtype, shape, what=""):

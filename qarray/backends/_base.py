@@ -173,8 +173,7 @@ class Backend:
         from .. import _formats
         from .._dtypes import qdtype
 
-        lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
-        bits = _formats.mx_exponents(np.maximum(-lo, hi), mx, rounding)
+        bits = _formats.mx_exponents(self.block_amax(x, axis, block_size), mx, rounding)
         scale = bits.view(_formats.dtype("float8_e8m0fnu")).astype(np.float32)  # 2**e, NaN for NaN blocks
         codes = self.quantize_float(x, scale, qdtype(mx.element), axis, block_size, True, mx=True)
         return self._zero_blocks(codes, bits == _formats.E8M0_NAN, axis, block_size), bits
@@ -187,8 +186,7 @@ class Backend:
         from .. import _formats
         from .._dtypes import qdtype
 
-        lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
-        amax = np.maximum(-lo, hi)
+        amax = self.block_amax(x, axis, block_size)
         nan = ~np.isfinite(amax)
         gs = self.nvfp4_global_scale(x, amax) if gs is None else gs
         with np.errstate(over="ignore", invalid="ignore"):
@@ -197,6 +195,11 @@ class Backend:
         s[nan] = np.float32("nan")
         codes = self.quantize_float(x, recip, qdtype("float4_e2m1fn"), axis, block_size, True, mx=True, multiply=True)
         return self._zero_blocks(codes, nan, axis, block_size), s.view(np.uint8), gs
+
+    def block_amax(self, x, axis, block_size):
+        """``max(|x|)`` of each block (host, the parameters' shape), NaN where a block has NaN."""
+        lo, hi = (to_host(v) for v in self.minmax(x, axis, block_size))
+        return np.maximum(-lo, hi)
 
     def nvfp4_global_scale(self, x, amax):
         """NVFP4's default tensor scale, ``amax / (448 * 6)`` over the finite values

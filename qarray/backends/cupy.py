@@ -399,8 +399,7 @@ class CupyBackend(Backend):
         if x.dtype != np.float32:
             return super().quantize_nvfp4(x, axis, block_size, gs)
         if gs is None:  # the default tensor scale: a pass for the block maxima first
-            lo, hi = (self.to_host(v) for v in self.minmax(x, axis, block_size))
-            gs = self.nvfp4_global_scale(x, np.maximum(-lo, hi))
+            gs = self.nvfp4_global_scale(x, self.block_amax(x, axis, block_size))
         return (*self._blocks("quantize_nvfp4", x, axis, block_size, (np.float32(gs),)), gs)
 
     def _blocks(self, name, x, axis, block_size, args):
