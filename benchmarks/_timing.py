@@ -45,14 +45,21 @@ def options(doc: str) -> argparse.Namespace:
 
 def timeit(repeats, **fns):
     """{name: (median ms, min ms)}: after one warm-up each, the functions take
-    turns in blocks of consecutive calls (three rounds). Blocks, not single
-    calls, because a peer's thread pool that spins after a call would otherwise
-    tax whichever function runs next."""
+    turns in blocks of consecutive calls (three rounds), each block after
+    untimed calls for at least 30 ms. Blocks and the untimed calls because what
+    ran before would otherwise tax whichever function runs next: a peer's thread
+    pool that spins after a call, or a single-threaded peer after which the idle
+    core needs about 15 ms to come back to speed (measured: a parallel kernel's
+    first three calls 2x slow after ml_dtypes' astype)."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
     for _ in range(3):
         for k, f in fns.items():
+            warm = time.perf_counter() + 0.03
+            f()
+            while time.perf_counter() < warm:
+                f()
             for _ in range(max(1, repeats // 3)):
                 t0 = time.perf_counter()
                 f()

@@ -312,82 +312,82 @@ def _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, ou
             out[r, i] = _sm_value(m - np.int64(x[r, i]), table, rv, s_in, s_out, z_out, lo, hi, log)
 
 
-# -- floating formats: float32 -> format bit patterns ---------------------------------------
-@njit(inline="always")
-def _fcode(u, us, zeros, sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at):
-    """The format code of the float32 whose bits are ``u`` (``us``: the bits of
-    ``|v| + 2**(emin - m + 23)``). Rounding to nearest, ties to even, on the bits:
-    in the format's normal range (``>= top``) the mantissa rounds to ``m`` bits, a
-    carry moving into the exponent; below it the float32 addition of ``us`` has
-    already rounded to the subnormal step ``2**(emin - m)``. ``maxc`` is the
-    largest finite magnitude code, ``ovf`` the code beyond it (``maxc`` when
-    saturating, else inf or NaN), ``nanc`` the NaN code (bit 8 set: no sign, the
-    fnuz formats); ``zeros``: 0 every zero keeps its sign, 1 an exact -0 becomes
-    +0 (ONNX adds a +0 zero point for float4/float6), 2 no zero has a sign (fnuz)."""
-    a = u & np.uint32(0x7FFFFFFF)
-    c = ((a + np.uint32(half) + ((a >> np.uint32(sh)) & np.uint32(1))) >> np.uint32(sh)) - np.uint32(bias) \
-        if a >= np.uint32(top) else us - np.uint32(magic_bits)
-    c = np.uint32(ovf) if c > np.uint32(maxc) else c  # inf lands here too
-    c = np.uint32(nanc) if a > np.uint32(0x7F800000) else c
-    sign = (u >> np.uint32(31)) << np.uint32(sign_at)
-    if zeros == 0:
-        return np.uint8(c | sign)
-    drop = (c >= np.uint32(256)) | (c == np.uint32(0)) if zeros == 2 else u == np.uint32(0x80000000)
-    return np.uint8((c & np.uint32(0xFF)) | (np.uint32(0) if drop else sign))
+# -- floating formats: float32 -> format codes ------------------------------------------------
+_I = np.int32  # Numba widens int32 arithmetic to int64; the casts keep it 8 lanes wide
 
 
 @njit(inline="always")
-def _frows(x, s, bidx, o, l0, l1, po, mul, zeros, magic, f, out):
-    """``out = code(x / s)`` (``x * s`` when ``mul``) for ``x[o, l0:l1, :]`` through
-    one float32 buffer; returns the NaN count. ``f``: :func:`_fcode`'s constants."""
-    i_n = x.shape[2]
-    pin = s.shape[2] > 1
-    v = np.empty((l1 - l0) * i_n, np.float32)
-    w = np.empty_like(v)
+def _fcode(v, f):
+    """The format code of float32 ``v`` and whether ``v`` is NaN, rounding to
+    nearest, ties to even, on the bits ``b`` of ``|v|``: in the format's normal
+    range (``b >= top``) the mantissa rounds to ``m`` bits (``sh = 23 - m``; a
+    carry moves into the exponent; ``k`` is half an ulp less the exponent bias);
+    below it the float32 addition of ``magic = 2**(emin - m + 23)`` (bits
+    ``magic_bits``) rounds to the subnormal step ``2**(emin - m)``. ``sat``: the
+    largest finite value when saturating (``|v|`` is clamped to it first; NaN
+    stays NaN), else 0. ``maxc`` is the largest finite magnitude code, ``ovf`` the
+    code beyond it (inf or NaN), ``nanc`` the NaN code (bit 8 set: no sign, the
+    fnuz formats; ``maxc`` for a format without NaN). ``zeros``: 0 every zero
+    keeps its sign, 1 an exact -0 becomes +0 (ONNX's +0 zero point for
+    float4/float6), 2 no zero has a sign (fnuz)."""
+    top, k, sh, magic, magic_bits, sat, maxc, ovf, nanc, sign_at, zeros = f
+    u = np.float32(v).view(_I)
+    a = abs(v)
+    if sat:
+        a = np.float32(sat) if np.float32(sat) < a else a
+    b = np.float32(a).view(_I)
+    if b >= _I(top):
+        c = _I(_I(b + _I(k) + _I(_I(b >> _I(sh)) & _I(1))) >> _I(sh))
+    else:
+        c = _I(np.float32(a + np.float32(magic)).view(_I) - _I(magic_bits))
+    if not sat:
+        c = _I(ovf) if c > _I(maxc) else c  # overflow and inf
+    c = _I(nanc) if v != v else c
+    sign = _I(_I(u >> _I(31 - sign_at)) & _I(1 << sign_at))
+    if zeros == 1:
+        sign = _I(0) if u == _I(-0x80000000) else sign
+    elif zeros == 2:
+        sign = _I(0) if (c == _I(0)) | (c >= _I(256)) else sign
+        c = _I(c & _I(0xFF))
+    return np.uint8(_I(c | sign)), v != v
+
+
+@njit(inline="always")
+def _frow(x, s, o, l, po, b, mul, f, out):
+    """``out[o, l] = code(x[o, l] / s)`` (``x * s`` when ``mul``); returns the NaN
+    count of a format without NaN (NaN is an error there), else 0."""
+    xr, orow, sr = x[o, l], out[o, l], s[po, b]
+    count = f[8] == f[6]  # nanc == maxc
     nans = 0
-    for l in range(l0, l1):
-        b, k = bidx[l], (l - l0) * i_n
-        if pin:
-            for i in range(i_n):
-                v[k + i] = x[o, l, i] * s[po, b, i] if mul else x[o, l, i] / s[po, b, i]
-        else:
-            sr = s[po, b, 0]
-            for i in range(i_n):
-                v[k + i] = x[o, l, i] * sr if mul else x[o, l, i] / sr
-    if f[7] == f[5]:  # nanc == maxc: a format without NaN counts the NaN it is given
-        for k in range(v.size):
-            nans += v[k] != v[k]
-    for k in range(v.size):
-        w[k] = abs(v[k]) + magic
-    vb, wb = v.view(np.uint32), w.view(np.uint32)
-    sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at = f
-    flat = out[o, l0:l1].reshape(-1)
-    for k in range(v.size):
-        flat[k] = _fcode(vb[k], wb[k], zeros, sh, half, bias, top, magic_bits, maxc, ovf, nanc, sign_at)
+    if sr.size > 1:
+        for i in range(xr.size):
+            orow[i], nan = _fcode(xr[i] * sr[i] if mul else xr[i] / sr[i], f)
+            nans += count and nan
+    else:
+        s0 = sr[0]
+        for i in range(xr.size):
+            orow[i], nan = _fcode(xr[i] * s0 if mul else xr[i] / s0, f)
+            nans += count and nan
     return nans
 
 
-def _make_quantize_float(zeros, mul, consts):
+def _make_quantize_float(mul, consts):
     """The kernel ``out = code(x / s)`` (``x * s`` when ``mul``) in float32 for one
-    floating format: ``zeros`` and ``consts`` (:func:`_fcode`'s, from the format's
+    floating format: ``consts`` (:func:`_fcode`'s, from the format's
     ``qarray._formats.Codes``: see :func:`quantize_float`) are closure constants,
-    so the shifts are immediate, the branches fold away and the loops vectorize
+    so the shifts are immediate, the branches fold away and the loop vectorizes
     (1.5x faster than the same values as arguments). The closure holds plain
-    ints only (a function in it would change Numba's cache key in every
+    numbers only (a function in it would change Numba's cache key in every
     process). Returns the number of NaN quotients."""
-    magic = float(np.uint32(consts[4]).view(np.float32))  # 2**(emin - m + 23), exact in float32
 
     @njit(parallel=True, cache=True)
     def quantize_float(x, s, bidx, out):
         o_n, n, i_n = x.shape
         pos = np.int64(s.shape[0] > 1)
         nans = 0
-        if o_n > 1:  # threads split the outer dimension, a whole x[o] each
-            for o in prange(o_n):
-                nans += _frows(x, s, bidx, o, 0, n, np.int64(o) * pos, mul, zeros, magic, consts, out)
-        else:  # threads split the rows
-            for l in prange(n):
-                nans += _frows(x, s, bidx, 0, l, l + 1, 0, mul, zeros, magic, consts, out)
+        for t in prange(o_n * n):
+            o = t // n
+            nans += _frow(x, s, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], mul, consts, out)
         return nans
 
     return quantize_float
@@ -400,9 +400,13 @@ def quantize_float(codes, mul):
     """The kernel of :func:`_make_quantize_float` for ``codes`` (a
     ``qarray._formats.Codes``) and ``mul``, made once each."""
     m, emin, maxc, ovf, nanc, sign_at, zeros = (int(v) for v in codes)
-    magic_bits = int(np.float32(2.0 ** (emin - m + 23)).view(np.uint32))
-    consts = (23 - m, (1 << (22 - m)) - 1, (126 + emin) << m, (127 + emin) << 23, magic_bits, maxc, ovf, nanc, sign_at)
-    key = (zeros, bool(mul), consts)
+    e, frac = divmod(maxc, 1 << m)  # the largest finite value, for saturation
+    sat = float(np.float32((1 + frac / 2.0**m) * 2.0 ** (emin + e - 1))) if ovf == maxc else 0.0
+    magic = 2.0 ** (emin - m + 23)  # exact in float32
+    top = (127 + emin) << 23  # the bits of 2**emin
+    k = (1 << (22 - m)) - 1 - (((126 + emin) << m) << (23 - m))  # half an ulp, less the bias
+    consts = (top, k, 23 - m, magic, int(np.float32(magic).view(np.uint32)), sat, maxc, ovf, nanc, sign_at, zeros)
+    key = (bool(mul), consts)
     if key not in _FLOAT_KERNELS:
         _FLOAT_KERNELS[key] = _make_quantize_float(*key)
     return _FLOAT_KERNELS[key]
