@@ -198,6 +198,55 @@ class QArray:
         """The same QArray with NumPy storage (a copy from the device for CuPy)."""
         return self.to("numpy")
 
+    # -- Dask: a QArray whose data is a dask array is a Dask collection ------------
+    def compute(self, **kwargs) -> "QArray":
+        """The QArray with its dask data computed (NumPy storage): ``dask.compute(q)``;
+        an in-memory QArray comes back as it is."""
+        if self.__dask_graph__() is None:
+            return self
+        import dask
+
+        return dask.compute(self, **kwargs)[0]
+
+    def persist(self, **kwargs) -> "QArray":
+        """The QArray with its dask data computed and kept in the cluster's memory
+        (still dask-backed): ``dask.persist(q)``; an in-memory QArray as it is."""
+        if self.__dask_graph__() is None:
+            return self
+        import dask
+
+        return dask.persist(self, **kwargs)[0]
+
+    def __dask_graph__(self):
+        graph = getattr(self._data, "__dask_graph__", None)
+        return graph() if graph is not None else None
+
+    def __dask_keys__(self):
+        return self._data.__dask_keys__()
+
+    def __dask_layers__(self):
+        return self._data.__dask_layers__()
+
+    def __dask_tokenize__(self):
+        from dask.base import tokenize
+
+        return tokenize(self._data, self._scale, self._zero_point, self._dtype.name, self._axis, self._block_size,
+                        self._global_scale)
+
+    __dask_optimize__ = property(lambda self: self._data.__dask_optimize__)
+    __dask_scheduler__ = property(lambda self: self._data.__dask_scheduler__)
+
+    def _params(self):
+        return self._scale, self._zero_point, self._dtype, self._axis, self._block_size, self._global_scale
+
+    def __dask_postcompute__(self):
+        finish, args = self._data.__dask_postcompute__()
+        return _computed, (finish, args, self._params())
+
+    def __dask_postpersist__(self):
+        rebuild, args = self._data.__dask_postpersist__()
+        return _persisted, (rebuild, args, self._params(), self._backend)
+
     # -- ndarray-style methods (NumPy's protocols: qarray/_protocols.py) ------------
     nbytes = property(lambda self: int(self._data.nbytes), doc="Bytes of the codes as stored (one a byte below 8 bits).")
 
@@ -427,3 +476,16 @@ __all__ = ["QArray"]
 
 
 _protocols.install(QArray)  # the operators and NumPy's protocols, from one table
+
+
+def _computed(results, finish, args, params):
+    """Dask's post-compute step: the computed codes as an in-memory QArray."""
+    scale, zero_point, dtype, axis, block_size, global_scale = params
+    return QArray._new(finish(results, *args), scale, zero_point, dtype, axis, block_size, None, global_scale)
+
+
+def _persisted(dsk, rebuild, args, params, backend, rename=None):
+    """Dask's post-persist step: the persisted codes, still a dask-backed QArray."""
+    scale, zero_point, dtype, axis, block_size, global_scale = params
+    return QArray._new(rebuild(dsk, *args, rename=rename), scale, zero_point, dtype, axis, block_size, backend,
+                       global_scale)

@@ -23,8 +23,11 @@ __all__ = ["Backend", "register", "get", "for_array", "available", "on_data_devi
 
 _by_name: dict = {}
 _by_type: dict = {}
-# Built-in backends are made on first use: name -> (module, class name).
-_lazy = {"numpy": ("qarray.backends.numpy", "NumpyBackend"), "cupy": ("qarray.backends.cupy", "CupyBackend")}
+# Built-in backends are made on first use: name -> (module, class name, the
+# array library whose import makes them candidates).
+_lazy = {"numpy": ("qarray.backends.numpy", "NumpyBackend", "numpy"),
+         "cupy": ("qarray.backends.cupy", "CupyBackend", "cupy"),
+         "dask": ("qarray.backends.dask", "DaskBackend", "dask.array")}
 
 
 def register(backend: Backend) -> Backend:
@@ -43,7 +46,7 @@ def get(name: str) -> Backend:
     if name not in _by_name:
         if name not in _lazy:
             raise ValueError(f"unknown backend {name!r}; available: {sorted(set(_by_name) | set(_lazy))}")
-        module, cls = _lazy[name]
+        module, cls, _ = _lazy[name]
         __import__(module)
         register(getattr(sys.modules[module], cls)())
     return _by_name[name]
@@ -52,7 +55,7 @@ def get(name: str) -> Backend:
 def _candidates():
     for name in list(_lazy) + [n for n in _by_name if n not in _lazy]:
         b = _by_name.get(name)
-        module = b.module if b is not None else name
+        module = b.module if b is not None else _lazy[name][2]
         if module in sys.modules:
             yield b if b is not None else get(name)
 
@@ -83,10 +86,13 @@ def handles(x) -> bool:
 
 
 def common(*arrays) -> Backend:
-    """The one backend of all ``arrays``; TypeError naming both when they differ."""
+    """The one backend of all ``arrays``; TypeError naming both when they differ.
+    Dask arrays take in-memory NumPy ones along (each joins as one chunk)."""
     found = None
     for a in arrays:
         b = for_array(a)
+        if found is not None and {b.name, found.name} == {"dask", "numpy"}:
+            b = found = b if b.name == "dask" else found
         if found is not None and b is not found:
             raise TypeError(
                 f"arrays of two backends ({found.name} and {b.name}) can not be combined; "

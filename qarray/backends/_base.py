@@ -50,6 +50,8 @@ class Backend:
 
     name = "generic"
     module = "numpy"
+    writable = True  # ops may write results into slices of an array (out=); not Dask's
+    float_bits = False  # floating-format codes stored as uint8 bits (float_storage)
 
     def __init__(self, xp=None):
         self._xp = xp
@@ -232,8 +234,11 @@ class Backend:
 
     def float_storage(self, qd):
         """How this backend stores floating-format codes: the ml_dtypes dtype
-        (NumPy), or uint8 bit patterns where the array library has no such dtype."""
-        return qd.storage
+        (NumPy), or with ``float_bits`` their uint8 bit patterns (CuPy has no
+        ml_dtypes dtypes; distributed's serialization does not know them); mxint8's
+        int8 codes stay int8. ml_dtypes gives float8_e5m2 the kind "f", the other
+        formats "V": every storage but an integer one becomes bits."""
+        return qd.storage if not self.float_bits or qd.storage.kind in "iu" else np.dtype(np.uint8)
 
     def requantize(self, q, rq, out=None):
         """``rq`` (a ``qarray._fixed_point.Requant``) applied to every element of

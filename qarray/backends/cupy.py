@@ -197,6 +197,7 @@ class DeviceWeight(NamedTuple):
 class CupyBackend(Backend):
     name = "cupy"
     module = "cupy"
+    float_bits = True  # CuPy has no ml_dtypes dtypes
     chunk = 1 << 22  # larger pieces for the generic code: fewer kernel launches
 
     def __init__(self):
@@ -303,12 +304,6 @@ class CupyBackend(Backend):
     @staticmethod
     def _layout_scalars(total, lay):
         return (np.int64(total), *(np.int64(v) for v in lay))
-
-    def float_storage(self, qd):
-        """CuPy has no ml_dtypes dtypes: floating-format codes are their uint8 bit
-        patterns (mxint8's int8 codes stay int8). ml_dtypes gives float8_e5m2 the kind
-        "f", the other formats "V": every storage but an integer one is bits."""
-        return qd.storage if qd.storage.kind in "iu" else np.dtype(np.uint8)
 
     def _nan_flag(self):
         """A device int32 set to 0, that quantize kernels set to 1 on NaN input

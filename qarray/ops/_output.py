@@ -73,11 +73,11 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                     "pass output scale=, zero_point= and dtype= to requantize it instead"
                 )
         s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
-        return QArray._new(acc.astype(np.int32), s, np.zeros(want, np.int32), qint32, axis, None, backend)
+        return QArray._new(acc.astype(np.int32), s, np.zeros(want, np.int32), qint32, axis, None)
     mode, rounding = resolve(mode, rounding)
     d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
     rq = plan(factors, s_out, np.zeros(want, np.int64), z_out, d, mode, rounding, axis=axis, relu=relu)
-    return QArray._new(acc(rq), s_out, z_out, d, None, None, backend)
+    return QArray._new(acc(rq), s_out, z_out, d, None, None)  # the backend of the data (Dask takes NumPy along)
 
 
 def _requantized(backend, acc, rq):

@@ -59,7 +59,7 @@ class PackedWeight:
     keep one (``keep=True``: the backend may pack harder, e.g. into the CPU
     engine's own layout)."""
 
-    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape")
+    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other")
 
     def __init__(self, w: QArray, axis, keep=False):
         """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
@@ -73,21 +73,32 @@ class PackedWeight:
         self.packed = self.backend.pack_weight(w.data, w.dtype, keep)
         self.zp = to_host(w.zero_point).astype(np.int64)
         self.scale = to_host(w.scale)
+        self.codes, self.keep, self._other = w.data, keep, None
+
+    def packed_for(self, b):
+        """The weights packed by backend ``b`` (in-memory weights meeting Dask
+        activations: the Dask backend packs them its way, once)."""
+        if b is self.backend:
+            return self.packed
+        if self._other is None or self._other[0] is not b:
+            self._other = (b, b.pack_weight(self.codes, self.dtype, self.keep))
+        return self._other[1]
 
     def run(self, op, a: QArray, bias, rq, wide=False):
         """The exact ``(a - za) @ (w - zw) + bias`` (``bias`` int64 ``(N,)`` or
         None): int32, or int64 when ``wide`` or when int32 could overflow; or,
         with ``rq``, requantized in the same pass (``a`` per-tensor)."""
         b = _backends.common(a.data, self.packed.colsum)
+        pw = self.packed_for(b)
         k_len = a.shape[-1]
         if k_len != self.shape[-2]:
             raise ValueError(f"{op}: shapes {a.shape} and {self.shape} do not align: {k_len} != {self.shape[-2]} (K)")
         za = int(to_host(a.zero_point))
         if a.dtype.bits > 8:  # a = 256 * hi + lo: two 8-bit products, combined in int64
             (hi, dh), (lo, dl) = _bytes(a)
-            acc = 256 * b.int_matmul(hi, dh, 0, self.packed, self.zp, None, None, np.int64)
-            acc += b.int_matmul(lo, dl, 0, self.packed, self.zp, None, None, np.int64)
-            colsum = self.packed.colsum + k_len * (self.packed.shift - b.param(self.zp))  # sum_k (w - zw)
+            acc = 256 * b.int_matmul(hi, dh, 0, pw, self.zp, None, None, np.int64)
+            acc += b.int_matmul(lo, dl, 0, pw, self.zp, None, None, np.int64)
+            colsum = pw.colsum + k_len * (pw.shift - b.param(self.zp))  # sum_k (w - zw)
             acc -= za * colsum[..., None, :]
             if bias is not None:
                 acc += bias
@@ -96,7 +107,7 @@ class PackedWeight:
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
         ww = int(np.max(np.maximum(self.zp - self.dtype.qmin, self.dtype.qmax - self.zp)))
         wide = wide or bias is not None or k_len * wa * ww >= 2**31 - 2**30
-        return b.int_matmul(a.data, a.dtype, za, self.packed, self.zp, bias, rq, np.int64 if wide else np.int32)
+        return b.int_matmul(a.data, a.dtype, za, pw, self.zp, bias, rq, np.int64 if wide else np.int32)
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         b = self.backend

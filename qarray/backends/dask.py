@@ -1,0 +1,197 @@
+"""The Dask backend: QArrays whose data is a ``dask.array.Array`` of NumPy chunks.
+
+Nothing here does arithmetic. Each primitive maps the NumPy backend's own
+primitive over the chunks (``map_blocks``), each chunk with its slice of the
+parameters, so a Dask result is bit for bit the in-memory one whatever the
+chunking. Results stay lazy until ``compute()`` (or ``persist()``); errors
+that need the data (NaN where a format has none) are raised then.
+
+Blocked parameters need chunks that hold whole blocks along the blocked axis:
+:meth:`DaskBackend.aligned` rechunks that axis to a multiple of ``block_size``
+when it is not one already (the last chunk may be short).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import dask.array as da
+import numpy as np
+
+from .._params import to_host
+from ._base import Backend
+
+
+def chunk_params(params, loc, axis, block_size):
+    """``params`` (host arrays of ``qarray._params.param_shape``; 0-d ones serve
+    every chunk) sliced to the chunk at ``loc``, ``[(start, stop)]`` per axis
+    (``block_info``'s ``array-location``)."""
+    if axis is None:
+        return params
+    if block_size is None:
+        key = slice(*loc[axis])
+    else:
+        key = tuple(slice(a // block_size, -(-b // block_size)) if i == axis else slice(a, b)
+                    for i, (a, b) in enumerate(loc))
+    return tuple(p if np.ndim(p) == 0 else p[key] for p in params)
+
+
+def _on_chunk(fn, inner, axis, block_size, params, chunk, block_info=None):
+    """``fn(backend, chunk, *chunk_params)`` for one chunk; the inner backend is
+    looked up by name on the worker (a backend object holds a module)."""
+    from . import get
+
+    loc = block_info[0]["array-location"]
+    return fn(get(inner), chunk, *chunk_params(params, loc, axis, block_size))
+
+
+def _chunk_minmax(inner, axis, block_size, chunk):
+    from . import get
+
+    return np.stack(get(inner).minmax(chunk, axis, block_size))
+
+
+class DaskWeight:
+    """In-memory weight codes ``(K, N)`` for Dask activations: packed by the
+    chunks' backend whole (``shift``, ``colsum``) and per range of K, once each,
+    for activations whose K is split across chunks."""
+
+    def __init__(self, inner, codes, qd, keep):
+        self.inner, self.codes, self.qd, self.keep, self._parts = inner, to_host(codes), qd, keep, {}
+        whole = self.part(0, self.codes.shape[-2])
+        self.shift, self.colsum = whole.shift, whole.colsum
+
+    def part(self, k0, k1):
+        """The inner backend's packing of rows ``k0:k1``."""
+        from . import get
+
+        if (k0, k1) not in self._parts:
+            codes = np.ascontiguousarray(self.codes[k0:k1])
+            self._parts[k0, k1] = get(self.inner).pack_weight(codes, self.qd, self.keep)
+        return self._parts[k0, k1]
+
+
+def _chunk_matmul(inner, qd, za, pw, zw, bias, rq, acc_dtype, chunk):
+    from . import get
+
+    return get(inner).int_matmul(chunk, qd, za, pw, zw, bias, rq, acc_dtype)
+
+
+class DaskBackend(Backend):
+    """The primitives of the chunks' backend, mapped over a dask array's chunks."""
+
+    name = "dask"
+    module = "dask.array"
+    inner = "numpy"  # the backend of the chunks
+    writable = False
+    float_bits = True  # distributed's serialization does not know ml_dtypes' dtypes
+
+    def __init__(self):
+        super().__init__(da)
+
+    def array_types(self) -> tuple:
+        return (da.Array,)
+
+    def param(self, a):
+        return np.asarray(a)  # small host arrays broadcast against the chunks as they are
+
+    def asarray(self, a, dtype=None):
+        return a.astype(dtype) if isinstance(a, da.Array) and dtype is not None else (
+            a if isinstance(a, da.Array) else da.from_array(np.asarray(a, dtype=dtype)))
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a.compute() if isinstance(a, da.Array) else a)
+
+    @staticmethod
+    def aligned(x, axis, block_size):
+        """``x`` with chunks along ``axis`` of whole blocks (the last may be short):
+        as it is when they are, else rechunked to the multiple of ``block_size``
+        nearest its first chunk."""
+        if block_size is None:
+            return x
+        sizes = x.chunks[axis]
+        if all(c % block_size == 0 for c in sizes[:-1]):
+            return x
+        step = max(block_size, round(sizes[0] / block_size) * block_size)
+        return x.rechunk({axis: step})
+
+    def map_chunks(self, fn, x, axis, block_size, params, dtype):
+        """``fn(inner_backend, chunk, *params_of_chunk)`` over ``x``'s chunks, each
+        returning that chunk's result (same shape, ``dtype``); lazy."""
+        x = self.aligned(da.asarray(x), axis, block_size)  # an in-memory operand joins as one chunk
+        return x.map_blocks(functools.partial(_on_chunk, fn, self.inner, axis, block_size, tuple(params)),
+                            dtype=dtype, meta=np.empty((0,) * x.ndim, dtype))
+
+    # -- the primitives: the inner backend's, chunk by chunk ----------------
+    def quantize(self, x, scale, zero_point, qd, axis, block_size):
+        return self.map_chunks(lambda b, c, s, z: b.quantize(c, s, z, qd, axis, block_size),
+                               x, axis, block_size, (scale, zero_point), qd.storage)
+
+    def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
+        return self.map_chunks(lambda b, c, s, z: b.dequantize(c, s, z, axis, block_size, dtype),
+                               q, axis, block_size, (scale, zero_point), np.dtype(dtype))
+
+    def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
+        bits = self.float_storage(qd)
+        return self.map_chunks(lambda b, c, s: b.quantize_float(c, s, qd, axis, block_size, saturate,
+                                                                mx=mx, multiply=multiply).view(bits),
+                               x, axis, block_size, (scale,), bits)
+
+    def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
+        return self.map_chunks(lambda b, c, s: b.dequantize_float(c, s, qd, axis, block_size, dtype),
+                               q, axis, block_size, (scale,), np.dtype(dtype))
+
+    def requantize(self, q, rq, out=None):
+        if out is not None:
+            raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
+
+        def fn(b, c, *params):
+            return b.requantize(c, dataclasses.replace(rq, **dict(zip(("zp_in", "zp_out", "m", "shift", "f"), params))))
+
+        return self.map_chunks(fn, q, rq.axis, rq.block_size, rq.params, rq.out_dtype)
+
+    def minmax(self, x, axis, block_size):
+        """Computed (host arrays: every caller needs the values), in one pass over
+        the data: per block, the inner backend's minmax of each chunk."""
+        import dask
+
+        if block_size is None:
+            return tuple(dask.compute(*super().minmax(x, axis, block_size)))  # dask's reductions, in a tree
+        x = self.aligned(x, axis, block_size)
+        chunks = tuple(tuple(-(-c // block_size) for c in cs) if i == axis else cs for i, cs in enumerate(x.chunks))
+        both = x.map_blocks(functools.partial(_chunk_minmax, self.inner, axis, block_size), chunks=((2,),) + chunks,
+                            new_axis=0, dtype=x.dtype, meta=np.empty((0,) * (x.ndim + 1), x.dtype))
+        both = both.compute()
+        return both[0], both[1]
+
+    # -- integer matmul: row chunks, K split into exact int64 partial sums ----
+    def pack_weight(self, codes, qd, keep=False):
+        if isinstance(codes, da.Array) or codes.ndim != 2:
+            raise TypeError("matmul/linear with Dask data takes in-memory 2-D weights (K, N); "
+                            "compute the weights first (w.compute())")
+        return DaskWeight(self.inner, codes, qd, keep)
+
+    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+        """The inner backend's ``int_matmul`` on each chunk of rows. Where K is split
+        across chunks, each K chunk gives the exact int64 partial sum of
+        ``(a - za) * (w - zw)`` over its K (the zero-point terms are sums over K
+        too), the partials add up in a tree, then the bias and one requantize."""
+        a = da.asarray(a)
+        n = pw.codes.shape[-1]
+        out_chunks = a.chunks[:-1] + ((n,),)
+        ks = np.cumsum((0,) + a.chunks[-1])
+
+        def product(k, bias_, rq_, acc):
+            part = a[..., ks[k]:ks[k + 1]]
+            fn = functools.partial(_chunk_matmul, self.inner, qd, za, pw.part(ks[k], ks[k + 1]), zw, bias_, rq_, acc)
+            out = rq_.out_dtype if rq_ is not None else np.dtype(acc)
+            return part.map_blocks(fn, chunks=out_chunks, dtype=out, meta=np.empty((0,) * a.ndim, out))
+
+        if len(ks) == 2:  # K whole in every chunk: one fused call per chunk of rows
+            return product(0, bias, rq, acc_dtype)
+        parts = [product(k, None, None, np.int64) for k in range(len(ks) - 1)]
+        while len(parts) > 1:  # a tree of exact int64 sums
+            parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        acc = parts[0] if bias is None else parts[0] + np.asarray(to_host(bias), np.int64)
+        return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)

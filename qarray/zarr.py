@@ -1,0 +1,161 @@
+"""QArrays in chunked Zarr stores (the ``dask`` extra: zarr and dask).
+
+A store holds one QArray as a Zarr group: the array ``codes``, the arrays
+``scale`` and ``zero_point`` (as ``qarray.save`` writes them: a float16,
+bfloat16 or 8-bit scale as its bit patterns) and the attribute ``qarray``, the
+meta JSON of ``qarray.io`` (format, version, dtype, shape, axis, block_size;
+version 3's scale_dtype and global_scale). ``codes`` has the QArray's shape
+except along its last axis, where each row is packed as ``QArray.pack`` packs
+(2- and 4-bit codes and float4 two or four to a byte, float6 four in three
+bytes); its chunks along that axis hold whole bytes of codes (a multiple of 4,
+or of 8 // bits, codes), so every chunk is written whole by one task and
+writes from many workers never share a chunk. A 0-d QArray is stored as shape
+``(1,)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+
+from . import backends as _backends
+from ._api import packed_layout, unpack
+from ._params import check_params, to_host
+from ._qarray import QArray
+from .io import _bad, _meta, _parse_meta, _scale_bits, _scale_dtype
+
+__all__ = ["to_zarr", "from_zarr"]
+
+
+def _group(d) -> int:
+    """Codes per whole number of packed bytes along the last axis."""
+    return 4 if d.bits == 6 else 8 // d.bits if d.bits < 8 else 1
+
+
+def _pack_rows(d, chunk):
+    """Each row of ``chunk`` (codes in storage) packed as ``QArray.pack`` packs it;
+    the row is padded with zero codes to whole bytes."""
+    g = _group(d)
+    pad = -chunk.shape[-1] % g
+    bits = chunk.view(np.uint8) if d.kind == "float" else chunk
+    if pad:
+        bits = np.concatenate([bits, np.zeros(bits.shape[:-1] + (pad,), bits.dtype)], axis=-1)
+    rows = bits.shape[:-1]
+    n = bits.shape[-1]
+    q = QArray._new(np.ascontiguousarray(bits).view(d.storage) if d.kind == "float" else np.ascontiguousarray(bits),
+                    np.float32(1), np.int32(0), d)
+    return q.pack().reshape(rows + (packed_layout(d, n)[1] if n else 0,))
+
+
+def _unpack_rows(d, n_last, per_chunk, chunk, block_info=None):
+    """The codes of a chunk of packed rows (the inverse of :func:`_pack_rows`):
+    ``per_chunk`` codes per full chunk along the last axis, ``n_last`` in all."""
+    start = block_info[0]["chunk-location"][-1] * per_chunk
+    count = min(n_last - start, per_chunk)
+    rows = chunk.shape[:-1]
+    padded = -(-count // _group(d)) * _group(d)
+    codes = unpack(np.ascontiguousarray(chunk).reshape(-1), d, (math.prod(rows), padded))
+    return codes[:, :count].reshape(rows + (count,)).view(_backends.get("dask").float_storage(d))
+
+
+def to_zarr(q: QArray, store, overwrite=False, chunks=None) -> None:
+    """Write ``q`` (in memory or Dask-backed) to the Zarr ``store`` (a path, or
+    any store ``zarr.open_group`` takes). A Dask QArray is written chunk by chunk
+    by its scheduler (each Zarr chunk by one task); ``chunks`` (elements per
+    chunk along each axis; default: the dask chunks, or dask's "auto") sets the
+    stored chunking. ``overwrite=False`` refuses a store that holds a group."""
+    import dask.array as da
+    import zarr
+
+    if not isinstance(q, QArray):
+        raise TypeError(f"to_zarr takes a QArray, got {type(q).__name__}")
+    d = q.dtype
+    data = q.data if q.ndim else q.data.reshape(1)
+    x = data if isinstance(data, da.Array) else da.from_array(to_host(data), chunks="auto" if chunks is None else chunks)
+    if chunks is not None or not isinstance(data, da.Array):
+        x = x.rechunk(chunks or x.chunksize)
+    g = _group(d)
+    step = [max(c[0], 1) for c in x.chunks]
+    step[-1] = max(g, -(-step[-1] // g) * g)
+    x = x.rechunk(tuple(step))  # regular chunks, whole bytes along the last axis
+    n_packed = packed_layout(d, x.shape[-1])[1] if g > 1 else x.shape[-1]
+    per_chunk = packed_layout(d, step[-1])[1] if g > 1 else step[-1]
+    packed_dtype = np.dtype(np.uint8) if d.kind == "float" or d.packed else np.dtype(d.storage)
+    out_chunks = x.chunks[:-1] + (tuple(packed_layout(d, c)[1] for c in x.chunks[-1]) if g > 1 else x.chunks[-1],)
+    packed = x.map_blocks(lambda c: _pack_rows(d, c), chunks=out_chunks, dtype=packed_dtype,
+                          meta=np.empty((0,) * x.ndim, packed_dtype))
+    try:
+        grp = zarr.open_group(store, mode="w" if overwrite else "w-")
+    except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
+        raise ValueError(f"to_zarr: {store} already holds data; pass overwrite=True to replace it ({e})") from None
+    codes = grp.create_array("codes", shape=x.shape[:-1] + (n_packed,), chunks=tuple(step[:-1]) + (per_chunk,),
+                             dtype=packed_dtype, fill_value=0)
+    for name, a in (("scale", _scale_bits(q)), ("zero_point", to_host(q.zero_point))):
+        arr = grp.create_array(name, shape=a.shape, dtype=a.dtype)
+        arr[...] = a
+    grp.attrs["qarray"] = json.dumps(_meta(q))
+    da.store(packed, codes, lock=False)
+
+
+def from_zarr(store) -> QArray:
+    """The QArray in a Zarr ``store`` written by :func:`to_zarr`, Dask-backed and
+    lazy (its chunks are the store's). A damaged or foreign store raises
+    ValueError naming the field."""
+    import dask.array as da
+    import zarr
+
+    try:
+        grp = zarr.open_group(store, mode="r")
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as e:
+        raise ValueError(f"from_zarr: {store} holds no Zarr group ({e})") from None
+    if "qarray" not in grp.attrs:
+        raise ValueError(f"from_zarr: {store}: attribute 'qarray' is missing: not a store written by qarray.to_zarr")
+    text = grp.attrs["qarray"]
+    if not isinstance(text, str):
+        raise _bad(store, "zarr", "meta", f"expected a JSON string, got {type(text).__name__}")
+    d, shape, axis, block_size, sd, gs = _parse_meta(store, "zarr", text)
+    arrays = {}
+    for name in ("codes", "scale", "zero_point"):
+        try:
+            arrays[name] = grp[name]
+        except KeyError:
+            raise _bad(store, "zarr", name, "missing") from None
+        if not isinstance(arrays[name], zarr.Array):
+            raise _bad(store, "zarr", name, "not an array")
+    stored = shape or (1,)
+    g = _group(d)
+    want_dtype = np.dtype(np.uint8) if d.kind == "float" or d.packed else np.dtype(d.storage)
+    want_shape = stored[:-1] + ((packed_layout(d, stored[-1])[1] if g > 1 else stored[-1]),)
+    codes = arrays["codes"]
+    if codes.dtype != want_dtype or tuple(codes.shape) != want_shape:
+        raise _bad(store, "zarr", "codes", f"{codes.dtype} {tuple(codes.shape)}, expected {want_dtype} {want_shape} "
+                   f"for {d.name} of shape {shape}")
+    per_chunk = codes.chunks[-1]
+    if g > 1 and per_chunk % packed_layout(d, g)[1]:
+        raise _bad(store, "zarr", "codes", f"chunks of {per_chunk} bytes along the last axis split packed codes")
+    bits_dtype = np.float32 if sd == np.float32 else np.dtype(f"u{sd.itemsize}")
+    scale, zp = np.asarray(arrays["scale"][...]), np.asarray(arrays["zero_point"][...])
+    if scale.dtype != bits_dtype:
+        raise _bad(store, "zarr", "scale", f"dtype {scale.dtype}, expected {np.dtype(bits_dtype)}")
+    if sd != np.float32:
+        scale = scale.view(_scale_dtype(sd.name))
+    try:
+        s, z, axis, block_size = check_params(scale, zp, d, shape, axis, block_size)
+    except (TypeError, ValueError) as e:
+        raise _bad(store, "zarr", "scale", e) from None
+    if np.shape(scale) != np.shape(s) or np.shape(zp) != np.shape(z):
+        raise _bad(store, "zarr", "scale", f"shapes {np.shape(scale)}, {np.shape(zp)}, expected {np.shape(s)}")
+    x = da.from_zarr(codes)
+    if g > 1:
+        n_codes = per_chunk // packed_layout(d, g)[1] * g  # codes in a full chunk
+        chunks = x.chunks[:-1] + (tuple(min(n_codes, stored[-1] - i * n_codes) for i in range(len(x.chunks[-1]))),)
+        bits = _backends.get("dask").float_storage(d)
+        x = x.map_blocks(functools.partial(_unpack_rows, d, stored[-1], n_codes), chunks=chunks, dtype=bits,
+                         meta=np.empty((0,) * x.ndim, bits))
+    if not shape:
+        x = x.reshape(())
+    b = _backends.get("dask")
+    return QArray._new(x, s, z, d, axis, block_size, b, gs)
