@@ -59,6 +59,19 @@ __all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer"]
 METHODS = ("percentile", "mse", "entropy")
 
 
+def _lazy(a) -> bool:
+    """Whether ``a`` is a Dask collection (its values are computed on demand)."""
+    return getattr(a, "__dask_graph__", None) is not None
+
+
+def _bin_counts(rows, scale, bins):
+    """The histogram counts ``(channels, bins)`` of ``rows``: ``x * bins / (2 R)``
+    (``scale`` per channel, a power of two: exact), floored, from bin ``-R``."""
+    idx = np.floor(rows * scale[:, None]).astype(np.int64)
+    idx += bins // 2 + bins * np.arange(rows.shape[0], dtype=np.int64)[:, None]
+    return np.bincount(idx.ravel(), minlength=rows.shape[0] * bins).reshape(rows.shape[0], bins)
+
+
 class Observer:
     """The common part: settings, batch checks, qparams, quantize, state."""
 
@@ -95,8 +108,13 @@ class Observer:
         if self.lo is not None and rows.shape[0] != self.lo.shape[0]:
             raise ValueError(f"{name}.update: the batch has {rows.shape[0]} channels along axis {self.axis}, "
                              f"earlier batches had {self.lo.shape[0]}")
-        lo = to_host(rows.min(axis=1)).astype(np.float64)
-        hi = to_host(rows.max(axis=1)).astype(np.float64)
+        if _lazy(rows):  # a dask array: both reductions in one pass, each a tree over the chunks
+            import dask
+
+            lo, hi = (np.asarray(v, np.float64) for v in dask.compute(rows.min(axis=1), rows.max(axis=1)))
+        else:
+            lo = to_host(rows.min(axis=1)).astype(np.float64)
+            hi = to_host(rows.max(axis=1)).astype(np.float64)
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
             raise ValueError(f"{name}.update: the batch holds NaN or inf; observe finite values only")
         return rows, lo, hi
@@ -293,9 +311,10 @@ class Histogram(Observer):
         return self
 
     def update(self, x):
-        """Take one batch (a CuPy batch is copied to the host for the counts)."""
+        """Take one batch (a CuPy batch is copied to the host for the counts; a Dask
+        batch is counted chunk by chunk, the counts added in a tree: the same
+        counts as for the batch in memory)."""
         rows, lo, hi = self._rows(x)
-        rows = to_host(rows)
         need = np.frexp(np.maximum(np.abs(lo), np.abs(hi)))[1].astype(np.int64)  # |x| < 2**need
         if self.counts is None:
             self.counts = np.zeros((rows.shape[0], self.bins), np.int64)
@@ -306,9 +325,16 @@ class Histogram(Observer):
         # x * bins / (2 R): a power of two, exact; floor gives the bin from -R
         scale = np.ldexp(1.0, int(np.log2(half)) - self.exponent).astype(rows.dtype if rows.dtype.kind == "f"
                                                                           else np.float64)
-        idx = np.floor(rows * scale[:, None]).astype(np.int64)
-        idx += half + self.bins * np.arange(rows.shape[0], dtype=np.int64)[:, None]
-        self.counts += np.bincount(idx.ravel(), minlength=self.counts.size).reshape(self.counts.shape)
+        if _lazy(rows):
+            import dask
+
+            parts = [dask.delayed(_bin_counts)(c, scale, self.bins) for c in rows.rechunk({0: -1}).to_delayed().ravel()]
+            while len(parts) > 1:
+                parts = [dask.delayed(np.add)(*parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
+                         for i in range(0, len(parts), 2)]
+            self.counts += parts[0].compute()
+        else:
+            self.counts += _bin_counts(to_host(rows), scale, self.bins)
         return self
 
     def _grow(self, need):

@@ -302,3 +302,48 @@ def test_damaged_and_foreign_stores(tmp_path):
     ]:
         with pytest.raises(ValueError, match=match):
             from_zarr(damaged(change))
+
+
+@pytest.mark.parametrize("chunks", [(1, 1), (4, 5), ((3, 16), (2, 9, 12))])
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_observers_on_dask_data_equal_the_in_memory_ones(chunks, axis):
+    """update(dask_x): per-chunk statistics combined in a tree; the parameters
+    (MinMax exactly) and the histogram counts (bin for bin) as for the array in memory."""
+    from qarray import observers
+
+    y = X * np.float32(7)
+    for make in (lambda: observers.MinMax("qint8", axis=axis),
+                 lambda: observers.MovingAverageMinMax("quint8", axis=axis),
+                 lambda: observers.Histogram("quint8", method="percentile", bins=64, axis=axis),
+                 lambda: observers.Histogram("qint8", method="mse", bins=128, symmetric=True, axis=axis)):
+        mem, lazy = make(), make()
+        for batch in (X, y):
+            mem.update(batch)
+            lazy.update(da.from_array(batch, chunks=chunks))
+        for a, b in zip(lazy.qparams(), mem.qparams()):
+            np.testing.assert_array_equal(a, b)
+        if hasattr(mem, "counts"):
+            np.testing.assert_array_equal(lazy.counts, mem.counts)
+            np.testing.assert_array_equal(lazy.exponent, mem.exponent)
+
+
+def test_observer_on_a_local_cluster(client):
+    from qarray import observers
+
+    mem, lazy = observers.Histogram("quint8", bins=256, axis=1), observers.Histogram("quint8", bins=256, axis=1)
+    mem.update(X)
+    lazy.update(da.from_array(X, chunks=(4, 6)))
+    np.testing.assert_array_equal(lazy.counts, mem.counts)
+
+
+@pytest.mark.parametrize("batch_chunk", [1, 2, 5])
+def test_conv2d_over_batch_chunks(batch_chunk):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 4, 9, 8)).astype(np.float32)
+    w = qarray.quantize(rng.standard_normal((6, 2, 3, 3)).astype(np.float32), rng.uniform(0.01, 0.03, 6).astype(np.float32),
+                        0, "qint8", axis=0)
+    q = qarray.quantize(x, 0.03, 4, "quint8")
+    dq = qarray.quantize(da.from_array(x, chunks=(batch_chunk, 3, 4, 5)), 0.03, 4, "quint8")
+    for kw in (dict(padding=1, groups=2, scale=0.2, zero_point=3, dtype="quint8", relu=True),
+               dict(stride=2, groups=2, bias=rng.standard_normal(6).astype(np.float32)), dict(dilation=2, groups=2)):
+        _same(qarray.conv2d(dq, w, **kw), qarray.conv2d(q, w, **kw))

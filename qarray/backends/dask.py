@@ -72,6 +72,14 @@ class DaskWeight:
         return self._parts[k0, k1]
 
 
+def _on_batch(op, like, args, kwargs, chunk):
+    """``op`` on one chunk of samples, as an in-memory QArray with ``like``'s parameters."""
+    from .._qarray import QArray
+
+    x = QArray._new(chunk, like.scale, like.zero_point, like.dtype, like.axis, like.block_size)
+    return op(x, *args, **kwargs).data
+
+
 def _chunk_matmul(inner, qd, za, pw, zw, bias, rq, acc_dtype, chunk):
     from . import get
 
@@ -195,3 +203,19 @@ class DaskBackend(Backend):
             parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
         acc = parts[0] if bias is None else parts[0] + np.asarray(to_host(bias), np.int64)
         return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
+
+    # -- whole ops over chunks of samples ------------------------------------
+    def over_batches(self, op, x, *args, **kwargs):
+        """``op(x, *args, **kwargs)`` (an op on NCHW samples: conv2d, pooling) run on
+        each chunk of ``x``'s first axis, the other axes whole in each chunk. The
+        output's parameters and sample shape come from ``op`` on zero samples."""
+        from .._qarray import QArray
+
+        data = x.data.rechunk({i: -1 for i in range(1, x.ndim)})
+        empty = np.zeros((0,) + x.shape[1:], data.dtype)
+        probe = op(QArray._new(empty, x.scale, x.zero_point, x.dtype, x.axis, x.block_size), *args, **kwargs)
+        like = QArray._new(empty, x.scale, x.zero_point, x.dtype, x.axis, x.block_size)
+        out = data.map_blocks(functools.partial(_on_batch, op, like, args, kwargs), chunks=(data.chunks[0],) + probe.shape[1:],
+                              dtype=probe.data.dtype, meta=np.empty((0,) * probe.ndim, probe.data.dtype))
+        return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,
+                           probe.global_scale)

@@ -126,7 +126,9 @@ def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, gro
         raise ValueError(f"conv2d: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
     stride, padding, dilation, groups = check_conv_args("conv2d", w.shape, stride, padding, dilation, groups)
     _check_operand("conv2d", "x", x, weight=False)
-    _backends.common(x.data, w.data)
+    if _backends.common(x.data, w.data).name == "dask":  # each chunk of samples in memory
+        return x._backend.over_batches(conv2d, x, w.compute(), bias, stride, padding, dilation, groups, scale=scale,
+                                       zero_point=zero_point, dtype=dtype, relu=relu, mode=mode, rounding=rounding)
     packed = pack_conv_weight("conv2d", w, groups)
     return conv_packed("conv2d", x, packed, w.shape, bias, stride, padding, dilation, groups,
                        scale, zero_point, dtype, relu, mode, rounding)

@@ -1,0 +1,115 @@
+"""Dask benchmark: the overhead of the Dask backend, and strong scaling on a cluster.
+
+Targets (issue 16):
+- quantize + dequantize of 2**26 float32 values in 16 chunks on the threaded
+  scheduler with one thread (``persist()``): <= 1.5x the in-memory call;
+- int8 ``nn.Linear`` (per-channel qint8 weights 1024x1024, qint8 out) over a
+  65536x1024 batch in 16 chunks, on a LocalCluster of 2 worker processes
+  against 1, each held to one thread (Numba, BLAS, the GEMM engine): >= 1.5x
+  (the client and scheduler share this machine's two cores); float32 BLAS
+  through Dask on the same clusters is measured beside it.
+
+Usage: ``PYTHONPATH=. python benchmarks/bench_dask.py [OUTDIR] [--quick]``
+(``--quick``: small sizes, a check that everything runs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[var] = "1"  # every pool, here and in the workers (they inherit it), one thread
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import options, timeit, write  # noqa: E402
+
+import bench_ops  # noqa: E402
+from bench_ops import report, say  # noqa: E402
+
+import dask  # noqa: E402
+import dask.array as da  # noqa: E402
+import distributed  # noqa: E402
+
+import qarray  # noqa: E402
+
+
+def bench_overhead(n, repeats):
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    dx = da.from_array(x, chunks=n // 16)
+    fns = {
+        "qarray dask quantize+dequantize": lambda: qarray.quantize(dx, 0.02, 3, "qint8").dequantize().persist(
+            scheduler="threads", num_workers=1),
+        "qarray in memory quantize+dequantize": lambda: qarray.quantize(x, 0.02, 3, "qint8").dequantize(),
+    }
+    t = timeit(repeats, **fns)
+    report("dask overhead", f"{n} in 16 chunks, 1 thread", t, "qarray in memory quantize+dequantize", 1.5,
+           ["qarray dask quantize+dequantize"])
+
+
+def _cluster_time(workers, fn, repeats):
+    """Median and min ms of what ``fn(client)`` times (it returns seconds) on a
+    LocalCluster of ``workers`` one-thread processes, after one untimed run."""
+    with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
+        fn(client)
+        times = [fn(client) * 1e3 for _ in range(repeats)]
+    return statistics.median(times), min(times)
+
+
+def bench_scaling(rows, repeats):
+    rng = np.random.default_rng(1)
+    w = qarray.quantize_dynamic(rng.standard_normal((1024, 1024)).astype(np.float32), "qint8", symmetric=True, axis=0)
+    wf = w.dequantize()
+
+    def timed(make, run):
+        def fn(client):
+            x = make()
+            distributed.wait(x.data if isinstance(x, qarray.QArray) else x)
+            t0 = time.perf_counter()
+            y = run(x)
+            distributed.wait(y.data if isinstance(y, qarray.QArray) else y)
+            return time.perf_counter() - t0
+        return fn
+
+    def floats():
+        return da.random.default_rng(2).standard_normal((rows, 1024), chunks=(rows // 16, 1024)).astype(np.float32)
+
+    contenders = {
+        "qarray linear int8 (qint8 out)": timed(lambda: qarray.quantize(floats(), 0.02, 0, "qint8").persist(),
+                                                lambda q: qarray.linear(q, w, scale=0.5, zero_point=0, dtype="qint8").persist()),
+        "numpy float32 x @ w.T": timed(lambda: floats().persist(), lambda x: (x @ wf.T).persist()),
+    }
+    for who, fn in contenders.items():
+        (m1, n1), (m2, n2) = _cluster_time(1, fn, repeats), _cluster_time(2, fn, repeats)
+        target = 1.5 if who.startswith("qarray") else None
+        met = None if target is None else m1 / m2 >= target
+        bench_ops.ROWS.append(dict(op="dask strong scaling", shape=f"{rows}x1024 @ 1024x1024, 16 chunks", who=who,
+                                   ms_1_worker=m1, min_ms_1_worker=n1, ms_2_workers=m2, min_ms_2_workers=n2,
+                                   speedup=round(m1 / m2, 3), speedup_of_mins=round(n1 / n2, 3), target=target, met=met))
+        say(f"dask strong scaling {rows}x1024 {who:<32} 1 worker {m1:9.1f} ({n1:8.1f})  2 workers {m2:9.1f} "
+            f"({n2:8.1f})  speedup {m1 / m2:5.2f} ({n1 / n2:5.2f})" + ("" if target is None else
+                                                                         f"  >={target} {'yes' if met else 'no'}"))
+
+
+def main(outdir: Path, quick: bool):
+    info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                python=platform.python_version(), numpy=np.__version__, dask=dask.__version__,
+                distributed=distributed.__version__, quick=quick)
+    say("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    say("times: median (min) ms; ratios of medians and of mins to the reference; targets judged on the medians")
+    bench_overhead(1 << (20 if quick else 26), 3 if quick else 9)
+    bench_scaling(4096 if quick else 65536, 2 if quick else 5)
+    write(outdir, "bench_dask", bench_ops.LINES, machine=info, rows=bench_ops.ROWS)
+
+
+if __name__ == "__main__":
+    args = options(__doc__)
+    main(args.outdir, args.quick)
