@@ -103,7 +103,12 @@ def _parser() -> _Parser:
                        "last axis; the last block is shorter where B does not divide the axis. Arrays "
                        "without the axis asked for are quantized per tensor (the table says so).")
     s.add_argument("input", metavar="IN", type=Path, help="a .npz, .npy or .safetensors file of arrays")
-    s.add_argument("-o", "--output", metavar="OUT.npz", type=Path, required=True, help="the qarray file to write")
+    s.add_argument("-o", "--output", metavar="OUT.npz|OUT.zarr", type=Path, required=True,
+                   help="the qarray file to write; a .zarr store is written tensor by tensor and chunk by chunk "
+                   "with Dask (IN read lazily, memory-mapped: memory stays bounded whatever its size)")
+    s.add_argument("--scheduler", metavar="threads|processes|ADDRESS",
+                   help="the Dask scheduler of a .zarr output: threads (default), processes, or a "
+                   "dask.distributed scheduler's address")
     s.add_argument("--dtype", type=_qdtype, default="qint8", help="quantized dtype (default qint8)")
     s.add_argument("--per-channel", metavar="AXIS", type=int, help="one scale and zero point per index of AXIS")
     s.add_argument("--block-size", metavar="B", type=_positive, help="one scale and zero point per block of B")
@@ -235,7 +240,10 @@ def _scheme(q) -> str:
 
 def _stored_bytes(q) -> int:
     """What qarray.save stores for ``q``: packed data, scale and zero point."""
-    return sum(int(to_host(a).nbytes) for a in (q.pack(), q.scale, q.zero_point))
+    from ._api import packed_layout
+
+    dtype, items = packed_layout(q.dtype, q.size)
+    return dtype.itemsize * items + int(q.scale.nbytes) + int(q.zero_point.nbytes)
 
 
 def _shape(a) -> str:
@@ -318,27 +326,33 @@ def _quantize(args) -> int:
     if args.block_size is not None and args.observer != "minmax":
         raise CliError(f"--block-size takes --observer minmax only, got {args.observer} (the other observers "
                        "give per-tensor or per-channel parameters)", 2)
-    if args.output.suffix.lower() != ".npz":
-        raise CliError(f"the output must be a .npz file, got {args.output}", 2)
+    lazy = args.output.suffix.lower() == ".zarr"
+    if not lazy and args.output.suffix.lower() != ".npz":
+        raise CliError(f"the output must be a .npz file or a .zarr store, got {args.output}", 2)
+    if args.scheduler is not None and not lazy:
+        raise CliError("--scheduler runs the Dask graphs of a .zarr output; the output here is .npz", 2)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CliError(f"--plot writes a .png file, got {args.plot}", 2)
     _need("rich", "pip install 'qarray[cli]'")
     if args.plot is not None:
         _need("matplotlib", "pip install matplotlib")
-    quantized, arrays = _read(args.input)
-    if quantized:
-        raise CliError(f"{args.input} is already quantized (written by qarray.save); "
-                       "see what it holds with 'qarray inspect'")
-    from rich.progress import track
+    if lazy:
+        rows = _quantize_lazily(args)
+    else:
+        quantized, arrays = _read(args.input)
+        if quantized:
+            raise CliError(f"{args.input} is already quantized (written by qarray.save); "
+                           "see what it holds with 'qarray inspect'")
+        from rich.progress import track
 
-    out, rows = {}, []
-    for name, x in track(arrays.items(), description="quantizing", transient=True):
-        out[name], row = _quantize_one(name, x, args)
-        rows.append(row)
-    try:
-        qarray.save(args.output, out)
-    except OSError as e:
-        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+        out, rows = {}, []
+        for name, x in track(arrays.items(), description="quantizing", transient=True):
+            out[name], row = _quantize_one(name, x, args)
+            rows.append(row)
+        try:
+            qarray.save(args.output, out)
+        except OSError as e:
+            raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
     before, after = sum(r[-2] for r in rows), sum(r[-1] for r in rows)
     _table(f"{args.input} -> {args.output}", ["name", "shape", "dtype", "scheme", "SQNR dB", "max abs error",
                                                 "bytes before", "bytes after"],
@@ -350,6 +364,87 @@ def _quantize(args) -> int:
     if args.plot is not None:
         _plot(args.plot, [(r[0], r[4]) for r in rows if r[4] is not None], args)
     return 0
+
+
+class _Lazy:
+    """A tensor of a .safetensors file, read slice by slice from its memory map
+    (``dask.array.from_array``); it holds the path, so it travels to workers."""
+
+    def __init__(self, path, name, shape, dtype):
+        self.path, self.name, self.shape, self.dtype = str(path), name, tuple(shape), np.dtype(dtype)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key):
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="numpy") as f:
+            return np.asarray(f.get_slice(self.name)[key])
+
+
+def _lazy_arrays(path: Path):
+    """``{name: dask array}`` of IN, read chunk by chunk (a .safetensors tensor slice
+    by slice from its memory map, a .npy memory-mapped; a .npz member in memory)."""
+    da = _need("dask.array", "pip install 'qarray[dask]'")
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors" and path.is_file():
+        st = _need("safetensors", "pip install safetensors")
+        try:
+            with st.safe_open(str(path), framework="numpy") as f:
+                found = {name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()}
+            return {name: da.from_array(_Lazy(path, name, shape, _ST_DTYPES.get(dt, "V")), chunks="auto", asarray=False)
+                    for name, (shape, dt) in found.items()}
+        except CliError:
+            raise
+        except Exception as e:
+            raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+    if suffix == ".npy" and path.is_file():
+        try:
+            return {path.stem: da.from_array(np.load(path, mmap_mode="r", allow_pickle=False), chunks="auto")}
+        except Exception as e:
+            raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+    quantized, arrays = _read(path)
+    if quantized:
+        raise CliError(f"{path} is already quantized (written by qarray.save); see what it holds with 'qarray inspect'")
+    return {name: da.from_array(x, chunks="auto") for name, x in arrays.items()}
+
+
+_ST_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8", "I16": "int16",
+              "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "BOOL": "bool"}
+
+
+def _quantize_lazily(args) -> list:
+    """Quantize IN into the Zarr store OUT tensor by tensor, each computed chunk by
+    chunk as it is written (``qarray.zarr``: a group per quantized tensor, an array
+    per tensor passed through); the table's rows."""
+    import contextlib
+
+    dask = _need("dask", "pip install 'qarray[dask]'")
+    zarr = _need("zarr", "pip install 'qarray[dask]'")
+    from .zarr import to_zarr
+
+    arrays = _lazy_arrays(args.input)
+    if args.scheduler in (None, "threads", "processes"):
+        ctx = dask.config.set(scheduler=args.scheduler or "threads")
+    else:
+        distributed = _need("distributed", "pip install 'qarray[dask]'")
+        try:
+            ctx = distributed.Client(args.scheduler, timeout=30)
+        except (OSError, ValueError) as e:
+            raise CliError(f"--scheduler {args.scheduler}: cannot reach it: {_one_line(e)}") from None
+    rows = []
+    with ctx if isinstance(ctx, contextlib.AbstractContextManager) else contextlib.closing(ctx):
+        try:
+            root = zarr.open_group(args.output, mode="w-")
+        except Exception as e:
+            raise CliError(f"cannot write {args.output}: {_one_line(e)} (remove it first)") from None
+        for name, x in arrays.items():
+            q, row = _quantize_one(name, x, args)
+            if isinstance(q, qarray.QArray):
+                to_zarr(q, args.output / name)
+            else:
+                dask.array.store(q, root.create_array(name, shape=q.shape, chunks=q.chunksize, dtype=q.dtype), lock=False)
+            rows.append(row)
+    return rows
 
 
 def _quantize_one(name, x, args):
@@ -386,13 +481,18 @@ def _axis(ndim: int, axis):
 
 def _errors(x, q):
     """SQNR in dB, ``10 log10(sum x^2 / sum (x - q.dequantize())^2)`` (inf when
-    exact), and the largest absolute error, both in float64."""
+    exact), and the largest absolute error, both in float64 (of dask arrays: in one pass)."""
     x = x.astype(np.float64)
     e = x - q.dequantize().astype(np.float64)
-    signal, noise = float(np.sum(x * x)), float(np.sum(e * e))
+    sums = (np.sum(x * x), np.sum(e * e), np.max(np.abs(e)))
+    if hasattr(x, "__dask_graph__"):
+        import dask
+
+        sums = dask.compute(*sums)
+    signal, noise, most = (float(v) for v in sums)
     if noise == 0:
         return math.inf, 0.0
-    return (10 * math.log10(signal / noise) if signal else -math.inf), float(np.max(np.abs(e)))
+    return (10 * math.log10(signal / noise) if signal else -math.inf), most
 
 
 def _plot(path: Path, sqnr, args) -> None:

@@ -347,3 +347,35 @@ def test_conv2d_over_batch_chunks(batch_chunk):
     for kw in (dict(padding=1, groups=2, scale=0.2, zero_point=3, dtype="quint8", relu=True),
                dict(stride=2, groups=2, bias=rng.standard_normal(6).astype(np.float32)), dict(dilation=2, groups=2)):
         _same(qarray.conv2d(dq, w, **kw), qarray.conv2d(q, w, **kw))
+
+
+@pytest.mark.parametrize("extra", [[], ["--per-channel", "0"], ["--observer", "mse"],
+                                   ["--block-size", "16", "--dtype", "qint4"], ["--scheduler", "processes"]])
+def test_cli_quantize_to_zarr_equals_the_in_memory_file(tmp_path, capsys, extra):
+    """``qarray quantize IN.safetensors -o OUT.zarr`` (read lazily, written tensor by
+    tensor) writes what ``-o OUT.npz`` writes, and shows the same table."""
+    from safetensors.numpy import save_file
+
+    from qarray import cli
+
+    rng = np.random.default_rng(0)
+    arrays = {"fc1.weight": rng.standard_normal((300, 70)).astype(np.float32),
+              "fc1.bias": rng.standard_normal(300).astype(np.float32) * 0.1,
+              "steps": np.arange(5, dtype=np.int64), "enc/w": rng.standard_normal((4, 3, 5)).astype(np.float32)}
+    save_file(arrays, tmp_path / "m.safetensors")
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr"), *extra]) == 0
+    lazy = capsys.readouterr().out
+    if "--scheduler" not in extra:
+        assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.npz"), *extra]) == 0
+        table = capsys.readouterr().out
+        rows = [sorted(line for line in out.splitlines() if "│" in line) for out in (lazy, table)]
+        assert rows[0] == rows[1] and len(rows[0]) >= 4
+    else:
+        assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.npz")]) == 0
+    for name, want in qarray.load(tmp_path / "m.npz").items():
+        if isinstance(want, qarray.QArray):
+            _same(from_zarr(tmp_path / "m.zarr" / name), want)
+        else:
+            np.testing.assert_array_equal(zarr.open_group(tmp_path / "m.zarr")[name][...], want)
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr")]) == 1
+    assert "remove it first" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import dask
 import dask.array as da
 import numpy as np
 
@@ -80,7 +81,7 @@ def _on_batch(op, like, args, kwargs, chunk):
     return op(x, *args, **kwargs).data
 
 
-def _chunk_matmul(inner, qd, za, pw, zw, bias, rq, acc_dtype, chunk):
+def _chunk_matmul(inner, qd, za, zw, bias, rq, acc_dtype, chunk, pw):
     from . import get
 
     return get(inner).int_matmul(chunk, qd, za, pw, zw, bias, rq, acc_dtype)
@@ -192,9 +193,10 @@ class DaskBackend(Backend):
 
         def product(k, bias_, rq_, acc):
             part = a[..., ks[k]:ks[k + 1]]
-            fn = functools.partial(_chunk_matmul, self.inner, qd, za, pw.part(ks[k], ks[k + 1]), zw, bias_, rq_, acc)
+            weights = dask.delayed(pw.part(ks[k], ks[k + 1]))  # one node of the graph, sent once to each worker
+            fn = functools.partial(_chunk_matmul, self.inner, qd, za, zw, bias_, rq_, acc)
             out = rq_.out_dtype if rq_ is not None else np.dtype(acc)
-            return part.map_blocks(fn, chunks=out_chunks, dtype=out, meta=np.empty((0,) * a.ndim, out))
+            return part.map_blocks(fn, weights, chunks=out_chunks, dtype=out, meta=np.empty((0,) * a.ndim, out))
 
         if len(ks) == 2:  # K whole in every chunk: one fused call per chunk of rows
             return product(0, bias, rq, acc_dtype)
