@@ -3,6 +3,9 @@
 Targets (issue 16):
 - quantize + dequantize of 2**26 float32 values in 16 chunks on the threaded
   scheduler with one thread (``persist()``): <= 1.5x the in-memory call;
+- out of core: ``qarray quantize BIG.safetensors -o OUT.zarr --per-channel 0``
+  on a 6 GiB float32 file (one 4 GiB tensor among others, made here) allocates
+  at most 256 MiB more (peak ``RssAnon``, polled) than on a tiny file;
 - int8 ``nn.Linear`` (per-channel qint8 weights 1024x1024, qint8 out) over a
   65536x1024 batch in 16 chunks, on a LocalCluster of 2 worker processes
   against 1, each held to one thread (Numba, BLAS, the GEMM engine): >= 1.5x
@@ -100,6 +103,84 @@ def bench_scaling(rows, repeats):
                                                                          f"  >={target} {'yes' if met else 'no'}"))
 
 
+def _write_safetensors(path, tensors, rng):
+    """A float32 .safetensors file of ``{name: shape}`` written 64 MiB at a time
+    (the format: an 8-byte header length, the JSON header, the raw data)."""
+    import json
+    import math
+
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        n = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name, shape in tensors.items():
+            left = math.prod(shape)
+            while left:
+                k = min(left, 1 << 24)
+                f.write(rng.standard_normal(k, np.float32).tobytes())
+                left -= k
+
+
+def _peak_rss_anon(argv):
+    """The peak ``RssAnon`` (bytes) of a command, polled every 10 ms, and its exit status."""
+    import subprocess
+
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while p.poll() is None:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+        time.sleep(0.01)
+    err = p.stderr.read().decode()
+    if p.returncode:
+        raise RuntimeError(f"{argv} failed: {err[-2000:]}")
+    return peak
+
+
+def bench_out_of_core(tmp, gib):
+    """Peak RssAnon of the CLI on a ``gib`` GiB file against a tiny one."""
+    import shutil
+
+    rng = np.random.default_rng(3)
+    cols = 4096
+    big_rows = int(gib * 2**30 * 2 / 3) // (4 * cols)  # the big tensor: two thirds of the file
+    rest_rows = int(gib * 2**30 / 3) // (4 * cols)
+    files = {"tiny": {"w": (64, 64), "b": (64,)},
+             "big": {"big": (big_rows, cols), "w2": (rest_rows // 2, cols), "w3": (rest_rows - rest_rows // 2, cols),
+                     "b": (cols,)}}
+    peaks, took = {}, {}
+    qarray_cmd = [sys.executable, "-m", "qarray"]
+    for key, tensors in files.items():
+        src, out = tmp / f"{key}.safetensors", tmp / f"{key}.zarr"
+        _write_safetensors(src, tensors, rng)
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        peaks[key] = _peak_rss_anon(qarray_cmd + ["quantize", str(src), "-o", str(out), "--per-channel", "0"])
+        took[key] = time.perf_counter() - t0
+        size = src.stat().st_size
+        src.unlink()
+        shutil.rmtree(out, ignore_errors=True)
+        files[key] = size
+    extra = (peaks["big"] - peaks["tiny"]) / 2**20
+    met = extra <= 256
+    bench_ops.ROWS.append(dict(op="out of core", file_bytes=files["big"], peak_rss_anon_big=peaks["big"],
+                               peak_rss_anon_tiny=peaks["tiny"], extra_mib=round(extra, 1), seconds=round(took["big"], 1),
+                               target="<= 256 MiB more", met=met))
+    say(f"out of core: qarray quantize {files['big'] / 2**30:.2f} GiB .safetensors -> .zarr, per channel: peak RssAnon "
+        f"{peaks['big'] / 2**20:.0f} MiB vs {peaks['tiny'] / 2**20:.0f} MiB on a tiny file: +{extra:.0f} MiB "
+        f"(target <= 256: {'yes' if met else 'no'}), {took['big']:.1f} s")
+
+
 def main(outdir: Path, quick: bool):
     info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 python=platform.python_version(), numpy=np.__version__, dask=dask.__version__,
@@ -109,6 +190,10 @@ def main(outdir: Path, quick: bool):
     qarray.set_num_threads(1)
     bench_overhead(1 << (20 if quick else 26), 3 if quick else 9)
     bench_scaling(4096 if quick else 65536, 2 if quick else 5)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("QARRAY_BENCH_TMP")) as tmp:
+        bench_out_of_core(Path(tmp), 0.0625 if quick else 6)
     write(outdir, "bench_dask", bench_ops.LINES, machine=info, rows=bench_ops.ROWS)
 
 

@@ -31,6 +31,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -103,9 +104,10 @@ def _parser() -> _Parser:
                        "last axis; the last block is shorter where B does not divide the axis. Arrays "
                        "without the axis asked for are quantized per tensor (the table says so).")
     s.add_argument("input", metavar="IN", type=Path, help="a .npz, .npy or .safetensors file of arrays")
-    s.add_argument("-o", "--output", metavar="OUT.npz|OUT.zarr", type=Path, required=True,
-                   help="the qarray file to write; a .zarr store is written tensor by tensor and chunk by chunk "
-                   "with Dask (IN read lazily, memory-mapped: memory stays bounded whatever its size)")
+    s.add_argument("-o", "--output", metavar="OUT.npz|OUT.safetensors|OUT.zarr", type=Path, required=True,
+                   help="the qarray file to write; a .safetensors file or .zarr store is written tensor by tensor "
+                   "and chunk by chunk with Dask (IN read lazily, memory-mapped: memory stays bounded whatever its "
+                   "size)")
     s.add_argument("--scheduler", metavar="threads|processes|ADDRESS",
                    help="the Dask scheduler of a .zarr output: threads (default), processes, or a "
                    "dask.distributed scheduler's address")
@@ -326,11 +328,12 @@ def _quantize(args) -> int:
     if args.block_size is not None and args.observer != "minmax":
         raise CliError(f"--block-size takes --observer minmax only, got {args.observer} (the other observers "
                        "give per-tensor or per-channel parameters)", 2)
-    lazy = args.output.suffix.lower() == ".zarr"
+    lazy = args.output.suffix.lower() in (".zarr", ".safetensors")
     if not lazy and args.output.suffix.lower() != ".npz":
-        raise CliError(f"the output must be a .npz file or a .zarr store, got {args.output}", 2)
+        raise CliError(f"the output must be a .npz or .safetensors file or a .zarr store, got {args.output}", 2)
     if args.scheduler is not None and not lazy:
-        raise CliError("--scheduler runs the Dask graphs of a .zarr output; the output here is .npz", 2)
+        raise CliError("--scheduler runs the Dask graphs of a .zarr or .safetensors output; the output here is "
+                       ".npz", 2)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CliError(f"--plot writes a .png file, got {args.plot}", 2)
     _need("rich", "pip install 'qarray[cli]'")
@@ -374,6 +377,10 @@ class _Lazy:
         self.path, self.name, self.shape, self.dtype = str(path), name, tuple(shape), np.dtype(dtype)
         self.ndim = len(self.shape)
 
+    def __dask_tokenize__(self):  # else dask may read the whole tensor to name it
+        st = os.stat(self.path)
+        return self.path, st.st_size, st.st_mtime_ns, self.name, self.shape, self.dtype.str
+
     def __getitem__(self, key):
         from safetensors import safe_open
 
@@ -391,8 +398,9 @@ def _lazy_arrays(path: Path):
         try:
             with st.safe_open(str(path), framework="numpy") as f:
                 found = {name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()}
-            return {name: da.from_array(_Lazy(path, name, shape, _ST_DTYPES.get(dt, "V")), chunks="auto", asarray=False)
-                    for name, (shape, dt) in found.items()}
+            lazy = {name: _Lazy(path, name, shape, _ST_DTYPES.get(dt, "V")) for name, (shape, dt) in found.items()}
+            return {name: da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * t.ndim, t.dtype))
+                    for name, t in lazy.items()}  # meta given: dask would read an empty slice, which reads it all
         except CliError:
             raise
         except Exception as e:
@@ -422,7 +430,8 @@ def _quantize_lazily(args) -> list:
     zarr = _need("zarr", "pip install 'qarray[dask]'")
     from .zarr import to_zarr
 
-    arrays = _lazy_arrays(args.input)
+    with dask.config.set({"array.chunk-size": "4MiB"}):  # a few such chunks in flight per thread: bounded memory
+        arrays = _lazy_arrays(args.input)
     if args.scheduler in (None, "threads", "processes"):
         ctx = dask.config.set(scheduler=args.scheduler or "threads")
     else:
@@ -431,19 +440,27 @@ def _quantize_lazily(args) -> list:
             ctx = distributed.Client(args.scheduler, timeout=30)
         except (OSError, ValueError) as e:
             raise CliError(f"--scheduler {args.scheduler}: cannot reach it: {_one_line(e)}") from None
-    rows = []
+    rows, out = [], {}
+    to_file = args.output.suffix.lower() == ".safetensors"
     with ctx if isinstance(ctx, contextlib.AbstractContextManager) else contextlib.closing(ctx):
         try:
-            root = zarr.open_group(args.output, mode="w-")
+            root = None if to_file else zarr.open_group(args.output, mode="w-")
         except Exception as e:
             raise CliError(f"cannot write {args.output}: {_one_line(e)} (remove it first)") from None
         for name, x in arrays.items():
             q, row = _quantize_one(name, x, args)
-            if isinstance(q, qarray.QArray):
+            if to_file:
+                out[name] = q  # written at the end, each tensor chunk by chunk into its place in the file
+            elif isinstance(q, qarray.QArray):
                 to_zarr(q, args.output / name)
             else:
                 dask.array.store(q, root.create_array(name, shape=q.shape, chunks=q.chunksize, dtype=q.dtype), lock=False)
             rows.append(row)
+        if to_file:
+            try:
+                qarray.save(args.output, out)
+            except OSError as e:
+                raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
     return rows
 
 
@@ -479,16 +496,26 @@ def _axis(ndim: int, axis):
     return None, f" ({'scalar' if ndim == 0 else f'{ndim}-d'}: no axis {axis})"
 
 
+def _error_sums(x, d):
+    """``[sum x^2, sum (x - d)^2, max |x - d|]`` in float64 (one chunk's, or all)."""
+    x = x.astype(np.float64)
+    e = x - d.astype(np.float64)
+    return np.array([np.sum(x * x), np.sum(e * e), np.max(np.abs(e), initial=0.0)])
+
+
 def _errors(x, q):
     """SQNR in dB, ``10 log10(sum x^2 / sum (x - q.dequantize())^2)`` (inf when
-    exact), and the largest absolute error, both in float64 (of dask arrays: in one pass)."""
-    x = x.astype(np.float64)
-    e = x - q.dequantize().astype(np.float64)
-    sums = (np.sum(x * x), np.sum(e * e), np.max(np.abs(e)))
+    exact), and the largest absolute error, both in float64; of dask arrays chunk
+    by chunk (each chunk's three numbers, then their sums and maximum)."""
     if hasattr(x, "__dask_graph__"):
+        parts = x.map_blocks(lambda a, b: _error_sums(a, b).reshape((1,) * a.ndim + (3,)), q.dequantize(),
+                             new_axis=x.ndim, chunks=(1,) * x.ndim + (3,), dtype=np.float64).reshape(-1, 3)
         import dask
 
-        sums = dask.compute(*sums)
+        both, most = dask.compute(parts[:, :2].sum(axis=0), parts[:, 2].max())
+        sums = (both[0], both[1], most)
+    else:
+        sums = _error_sums(x, q.dequantize())
     signal, noise, most = (float(v) for v in sums)
     if noise == 0:
         return math.inf, 0.0

@@ -167,12 +167,13 @@ def _save_safetensors(path, arrays):
     tensors, metadata = {}, {}
     for name, q in arrays.items():
         _check_name(name)
-        if type(q) is np.ndarray:
+        if type(q) is np.ndarray or _lazy(q) and not isinstance(q, QArray):
             if q.dtype.kind not in "biuf":
                 raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
             parts = {name: q}
         elif isinstance(q, QArray):
-            parts = {name: to_host(q.int_repr()), f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
+            codes = q.int_repr() if _lazy(q) else to_host(q.int_repr())
+            parts = {name: codes, f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps(_meta(q))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
@@ -180,8 +181,62 @@ def _save_safetensors(path, arrays):
             if key in tensors:
                 raise ValueError(f"save: the tensor name {key!r} is used twice (a QArray {name!r} stores "
                                  f"{name}, {name}.scale and {name}.zero_point)")
-            tensors[key] = np.ascontiguousarray(a)
-    save_file(tensors, str(path), metadata=metadata)
+            tensors[key] = a if _lazy(a) else np.ascontiguousarray(a)
+    if any(_lazy(a) for a in tensors.values()):
+        _stream_safetensors(path, tensors, metadata)
+    else:
+        save_file(tensors, str(path), metadata=metadata)
+
+
+def _lazy(a) -> bool:
+    return getattr(a, "__dask_graph__", None) is not None and a.__dask_graph__() is not None
+
+
+_ST_CODES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "i4": "I32",
+             "u4": "U32", "i8": "I64", "u8": "U64", "b1": "BOOL"}
+
+
+def _stream_safetensors(path, tensors, metadata):
+    """The safetensors layout (an 8-byte header length, the JSON header, the data
+    in header order) written with dask arrays computed chunk by chunk into a
+    memory map of their place in the file: memory stays bounded whatever their size."""
+    import dask.array as da
+
+    header, offset = {}, 0
+    for key in sorted(tensors):
+        a = tensors[key]
+        n = a.dtype.itemsize * math.prod(a.shape)
+        header[key] = {"dtype": _ST_CODES[f"{a.dtype.kind}{a.dtype.itemsize}"], "shape": list(a.shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + offset)
+    for key in sorted(tensors):
+        a, (start, stop) = tensors[key], header[key]["data_offsets"]
+        if stop > start:
+            place = _Place(str(path), a.dtype, 8 + len(text) + start, tuple(a.shape))
+            if _lazy(a):
+                da.store(a, place, lock=False)
+            else:
+                place[...] = a
+
+
+class _Place:
+    """A tensor's bytes in a file, written through a memory map opened where the
+    write runs (a worker process too: a memmap itself would travel as a copy)."""
+
+    def __init__(self, path, dtype, offset, shape):
+        self.path, self.dtype, self.offset, self.shape = path, dtype, offset, shape
+
+    def __setitem__(self, key, value):
+        m = np.memmap(self.path, dtype=self.dtype, mode="r+", offset=self.offset, shape=self.shape)
+        m[key] = value
+        m.flush()
 
 
 def _load_safetensors(path) -> dict:

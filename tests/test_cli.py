@@ -118,7 +118,7 @@ def test_version(capsys):
         (["quantize", "m.npz", "-o", "q.npz", "--block-size", "32", "--observer", "mse"],
          "--block-size takes --observer minmax only, got mse (the other observers give per-tensor or per-channel "
          "parameters)"),
-        (["quantize", "m.npz", "-o", "q.safetensors"], "the output must be a .npz file or a .zarr store, got q.safetensors"),
+        (["quantize", "m.npz", "-o", "q.npy"], "the output must be a .npz or .safetensors file or a .zarr store, got q.npy"),
         (["quantize", "m.npz", "-o", "q.npz", "--plot", "p.svg"], "--plot writes a .png file, got p.svg"),
         (["quantize", "m.txt", "-o", "q.npz"], "m.txt: expected a .npz, .npy or .safetensors file"),
         (["inspect"], "the following arguments are required: FILE (see 'qarray inspect --help')"),

@@ -379,3 +379,13 @@ def test_cli_quantize_to_zarr_equals_the_in_memory_file(tmp_path, capsys, extra)
             np.testing.assert_array_equal(zarr.open_group(tmp_path / "m.zarr")[name][...], want)
     assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr")]) == 1
     assert "remove it first" in capsys.readouterr().err
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "q.safetensors"), *extra]) == 0
+    streamed, want = qarray.load(tmp_path / "q.safetensors"), qarray.load(tmp_path / "m.npz")
+    assert streamed.keys() == want.keys()
+    for name, w in want.items():
+        got = streamed[name]
+        if isinstance(w, qarray.QArray):
+            assert (got.dtype, got.axis, got.block_size) == (w.dtype, w.axis, w.block_size)
+            np.testing.assert_array_equal(got.scale, w.scale)
+            got, w = got.int_repr(), w.int_repr()
+        np.testing.assert_array_equal(got, w)
