@@ -106,8 +106,8 @@ class DaskBackend(Backend):
         return np.asarray(a)  # small host arrays broadcast against the chunks as they are
 
     def asarray(self, a, dtype=None):
-        return a.astype(dtype) if isinstance(a, da.Array) and dtype is not None else (
-            a if isinstance(a, da.Array) else da.from_array(np.asarray(a, dtype=dtype)))
+        a = a if isinstance(a, da.Array) else da.from_array(np.asarray(a))
+        return a if dtype is None else a.astype(dtype)
 
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a.compute() if isinstance(a, da.Array) else a)
