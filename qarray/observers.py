@@ -373,7 +373,9 @@ class Histogram(Observer):
         lo, hi = np.empty(len(edges)), np.empty(len(edges))
         for c in range(len(edges)):
             lo[c], hi[c] = pick(self.counts[c], edges[c])
-        return np.maximum(lo, self.lo), np.minimum(hi, self.hi)
+        # within the observed range: a channel of one value can pick bin edges wholly
+        # below it (lo > hi after a one-sided clamp, which choose_qparams refused)
+        return np.clip(lo, self.lo, self.hi), np.clip(hi, self.lo, self.hi)
 
     def _percentile(self, counts, edges):
         half, total = self.bins // 2, int(counts.sum())

@@ -342,3 +342,21 @@ def test_linear_calibrate_with_an_observer(rng):
     assert int(relu.zero_point) == 0
     with pytest.raises(ValueError, match="calibrate: dtype quint8 differs from the observer's qint8"):
         layer.calibrate(xs[0], dtype="quint8")
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_histogram_channels_of_one_value(method, symmetric):
+    """Per channel, one value each (a 1-D bias with axis=0): the chosen range stays
+    inside the observed one, so each channel's value is reachable. It used to
+    pick bin edges below a positive value, giving lo > hi and a ValueError."""
+    from qarray.observers import Histogram
+
+    x = np.float32([0.12573022, -0.13210486, 0.64042264, 0.0, 3.5, -2.25])
+    obs = Histogram("qint8", method=method, symmetric=symmetric, axis=0).update(x)
+    lo, hi = obs._range()
+    assert np.all(lo <= hi)
+    assert np.all((lo >= obs.lo) & (hi <= obs.hi))
+    q = obs.quantize(x)
+    err = np.abs(q.dequantize() - x)
+    assert np.all(err <= np.asarray(q.scale) * 0.5001), (err, q.scale)  # within half a step (symmetric: at the edge)
