@@ -103,27 +103,12 @@ def bench_scaling(rows, repeats):
                                                                          f"  >={target} {'yes' if met else 'no'}"))
 
 
-def _write_safetensors(path, tensors, rng):
-    """A float32 .safetensors file of ``{name: shape}`` written 64 MiB at a time
-    (the format: an 8-byte header length, the JSON header, the raw data)."""
-    import json
-    import math
-
-    header, offset = {}, 0
-    for name, shape in tensors.items():
-        n = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for name, shape in tensors.items():
-            left = math.prod(shape)
-            while left:
-                k = min(left, 1 << 24)
-                f.write(rng.standard_normal(k, np.float32).tobytes())
-                left -= k
+def _write_safetensors(path, tensors, seed):
+    """A float32 .safetensors file of ``{name: shape}``: random dask arrays streamed
+    into the file by ``qarray.save`` (never whole in memory)."""
+    rng = da.random.default_rng(seed)
+    qarray.save(path, {name: rng.standard_normal(shape, chunks="64MiB", dtype=np.float32)
+                       for name, shape in tensors.items()})
 
 
 def _peak_rss_anon(argv):
@@ -151,7 +136,6 @@ def bench_out_of_core(tmp, gib):
     """Peak RssAnon of the CLI on a ``gib`` GiB file against a tiny one."""
     import shutil
 
-    rng = np.random.default_rng(3)
     cols = 4096
     big_rows = int(gib * 2**30 * 2 / 3) // (4 * cols)  # the big tensor: two thirds of the file
     rest_rows = int(gib * 2**30 / 3) // (4 * cols)
@@ -162,7 +146,7 @@ def bench_out_of_core(tmp, gib):
     qarray_cmd = [sys.executable, "-m", "qarray"]
     for key, tensors in files.items():
         src, out = tmp / f"{key}.safetensors", tmp / f"{key}.zarr"
-        _write_safetensors(src, tensors, rng)
+        _write_safetensors(src, tensors, 3)
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         peaks[key] = _peak_rss_anon(qarray_cmd + ["quantize", str(src), "-o", str(out), "--per-channel", "0"])

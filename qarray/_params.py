@@ -24,6 +24,12 @@ import numpy as np
 from ._dtypes import QDType
 
 
+def is_lazy(a) -> bool:
+    """Whether ``a`` (an array or QArray) holds Dask data, computed on demand."""
+    graph = getattr(a, "__dask_graph__", None)
+    return graph is not None and graph() is not None
+
+
 def to_host(a):
     """A NumPy view of ``a`` (CuPy arrays are copied from the device)."""
     if isinstance(a, np.ndarray):

@@ -41,7 +41,7 @@ import numpy as np
 
 import qarray
 from . import io
-from ._params import to_host
+from ._params import is_lazy, to_host
 
 __all__ = ["main"]
 
@@ -109,7 +109,7 @@ def _parser() -> _Parser:
                    "and chunk by chunk with Dask (IN read lazily, memory-mapped: memory stays bounded whatever its "
                    "size)")
     s.add_argument("--scheduler", metavar="threads|processes|ADDRESS",
-                   help="the Dask scheduler of a .zarr output: threads (default), processes, or a "
+                   help="the Dask scheduler of a .zarr or .safetensors output: threads (default), processes, or a "
                    "dask.distributed scheduler's address")
     s.add_argument("--dtype", type=_qdtype, default="qint8", help="quantized dtype (default qint8)")
     s.add_argument("--per-channel", metavar="AXIS", type=int, help="one scale and zero point per index of AXIS")
@@ -416,14 +416,14 @@ def _lazy_arrays(path: Path):
     return {name: da.from_array(x, chunks="auto") for name, x in arrays.items()}
 
 
-_ST_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8", "I16": "int16",
-              "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "BOOL": "bool"}
+_ST_DTYPES = {code: np.dtype(kind) for kind, code in io._ST_CODES.items()}  # safetensors' dtype names
 
 
 def _quantize_lazily(args) -> list:
-    """Quantize IN into the Zarr store OUT tensor by tensor, each computed chunk by
-    chunk as it is written (``qarray.zarr``: a group per quantized tensor, an array
-    per tensor passed through); the table's rows."""
+    """Quantize IN into OUT tensor by tensor, each computed chunk by chunk as it is
+    written: a Zarr store (``qarray.zarr``: a group per quantized tensor, an array
+    per tensor passed through) or a .safetensors file (``qarray.save``, which
+    streams Dask data into its place in the file); the table's rows."""
     import contextlib
 
     dask = _need("dask", "pip install 'qarray[dask]'")
@@ -507,7 +507,7 @@ def _errors(x, q):
     """SQNR in dB, ``10 log10(sum x^2 / sum (x - q.dequantize())^2)`` (inf when
     exact), and the largest absolute error, both in float64; of dask arrays chunk
     by chunk (each chunk's three numbers, then their sums and maximum)."""
-    if hasattr(x, "__dask_graph__"):
+    if is_lazy(x):
         parts = x.map_blocks(lambda a, b: _error_sums(a, b).reshape((1,) * a.ndim + (3,)), q.dequantize(),
                              new_axis=x.ndim, chunks=(1,) * x.ndim + (3,), dtype=np.float64).reshape(-1, 3)
         import dask

@@ -43,7 +43,8 @@ import numpy as np
 
 from ._api import packed_layout, unpack
 from ._dtypes import qdtype
-from ._params import KEPT_SCALES, check_params, check_scale, normalize_axis, normalize_block_size, param_shape, to_host
+from ._params import (KEPT_SCALES, check_params, check_scale, is_lazy, normalize_axis, normalize_block_size,
+                      param_shape, to_host)
 from ._qarray import QArray
 
 FORMAT = "qarray"
@@ -167,12 +168,12 @@ def _save_safetensors(path, arrays):
     tensors, metadata = {}, {}
     for name, q in arrays.items():
         _check_name(name)
-        if type(q) is np.ndarray or _lazy(q) and not isinstance(q, QArray):
+        if type(q) is np.ndarray or is_lazy(q) and not isinstance(q, QArray):
             if q.dtype.kind not in "biuf":
                 raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
             parts = {name: q}
         elif isinstance(q, QArray):
-            codes = q.int_repr() if _lazy(q) else to_host(q.int_repr())
+            codes = q.int_repr() if is_lazy(q) else to_host(q.int_repr())
             parts = {name: codes, f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps(_meta(q))
         else:
@@ -181,15 +182,11 @@ def _save_safetensors(path, arrays):
             if key in tensors:
                 raise ValueError(f"save: the tensor name {key!r} is used twice (a QArray {name!r} stores "
                                  f"{name}, {name}.scale and {name}.zero_point)")
-            tensors[key] = a if _lazy(a) else np.ascontiguousarray(a)
-    if any(_lazy(a) for a in tensors.values()):
+            tensors[key] = a if is_lazy(a) else np.ascontiguousarray(a)
+    if any(is_lazy(a) for a in tensors.values()):
         _stream_safetensors(path, tensors, metadata)
     else:
         save_file(tensors, str(path), metadata=metadata)
-
-
-def _lazy(a) -> bool:
-    return getattr(a, "__dask_graph__", None) is not None and a.__dask_graph__() is not None
 
 
 _ST_CODES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "i4": "I32",
@@ -220,7 +217,7 @@ def _stream_safetensors(path, tensors, metadata):
         a, (start, stop) = tensors[key], header[key]["data_offsets"]
         if stop > start:
             place = _Place(str(path), a.dtype, 8 + len(text) + start, tuple(a.shape))
-            if _lazy(a):
+            if is_lazy(a):
                 da.store(a, place, lock=False)
             else:
                 place[...] = a

@@ -51,17 +51,12 @@ import numpy as np
 
 from ._api import choose_qparams, quantize
 from ._dtypes import qdtype
-from ._params import normalize_axis, to_host
+from ._params import is_lazy, normalize_axis, to_host
 from .backends import for_array
 
 __all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer"]
 
 METHODS = ("percentile", "mse", "entropy")
-
-
-def _lazy(a) -> bool:
-    """Whether ``a`` is a Dask collection (its values are computed on demand)."""
-    return getattr(a, "__dask_graph__", None) is not None
 
 
 def _bin_counts(rows, scale, bins):
@@ -108,7 +103,7 @@ class Observer:
         if self.lo is not None and rows.shape[0] != self.lo.shape[0]:
             raise ValueError(f"{name}.update: the batch has {rows.shape[0]} channels along axis {self.axis}, "
                              f"earlier batches had {self.lo.shape[0]}")
-        if _lazy(rows):  # a dask array: both reductions in one pass, each a tree over the chunks
+        if is_lazy(rows):  # a dask array: both reductions in one pass, each a tree over the chunks
             import dask
 
             lo, hi = (np.asarray(v, np.float64) for v in dask.compute(rows.min(axis=1), rows.max(axis=1)))
@@ -325,14 +320,14 @@ class Histogram(Observer):
         # x * bins / (2 R): a power of two, exact; floor gives the bin from -R
         scale = np.ldexp(1.0, int(np.log2(half)) - self.exponent).astype(rows.dtype if rows.dtype.kind == "f"
                                                                           else np.float64)
-        if _lazy(rows):
-            import dask
+        if is_lazy(rows):
+            import dask.array as da
 
-            parts = [dask.delayed(_bin_counts)(c, scale, self.bins) for c in rows.rechunk({0: -1}).to_delayed().ravel()]
-            while len(parts) > 1:
-                parts = [dask.delayed(np.add)(*parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
-                         for i in range(0, len(parts), 2)]
-            self.counts += parts[0].compute()
+            rows = rows.rechunk({0: -1})  # every channel in each chunk; the chunks' counts summed in a tree
+            shape = ((rows.shape[0],), (self.bins,))
+            parts = [rows.blocks[:, i].map_blocks(_bin_counts, scale, self.bins, chunks=shape, dtype=np.int64)
+                     for i in range(rows.numblocks[1])]
+            self.counts += da.stack(parts).sum(axis=0).compute()
         else:
             self.counts += _bin_counts(to_host(rows), scale, self.bins)
         return self

@@ -200,10 +200,9 @@ class DaskBackend(Backend):
 
         if len(ks) == 2:  # K whole in every chunk: one fused call per chunk of rows
             return product(0, bias, rq, acc_dtype)
-        parts = [product(k, None, None, np.int64) for k in range(len(ks) - 1)]
-        while len(parts) > 1:  # a tree of exact int64 sums
-            parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
-        acc = parts[0] if bias is None else parts[0] + np.asarray(to_host(bias), np.int64)
+        parts = da.stack([product(k, None, None, np.int64) for k in range(len(ks) - 1)])
+        acc = parts.sum(axis=0, dtype=np.int64)  # exact int64 sums, in dask's tree
+        acc = acc if bias is None else acc + np.asarray(to_host(bias), np.int64)
         return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
 
     # -- whole ops over chunks of samples ------------------------------------
@@ -214,9 +213,9 @@ class DaskBackend(Backend):
         from .._qarray import QArray
 
         data = x.data.rechunk({i: -1 for i in range(1, x.ndim)})
-        empty = np.zeros((0,) + x.shape[1:], data.dtype)
-        probe = op(QArray._new(empty, x.scale, x.zero_point, x.dtype, x.axis, x.block_size), *args, **kwargs)
-        like = QArray._new(empty, x.scale, x.zero_point, x.dtype, x.axis, x.block_size)
+        like = QArray._new(np.zeros((0,) + x.shape[1:], data.dtype), x.scale, x.zero_point, x.dtype, x.axis,
+                           x.block_size)
+        probe = op(like, *args, **kwargs)
         out = data.map_blocks(functools.partial(_on_batch, op, like, args, kwargs), chunks=(data.chunks[0],) + probe.shape[1:],
                               dtype=probe.data.dtype, meta=np.empty((0,) * probe.ndim, probe.data.dtype))
         return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,

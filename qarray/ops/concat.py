@@ -89,9 +89,11 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
         data = xp.concatenate([q.data for q in qs], axis=axis)
         return QArray._new(data, params[0], params[1], first.dtype, first.axis, first.block_size, backend)
     d, s, z = output_params("cat", scale, zero_point, dtype, first.dtype)
+    def kept(q):  # already in the output's parameters
+        return q.dtype is d and q.axis is None and _same(q.scale, s) and _same(q.zero_point, z)
+
     if not backend.writable:  # Dask: each input requantized, then joined
-        same = [q.dtype is d and q.axis is None and _same(q.scale, s) and _same(q.zero_point, z) for q in qs]
-        parts = [q.data if ok else requantize(q, s, z, d, mode=mode, rounding=rounding).data for q, ok in zip(qs, same)]
+        parts = [q.data if kept(q) else requantize(q, s, z, d, mode=mode, rounding=rounding).data for q in qs]
         return QArray._new(xp.concatenate(parts, axis=axis), s, z, d, None, None, backend)
     shape = list(first.shape)
     shape[axis] = sum(q.shape[axis] for q in qs)
@@ -100,7 +102,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
     for q in qs:  # each input goes straight into its slice of the result
         part = out[(slice(None),) * axis + (slice(offset, offset + q.shape[axis]),)]
         offset += q.shape[axis]
-        if q.dtype is d and q.axis is None and _same(q.scale, s) and _same(q.zero_point, z):
+        if kept(q):
             part[...] = q.data
         else:
             requantize(q, s, z, d, mode=mode, rounding=rounding, out=part)
