@@ -232,7 +232,7 @@ class _Place:
 
     def __setitem__(self, key, value):
         m = np.memmap(self.path, dtype=self.dtype, mode="r+", offset=self.offset, shape=self.shape)
-        m[key] = value
+        m[key] = to_host(value)  # a device chunk is written from the host
         m.flush()
 
 

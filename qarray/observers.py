@@ -61,7 +61,9 @@ METHODS = ("percentile", "mse", "entropy")
 
 def _bin_counts(rows, scale, bins):
     """The histogram counts ``(channels, bins)`` of ``rows``: ``x * bins / (2 R)``
-    (``scale`` per channel, a power of two: exact), floored, from bin ``-R``."""
+    (``scale`` per channel, a power of two: exact), floored, from bin ``-R``;
+    counted on the host (device rows, a device chunk of a dask array, are copied)."""
+    rows = to_host(rows)
     idx = np.floor(rows * scale[:, None]).astype(np.int64)
     idx += bins // 2 + bins * np.arange(rows.shape[0], dtype=np.int64)[:, None]
     return np.bincount(idx.ravel(), minlength=rows.shape[0] * bins).reshape(rows.shape[0], bins)
@@ -106,7 +108,7 @@ class Observer:
         if is_lazy(rows):  # a dask array: both reductions in one pass, each a tree over the chunks
             import dask
 
-            lo, hi = (np.asarray(v, np.float64) for v in dask.compute(rows.min(axis=1), rows.max(axis=1)))
+            lo, hi = (to_host(v).astype(np.float64) for v in dask.compute(rows.min(axis=1), rows.max(axis=1)))
         else:
             lo = to_host(rows.min(axis=1)).astype(np.float64)
             hi = to_host(rows.max(axis=1)).astype(np.float64)
@@ -325,11 +327,12 @@ class Histogram(Observer):
 
             rows = rows.rechunk({0: -1})  # every channel in each chunk; the chunks' counts summed in a tree
             shape = ((rows.shape[0],), (self.bins,))
-            parts = [rows.blocks[:, i].map_blocks(_bin_counts, scale, self.bins, chunks=shape, dtype=np.int64)
+            parts = [rows.blocks[:, i].map_blocks(_bin_counts, scale, self.bins, chunks=shape, dtype=np.int64,
+                                                  meta=np.empty((0, 0), np.int64))
                      for i in range(rows.numblocks[1])]
             self.counts += da.stack(parts).sum(axis=0).compute()
         else:
-            self.counts += _bin_counts(to_host(rows), scale, self.bins)
+            self.counts += _bin_counts(rows, scale, self.bins)
         return self
 
     def _grow(self, need):

@@ -39,6 +39,7 @@ def _pack_rows(d, chunk):
     """Each row of ``chunk`` (codes in storage) packed as ``QArray.pack`` packs it;
     the row is padded with zero codes to whole bytes."""
     g = _group(d)
+    chunk = to_host(chunk)  # device chunks are written from the host
     pad = -chunk.shape[-1] % g
     bits = chunk.view(np.uint8) if d.kind == "float" else chunk
     if pad:

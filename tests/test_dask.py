@@ -106,6 +106,12 @@ def test_ops_as_numpy(chunks):
     _same(qarray.clamp(dq, -0.5, 0.25), qarray.clamp(q, -0.5, 0.25))
     _same(qarray.sigmoid(dq), qarray.sigmoid(q))
     _same(qarray.tanh(dq), qarray.tanh(q))
+    pc, dpc = qarray.quantize(X, 0.03, 2, "qint8", axis=1), qarray.quantize(dx, 0.03, 2, "qint8", axis=1)
+    _same(qarray.sigmoid(dpc), qarray.sigmoid(pc))  # one table per channel, sliced per chunk
+    _same(qarray.clamp(dpc, -0.5, 0.25), qarray.clamp(pc, -0.5, 0.25))
+    for axis in (0, 1):
+        _same(qarray.softmax(dq, axis, scale=1 / 256, zero_point=-128), qarray.softmax(q, axis, scale=1 / 256, zero_point=-128))
+        _same(qarray.log_softmax(dq, axis), qarray.log_softmax(q, axis))
     for axis in (0, 1):
         _same(qarray.cat([dq, dr], axis=axis, scale=0.03, zero_point=0), qarray.cat([q, r], axis=axis, scale=0.03, zero_point=0))
         _same(qarray.cat([dq, dq], axis=axis), qarray.cat([q, q], axis=axis))
@@ -347,6 +353,13 @@ def test_conv2d_over_batch_chunks(batch_chunk):
     for kw in (dict(padding=1, groups=2, scale=0.2, zero_point=3, dtype="quint8", relu=True),
                dict(stride=2, groups=2, bias=rng.standard_normal(6).astype(np.float32)), dict(dilation=2, groups=2)):
         _same(qarray.conv2d(dq, w, **kw), qarray.conv2d(q, w, **kw))
+    for c in (q, qarray.quantize(x, np.float32([0.03, 0.02, 0.05, 0.04]), 4, "quint8", axis=1)):  # per-channel too
+        dc = qarray.QArray._new(da.from_array(c.data, chunks=(batch_chunk, 3, 4, 5)), c.scale, c.zero_point, c.dtype, c.axis)
+        _same(qarray.max_pool2d(dc, 3, stride=2, padding=1), qarray.max_pool2d(c, 3, stride=2, padding=1))
+        _same(qarray.max_pool2d(dc[0], 2), qarray.max_pool2d(c[0], 2))  # CHW
+    _same(qarray.avg_pool2d(dq, 2, padding=1, count_include_pad=False), qarray.avg_pool2d(q, 2, padding=1, count_include_pad=False))
+    _same(qarray.avg_pool2d(dq[0], 3, scale=0.05, zero_point=1), qarray.avg_pool2d(q[0], 3, scale=0.05, zero_point=1))
+    _same(qarray.adaptive_avg_pool2d(dq, (2, None)), qarray.adaptive_avg_pool2d(q, (2, None)))
 
 
 @pytest.mark.parametrize("extra", [[], ["--per-channel", "0"], ["--observer", "mse"],

@@ -65,11 +65,11 @@ def for_array(x) -> Backend:
     t = type(x)
     b = _by_type.get(t)
     if b is not None:
-        return b
+        return b.of(x)
     for b in _candidates():
         if issubclass(t, b.array_types()):
             _by_type[t] = b
-            return b
+            return b.of(x)
     raise TypeError(
         f"no qarray backend handles arrays of type {t.__module__}.{t.__qualname__}; "
         "pass a NumPy or CuPy array, or register a backend for it"
@@ -87,15 +87,19 @@ def handles(x) -> bool:
 
 def common(*arrays) -> Backend:
     """The one backend of all ``arrays``; TypeError naming both when they differ.
-    Dask arrays take in-memory NumPy ones along (each joins as one chunk)."""
+    Dask arrays take in-memory arrays of their chunks' type along (each joins as
+    one chunk)."""
     found = None
     for a in arrays:
         b = for_array(a)
-        if found is not None and {b.name, found.name} == {"dask", "numpy"}:
-            b = found = b if b.name == "dask" else found
         if found is not None and b is not found:
+            lazy, other = (b, found) if b.name == "dask" else (found, b)
+            if lazy.name == "dask" and other.name == lazy.inner:
+                b = found = lazy
+        if found is not None and b is not found:
+            names = [f"dask of {c.inner} chunks" if c.name == "dask" else c.name for c in (found, b)]
             raise TypeError(
-                f"arrays of two backends ({found.name} and {b.name}) can not be combined; "
+                f"arrays of two backends ({names[0]} and {names[1]}) can not be combined; "
                 "move them to one with QArray.to(...)"
             )
         found = b

@@ -67,6 +67,11 @@ class Backend:
     def array_types(self) -> tuple:
         return (self.xp.ndarray,)
 
+    def of(self, x) -> "Backend":
+        """The backend of array ``x``, one of this backend's types: itself (the
+        Dask backend answers the one of ``x``'s chunk type)."""
+        return self
+
     def check_together(self, arrays) -> None:
         """Raise TypeError if ``arrays`` (all of this backend) cannot meet in one op."""
 

@@ -1,9 +1,12 @@
-"""The Dask backend: QArrays whose data is a ``dask.array.Array`` of NumPy chunks.
+"""The Dask backend: QArrays whose data is a ``dask.array.Array`` of NumPy
+chunks, or of CuPy chunks (dask-cuda).
 
-Nothing here does arithmetic. Each primitive maps the NumPy backend's own
+Nothing here does arithmetic. Each primitive maps the chunks' own backend's
 primitive over the chunks (``map_blocks``), each chunk with its slice of the
 parameters, so a Dask result is bit for bit the in-memory one whatever the
-chunking. Results stay lazy until ``compute()`` (or ``persist()``); errors
+chunking. There is one ``DaskBackend`` per chunk backend (``inner``): the
+registry hands out the one of an array's chunk type (``_meta``), so the small
+arrays ops derive from parameters (``param``, ``asarray``) are of that type too. Results stay lazy until ``compute()`` (or ``persist()``); errors
 that need the data (NaN where a format has none) are raised then.
 
 Blocked parameters need chunks that hold whole blocks along the blocked axis:
@@ -20,8 +23,12 @@ import dask
 import dask.array as da
 import numpy as np
 
+from dask.array.utils import meta_from_array
+
 from .._params import to_host
 from ._base import Backend
+
+_by_inner: dict = {}  # chunk backend name -> its DaskBackend (the registered "dask" one for NumPy)
 
 
 def chunk_params(params, loc, axis, block_size):
@@ -50,26 +57,27 @@ def _on_chunk(fn, inner, axis, block_size, params, chunk, block_info=None):
 def _chunk_minmax(inner, axis, block_size, chunk):
     from . import get
 
-    return np.stack(get(inner).minmax(chunk, axis, block_size))
+    b = get(inner)
+    return b.xp.stack(b.minmax(chunk, axis, block_size))
 
 
 class DaskWeight:
     """In-memory weight codes ``(K, N)`` for Dask activations: packed by the
-    chunks' backend whole (``shift``, ``colsum``) and per range of K, once each,
-    for activations whose K is split across chunks."""
+    chunks' backend per range of K, once each (the whole K, or each K chunk of
+    activations whose K is split across chunks)."""
 
     def __init__(self, inner, codes, qd, keep):
-        self.inner, self.codes, self.qd, self.keep, self._parts = inner, to_host(codes), qd, keep, {}
-        whole = self.part(0, self.codes.shape[-2])
-        self.shift, self.colsum = whole.shift, whole.colsum
-
-    def part(self, k0, k1):
-        """The inner backend's packing of rows ``k0:k1``."""
         from . import get
 
+        self.backend, self.codes, self.qd, self.keep, self._parts = get(inner), codes, qd, keep, {}
+        whole = self.part(0, codes.shape[-2])
+        self.shift, self.colsum = whole.shift, whole.colsum  # the chunks' backend's arrays
+
+    def part(self, k0, k1):
+        """The chunks' backend's packing of rows ``k0:k1``."""
         if (k0, k1) not in self._parts:
-            codes = np.ascontiguousarray(self.codes[k0:k1])
-            self._parts[k0, k1] = get(self.inner).pack_weight(codes, self.qd, self.keep)
+            codes = self.backend.xp.ascontiguousarray(self.codes[k0:k1])
+            self._parts[k0, k1] = self.backend.pack_weight(codes, self.qd, self.keep)
         return self._parts[k0, k1]
 
 
@@ -88,29 +96,46 @@ def _chunk_matmul(inner, qd, za, zw, bias, rq, acc_dtype, chunk, pw):
 
 
 class DaskBackend(Backend):
-    """The primitives of the chunks' backend, mapped over a dask array's chunks."""
+    """The primitives of the chunks' backend (``inner``, its name), mapped over a
+    dask array's chunks."""
 
     name = "dask"
     module = "dask.array"
-    inner = "numpy"  # the backend of the chunks
     writable = False
     float_bits = True  # distributed's serialization does not know ml_dtypes' dtypes
 
-    def __init__(self):
+    def __init__(self, inner="numpy"):
         super().__init__(da)
+        self.inner = inner
+        _by_inner.setdefault(inner, self)
+
+    def __repr__(self):
+        return f"<qarray backend 'dask' of {self.inner} chunks>"
 
     def array_types(self) -> tuple:
         return (da.Array,)
 
+    def of(self, x):
+        """The Dask backend of ``x``'s chunk type: one per chunk backend."""
+        from . import for_array
+
+        inner = for_array(x._meta).name
+        return _by_inner[inner] if inner in _by_inner else DaskBackend(inner)
+
+    def _chunks_backend(self):
+        from . import get
+
+        return get(self.inner)
+
     def param(self, a):
-        return np.asarray(a)  # small host arrays broadcast against the chunks as they are
+        return self._chunks_backend().param(a)  # small arrays broadcast against the chunks as they are
 
     def asarray(self, a, dtype=None):
-        a = a if isinstance(a, da.Array) else da.from_array(np.asarray(a))
+        a = a if isinstance(a, da.Array) else da.from_array(self._chunks_backend().asarray(a))
         return a if dtype is None else a.astype(dtype)
 
     def to_host(self, a) -> np.ndarray:
-        return np.asarray(a.compute() if isinstance(a, da.Array) else a)
+        return to_host(a.compute() if isinstance(a, da.Array) else a)
 
     @staticmethod
     def aligned(x, axis, block_size):
@@ -129,8 +154,9 @@ class DaskBackend(Backend):
         """``fn(inner_backend, chunk, *params_of_chunk)`` over ``x``'s chunks, each
         returning that chunk's result (same shape, ``dtype``); lazy."""
         x = self.aligned(da.asarray(x), axis, block_size)  # an in-memory operand joins as one chunk
-        return x.map_blocks(functools.partial(_on_chunk, fn, self.inner, axis, block_size, tuple(params)),
-                            dtype=dtype, meta=np.empty((0,) * x.ndim, dtype))
+        params = tuple(to_host(p) for p in params)  # sliced per chunk on the host; primitives take host params
+        return x.map_blocks(functools.partial(_on_chunk, fn, self.inner, axis, block_size, params),
+                            dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
 
     # -- the primitives: the inner backend's, chunk by chunk ----------------
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
@@ -160,18 +186,26 @@ class DaskBackend(Backend):
 
         return self.map_chunks(fn, q, rq.axis, rq.block_size, rq.params, rq.out_dtype)
 
+    def lut(self, q, table, axis=None):
+        return self.map_chunks(lambda b, c, t: b.lut(c, b.param(t), axis), q, axis, None, (table,), table.dtype)
+
+    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
+        x = x.rechunk({1: -1})  # whole rows in each chunk
+        return self.map_chunks(lambda b, c: b.softmax(c, table, s_in, s_out, z_out, lo, hi, log, out_dtype),
+                               x, None, None, (), out_dtype)
+
     def minmax(self, x, axis, block_size):
         """Computed (host arrays: every caller needs the values), in one pass over
         the data: per block, the inner backend's minmax of each chunk."""
         import dask
 
-        if block_size is None:
-            return tuple(dask.compute(*super().minmax(x, axis, block_size)))  # dask's reductions, in a tree
+        if block_size is None:  # dask's reductions, in a tree
+            return tuple(to_host(v) for v in dask.compute(*super().minmax(x, axis, block_size)))
         x = self.aligned(x, axis, block_size)
         chunks = tuple(tuple(-(-c // block_size) for c in cs) if i == axis else cs for i, cs in enumerate(x.chunks))
         both = x.map_blocks(functools.partial(_chunk_minmax, self.inner, axis, block_size), chunks=((2,),) + chunks,
-                            new_axis=0, dtype=x.dtype, meta=np.empty((0,) * (x.ndim + 1), x.dtype))
-        both = both.compute()
+                            new_axis=0, dtype=x.dtype, meta=meta_from_array(x, x.ndim + 1))
+        both = to_host(both.compute())
         return both[0], both[1]
 
     # -- integer matmul: row chunks, K split into exact int64 partial sums ----
@@ -179,7 +213,7 @@ class DaskBackend(Backend):
         if isinstance(codes, da.Array) or codes.ndim != 2:
             raise TypeError("matmul/linear with Dask data takes in-memory 2-D weights (K, N); "
                             "compute the weights first (w.compute())")
-        return DaskWeight(self.inner, codes, qd, keep)
+        return DaskWeight(self.inner, self._chunks_backend().asarray(codes), qd, keep)
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
         """The inner backend's ``int_matmul`` on each chunk of rows. Where K is split
@@ -196,13 +230,13 @@ class DaskBackend(Backend):
             weights = dask.delayed(pw.part(ks[k], ks[k + 1]))  # one node of the graph, sent once to each worker
             fn = functools.partial(_chunk_matmul, self.inner, qd, za, zw, bias_, rq_, acc)
             out = rq_.out_dtype if rq_ is not None else np.dtype(acc)
-            return part.map_blocks(fn, weights, chunks=out_chunks, dtype=out, meta=np.empty((0,) * a.ndim, out))
+            return part.map_blocks(fn, weights, chunks=out_chunks, dtype=out, meta=meta_from_array(a, a.ndim, out))
 
         if len(ks) == 2:  # K whole in every chunk: one fused call per chunk of rows
             return product(0, bias, rq, acc_dtype)
         parts = da.stack([product(k, None, None, np.int64) for k in range(len(ks) - 1)])
         acc = parts.sum(axis=0, dtype=np.int64)  # exact int64 sums, in dask's tree
-        acc = acc if bias is None else acc + np.asarray(to_host(bias), np.int64)
+        acc = acc if bias is None else acc + self.param(to_host(bias).astype(np.int64))
         return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
 
     # -- whole ops over chunks of samples ------------------------------------
@@ -213,10 +247,10 @@ class DaskBackend(Backend):
         from .._qarray import QArray
 
         data = x.data.rechunk({i: -1 for i in range(1, x.ndim)})
-        like = QArray._new(np.zeros((0,) + x.shape[1:], data.dtype), x.scale, x.zero_point, x.dtype, x.axis,
-                           x.block_size)
+        like = QArray._new(self._chunks_backend().xp.zeros((0,) + x.shape[1:], data.dtype), x.scale, x.zero_point,
+                           x.dtype, x.axis, x.block_size)
         probe = op(like, *args, **kwargs)
         out = data.map_blocks(functools.partial(_on_batch, op, like, args, kwargs), chunks=(data.chunks[0],) + probe.shape[1:],
-                              dtype=probe.data.dtype, meta=np.empty((0,) * probe.ndim, probe.data.dtype))
+                              dtype=probe.data.dtype, meta=probe.data)
         return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,
                            probe.global_scale)

@@ -13,6 +13,7 @@ import functools
 
 import numpy as np
 
+from .. import backends as _backends
 from .._config import resolve
 from .._dtypes import qdtype, qint32
 from .._fixed_point import plan, product
@@ -54,7 +55,6 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
     (``rq=None``) or computes and requantizes them in one pass, ``rq`` being
     the op's ``Requant`` (the binary ops).
     """
-    xp = backend.xp
     if not callable(acc):
         acc = functools.partial(_requantized, backend, acc)
     factors = [np.asarray(to_host(f)) for f in factors]
@@ -63,10 +63,12 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
     want = () if axis is None else next(f.shape for f in factors if f.ndim)  # acc.shape[axis]
     if not wants_output(scale, zero_point, dtype):
         acc = acc(None)
+        backend = _backends.for_array(acc)  # the data's (Dask activations meeting in-memory weights: Dask)
+        xp = backend.xp
         if relu:
             acc = xp.maximum(acc, 0)
         if acc.dtype != np.int32 and acc.size:
-            lo, hi = (int(v) for v in to_host(xp.stack([acc.min(), acc.max()])))
+            lo, hi = (int(v) for v in backend.to_host(xp.stack([acc.min(), acc.max()])))
             if lo < _I32.min or hi > _I32.max:
                 raise ValueError(
                     f"{op}: the exact result reaches {hi if hi > _I32.max else lo}, beyond qint32; "

@@ -184,6 +184,8 @@ def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QA
              [13, 15]]]], dtype=int8)
     """
     x, three = _check("max_pool2d", q, per_axis=True)
+    if q._backend.name == "dask":  # each chunk of samples in memory
+        return q._backend.over_batches(max_pool2d, q, kernel_size, stride, padding, dilation)
     xp = q._backend.xp
     out = _windows("max_pool2d", xp, x, q.dtype.qmin, kernel_size, stride, padding, dilation).max(axis=(-2, -1))
     return QArray._new(out[0] if three else out, q.scale, q.zero_point, q.dtype, q.axis, None, q._backend)
@@ -205,6 +207,9 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     array([[[[2]]]], dtype=int8)
     """
     x, three = _check("avg_pool2d", q)
+    if q._backend.name == "dask":
+        return q._backend.over_batches(avg_pool2d, q, kernel_size, stride, padding, count_include_pad=count_include_pad,
+                                       scale=scale, zero_point=zero_point, dtype=dtype, mode=mode, rounding=rounding)
     b, xp = q._backend, q._backend.xp
     k, s, p, _, (oh, ow) = _geometry("avg_pool2d", x.shape, kernel_size, stride, padding)
     d, rnd, make = _mean_output("avg_pool2d", q, scale, zero_point, dtype, mode, rounding)
@@ -254,6 +259,9 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     array([[[2, 3]]], dtype=int8)
     """
     x, three = _check("adaptive_avg_pool2d", q)
+    if q._backend.name == "dask":
+        return q._backend.over_batches(adaptive_avg_pool2d, q, output_size, scale=scale, zero_point=zero_point,
+                                       dtype=dtype, mode=mode, rounding=rounding)
     b, xp = q._backend, q._backend.xp
     size = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size, output_size)
     if len(size) != 2:

@@ -95,7 +95,8 @@ def _softmax(op, q, axis, scale, zero_point, dtype, log):
     rows = moved.reshape(-1, q.shape[axis]) if q.size else moved.reshape(0, max(q.shape[axis], 1))
     out = b.softmax(rows, table(s_in, q.dtype), float(s_in), float(s_out), int(z_out), d.qmin, d.qmax, log,
                     np.dtype(d.storage))
-    data = xp.ascontiguousarray(xp.moveaxis(out.reshape(moved.shape), -1, axis))
+    data = xp.moveaxis(out.reshape(moved.shape), -1, axis)
+    data = data if axis == q.ndim - 1 else data.copy()  # C-contiguous codes
     return QArray._new(data, s_out, z_out, d, None, None, b)
 
 

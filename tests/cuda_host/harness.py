@@ -14,6 +14,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -149,9 +150,14 @@ class HostCupyBackend(CupyBackend):
         ptrs = (ctypes.c_void_p * max(len(storage), 1))(*[ctypes.addressof(s) for s in storage])
         fn = getattr(self.lib, f"launch_{name}")
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-        fn(grid, block, shared_mem, ptrs)
+        with _ONE_LAUNCH:
+            fn(grid, block, shared_mem, ptrs)
 
 
+# One launch at a time: the host build's block, thread and shared-memory state is
+# process-wide. So does a GPU for launches from several host threads (Dask's
+# threaded scheduler): CuPy puts them all on the one default stream, in order.
+_ONE_LAUNCH = threading.Lock()
 _BUILT = {}
 
 
