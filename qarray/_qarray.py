@@ -181,7 +181,8 @@ class QArray:
         return self._backend.pack(self._data, self._dtype.bits)
 
     def to(self, backend: str) -> "QArray":
-        """The same QArray on another backend ("numpy" or "cupy")."""
+        """The same QArray on another backend ("numpy", "cupy", or "dask": one chunk
+        of NumPy storage, which dask.array can rechunk)."""
         b = _backends.get(backend)
         if b is self._backend:
             return self
@@ -200,7 +201,8 @@ class QArray:
 
     # -- Dask: a QArray whose data is a dask array is a Dask collection ------------
     def compute(self, **kwargs) -> "QArray":
-        """The QArray with its dask data computed (NumPy storage): ``dask.compute(q)``;
+        """The QArray with its dask data computed (NumPy or CuPy storage, as its
+        chunks'): ``dask.compute(q)``;
         an in-memory QArray comes back as it is."""
         if self.__dask_graph__() is None:
             return self
