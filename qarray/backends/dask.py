@@ -6,7 +6,8 @@ primitive over the chunks (``map_blocks``), each chunk with its slice of the
 parameters, so a Dask result is bit for bit the in-memory one whatever the
 chunking. There is one ``DaskBackend`` per chunk backend (``inner``): the
 registry hands out the one of an array's chunk type (``_meta``), so the small
-arrays ops derive from parameters (``param``, ``asarray``) are of that type too. Results stay lazy until ``compute()`` (or ``persist()``); errors
+arrays that ops derive from parameters (``param``, ``asarray``) are of that
+type too. Results stay lazy until ``compute()`` (or ``persist()``); errors
 that need the data (NaN where a format has none) are raised then.
 
 Blocked parameters need chunks that hold whole blocks along the blocked axis:
@@ -22,13 +23,12 @@ import functools
 import dask
 import dask.array as da
 import numpy as np
-
 from dask.array.utils import meta_from_array
 
 from .._params import to_host
 from ._base import Backend
 
-_by_inner: dict = {}  # chunk backend name -> its DaskBackend (the registered "dask" one for NumPy)
+_by_inner: dict = {}  # chunk backend name -> its DaskBackend, but NumPy's: the registered "dask" one
 
 
 def chunk_params(params, loc, axis, block_size):
@@ -66,10 +66,8 @@ class DaskWeight:
     chunks' backend per range of K, once each (the whole K, or each K chunk of
     activations whose K is split across chunks)."""
 
-    def __init__(self, inner, codes, qd, keep):
-        from . import get
-
-        self.backend, self.codes, self.qd, self.keep, self._parts = get(inner), codes, qd, keep, {}
+    def __init__(self, backend, codes, qd, keep):
+        self.backend, self.codes, self.qd, self.keep, self._parts = backend, codes, qd, keep, {}
         whole = self.part(0, codes.shape[-2])
         self.shift, self.colsum = whole.shift, whole.colsum  # the chunks' backend's arrays
 
@@ -107,7 +105,6 @@ class DaskBackend(Backend):
     def __init__(self, inner="numpy"):
         super().__init__(da)
         self.inner = inner
-        _by_inner.setdefault(inner, self)
 
     def __repr__(self):
         return f"<qarray backend 'dask' of {self.inner} chunks>"
@@ -120,7 +117,11 @@ class DaskBackend(Backend):
         from . import for_array
 
         inner = for_array(x._meta).name
-        return _by_inner[inner] if inner in _by_inner else DaskBackend(inner)
+        if inner == self.inner:
+            return self
+        if inner not in _by_inner:
+            _by_inner[inner] = DaskBackend(inner)
+        return _by_inner[inner]
 
     def _chunks_backend(self):
         from . import get
@@ -213,7 +214,8 @@ class DaskBackend(Backend):
         if isinstance(codes, da.Array) or codes.ndim != 2:
             raise TypeError("matmul/linear with Dask data takes in-memory 2-D weights (K, N); "
                             "compute the weights first (w.compute())")
-        return DaskWeight(self.inner, self._chunks_backend().asarray(codes), qd, keep)
+        inner = self._chunks_backend()
+        return DaskWeight(inner, inner.asarray(codes), qd, keep)
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
         """The inner backend's ``int_matmul`` on each chunk of rows. Where K is split
