@@ -5,6 +5,8 @@ looks only at libraries already in ``sys.modules``, so ``import qarray`` never
 imports CuPy, and NumPy users never pay for it.
 
 Two dicts: name -> backend and array type -> backend (filled as types are met).
+The backend found for a type has the last word on each array (``Backend.of``):
+the Dask backend answers the one of the array's chunk type (NumPy or CuPy).
 
 >>> import qarray.backends as qb
 >>> qb.for_array(numpy.zeros(3)).name
