@@ -136,7 +136,8 @@ def resolve(mode, rounding):
 
 
 def set_num_threads(n: int) -> None:
-    """Threads for the CPU kernels (Numba's thread pool); no-op without Numba."""
+    """Threads for the CPU kernels (the Numba kernels' parts, at most
+    ``NUMBA_NUM_THREADS``) and for the int8 GEMM engine's new sessions."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"set_num_threads needs a positive integer, got {n!r}")
     from .backends import numpy as _np_backend

@@ -65,18 +65,15 @@ def _settings(n):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_numba_thread():
-    """One Numba thread: on these tiny arrays a parallel launch costs milliseconds
-    per call on a busy machine; one thread runs the same compiled kernels."""
-    try:
-        import numba
-    except ImportError:
-        yield
-        return
-    n = numba.get_num_threads()
-    numba.set_num_threads(1)
+def _one_thread():
+    """One thread: on these tiny arrays handing parts to threads costs more than
+    it saves on a busy machine; one thread runs the same compiled kernels."""
+    from qarray.backends import _gemm
+
+    n = _gemm.THREADS[0]
+    qa.set_num_threads(1)
     yield
-    numba.set_num_threads(n)
+    qa.set_num_threads(n)
 
 
 def _check_path(kernels):

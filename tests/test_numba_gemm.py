@@ -9,15 +9,16 @@ pytest.importorskip("numba")
 from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 
 from qarray._fixed_point import IDENTITY  # noqa: E402
-from qarray.backends._numba_gemm import gemm_packed4, im2col, pack4  # noqa: E402
+from qarray.backends._numba_gemm import gemm_packed4, im2col, pack4, parallel  # noqa: E402
 from qarray.backends._numba_gemm import conv_grouped as _conv_grouped  # noqa: E402
 
 
 def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
-    """The sums alone: the IDENTITY epilogue, no bias (the ops test the rest)."""
+    """The sums alone: the IDENTITY epilogue, no bias (the ops test the rest);
+    tasks (n, o) split among threads as the backend runs it."""
     z = np.zeros(wc.shape[0], np.int64)
-    _conv_grouped[IDENTITY, False](xpad, za, wc, groups, sh, sw, dh, dw, z, z, z, z, z.astype(np.float64),
-                                   np.int64(-(2**63)), np.int64(2**63 - 1), out)
+    parallel(_conv_grouped[IDENTITY, False], out.shape[0] * out.shape[1], xpad, za, wc, groups, sh, sw, dh, dw,
+             z, z, z, z, z.astype(np.float64), np.int64(-(2**63)), np.int64(2**63 - 1), out)
 
 
 # ---------------------------------------------------------------- pack4 / gemm_packed4
@@ -73,8 +74,8 @@ def _gemm(a, w, signed):
     ap = np.zeros((m, kp), np.uint8)
     ap[:, :k] = a
     out = np.full((m, w.shape[0]), 12345, np.int32)
-    gemm_packed4(np.ascontiguousarray(ap[:, 0::2]), np.ascontiguousarray(ap[:, 1::2]),
-                 pack4(np.pad(w, ((0, 0), (0, kp - k)))), signed, out)
+    parallel(gemm_packed4, w.shape[0], np.ascontiguousarray(ap[:, 0::2]), np.ascontiguousarray(ap[:, 1::2]),
+             pack4(np.pad(w, ((0, 0), (0, kp - k)))), signed, out)
     return out
 
 
@@ -236,7 +237,8 @@ def test_im2col_matches_numpy(dtype, shape, k, s, d):
     ref = _im2col_numpy(xpad, *k, *s, *d)
     out = np.empty(ref.shape, dtype)
     nhwc = np.ascontiguousarray(xpad.transpose(0, 2, 3, 1))
-    im2col(nhwc, *k, *s, *d, out)
+    oh = (shape[2] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+    parallel(im2col, shape[0] * oh, nhwc, *k, *s, *d, out)  # tasks (n, i) split among threads
     assert out.dtype == ref.dtype and (out == ref).all()
     from qarray.backends._base import Backend
 

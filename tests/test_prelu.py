@@ -18,7 +18,7 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 
-from test_exact import _one_numba_thread, expand, f32_ratio, ref_out  # noqa: F401 (a fixture)
+from test_exact import _one_thread, expand, f32_ratio, ref_out  # noqa: F401 (a fixture)
 
 RULES = ["half_even", "half_away", "half_up", "tflite", "float"]
 

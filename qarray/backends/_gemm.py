@@ -159,8 +159,8 @@ def packed4_kernel():
                 a = np.full((5, 128), 255, np.uint8)
                 a[2, 1::2] = 0
                 out = np.empty((5, 3), np.int32)
-                k.gemm_packed4(np.ascontiguousarray(a[:, 0::2]), np.ascontiguousarray(a[:, 1::2]), k.pack4(w),
-                               signed, out)
+                k.parallel(k.gemm_packed4, 3, np.ascontiguousarray(a[:, 0::2]), np.ascontiguousarray(a[:, 1::2]),
+                           k.pack4(w), signed, out)
                 if not np.array_equal(out, a.astype(np.int64) @ w.T.astype(np.int64)):
                     ok, why = False, "self-check failed on extreme codes"
         except Exception as e:  # no Numba, no VNNI, or LLVM could not compile it
@@ -219,7 +219,8 @@ class Packed:
             halves = np.zeros((2, a.shape[0], self.nibbles.shape[1]), np.uint8)  # even k, odd k; zero-padded
             halves[0, :, : (k + 1) // 2], halves[1, :, : k // 2] = a[:, 0::2], a[:, 1::2]
             out = np.empty((a.shape[0], self.w.shape[1]), np.int32)
-            packed4_kernel().gemm_packed4(halves[0], halves[1], self.nibbles, self.signed, out)
+            k4 = packed4_kernel()
+            k4.parallel(k4.gemm_packed4, len(self.nibbles), halves[0], halves[1], self.nibbles, self.signed, out)
             return out
         step = _KMAX[self.name]
         out = None

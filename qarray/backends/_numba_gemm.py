@@ -8,9 +8,10 @@ int32 with wrap-around (two's complement) arithmetic, so each result is exact
 whenever the true sum fits in int32; each docstring gives the bound the caller
 must guarantee.
 
-Compilation follows ``_numba.py``: ``@njit(parallel=True, cache=True)``, helpers
-``@njit(inline="always")``, closures over plain values only (see DEVELOPERS.md),
-no fastmath (integer code). Inner loops run over contiguous memory with only
+Compilation follows ``_numba.py``: serial ``nogil`` kernels (``_numba.kernel``)
+over a range of tasks ``start, stop``, split among threads by
+``_numba.parallel``; helpers ``@njit(inline="always")``, closures over plain
+values only (see DEVELOPERS.md), no fastmath (integer code). Inner loops run over contiguous memory with only
 arithmetic in them so that LLVM vectorizes them.
 """
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
-from ._numba import _RESCALE_SOURCE, _rq
+from ._numba import _RESCALE_SOURCE, _rq, kernel, parallel  # noqa: F401 (parallel: for callers)
 
 def pack4(w):
     """Pack 4-bit weight codes two to a byte.
@@ -104,8 +105,8 @@ def _make_dot(rows, signed):
 _dot4_s, _dot4_u, _dot1_s, _dot1_u = (_make_dot(r, s) for r in (4, 1) for s in (True, False))
 
 
-@njit(parallel=True, cache=True)
-def gemm_packed4(ae, ao, wp, signed, out):
+@kernel
+def gemm_packed4(ae, ao, wp, signed, out, start, stop):
     """``out[m, n] = sum_k a[m, k] * w[n, k]`` for M activation rows (a
     decoder's token-by-token shape) against 4-bit weights packed two to a byte.
 
@@ -118,13 +119,13 @@ def gemm_packed4(ae, ao, wp, signed, out):
     Each weight row is read once per block of 4 activation rows, 64 bytes at a
     time, its nibbles split with two ANDs and a shift, and multiplied into
     int32 lanes by ``vpdpbusd`` (no saturation). Exact for
-    ``Kp * 255 * 15 < 2**31`` (K up to 561,000). Parallel over weight rows.
+    ``Kp * 255 * 15 < 2**31`` (K up to 561,000). Tasks: weight rows.
     """
     m_len, kh = ae.shape
     chunks = kh // 64
-    res = np.empty((wp.shape[0], 4), np.int32)  # outside the loop: Numba would hoist it
-    for n in prange(wp.shape[0]):
-        row, r = wp[n], res[n]
+    r = np.empty(4, np.int32)
+    for n in range(start, stop):
+        row = wp[n]
         m0 = 0
         while m0 + 4 <= m_len:
             if signed:
@@ -148,16 +149,18 @@ def _make_conv_grouped(code, narrow):
     constants, as ``_numba.requantize``; ``narrow``: ``Requant.narrow``)."""
     source = _RESCALE_SOURCE
 
-    @njit(parallel=True, cache=True)
-    def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out):
+    @kernel
+    def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):
         _ = source
-        _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out)
+        _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
+                      start, stop)
 
     return conv_grouped
 
 
 @njit(inline="always")
-def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out):
+def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
+                  start, stop):
     """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
     its epilogue: bias and requantize (``_numba._rq``, per output channel).
 
@@ -184,7 +187,7 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
     the true sum fits in int32; e.g. with |x - za| <= 255 and |wc| <= 255
     (centred 8-bit weights) that holds for cg * kh * kw <= 33_025 taps.
 
-    Scheme: one parallel task per (n, o); for each output row, each tap adds
+    Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``; for each output row, each tap adds
     ``wc * x`` along the input row (contiguous for sw == 1, stride 2 as a
     compile-time constant for sw == 2) into a thread-local int32 row that
     starts at ``-za * sum(wc[o])`` and is then copied to ``out``.
@@ -200,11 +203,11 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
     if OH != (Hp - dh * (kh - 1) - 1) // sh + 1 or OW != (Wp - dw * (kw - 1) - 1) // sw + 1:
         raise ValueError("conv_grouped: out's OH, OW do not match the input, kernel, stride and dilation")
     og = O // groups
-    for t in prange(N * O):
+    acc = np.empty(OW, np.int32)
+    for t in range(start, stop):
         n = t // O
         o = t % O
         c0 = (o // og) * cg
-        acc = np.empty(OW, np.int32)
         wsum = np.int64(0)
         for c in range(cg):
             for p in range(kh):
@@ -244,8 +247,8 @@ conv_grouped = {(code, narrow): _make_conv_grouped(code, narrow)
                 for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
 
 
-@njit(parallel=True, cache=True)
-def im2col(xpad, kh, kw, sh, sw, dh, dw, out):
+@kernel
+def im2col(xpad, kh, kw, sh, sw, dh, dw, out, start, stop):
     """Patches of a padded channels-last image as GEMM rows.
 
     - ``xpad``: (N, Hp, Wp, C), C-contiguous, padded by the caller.
@@ -256,7 +259,8 @@ def im2col(xpad, kh, kw, sh, sw, dh, dw, out):
 
     Channels last, every tap is one contiguous run of C codes, copied as a
     vector (channels-first patches are single bytes scattered over the row).
-    A copy: no arithmetic, no overflow. One parallel task per (n, i).
+    A copy: no arithmetic, no overflow. One task per (n, i), ``t = n * OH + i``
+    in ``start..stop``.
     """
     N, Hp, Wp, C = xpad.shape
     OH = (Hp - dh * (kh - 1) - 1) // sh + 1
@@ -265,7 +269,7 @@ def im2col(xpad, kh, kw, sh, sw, dh, dw, out):
         raise ValueError("im2col: kernel larger than the padded input")
     if out.shape[0] != N * OH * OW or out.shape[1] != C * kh * kw:
         raise ValueError("im2col: out must be (N*OH*OW, kh*kw*C)")
-    for t in prange(N * OH):
+    for t in range(start, stop):
         n = t // OH
         i = t % OH
         for j in range(OW):

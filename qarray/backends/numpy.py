@@ -1,7 +1,7 @@
 """NumPy backend: the generic primitives, with Numba kernels for the hot ones.
 
 With Numba installed (extra ``fast``) and ``qarray.config.numba`` true,
-quantize, dequantize and requantize run as fused parallel loops
+quantize, dequantize and requantize run as fused loops split among threads
 (``qarray.backends._numba``); otherwise the generic NumPy code runs. Both give
 the same integers and the same float bits.
 """
@@ -39,11 +39,7 @@ _kernels = False
 
 
 def set_num_threads(n: int) -> None:
-    _gemm.THREADS[0] = n
-    if _numba_kernels() is not None:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    _gemm.THREADS[0] = n  # the GEMM engine's new sessions and _numba.parallel
 
 
 def _contiguous(a):
@@ -67,13 +63,16 @@ class NumpyBackend(Backend):
 
     @staticmethod
     def _run(kernel, a, out, axis, block_size, params, *args):
-        """Run ``kernel(a3, *params3, bidx, *args, out3)`` over every piece of the
-        layout (``Layout.pieces``: shapes that keep the kernels' inner loops fast)."""
+        """Run ``kernel(a3, *params3, bidx, *args, out3, start, stop)`` over every
+        piece of the layout (``Layout.pieces``: shapes that keep the kernels'
+        inner loops fast), its rows split among threads; returns every part's result."""
+        k = _numba_kernels()
         af, of = _contiguous(a).reshape(-1), out.reshape(-1)
         results = []
         for sl, lay in Layout(a.shape, axis, block_size).pieces(_COLS):
             ps = [np.ascontiguousarray(lay.compact(p)) for p in params]
-            results.append(kernel(af[sl].reshape(lay.dims), *ps, lay.bidx(), *args, of[sl].reshape(lay.dims)))
+            a3 = af[sl].reshape(lay.dims)
+            results += k.parallel(kernel, k.rows(a3), a3, *ps, lay.bidx(), *args, of[sl].reshape(lay.dims))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
@@ -122,7 +121,7 @@ class NumpyBackend(Backend):
             return super().minmax(x, axis, block_size)
         lay = Layout(x.shape, axis, block_size)
         lo, hi = (np.empty((lay.outer, lay.blocks, lay.inner), x.dtype) for _ in range(2))
-        k.block_minmax(_contiguous(x).reshape(lay.dims), block_size, lo, hi)
+        k.parallel(k.block_minmax, lay.outer * lay.blocks, _contiguous(x).reshape(lay.dims), block_size, lo, hi)
         want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1:]
         return lo.reshape(want), hi.reshape(want)
 
@@ -132,7 +131,7 @@ class NumpyBackend(Backend):
             return super().lut(q, table, axis)
         u = _contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
         out = np.empty(q.shape, table.dtype)
-        k.lut(u.reshape(-1), table, out.reshape(-1))
+        k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1))
         return out
 
     def requantize(self, q, rq, out=None):
@@ -180,7 +179,8 @@ class NumpyBackend(Backend):
         out = np.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
-        k.gemm_epilogue[rq.rounding, narrow](_contiguous(raw), rows, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
+        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, _contiguous(raw), rows, *cols, np.int64(rq.lo),
+                   np.int64(rq.hi), out)
         return out
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
@@ -200,7 +200,7 @@ class NumpyBackend(Backend):
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         out = np.empty((n * oh * ow, c * kh * kw), xpad.dtype)
-        k.im2col(_contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
+        k.parallel(k.im2col, n * oh, _contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
@@ -217,8 +217,8 @@ class NumpyBackend(Backend):
         rq = identity(0) if rq is None else rq
         out = np.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
-        k.conv_grouped[rq.rounding, narrow](xpad, np.int64(za), _contiguous(wc), groups, sh, sw, dh, dw, *cols,
-                                            np.int64(rq.lo), np.int64(rq.hi), out)
+        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), _contiguous(wc), groups,
+                   sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
     def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
@@ -229,9 +229,9 @@ class NumpyBackend(Backend):
         logs = np.zeros(x.shape[0])
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
-            k.softmax_sums(x, table, sums)
+            k.parallel(k.softmax_sums, len(x), x, table, sums)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
         out = np.empty(x.shape, out_dtype)
-        k.softmax(x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
-                  np.float64(lo), np.float64(hi), bool(log), out)
+        k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
+                   np.float64(lo), np.float64(hi), bool(log), out)
         return out
