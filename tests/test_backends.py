@@ -208,3 +208,63 @@ def test_cupy_imported_without_a_device_leaves_other_arrays_alone(monkeypatch, t
     assert backends.for_array(ToyArray(np.zeros(3))).name == "toy"
     assert backends.for_array(FakeCupyArray()).name == "cupy"
     assert backends.available() == ["numpy", "toy"]
+
+
+@pytest.fixture
+def threads():
+    """``qarray.set_num_threads`` for one test, restored after it."""
+    from qarray.backends import _gemm
+
+    before = _gemm.THREADS[0]
+    yield qarray.set_num_threads
+    qarray.set_num_threads(before)
+
+
+def test_kernel_tasks_split_into_one_part_per_thread(threads):
+    k = pytest.importorskip("qarray.backends._numba")
+    import numba
+
+    parts = []
+    threads(3)
+    got = k.parallel(lambda tag, start, stop: parts.append((start, stop)) or tag, 10, "part")
+    n = min(3, numba.config.NUMBA_NUM_THREADS)
+    assert sorted(parts) == [(10 * i // n, 10 * (i + 1) // n) for i in range(n)] and got == ["part"] * n
+    parts.clear()
+    threads(8)
+    k.parallel(lambda start, stop: parts.append((start, stop)), 2)  # never more parts than tasks
+    assert sorted(parts) == ([(0, 1), (1, 2)] if numba.config.NUMBA_NUM_THREADS > 1 else [(0, 2)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_parts_that_split_a_row_give_the_same_codes(threads, n):
+    """Per-axis parameters along the last axis: the kernels' tasks are runs along
+    a row, and parts start and end inside rows; every split gives the generic
+    code's integers (odd lengths: the vector loops' tails too)."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((3, 7001)).astype(np.float32) * 4
+    scale = rng.uniform(0.01, 0.1, 7001).astype(np.float32)
+    zp = rng.integers(-128, 128, 7001)
+    threads(n)
+    with qarray.config.using(numba=False):
+        want = qarray.quantize(x, scale, zp, "qint8", axis=1)
+        want_r = qarray.requantize(want, scale * 3, 0, "quint8", axis=1, rounding="tflite")
+        want_f = want.dequantize()
+    got = qarray.quantize(x, scale, zp, "qint8", axis=1)
+    np.testing.assert_array_equal(got.int_repr(), want.int_repr())
+    np.testing.assert_array_equal(qarray.requantize(got, scale * 3, 0, "quint8", axis=1, rounding="tflite").int_repr(),
+                                  want_r.int_repr())
+    assert got.dequantize().tobytes() == want_f.tobytes()
+
+
+def test_large_kernel_outputs_start_on_a_huge_page():
+    """From 4 MiB on, kernel outputs start at a 2 MiB boundary (so transparent
+    huge pages cover them whole); smaller ones are plain arrays."""
+    pytest.importorskip("numba")
+    x = np.linspace(-1, 1, 1 << 22, dtype=np.float32)
+    q = qarray.quantize(x, 0.01, 0, "qint8")
+    assert q.data.ctypes.data % (1 << 21) == 0 and q.data.shape == x.shape and q.data.dtype == np.int8
+    f = q.dequantize()
+    assert f.ctypes.data % (1 << 21) == 0 and f.flags.c_contiguous and f.dtype == np.float32
+    np.testing.assert_array_equal(f, (np.clip(np.rint(x / np.float32(0.01)), -128, 127) * np.float32(0.01)))
+    assert qarray.quantize(x[:1 << 16], 0.01, 0, "qint8").data.base is None

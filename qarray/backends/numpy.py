@@ -42,6 +42,24 @@ def set_num_threads(n: int) -> None:
     _gemm.THREADS[0] = n  # the GEMM engine's new sessions and _numba.parallel
 
 
+_PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+
+
+def _empty(shape, dtype):
+    """``np.empty(shape, dtype)`` for a kernel's output; from 4 MiB on, starting
+    at a 2 MiB boundary. NumPy asks for transparent huge pages from 4 MiB
+    (``madvise``), but a mapping that starts mid-page takes 4 KiB pages up to
+    the first boundary: a 16 MiB array faulted ~2 MiB in 4 KiB pages, and
+    16 such chunks took 1.5x as long to fill as one array of their size."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    if size < 1 << 22:
+        return np.empty(shape, dtype)
+    raw = np.empty(size + _PAGE, np.uint8)
+    start = -raw.ctypes.data % _PAGE
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
 def _contiguous(a):
     """C-contiguous ``a`` (``np.ascontiguousarray`` would make 0-d arrays 1-d)."""
     return a if a.flags.c_contiguous else a.copy(order="C")
@@ -83,7 +101,7 @@ class NumpyBackend(Backend):
             x = x.astype(np.float32)
         # <= 16-bit results clamp exactly in float32; qint32 needs float64.
         ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
-        out = np.empty(x.shape, qd.storage)
+        out = _empty(x.shape, qd.storage)
         params = (scale.astype(x.dtype), zero_point.astype(ct))
         bad = self._run(k.quantize, x, out, axis, block_size, params, ct(qd.qmin), ct(qd.qmax))
         if any(v != v for v in bad) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
@@ -98,7 +116,7 @@ class NumpyBackend(Backend):
 
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
-        out = np.empty(x.shape, np.uint8)
+        out = _empty(x.shape, np.uint8)
         kernel = k.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
         nans = self._run(kernel, x, out, axis, block_size, (np.asarray(scale, np.float32),))
         if any(nans) and not (mx or _formats.fmt(qd).has_nan):
@@ -110,7 +128,7 @@ class NumpyBackend(Backend):
         if k is None:
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
         ft = np.float64 if dtype == np.float64 else np.float32
-        out = np.empty(q.shape, ft)
+        out = _empty(q.shape, ft)
         self._run(k.dequantize, q, out, axis, block_size, (scale.astype(ft), zero_point.astype(np.int64)))
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype, copy=False)
@@ -130,7 +148,7 @@ class NumpyBackend(Backend):
         if k is None or axis is not None:
             return super().lut(q, table, axis)
         u = _contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
-        out = np.empty(q.shape, table.dtype)
+        out = _empty(q.shape, table.dtype)
         k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1))
         return out
 
@@ -141,7 +159,7 @@ class NumpyBackend(Backend):
         # a strided out (cat's slice along axis > 0) gets a contiguous result copied
         # in: 12x faster than the generic code's int64 passes (cat of 3 x 86K codes on axis 1)
         direct = out is not None and out.flags.c_contiguous
-        target = out if direct else np.empty(q.shape, rq.out_dtype)
+        target = out if direct else _empty(q.shape, rq.out_dtype)
         kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
         self._run(kernel, q, target, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
         if out is None or direct:
@@ -176,7 +194,7 @@ class NumpyBackend(Backend):
         m, n = raw.shape
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
         rq = identity(0) if rq is None else rq
-        out = np.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
+        out = _empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
         k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, _contiguous(raw), rows, *cols, np.int64(rq.lo),
@@ -199,7 +217,7 @@ class NumpyBackend(Backend):
         (sh, sw), (dh, dw) = stride, dilation
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-        out = np.empty((n * oh * ow, c * kh * kw), xpad.dtype)
+        out = _empty((n * oh * ow, c * kh * kw), xpad.dtype)
         k.parallel(k.im2col, n * oh, _contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
@@ -215,7 +233,7 @@ class NumpyBackend(Backend):
         narrow = bias is None and rq is not None and rq.narrow(np.int32)
         dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
         rq = identity(0) if rq is None else rq
-        out = np.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
+        out = _empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
         k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), _contiguous(wc), groups,
                    sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
@@ -231,7 +249,7 @@ class NumpyBackend(Backend):
             sums = np.empty(x.shape[0], np.int64)
             k.parallel(k.softmax_sums, len(x), x, table, sums)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
-        out = np.empty(x.shape, out_dtype)
+        out = _empty(x.shape, out_dtype)
         k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
                    np.float64(lo), np.float64(hi), bool(log), out)
         return out
