@@ -72,6 +72,7 @@ def bench_scaling(rows, repeats):
     rng = np.random.default_rng(1)
     w = qarray.quantize_dynamic(rng.standard_normal((1024, 1024)).astype(np.float32), "qint8", symmetric=True, axis=0)
     wf = w.dequantize()
+    layer = qarray.nn.Linear(w)  # weights packed once; the workers get codes and pack them once each
 
     def timed(make, run):
         def fn(client):
@@ -87,8 +88,8 @@ def bench_scaling(rows, repeats):
         return da.random.default_rng(2).standard_normal((rows, 1024), chunks=(rows // 16, 1024)).astype(np.float32)
 
     contenders = {
-        "qarray linear int8 (qint8 out)": timed(lambda: qarray.quantize(floats(), 0.02, 0, "qint8").persist(),
-                                                lambda q: qarray.linear(q, w, scale=0.5, zero_point=0, dtype="qint8").persist()),
+        "qarray nn.Linear int8 (qint8 out)": timed(lambda: qarray.quantize(floats(), 0.02, 0, "qint8").persist(),
+                                                   lambda q: layer(q, scale=0.5, zero_point=0, dtype="qint8").persist()),
         "numpy float32 x @ w.T": timed(lambda: floats().persist(), lambda x: (x @ wf.T).persist()),
     }
     for who, fn in contenders.items():

@@ -214,6 +214,15 @@ def test_on_a_local_cluster(client):
     q, dq = qarray.quantize(X, 0.03, 0, "qint8"), qarray.quantize(dx, 0.03, 0, "qint8")
     _same(qarray.linear(dq, w, scale=0.5, zero_point=0), qarray.linear(q, w, scale=0.5, zero_point=0))
     _same(qarray.sigmoid(dq), qarray.sigmoid(q))
+    # layers keep their weights packed for the CPU engine, with onnxruntime
+    # sessions that do not pickle: the workers get codes and pack them there
+    lin = qarray.nn.Linear(w)
+    _same(lin(dq, scale=0.5, zero_point=0), lin(q, scale=0.5, zero_point=0))
+    rng = np.random.default_rng(3)
+    conv = qarray.nn.Conv2d.from_float(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), padding=1)
+    xc = rng.standard_normal((5, 4, 7, 6)).astype(np.float32)
+    qc, dqc = (qarray.quantize(v, 0.03, 5, "quint8") for v in (xc, da.from_array(xc, chunks=(2, 4, 7, 6))))
+    _same(conv(dqc, scale=0.4, zero_point=2, dtype="quint8"), conv(qc, scale=0.4, zero_point=2, dtype="quint8"))
     assert client.run(lambda: 1)  # the workers answered: the graph ran there
 
 

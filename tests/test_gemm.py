@@ -234,3 +234,30 @@ def test_small_m_reads_packed_4bit_weights(wdt, m, monkeypatch, rng):
     assert calls.count(0) == (2 if m <= 16 else 0)
     with qarray.config.using(numba=False):  # the kernel is Numba's: off with it
         assert qarray.nn.Linear(lin.weight)._packed.packed.nibbles is None
+
+
+@pytest.mark.parametrize("wdt", ["qint8", "quint8", "qint4", "quint4"])
+def test_packed_weights_pickle_as_codes_and_repack_where_loaded(wdt, engine, rng, monkeypatch):
+    """A packed layer's weights go to a Dask worker by pickle: onnxruntime's
+    sessions do not pickle, so they travel as codes and the loading process packs
+    them its own way (here: another engine), once per weights."""
+    import pickle
+
+    monkeypatch.setattr(_gemm, "_REPACKED", type(_gemm._REPACKED)())
+    d = qdtype(wdt)
+    wc = codes(rng, d, (130, 7))
+    packed = qarray.backends.get("numpy").pack_weight(wc, d, keep=True)
+    if not isinstance(packed, _gemm.Packed):
+        pytest.skip("the blas engine keeps the generic packing")
+    blob = pickle.dumps(packed)
+    other = next((e for e in ("u8u8", "blas") if e != engine and _gemm.status(e)[0]), engine)
+    with qarray.config.using(gemm=other):
+        loaded = pickle.loads(blob)
+        assert pickle.loads(blob) is loaded  # packed once per process
+    if other == "blas":
+        assert not isinstance(loaded, _gemm.Packed)
+        return
+    assert loaded.name == other and loaded.sessions is not None and loaded is not packed
+    a = codes(rng, qdtype("quint8"), (5, 130))
+    got = loaded.raw(a).astype(np.int64) + loaded.shift * a.sum(1, dtype=np.int64, keepdims=True)  # w = codes - shift
+    np.testing.assert_array_equal(got, ref(a, 0, wc, 0))

@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import uuid
+from collections import OrderedDict
 
 import numpy as np
 
@@ -178,6 +180,22 @@ def _numba_gemm():
 
 
 SMALL_M = 16  # at most this many activation rows read packed 4-bit weights directly
+_REPACKED: OrderedDict = OrderedDict()  # Packed.token -> this process's packing of those weights
+
+
+def _repack(token, codes, qd, keep):
+    """An unpickled :class:`Packed`: the codes packed the way this process packs
+    them (``NumpyBackend.pack_weight``: its engine, its sessions), once per
+    token; the 16 latest are kept, so a Dask worker that gets the same weights
+    graph after graph packs them once."""
+    if token not in _REPACKED:
+        from . import get
+
+        _REPACKED[token] = get("numpy").pack_weight(codes, qd, keep)
+        while len(_REPACKED) > 16:
+            _REPACKED.popitem(last=False)
+    _REPACKED.move_to_end(token)
+    return _REPACKED[token]
 
 
 class Packed:
@@ -185,12 +203,12 @@ class Packed:
     u8s8, uint8 for u8u8) equals the codes minus ``shift``; ``colsum`` is its
     int64 column sums; ``sessions`` (``keep``: 2-D weights only) one packed
     session per K chunk. 4-bit weights also keep ``nibbles``, two codes to a
-    byte, for small M (``packed4_kernel``)."""
+    byte, for small M (``packed4_kernel``). Pickled as its codes (:func:`_repack`)."""
 
-    __slots__ = ("name", "w", "shift", "colsum", "sessions", "nibbles", "signed")
+    __slots__ = ("name", "w", "shift", "colsum", "sessions", "nibbles", "signed", "qd", "keep", "token")
 
     def __init__(self, name, codes, qd, keep, numba=True):
-        self.name, self.signed = name, qd.signed
+        self.name, self.signed, self.qd, self.keep, self.token = name, qd.signed, qd, keep, uuid.uuid4().hex
         to_signed = name == "u8s8"
         if qd.signed == to_signed or (to_signed and qd.bits < 8):  # in range: qint8 or quint4 as s8, quint8 as u8
             self.shift, self.w = 0, codes.astype(np.int8 if to_signed else np.uint8, copy=False)
@@ -210,6 +228,11 @@ class Packed:
         if keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
+
+    def __reduce__(self):
+        """Pickled as the codes (``w + shift``): onnxruntime sessions do not pickle,
+        and the process that loads them (a Dask worker) may have another engine."""
+        return _repack, (self.token, (self.w.astype(np.int16) + self.shift).astype(self.qd.storage), self.qd, self.keep)
 
     def raw(self, a):
         """``a @ w`` exactly for unsigned 8-bit ``a`` ``(..., M, K)``: int32, or
