@@ -238,10 +238,9 @@ def report(agree, outdir, quick):
             vers[name] = __import__(name).__version__
         except ImportError:
             vers[name] = None
-    import numba
     machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                   elements=N, repeats=REPEATS, quick=quick, numba_threads=numba.get_num_threads(),
+                   elements=N, repeats=REPEATS, quick=quick, qarray_threads=THREADS,
                    torch_threads=torch.get_num_threads() if torch is not None else None, **vers)
     say("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     say(f"times: median (min) of {REPEATS} runs after one warm-up, in ms; ratio = qarray / peer median (and of mins); "
