@@ -268,3 +268,30 @@ def test_large_kernel_outputs_start_on_a_huge_page():
     assert f.ctypes.data % (1 << 21) == 0 and f.flags.c_contiguous and f.dtype == np.float32
     np.testing.assert_array_equal(f, (np.clip(np.rint(x / np.float32(0.01)), -128, 127) * np.float32(0.01)))
     assert qarray.quantize(x[:1 << 16], 0.01, 0, "qint8").data.base is None
+
+
+def _quantize_in_child(x, queue):
+    queue.put(qarray.quantize(x, 0.01, 0, "quint8").int_repr())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork")
+def test_a_forked_process_runs_the_kernels(threads):
+    """A child forked after the kernels ran has none of the parent's pool threads;
+    it must start its own, not wait forever on the parent's."""
+    import multiprocessing
+
+    pytest.importorskip("numba")
+    threads(2)
+    x = np.linspace(0, 2.5, 1 << 20, dtype=np.float32)
+    want = qarray.quantize(x, 0.01, 0, "quint8").int_repr()  # the pool is up in the parent
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_quantize_in_child, args=(x, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+    np.testing.assert_array_equal(got, want)

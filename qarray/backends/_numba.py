@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -41,6 +42,8 @@ from ._gemm import THREADS
 # from vectorizing (Numba's prange bodies compile with it too)
 kernel = njit(nogil=True, cache=True, error_model="numpy")
 _pool: list = [0, None]  # [threads, ThreadPoolExecutor of threads - 1]
+# a forked child has none of the parent's pool threads: it starts its own
+os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, None]))
 
 
 def parallel(k, tasks, *args):
