@@ -40,7 +40,8 @@ from ._gemm import THREADS
 
 # error_model="numpy": no check for division by zero, which would keep loops
 # from vectorizing (Numba's prange bodies compile with it too)
-kernel = njit(nogil=True, cache=True, error_model="numpy")
+_KERNEL = dict(nogil=True, cache=True, error_model="numpy")
+kernel = njit(**_KERNEL)
 _pool: list = [0, None]  # [threads, ThreadPoolExecutor of threads - 1]
 # a forked child has none of the parent's pool threads: it starts its own
 os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, None]))
@@ -58,11 +59,6 @@ def parallel(k, tasks, *args):
     cut = [tasks * i // n for i in range(n + 1)]
     rest = [_pool[1].submit(k, *args, cut[i], cut[i + 1]) for i in range(1, n)]
     return [k(*args, 0, cut[1])] + [f.result() for f in rest]
-
-
-def rows(a) -> int:
-    """The tasks of a kernel on ``(outer, n, inner)`` data: its rows."""
-    return a.shape[0] * a.shape[1]
 
 _rescale = njit(inline="always")(_fixed_point.rescale)
 # Numba's cache sees only this file's timestamp, not _fixed_point.py's; closure
@@ -122,8 +118,6 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out):
     return acc
 
 
-# fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
-# input) vectorize; it allows no other change of the arithmetic.
 @njit(inline="always")
 def _outer(n, start, stop):
     """The outer indices ``o`` whose rows ``o * n + l`` meet ``start..stop``."""
@@ -132,7 +126,9 @@ def _outer(n, start, stop):
     return start // n, (stop + n - 1) // n
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})
+# fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
+# input) vectorize; it allows no other change of the arithmetic.
+@njit(**_KERNEL, fastmath={"reassoc"})
 def quantize(x, s, z, bidx, lo, hi, out, start, stop):
     """``out = clamp(rint(x / s) + z, lo, hi)``; returns NaN if ``x`` had NaN or inf."""
     o_n, n, i_n = x.shape

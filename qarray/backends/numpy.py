@@ -89,8 +89,9 @@ class NumpyBackend(Backend):
         results = []
         for sl, lay in Layout(a.shape, axis, block_size).pieces(_COLS):
             ps = [np.ascontiguousarray(lay.compact(p)) for p in params]
-            a3 = af[sl].reshape(lay.dims)
-            results += k.parallel(kernel, k.rows(a3), a3, *ps, lay.bidx(), *args, of[sl].reshape(lay.dims))
+            rows = lay.dims[0] * lay.dims[1]  # the tasks: rows (o, l) of the (outer, n, inner) view
+            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, lay.bidx(), *args,
+                                  of[sl].reshape(lay.dims))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
