@@ -142,7 +142,29 @@ def cast(v, spec, saturate: bool = True) -> np.ndarray:
         v = np.clip(v, -top, top)  # NaN stays NaN; beyond the range (inf too): +-max
     if f.name == "mxint8":
         return np.rint(v * np.asarray(1 / MXINT8_UNIT, v.dtype)).astype(np.int8)
+    if v.dtype == np.float64:
+        v = round_to_odd32(v)
     return v.astype(dtype(f))
+
+
+def round_to_odd32(v: np.ndarray) -> np.ndarray:
+    """float64 ``v`` as float32, rounded to odd: an inexact result is the float32
+    next to ``v`` toward zero with its last bit set (beyond float32's range: its
+    largest value). Rounding that to a format of at most 21 significand bits and
+    within float32's exponent range rounds as if from ``v`` itself, once (Boldo and
+    Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
+    rounding to odd", 2008). ml_dtypes casts float64 through float32 by rounding
+    to nearest, twice (0.6.0 for float8, 0.7.0 still for float4:
+    0.2500000000002274 -> 0), so qarray never hands it a float64."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = v.astype(np.float32)
+        inexact = (t.astype(np.float64) != v) & ~np.isnan(v)
+    if not inexact.any():
+        return t
+    bits = t.view(np.uint32)
+    away = np.abs(t.astype(np.float64)) > np.abs(v)  # rounded (or overflowed) away from zero: one step back
+    bits = np.where(inexact, (bits - away.astype(np.uint32)) | np.uint32(1), bits)
+    return bits.view(np.float32)
 
 
 def values(codes, spec, out=np.float32) -> np.ndarray:

@@ -213,8 +213,11 @@ class Backend:
         of ``x`` (1 where that is 0), from the block maxima ``amax`` (host; all of
         ``x`` is read again only where a block holds NaN or inf)."""
         xp = self.xp
-        top = np.float32(amax.max(initial=0) if np.isfinite(amax).all()
-                         else to_host(xp.abs(x[xp.isfinite(x)]).max(initial=0)))
+        if np.isfinite(amax).all():
+            top = np.float32(amax.max(initial=0))  # host
+        else:  # CuPy's reductions take no initial=: an empty selection is asked for first
+            finite = xp.abs(x[xp.isfinite(x)])
+            top = np.float32(to_host(finite.max()) if finite.size else 0)
         return np.asarray(top / np.float32(448 * 6) if top > 0 else np.float32(1), np.float32)
 
     def _zero_blocks(self, codes, nan, axis, block_size):

@@ -286,13 +286,14 @@ class CupyBackend(Backend):
     def _max_grid(self, source, name):
         """Blocks of ``BLOCK`` threads that fill the current device once: its SM
         count times how many blocks of this kernel one SM holds (the driver's
-        occupancy calculator); kept per device and kernel."""
+        occupancy calculator, given the compiled function's handle: the
+        ``RawKernel``'s ``kernel.ptr``); kept per device and kernel."""
         key = (self._device_id(), source, name)
         if key not in self._grids:
             cupy = self.xp
             sms = cupy.cuda.runtime.getDeviceProperties(key[0])["multiProcessorCount"]
             per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                self._function(source, name).ptr, BLOCK, 0)
+                self._function(source, name).kernel.ptr, BLOCK, 0)
             self._grids[key] = max(1, sms * per_sm)
         return self._grids[key]
 

@@ -130,7 +130,7 @@ class ndarray:
         allocations[0] += 1
         return ndarray._of(self._a.copy(order), _current[0])
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype=None):  # as CuPy's: no copy=
         raise TypeError(IMPLICIT)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
