@@ -24,6 +24,33 @@ from .harness import HostCupyBackend, build  # noqa: E402
 assert cupy.__version__ == "0+fake", cupy.__file__
 
 
+class HostFunction:
+    """``cupy.cuda.function.Function``: the compiled function's handle, which the
+    occupancy calculator is given."""
+
+    ptr = 0
+
+
+class HostKernel:
+    """``cupy.RawKernel`` as CuPy has it (``tests/test_cupy_api.py`` checks these
+    names against CuPy's): called with ``(grid, block, args, shared_mem=)``, its
+    function at ``.kernel``."""
+
+    def __init__(self, module, name):
+        self._module, self._name = module, name
+
+    @property
+    def kernel(self):
+        return HostFunction()
+
+    def __call__(self, grid, block, args, *, shared_mem=0):
+        module, name = self._module, self._name
+        assert cupy.cuda.Device().id == module.device, f"{name}: module of device {module.device} launched elsewhere"
+        cupy._check_devices([a for a in args if isinstance(a, cupy.ndarray)])
+        module.host.devices.append(module.device)
+        module.host.run(name, grid, block, args, shared_mem)
+
+
 class HostModule:
     """``cupy.RawModule`` for the current (fake) device, its kernels run by ``host``
     (a ``HostCupyBackend``, which checks every launch); each launch is recorded in
@@ -33,21 +60,14 @@ class HostModule:
         self.host, self.device = host, cupy.cuda.Device().id
 
     def get_function(self, name):
-        def launch(grid, block, args, shared_mem=0):
-            assert cupy.cuda.Device().id == self.device, f"{name}: module of device {self.device} launched elsewhere"
-            cupy._check_devices([a for a in args if isinstance(a, cupy.ndarray)])
-            self.host.devices.append(self.device)
-            self.host.run(name, grid, block, args, shared_mem)
-
-        launch.ptr = 0  # what the occupancy calculator is given
-        return launch
+        return HostKernel(self, name)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def fake_device(tmp_path_factory):
     host = HostCupyBackend(build(tmp_path_factory.mktemp("cuda_host") / "kernels.so"))
     host.devices = []
-    cupy.RawModule = lambda code, options: HostModule(host, code, options)
+    cupy.RawModule = lambda *, code, options: HostModule(host, code, options)  # as the backend calls it
     cupy.cuda.cublas = cublas_host  # gemmEx on the host, under cuBLAS's rules
     cupy.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
     backend = qb.register(CupyBackend())

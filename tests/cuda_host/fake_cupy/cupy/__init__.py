@@ -8,15 +8,25 @@ NumPy functions, ufuncs and operators take it only with no NumPy array mixed in
 arrays too, except ``asarray`` and ``array``, which copy host data over. So code
 that needs a host value must ask for one (``.get()``), as on a GPU.
 
+It has only what every supported CuPy has (``../../cupy_api.json``, read off real
+CuPy 13 and 14; ``tests/test_cupy_api.py`` checks both): another name raises
+CuPy's AttributeError, another keyword Python's TypeError. With
+``QA_FAKE_CUPY_LOG=file`` it is lenient instead and writes the names it was asked
+for to ``file``, for ``cupy_api.py names file`` (adding a name to the list).
+
 Two devices: ``cuda.Device(i)`` makes device ``i`` current; an array remembers
 the device it was made on (a view, its base's), and work that reads or writes an
 array of another device raises CuPy's no-peer-access ValueError. ``gpu_dryrun.py``
 supplies ``RawModule``, whose kernels run through the host harness.
 """
 
+import atexit
 import functools
+import importlib.util
+import os
 import time
 import types
+from pathlib import Path
 
 import numpy as _np
 
@@ -29,6 +39,44 @@ _current = [0]  # the current device
 # the host (get, asnumpy, int / float / bool / item / tolist of an array).
 transfers = {"h2d": 0, "d2h": 0}
 allocations = [0]  # new device arrays (not views) made since the count was last reset
+
+
+def _api():
+    spec = importlib.util.spec_from_file_location("_cupy_api", Path(__file__).parents[2] / "cupy_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.allowed()
+
+
+_LOG = os.environ.get("QA_FAKE_CUPY_LOG")
+_ASKED = set()
+_API = None if _LOG else _api()  # {dotted name: keywords or None}
+if _LOG:
+    atexit.register(lambda: Path(_LOG).open("a").write("".join(f"{n}\n" for n in sorted(_ASKED))))
+
+
+def _has(name, owner, attr):
+    """``name`` (``cupy.x``, ``cupy.ndarray.x``) is in every supported CuPy, else
+    CuPy's AttributeError."""
+    _ASKED.add(name)
+    if _API is not None and name not in _API:
+        raise AttributeError(f"{owner} has no attribute '{attr}'")
+
+
+def _keywords(name, f):
+    """``f`` taking only the keywords CuPy's ``name`` takes."""
+    params = None if _API is None else _API[name]
+    if params is None or "**" in params:
+        return f
+
+    @functools.wraps(f)
+    def checked(*args, **kwargs):
+        for k in kwargs:
+            if k not in params:
+                raise TypeError(f"{name.rsplit('.', 1)[-1]}() got an unexpected keyword argument '{k}'")
+        return f(*args, **kwargs)
+
+    return checked
 
 
 def _to_host():
@@ -134,18 +182,23 @@ class ndarray:
         raise TypeError(IMPLICIT)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _has(f"cupy.{ufunc.__name__}", "module 'cupy'", ufunc.__name__)  # CuPy: NotImplemented, then NumPy's TypeError
         if "out" in kwargs:  # in place: a kernel on the current device
             _check_devices([a for a in (*inputs, *kwargs["out"]) if isinstance(a, ndarray)])
         return _apply(getattr(ufunc, method), inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        return _apply(func, args, kwargs)
+        _has(f"cupy.{func.__name__}", "module 'cupy'", func.__name__)
+        return _keywords(f"cupy.{func.__name__}", lambda *a, **k: _apply(func, a, k))(*args, **kwargs)
 
-    def __getattr__(self, name):  # NumPy's attributes and methods, except the host's own
+    def __getattr__(self, name):  # NumPy's attributes and methods where CuPy's ndarray has them
         if name.startswith("__") or name in ("ctypes", "data"):
             raise AttributeError(f"'cupy.ndarray' object has no attribute '{name}'")
+        _has(f"cupy.ndarray.{name}", "'cupy.ndarray' object", name)
         attr = getattr(self._a, name)
-        return (lambda *args, **kwargs: _apply(attr, args, kwargs, [self])) if callable(attr) else _wrap(attr, [self])
+        if not callable(attr):
+            return _wrap(attr, [self])
+        return _keywords(f"cupy.ndarray.{name}", lambda *args, **kwargs: _apply(attr, args, kwargs, [self]))
 
     def __getitem__(self, key):
         found = [self]
@@ -219,20 +272,21 @@ def asarray(a, dtype=None, order=None):
     return array(a, dtype, order=order)
 
 
-def array(a, dtype=None, copy=True, order="K"):  # always a copy here
-    if not isinstance(a, ndarray):
+def array(obj, dtype=None, copy=True, order="K"):  # always a copy here
+    if not isinstance(obj, ndarray):
         transfers["h2d"] += 1
     allocations[0] += 1
-    return ndarray._of(_np.array(_unwrap(a, [], host_ok=True), dtype, order=order), _current[0])
+    return ndarray._of(_np.array(_unwrap(obj, [], host_ok=True), dtype, order=order), _current[0])
 
 
 def asnumpy(a):
     return a.get() if isinstance(a, ndarray) else _np.asarray(a)  # get() counts the copy
 
 
-def __getattr__(name):  # every other NumPy name; functions refuse NumPy arrays
+def __getattr__(name):  # NumPy's other names where CuPy has them; functions refuse NumPy arrays
+    _has(f"cupy.{name}", "module 'cupy'", name)
     obj = getattr(_np, name)
-    return _numpy_function(obj) if callable(obj) and not isinstance(obj, type) else obj
+    return _keywords(f"cupy.{name}", _numpy_function(obj)) if callable(obj) and not isinstance(obj, type) else obj
 
 
 class _Random:
@@ -241,11 +295,11 @@ class _Random:
     def rand(self, *shape, dtype=_np.float64):
         return array(self._rng.random(shape).astype(dtype))
 
-    def standard_normal(self, n, dtype=_np.float64):
-        return array(self._rng.standard_normal(n).astype(dtype))
+    def standard_normal(self, size=None, dtype=_np.float64):
+        return array(self._rng.standard_normal(size).astype(dtype))
 
-    def randint(self, lo, hi, n, dtype=_np.int64):
-        return array(self._rng.integers(lo, hi, n).astype(dtype))
+    def randint(self, low, high=None, size=None, dtype=_np.int64):
+        return array(self._rng.integers(low, high, size).astype(dtype))
 
 
 class _Device:
@@ -280,11 +334,15 @@ class _Event:
 
 
 random = _Random()
+def _as_strided(x, shape=None, strides=None):
+    return _apply(_np.lib.stride_tricks.as_strided, (x, shape, strides), {})
+
+
 lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
-    as_strided=_numpy_function(_np.lib.stride_tricks.as_strided),
+    as_strided=_as_strided,
     sliding_window_view=_numpy_function(_np.lib.stride_tricks.sliding_window_view)))
 cuda = types.SimpleNamespace(
-    Device=_Device, Event=_Event, get_elapsed_time=lambda a, b: 1000 * (b.t - a.t),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda i: {
+    Device=_Device, Event=_Event, get_elapsed_time=lambda start_event, end_event: 1000 * (end_event.t - start_event.t),
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda device: {
         "name": b"host harness", "multiProcessorCount": 2}),
-    driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, shmem: 4))
+    driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda func, blockSize, dynamicSMemSize: 4))
