@@ -142,11 +142,26 @@ def test_grid_stride_tail_and_launch(host, rng):
     assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, cuda_backend.BLOCK)
 
 
-def test_nan_is_the_cpu_error(host):
+def test_nan_is_the_cpu_error_at_the_next_host_read(host):
+    """quantize does not wait for the device to learn of NaN: the kernel sets a
+    flag, and the next host read (or check_nan) raises the CPU's error for the
+    first pending input that has NaN, once."""
     x = np.zeros((2, 3), np.float32)
     x[1, 2] = np.nan
+    s, z = np.asarray(np.float32(0.1)), np.asarray(np.int32(0))
+    host.quantize(np.ones(5, np.float32), s, z, qarray.qint8, None, None)
+    host.quantize(x, s, z, qarray.qint8, None, None)  # returns: nothing read yet
+    host.quantize(x[:1], s, z, qarray.qint8, None, None)
+    with pytest.raises(ValueError, match=r"^cannot quantize NaN: the input has 1 NaN value\(s\), the first at index \(1, 2\);"):
+        host.to_host(np.zeros(1))
+    host.check_nan()  # reported once; the flag is clear again
+    host.quantize(np.ones(3, np.float32), s, z, qarray.qint8, None, None)
+    np.testing.assert_array_equal(host.to_host(np.arange(2)), [0, 1])
+    for _ in range(host.PENDING + 1):
+        host.quantize(np.ones(3, np.float32), s, z, qarray.qint8, None, None)
+    host.quantize(x, s, z, qarray.qint8, None, None)
     with pytest.raises(ValueError, match=r"1 NaN value\(s\), the first at index \(1, 2\)"):
-        host.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None)
+        host.check_nan()
 
 
 def test_non_contiguous_input_is_handled(host, rng):

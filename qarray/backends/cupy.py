@@ -23,8 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _formats
 from .._fixed_point import identity
-from .._params import Layout, param_shape
+from .._params import Layout, param_shape, to_host
 from ._base import Backend, nan_error
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -170,7 +171,6 @@ def plan(backend, shape, axis, block_size, *params):
 def format_args(qd) -> tuple:
     """The floating format ``qd`` as cuda/formats.cu's ``FORMAT_ARGS``: exponent and
     mantissa bits, bias and kind, from ml_dtypes' numbers (``qarray._formats``)."""
-    from .. import _formats
 
     f = _formats.fmt(qd)
     i = _formats.ml_dtypes().finfo(_formats.dtype(f))
@@ -306,14 +306,53 @@ class CupyBackend(Backend):
     def _layout_scalars(total, lay):
         return (np.int64(total), *(np.int64(v) for v in lay))
 
-    def _nan_flag(self):
-        """A device int32 set to 0, that quantize kernels set to 1 on NaN input
-        (one per device and thread, reused)."""
+    # NaN input is reported without waiting for the device: quantize kernels set a
+    # device flag (one per device and thread, reset only when read) and the call
+    # keeps its input among the pending ones; the next host read through this
+    # backend (``to_host``: QArray.get, .to("numpy"), repr) or ``check_nan()``
+    # reads the flag, which waits for the device anyway, and raises the error the
+    # CPU raises at once, naming the first pending input with NaN.
+    PENDING = 64  # inputs kept for the message; past this the oldest is let go
+
+    def _nan_flag(self, error):
+        """The device int32 that quantize kernels set to 1 on NaN input; ``error()``
+        builds the error should this call's input hold NaN."""
         key = (self._device_id(), threading.get_ident())
         if key not in self._flags:
-            self._flags[key] = self.xp.zeros(1, np.int32)
-        self._flags[key].fill(0)
-        return self._flags[key]
+            self._flags[key] = (self.xp.zeros(1, np.int32), [])
+        flag, pending = self._flags[key]
+        pending.append(error)
+        del pending[: -self.PENDING]
+        return flag
+
+    def _if_nan(self, x, error):
+        with self.on(x):
+            return error(x) if bool(self.xp.isnan(x).any()) else None
+
+    def check_nan(self):
+        """Raise the NaN error of a quantize call on this thread since the last
+        check (ValueError, as the CPU raises it at the call); this reads one
+        device flag per device used, so it waits for the device."""
+        for key, (flag, pending) in list(self._flags.items()):
+            if key[1] != threading.get_ident() or not pending:
+                continue
+            seen = int(to_host(flag)[0])  # CuPy's get() reads from the array's own device
+            errors = list(pending)
+            pending.clear()
+            if not seen:
+                continue
+            with self.on(flag):
+                flag.fill(0)
+            for error in errors:
+                e = error()
+                if e is not None:
+                    raise e
+            raise ValueError(f"cannot quantize NaN: a quantize call before the last {self.PENDING} on this "
+                                 "thread had NaN input; replace NaN (e.g. nan_to_num) before quantizing")
+
+    def to_host(self, a):
+        self.check_nan()
+        return super().to_host(a)
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
@@ -324,12 +363,10 @@ class CupyBackend(Backend):
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
             total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
-            nan = self._nan_flag()
             if total:
+                nan = self._nan_flag(lambda: self._if_nan(x, nan_error))
                 self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
-            if int(nan[0]):  # the one device -> host copy of quantize: it waits for the kernel
-                raise nan_error(x)
             return out
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
@@ -355,13 +392,12 @@ class CupyBackend(Backend):
             s = np.asarray(scale).astype(np.float32).astype(ft)  # float16 and bfloat16 scales widen exactly
             total, lay, bidx, (s,) = plan(self, x.shape, axis, block_size, s)
             out = xp.empty(x.shape, np.uint8)
-            fmt, nan = format_args(qd), self._nan_flag()
-            if total:
+            fmt = format_args(qd)
+            if total:  # the flag is set only for a format without NaN (float6, float4): their error
+                nan = self._nan_flag(lambda: self._if_nan(x, lambda _: _formats.nan_error(qd)))
                 self._elementwise(f"quantize_format_{x.dtype.name}", total,
                                   (x, s, bidx, *self._layout_scalars(total, lay), *fmt, np.int32(bool(saturate)), out, nan),
                                   "formats.cu")
-            if fmt[-1] == FORMAT_FINITE and int(nan[0]):  # a format without NaN: the host path raises its error
-                return super().quantize_float(x, scale, qd, axis, block_size, saturate)
             return out
 
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
@@ -379,7 +415,6 @@ class CupyBackend(Backend):
             return out
 
     def quantize_mx(self, x, mx, axis, block_size, rounding):
-        from .. import _formats
         from .._dtypes import qdtype
 
         if x.dtype.name not in ("float32", "float64"):
