@@ -199,9 +199,20 @@ def product(factors, dtype):
     return p
 
 
+def _key(v):
+    a = np.asarray(v)
+    return a.dtype.str, a.shape, a.tobytes()
+
+
+_PLANS: dict = {}
+PLANS = 1024  # plans kept; parameters repeat call after call, or they do not
+
+
 def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, block_size=None, relu=False):
     """The ``Requant`` taking integers whose real value is ``q * prod(factors)``
-    (``zp_in`` subtracted first) to ``(scale_out, zp_out, qd)``.
+    (``zp_in`` subtracted first) to ``(scale_out, zp_out, qd)``; the same
+    (read-only) record for the same parameters, kept from an earlier call
+    (working out the multipliers took most of a small call's host time).
 
     ``factors`` are host arrays (float32 scales, or float64 where a power of 2
     scales one) broadcastable to one parameter shape (``a.scale * b.scale``
@@ -210,6 +221,20 @@ def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, bl
     ``scale_out``; in float mode it is computed in float32, as ONNX's
     ``a_scale * b_scale / y_scale``. ``qd`` None gives an unclamped int64 result.
     """
+    key = (tuple(_key(f) for f in factors), _key(scale_out), _key(zp_in), _key(zp_out), qd, mode, rounding, axis,
+           block_size, bool(relu))
+    rq = _PLANS.get(key)
+    if rq is None:
+        rq = _plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, axis, block_size, relu)
+        for a in rq.params:
+            a.setflags(write=False)
+        if len(_PLANS) >= PLANS:
+            _PLANS.clear()
+        _PLANS[key] = rq
+    return rq
+
+
+def _plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, axis, block_size, relu):
     shape = np.broadcast_shapes(*(np.shape(v) for v in (*factors, scale_out, zp_in, zp_out)))
     zeros = np.zeros(shape, np.int64)
     if mode == "fixed":  # float32 scales convert to float64 exactly

@@ -48,7 +48,7 @@ def test_rawmodule_gets_every_header_inlined(tmp_path, monkeypatch):
     def compile_k():
         backend = cuda_backend.CupyBackend()
         backend._xp = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
-            Device=lambda: types.SimpleNamespace(id=0)))
+            runtime=types.SimpleNamespace(getDevice=lambda: 0)))
         backend._launch("k.cu", "k", (1,), (32,), ())
         return given[-1]
 

@@ -16,7 +16,7 @@ from qarray.backends import cupy as cuda_backend
 
 WEIGHTS = ["qint8", "quint8", "qint4", "quint4", "qint2"]
 ACTS = ["quint8", "qint8", "quint4", "qint2"]
-SHAPES = [(1, 5, 3), (3, 37, 10), (16, 64, 7), (17, 33, 5), (40, 100, 33), (2, 300, 4)]
+SHAPES = [(1, 5, 3), (3, 37, 10), (16, 64, 7), (17, 33, 5), (40, 100, 33), (2, 300, 4), (33, 96, 8)]
 
 
 def _codes(rng, dtype, shape, extremes=False):
@@ -55,6 +55,22 @@ def test_exact_sums_against_int64(host, shape, ad, wd, rng):
             np.testing.assert_array_equal(got, want)
             want_kernel = (f"gemv{4 if qw.bits <= 4 else 8}_" if m <= 16 else "gemm_epilogue_int32_")
             assert _kernel(host).startswith(want_kernel), _kernel(host)
+
+
+@pytest.mark.parametrize("m", [4, 40])
+def test_int8_activations_are_read_in_place(host, rng, m):
+    """qint8 activations whose K is a multiple of 32 (the weights' padding) go to
+    gemv and cuBLAS as they are, no shifted copy; where their address is not 16-byte
+    aligned they are copied, as every other activation."""
+    w = _codes(rng, "qint8", (64, 9))
+    pw = host.pack_weight(w, qdtype("qint8"))
+    buf = _codes(rng, "qint8", (m * 64 + 16,))
+    for offset, copies in ((0, 0), (1, 1)):
+        a = buf[offset:offset + m * 64].reshape(m, 64)
+        before = len(host.launches)
+        got = host.int_matmul(a, qdtype("qint8"), -128, pw, np.int64(127), None, None, np.int64)
+        np.testing.assert_array_equal(got, (a.astype(np.int64) + 128) @ (w.astype(np.int64) - 127))
+        assert sum(n.startswith("to_s8") for n, _, _ in host.launches[before:]) == copies
 
 
 def test_paths(host, rng):

@@ -159,22 +159,21 @@ def test_device_plumbing_on_cupy_s_own_classes():
     """What the host harness replaces: the module compiled with CuPy's keywords, the
     occupancy calculator given the kernel's function handle, the launch with
     ``shared_mem=``, on mocks specced from CuPy's RawModule, RawKernel, Function,
-    Device and driver (a name CuPy lacks raises AttributeError here)."""
+    runtime and driver (a name CuPy lacks raises AttributeError here)."""
     cupy = pytest.importorskip("cupy")
     kernel = mock.create_autospec(cupy.RawKernel, instance=True)
     kernel.kernel = mock.create_autospec(cupy.cuda.function.Function, instance=True)
     kernel.kernel.ptr = 0x1234
     module = mock.create_autospec(cupy.RawModule, instance=True)
     module.get_function.return_value = kernel
-    device = mock.create_autospec(cupy.cuda.Device, instance=True)
-    device.id = 0
     occupancy = mock.create_autospec(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor, return_value=6)
     props = mock.create_autospec(cupy.cuda.runtime.getDeviceProperties, return_value={"multiProcessorCount": 132})
+    current = mock.create_autospec(cupy.cuda.runtime.getDevice, return_value=0)
     backend = cuda_backend.CupyBackend()
     with mock.patch.object(cupy, "RawModule", mock.create_autospec(cupy.RawModule, return_value=module)) as raw, \
-            mock.patch.object(cupy.cuda, "Device", mock.create_autospec(cupy.cuda.Device, return_value=device)), \
             mock.patch.object(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", occupancy), \
-            mock.patch.object(cupy.cuda.runtime, "getDeviceProperties", props):
+            mock.patch.object(cupy.cuda.runtime, "getDeviceProperties", props), \
+            mock.patch.object(cupy.cuda.runtime, "getDevice", current):
         backend._xp = cupy
         assert backend._max_grid("ops.cu", "clip_int8") == 132 * 6
         backend._elementwise("clip_int8", 10**6, ("args",), "ops.cu")

@@ -419,6 +419,9 @@ def _repeated_ops(rng):
         "relu per-axis": (lambda: qarray.relu(qc), 0, 1),
         "nn.Linear, small M (gemv)": (lambda: layer(q[:4], **out), 0, 2),  # out, a' (zero weight zero points: no row sums)
         "nn.Linear (cuBLAS)": (lambda: layer(q, **out), 0, 3),  # out, a', the int32 product
+        # qint8 activations with K a multiple of 32 are read where they are: no a'
+        "nn.Linear, qint8 activations (gemv)": (lambda: layer(q2[:4], **out), 0, 1),
+        "nn.Linear, qint8 activations (cuBLAS)": (lambda: layer(q2, **out), 0, 2),
         "nn.Conv2d grouped": (lambda: conv(qi, **out), 0, None),
         "linear per-channel (packs per call)": (lambda: qarray.linear(q, w, bias, **out), 0, None),
         "matmul accumulator": (lambda: qarray.matmul(q2, w.T), 0, None),

@@ -50,6 +50,7 @@ KPAD = 32  # packed weights' K is a multiple of this: cuBLAS's 4, and gemv's 16 
 K_INT32 = (2**31 // 2**14) // KPAD * KPAD - KPAD  # values of K whose int8 x int8 sums always fit int32
 GEMV_ROWS = (1, 4, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row counts
 GEMV_COLS = 4  # columns a warp of gemv computes (gemm.cu)
+NO_REQUANT = identity(0)  # the accumulator as it is: one record, so its device parameters are kept once
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
@@ -162,10 +163,18 @@ def plan(backend, shape, axis, block_size, *params):
     """``(total, layout ints, bidx, compact params)`` for the kernels' ``Layout``
     (``qarray._params.Layout``: its ``ints``, its ``bidx`` and each host
     parameter as its ``pshape``, flattened), the arrays as ``backend.param``
-    keeps them on the device: nothing is copied on a repeated call."""
-    lay = Layout(shape, axis, block_size)
-    ps = [backend.param(lay.compact(np.asarray(p)).reshape(-1)) for p in params]
-    return lay.size, lay.ints, backend.param(lay.bidx()), ps
+    keeps them on the device; the whole plan kept per device, shape and
+    parameters: a repeated call copies nothing and works nothing out again."""
+    params = [np.asarray(p) for p in params]
+    key = ("plan", backend._device_id(), tuple(shape), axis, block_size,
+           *((p.dtype.str, p.shape, p.tobytes()) for p in params))
+
+    def make():
+        lay = Layout(shape, axis, block_size)
+        ps = [backend.param(lay.compact(p).reshape(-1)) for p in params]
+        return lay.size, lay.ints, backend.param(lay.bidx()), ps
+
+    return backend.kept(key, make)
 
 
 def format_args(qd) -> tuple:
@@ -248,19 +257,24 @@ class CupyBackend(Backend):
         return x.device
 
     def _device_id(self) -> int:
-        return self.xp.cuda.Device().id
+        return self.xp.cuda.runtime.getDevice()
+
+    def kept(self, key, make):
+        """``make()``, once per ``key`` (which names the device where it matters) and
+        kept: parameters, layouts and launch arguments that ops pass on every call."""
+        v = self._consts.get(key)
+        if v is None:
+            if len(self._consts) >= 4096:  # a bound, not an LRU: parameters repeat or they do not
+                self._consts.clear()
+            v = self._consts[key] = make()
+        return v
 
     def param(self, a):
         """Host array ``a`` as a C-contiguous device array on the current device,
         copied there once and kept (parameters and layouts that ops pass on every
         call); treat it as read-only."""
         a = np.ascontiguousarray(a)
-        key = (self._device_id(), a.dtype.str, a.shape, a.tobytes())
-        if key not in self._consts:
-            if len(self._consts) >= 4096:  # a bound, not an LRU: parameters repeat or they do not
-                self._consts.clear()
-            self._consts[key] = self.xp.asarray(a)
-        return self._consts[key]
+        return self.kept((self._device_id(), a.dtype.str, a.shape, a.tobytes()), lambda: self.xp.asarray(a))
 
     @staticmethod
     def _ptr(a) -> int:
@@ -450,9 +464,15 @@ class CupyBackend(Backend):
 
     def _requant_args(self, shape, rq):
         """``(total, args)``: what every requantizing kernel takes after its data,
-        ``REQUANT_PARAMS`` to ``REQUANT_BOUNDS`` (``cuda/common.cuh``)."""
-        total, lay, bidx, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
-        return total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
+        ``REQUANT_PARAMS`` to ``REQUANT_BOUNDS`` (``cuda/common.cuh``); kept per
+        plan (``_fixed_point.plan`` returns the same record for the same
+        parameters; the entry holds it, so its id stays its own)."""
+        def make():
+            total, lay, bidx, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
+            return rq, total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(rq.lo), np.int64(rq.hi),
+                               np.int32(rq.rounding))
+
+        return self.kept(("requant", self._device_id(), id(rq), tuple(shape)), make)[1:]
 
     def requantize(self, q, rq, out=None):
         xp = self.xp
@@ -651,17 +671,22 @@ class CupyBackend(Backend):
             if out.size == 0:
                 return out
             off = 0 if qd.signed else -(1 << (qd.bits - 1))
-            a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
-            self._elementwise(f"to_s8_{a.dtype.name}", a8.size,
-                              (xp.ascontiguousarray(a), np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8),
-                              "gemm.cu")
+            a = xp.ascontiguousarray(a)
+            if off == 0 and k == kpad and self._ptr(a) % 16 == 0:  # int8 rows as cuBLAS and gemv read them
+                a8 = a.reshape(rows, kpad)
+            else:
+                a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
+                self._elementwise(f"to_s8_{a.dtype.name}", a8.size,
+                                  (a, np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8), "gemm.cu")
             za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
             gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
             use_w4 = gemv and pw.w4 is not None
-            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else self.param(np.zeros(1, np.int64))
-            rq = identity(0) if rq is None else rq
-            zo, m, sh, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
-            terms = (self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias),
+            zero = self.param(np.zeros(1, np.int64))
+            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else zero
+            rq = NO_REQUANT if rq is None else rq
+            zo, m, sh, f = self.kept(("epilogue", self._device_id(), id(rq)),  # the entry holds rq: its id stays its own
+                                     lambda: (rq, *(self.param(p.reshape(-1)) for p in rq.params[1:])))[1:]
+            terms = (zero if bias is None else xp.ascontiguousarray(bias),
                      np.int64(bias is not None), pw.colsum, self.param(zw), np.int64(zw.size > 1), rowsum,
                      np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
             outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
@@ -708,7 +733,7 @@ class CupyBackend(Backend):
             o, cg, kh, kw = wc.shape
             oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
             out = xp.empty((n, o, oh, ow), np.int64 if rq is None else rq.out_dtype)
-            rq = identity(0) if rq is None else rq
+            rq = NO_REQUANT if rq is None else rq
             if out.size:
                 zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
                 b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)

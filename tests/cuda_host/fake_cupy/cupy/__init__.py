@@ -283,10 +283,16 @@ def asnumpy(a):
     return a.get() if isinstance(a, ndarray) else _np.asarray(a)  # get() counts the copy
 
 
+_MADE = {}  # NumPy's functions wrapped once, as CuPy's are made once (not in globals: they would hide builtins)
+
+
 def __getattr__(name):  # NumPy's other names where CuPy has them; functions refuse NumPy arrays
+    if name in _MADE:
+        return _MADE[name]
     _has(f"cupy.{name}", "module 'cupy'", name)
     obj = getattr(_np, name)
-    return _keywords(f"cupy.{name}", _numpy_function(obj)) if callable(obj) and not isinstance(obj, type) else obj
+    obj = _MADE[name] = _keywords(f"cupy.{name}", _numpy_function(obj)) if callable(obj) and not isinstance(obj, type) else obj
+    return obj
 
 
 class _Random:
@@ -343,6 +349,6 @@ lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
     sliding_window_view=_numpy_function(_np.lib.stride_tricks.sliding_window_view)))
 cuda = types.SimpleNamespace(
     Device=_Device, Event=_Event, get_elapsed_time=lambda start_event, end_event: 1000 * (end_event.t - start_event.t),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda device: {
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 2, getDevice=lambda: _current[0], getDeviceProperties=lambda device: {
         "name": b"host harness", "multiProcessorCount": 2}),
     driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda func, blockSize, dynamicSMemSize: 4))
