@@ -126,6 +126,24 @@ def gemm_rows(copy_gbs):
     ratio_row("gemv M=16: packed 4-bit vs int8 weights", ms, int8_ms, 1.6, f"16x{G}x{G}", better="higher")
 
 
+def host_rows(quick):
+    """Host time per call on small inputs (bench_gpu_host.py's ops), from
+    ``cupyx.profiler.benchmark``'s CPU times: target 40 us, and no wait for the
+    device (its GPU time is the kernels alone)."""
+    from cupyx.profiler import benchmark
+
+    from bench_gpu_host import host_ops
+
+    for name, fn in host_ops(cupy, qarray).items():
+        r = benchmark(fn, n_repeat=20 if quick else 500, n_warmup=10)
+        cpu_us, gpu_us = 1e6 * float(np.median(r.cpu_times)), 1e6 * float(np.median(r.gpu_times[0]))
+        spread = 1e6 * np.percentile(r.cpu_times, [10, 90])
+        ROWS.append(dict(op=f"host time: {name}", host_us=cpu_us, host_us_p10_p90=spread.tolist(), gpu_us=gpu_us,
+                         target=40, met=cpu_us <= 40))
+        say(f"host time: {name:<46} {cpu_us:7.1f} us (p10-p90 {spread[0]:.1f}-{spread[1]:.1f}), "
+            f"GPU {gpu_us:7.1f} us  target <= 40 us: {'yes' if cpu_us <= 40 else 'no'}")
+
+
 def dask_rows(quick):
     """Dask arrays of CuPy chunks against the same calls on the in-memory arrays."""
     try:
@@ -210,6 +228,7 @@ def main(outdir: Path, quick: bool):
         gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs,
         shape=str(N // 2))
     gemm_rows(copy_gbs)
+    host_rows(quick)
     dask_rows(quick)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_gpu.txt").write_text("\n".join(LINES) + "\n")

@@ -15,6 +15,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 [ -d .gpu_deps ] && export PYTHONPATH="$PYTHONPATH:.gpu_deps"
 timeout 300 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_dask.py > "$OUT/pytest_gpu.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest_gpu.txt"
+# the recorded CuPy API (tests/cuda_host/cupy_api.json) against this device's CuPy, cuBLAS loaded
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_cupy_api.py >> "$OUT/pytest_gpu.txt" 2>&1
+echo "pytest cupy_api rc=$?" >> "$OUT/pytest_gpu.txt"
 timeout 240 python benchmarks/bench_gpu.py "$OUT" > "$OUT/bench_gpu.log" 2>&1
 echo "bench rc=$?" >> "$OUT/bench_gpu.log"
 tail -3 "$OUT/pytest_gpu.txt" "$OUT/bench_gpu.log"

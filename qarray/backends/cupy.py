@@ -13,6 +13,7 @@ and a CPU build of the kernels, so it checks this launch logic too.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -52,6 +53,13 @@ GEMV_ROWS = (1, 4, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row
 GEMV_COLS = 4  # columns a warp of gemv computes (gemm.cu)
 NO_REQUANT = identity(0)  # the accumulator as it is: one record, so its device parameters are kept once
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def _name(dtype) -> str:
+    """``dtype.name``, looked up once per dtype (NumPy works it out at each read;
+    kernel names take it on every launch)."""
+    return np.dtype(dtype).name
 
 
 def kernel_source(name: str) -> str:
@@ -379,7 +387,7 @@ class CupyBackend(Backend):
             out = xp.empty(x.shape, qd.storage)
             if total:
                 nan = self._nan_flag(lambda: self._if_nan(x, nan_error))
-                self._elementwise(f"quantize_{x.dtype.name}_{qd.storage.name}", total,
+                self._elementwise(f"quantize_{_name(x.dtype)}_{_name(qd.storage)}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
             return out
 
@@ -392,14 +400,14 @@ class CupyBackend(Backend):
             total, lay, bidx, (s, z) = plan(self, q.shape, axis, block_size, s, z)
             out = xp.empty(q.shape, dtype)
             if total:
-                self._elementwise(f"dequantize_{q.dtype.name}_{np.dtype(dtype).name}", total,
+                self._elementwise(f"dequantize_{_name(q.dtype)}_{_name(dtype)}", total,
                                   (q, s, z, bidx, *self._layout_scalars(total, lay), out))
             return out
 
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         xp = self.xp
         with self.on(x):
-            if x.dtype.name not in FLOATS or mx or multiply or qd.name == "mxint8":  # only the generic MX / NVFP4 path: the host
+            if _name(x.dtype) not in FLOATS or mx or multiply or qd.name == "mxint8":  # only the generic MX / NVFP4 path: the host
                 return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
@@ -409,7 +417,7 @@ class CupyBackend(Backend):
             fmt = format_args(qd)
             if total:  # the flag is set only for a format without NaN (float6, float4): their error
                 nan = self._nan_flag(lambda: self._if_nan(x, lambda _: _formats.nan_error(qd)))
-                self._elementwise(f"quantize_format_{x.dtype.name}", total,
+                self._elementwise(f"quantize_format_{_name(x.dtype)}", total,
                                   (x, s, bidx, *self._layout_scalars(total, lay), *fmt, np.int32(bool(saturate)), out, nan),
                                   "formats.cu")
             return out
@@ -417,25 +425,25 @@ class CupyBackend(Backend):
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
         xp = self.xp
         with self.on(q):
-            if np.dtype(dtype).name not in FLOATS or q.dtype != np.uint8:
+            if _name(dtype) not in FLOATS or q.dtype != np.uint8:
                 return super().dequantize_float(q, scale, qd, axis, block_size, dtype)
             q = xp.ascontiguousarray(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
             total, lay, bidx, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
             out = xp.empty(q.shape, dtype)
             if total:
-                self._elementwise(f"dequantize_format_{np.dtype(dtype).name}", total,
+                self._elementwise(f"dequantize_format_{_name(dtype)}", total,
                                   (q, s, bidx, *self._layout_scalars(total, lay), *format_args(qd), out), "formats.cu")
             return out
 
     def quantize_mx(self, x, mx, axis, block_size, rounding):
         from .._dtypes import qdtype
 
-        if x.dtype.name not in ("float32", "float64"):
+        if _name(x.dtype) not in ("float32", "float64"):
             return super().quantize_mx(x, mx, axis, block_size, rounding)
         qd, ft = qdtype(mx.element), x.dtype.type
         fmt = MXINT8_FORMAT if mx.name == "mxint8" else format_args(qd)
-        codes, bits = self._blocks(f"quantize_mx_{x.dtype.name}", x, axis, block_size,
+        codes, bits = self._blocks(f"quantize_mx_{_name(x.dtype)}", x, axis, block_size,
                                    (*fmt, np.int32(mx.name == "mxint8"), np.int32(mx.emax), np.int32(mx.mbits),
                                     np.int32(_formats.SCALE_ROUNDINGS.index(rounding)), ft(_formats.finfo(qd).max)))
         return codes.view(self.float_storage(qd)), bits
@@ -478,10 +486,10 @@ class CupyBackend(Backend):
         xp = self.xp
         with self.on(q):
             q = xp.ascontiguousarray(q)
-            if q.dtype.name not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
+            if _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
                 return super().requantize(q, rq, out)
             total, args = self._requant_args(q.shape, rq)
-            pair = f"{q.dtype.name}_{rq.qd.storage.name}"
+            pair = f"{_name(q.dtype)}_{_name(rq.qd.storage)}"
             rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
             if rows is not None:  # a strided slice (cat along an inner axis): written in place
                 row, stride, span = rows
@@ -498,12 +506,12 @@ class CupyBackend(Backend):
 
     def clip(self, q, lo, hi):
         with self.on(q):
-            if np.ndim(lo) or np.ndim(hi) or q.dtype.name not in STORAGE:
+            if np.ndim(lo) or np.ndim(hi) or _name(q.dtype) not in STORAGE:
                 return super().clip(q, lo, hi)
             q = self.xp.ascontiguousarray(q)
             out = self.xp.empty_like(q)
             if q.size:
-                self._elementwise(f"clip_{q.dtype.name}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
+                self._elementwise(f"clip_{_name(q.dtype)}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
             return out
 
     def binary(self, op, a, b, ra, rb, rq=None):
@@ -512,7 +520,7 @@ class CupyBackend(Backend):
             shape = np.broadcast_shapes(a.shape, b.shape)
             pa, pb = _period(a.shape, shape), _period(b.shape, shape)
             out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
-            if pa is None or pb is None or not {a.dtype.name, b.dtype.name} <= STORAGE or out_dtype.name not in OUT_KINDS:
+            if pa is None or pb is None or not {_name(a.dtype), _name(b.dtype)} <= STORAGE or _name(out_dtype) not in OUT_KINDS:
                 return super().binary(op, a, b, ra, rb, rq)
             # without rq the kernel stores the int64 result and reads no parameters: any will do
             total, args = self._requant_args(shape, ra if rq is None else rq)
@@ -520,15 +528,15 @@ class CupyBackend(Backend):
             if total:
                 operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
                              np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
-                self._elementwise(f"binary_{a.dtype.name}_{b.dtype.name}", total,
+                self._elementwise(f"binary_{_name(a.dtype)}_{_name(b.dtype)}", total,
                                   (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
-                                   np.int32(OUT_KINDS[out_dtype.name] if rq is not None else 0), out), "ops.cu")
+                                   np.int32(OUT_KINDS[_name(out_dtype)] if rq is not None else 0), out), "ops.cu")
             return out
 
     def pack(self, q, bits):
         xp = self.xp
         with self.on(q):
-            if q.dtype.name not in ("int8", "uint8"):
+            if _name(q.dtype) not in ("int8", "uint8"):
                 return super().pack(q, bits)
             flat = xp.ascontiguousarray(q).reshape(-1).view(np.uint8)
             out = xp.empty(-(-flat.size // (8 // bits)), np.uint8)
@@ -574,9 +582,9 @@ class CupyBackend(Backend):
         lo, hi = (self.xp.empty(rows * nseg, x.dtype) for _ in range(2))
         args = (x, np.int64(rows), np.int64(length), np.int64(seg), np.int64(nseg), lo, hi)
         if seg <= EACH:
-            self._elementwise(f"minmax_each_{x.dtype.name}", rows * nseg, args, "reduce.cu")
+            self._elementwise(f"minmax_each_{_name(x.dtype)}", rows * nseg, args, "reduce.cu")
         else:
-            name = f"minmax_{x.dtype.name}"
+            name = f"minmax_{_name(x.dtype)}"
             self._launch("reduce.cu", name, (max(1, min(rows * nseg, self._max_grid("reduce.cu", name))),), (BLOCK,),
                          args)
         return lo, hi
@@ -586,7 +594,7 @@ class CupyBackend(Backend):
         enough segments to fill the device, then one more pass over the
         segments' mins and maxes, both at once as ``2 * rows`` rows."""
         length = x.size // rows
-        want = -(-self._max_grid("reduce.cu", f"minmax_{x.dtype.name}") // rows)  # segments a row
+        want = -(-self._max_grid("reduce.cu", f"minmax_{_name(x.dtype)}") // rows)  # segments a row
         seg = max(-(-length // want), BLOCK * 16)
         lo, hi = self._minmax_segments(x, rows, seg)
         if lo.size == rows:
@@ -676,7 +684,7 @@ class CupyBackend(Backend):
                 a8 = a.reshape(rows, kpad)
             else:
                 a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
-                self._elementwise(f"to_s8_{a.dtype.name}", a8.size,
+                self._elementwise(f"to_s8_{_name(a.dtype)}", a8.size,
                                   (a, np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8), "gemm.cu")
             za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
             gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
@@ -690,7 +698,7 @@ class CupyBackend(Backend):
                      np.int64(bias is not None), pw.colsum, self.param(zw), np.int64(zw.size > 1), rowsum,
                      np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
             outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
-            name = out.dtype.name
+            name = _name(out.dtype)
             if gemv:
                 mt = next(r for r in GEMV_ROWS if r >= rows)
                 bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
@@ -701,7 +709,7 @@ class CupyBackend(Backend):
                               np.int32(OUT_KINDS[name]), out))
             else:
                 raw = self._gemm_raw(a8, pw)
-                self._elementwise(f"gemm_epilogue_{raw.dtype.name}_{name}", rows * n,
+                self._elementwise(f"gemm_epilogue_{_name(raw.dtype)}_{name}", rows * n,
                                   (raw, np.int64(npad), np.int64(rows), np.int64(n), *terms, *outq, out), "gemm.cu")
             return out
 
@@ -717,13 +725,13 @@ class CupyBackend(Backend):
             out = xp.empty((n * oh * ow, kh * kw * c), xpad.dtype)
             if out.size:
                 total = n * oh * ow * kh * kw
-                self._elementwise(f"im2col_{xpad.dtype.name}", total,
+                self._elementwise(f"im2col_{_name(xpad.dtype)}", total,
                                   (xp.ascontiguousarray(xpad), *(np.int64(v) for v in (hp, wp, c, oh, ow, kh, kw, sh, sw, dh, dw, total)),
                                    out), "gemm.cu")
             return out
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
-        if xpad.dtype.name not in ("int8", "uint8", "int16", "uint16") or (
+        if _name(xpad.dtype) not in ("int8", "uint8", "int16", "uint16") or (
                 rq is not None and (rq.block_size is not None or rq.f.size not in (1, wc.shape[0]))):
             return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
         xp = self.xp
@@ -738,7 +746,7 @@ class CupyBackend(Backend):
                 zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
                 b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
                 self._elementwise(
-                    f"conv_grouped_{xpad.dtype.name}_{out.dtype.name}", out.size,
+                    f"conv_grouped_{_name(xpad.dtype)}_{_name(out.dtype)}", out.size,
                     (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32, copy=False)),
                      *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
                      np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),

@@ -156,6 +156,16 @@ class ndarray:
     def device(self):
         return _Device(self._dev)
 
+    # CuPy's plain attributes are C properties: read directly, not through __getattr__
+    dtype = property(lambda self: self._a.dtype)
+    shape = property(lambda self: self._a.shape)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    nbytes = property(lambda self: self._a.nbytes)
+    flags = property(lambda self: self._a.flags)
+
     @property
     def __cuda_array_interface__(self):
         a = self._a
