@@ -954,6 +954,27 @@ def host_binary_cases(draw):
     return op, (da, qa_, za, Ma), (db, qb_, zb, Mb)
 
 
+@pytest.mark.parametrize("M", [2.0**29, 0.75, 0.5, 2.0**-31 * 1.5, 2.0**-31, 2.0**-33, 2.0**-40], ids=str)
+@pytest.mark.parametrize("qo", ["qint32", "qint8"])
+def test_cuda_host_rescale_either_side_of_the_narrow_path(host, kernels, M, qo):
+    """common.cuh's qa_rescale takes one 32 x 32 -> 64-bit product where |d| < 2**31
+    and 1 <= shift <= 62, else the 94-bit one: d at -2**31 - 1, -2**31, 2**31 - 1,
+    2**31, a shift of 1 (M = 2**29) and of 62 (M = 2**-31) and beyond, ties (M = 1/2
+    with odd d; M = 2**-31 with d = +-2**31, +-3 * 2**30), every rounding: bit for
+    bit the exact reference and the NumPy backend."""
+    _check_path(kernels)
+    qd = qdtype(qo)
+    d = np.array([-(2**31) - 1, -(2**31), -(2**31) + 1, -3 * 2**30, -3, -1, 0, 1, 3, 3 * 2**30, 2**31 - 1, 2**31,
+                  2**31 + 1, 2**40 + 1, -(2**62)], np.int64)
+    for rule in RULES:
+        rq = make_rq(0, 0, M, qd, None, rounding=CODES[rule])
+        want, got = _numpy_and_host(host, lambda b: b.requantize(d, rq))
+        assert host.launches[-1][0] == f"requantize_int64_{qd.storage.name}"
+        ref = _ref_int64(d, None, np.float64(M), np.int64(0), qd, rule)
+        np.testing.assert_array_equal(got, ref, err_msg=rule)
+        np.testing.assert_array_equal(want, ref, err_msg=rule)
+
+
 @_settings(80)
 @given(data=st.data())
 def test_cuda_host_requantize_and_binary(host, kernels, data):

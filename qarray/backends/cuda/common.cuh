@@ -54,9 +54,18 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
         i64 mask = (one << rs) - 1;
         return (x >> rs) + (((x & mask) > ((mask >> 1) + (x < 0 ? 1 : 0))) ? 1 : 0);
     }
+    // Narrow: |d| < 2**31, 0 <= m < 2**31 and 1 <= s <= 62 (add's operands and
+    // output, 8- and 16-bit requantizes, most accumulators): v = d * m is one
+    // 32 x 32 -> 64-bit product, |v| < 2**62, and no saturation applies (|d| <
+    // 2**(s + 30)); v / 2**s rounded by the rule below, the same integer as the
+    // wide path's in a handful of instructions instead of a 94-bit product.
+    if (d == (i64)(int)d && (unsigned long long)m < (1ull << 31) && s >= 1 && s <= 62) {
+        const i64 v = (i64)(int)d * (i64)(int)m;
+        const i64 delta = rounding == QA_HALF_UP ? 0 : (rounding == QA_HALF_AWAY ? (v < 0 ? -1 : 0) : ((v >> s) & 1) - 1);
+        return (v + (one << (s - 1)) + delta) >> s;
+    }
     // A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30), then shift
-    // d left so that the shift is 32 + t. (The CPU's narrow fast path, one
-    // product where |d| < 2**32, gives the same result and is left out.)
+    // d left so that the shift is 32 + t.
     const bool lt = s < 32;
     const i64 u = lt ? 32 - s : 0;
     const i64 t = s + u - 32;

@@ -41,13 +41,27 @@ struct OutQ {
 #define OUTQ_ARGS const i64 *zo, const i64 *m, const i64 *qshift, const double *f, i64 pstep, REQUANT_BOUNDS
 #define OUTQ OutQ{zo, m, qshift, f, pstep, lo, hi, rounding}
 
-// a' = a + off as int8, (rows, k) -> (rows, kpad), zeros past k.
+// a' = a + off as int8, (rows, k) -> (rows, kpad), zeros past k; 32-bit
+// indices below 2**31 elements, and no division where nothing is padded.
+template <typename I, typename T>
+__device__ __forceinline__ void to_s8_as(const T* __restrict__ a, I k, I kpad, I total, int off,
+                                         signed char* __restrict__ out) {
+    for (I idx = (I)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (I)blockDim.x * gridDim.x) {
+        if (k == kpad) {
+            out[idx] = (signed char)((int)a[idx] + off);
+        } else {
+            const I r = idx / kpad, c = idx - r * kpad;
+            out[idx] = c < k ? (signed char)((int)a[r * k + c] + off) : (signed char)0;
+        }
+    }
+}
 template <typename T>
 __device__ void to_s8_body(const T* a, i64 rows, i64 k, i64 kpad, int off, signed char* out) {
-    QA_GRID_STRIDE(idx, rows * kpad) {
-        const i64 r = idx / kpad, c = idx - r * kpad;
-        out[idx] = c < k ? (signed char)((int)a[r * k + c] + off) : (signed char)0;
-    }
+    if (rows * kpad < ((i64)1 << 31))
+        to_s8_as<unsigned>(a, (unsigned)k, (unsigned)kpad, (unsigned)(rows * kpad), off, out);
+    else
+        to_s8_as<unsigned long long>(a, (unsigned long long)k, (unsigned long long)kpad,
+                                     (unsigned long long)(rows * kpad), off, out);
 }
 
 // out[r, n] = q(terms(raw[r, n])), raw rows `ld` apart, out (rows, cols);

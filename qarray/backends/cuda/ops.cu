@@ -41,8 +41,8 @@ extern "C" __global__ void unpack_bits(const unsigned char* packed, int bits, in
 // One operand of binary: x[idx % period] - z, then rescaled by (m, s) with
 // rounding code `code` (QA_IDENTITY: as it is), as qarray._fixed_point.Requant
 // with no clamp: add's operands on their common scale.
-template <typename T>
-__device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, i64 s, int code, i64 idx) {
+template <typename I, typename T>
+__device__ __forceinline__ i64 qa_operand(const T* x, I period, i64 z, i64 m, i64 s, int code, I idx) {
     i64 d = (i64)x[idx < period ? idx : idx % period] - z;
     return qa_requantize(d, 0, m, s, 0.0, -0x7fffffffffffffffLL - 1, 0x7fffffffffffffffLL, code);
 }
@@ -51,18 +51,32 @@ __device__ __forceinline__ i64 qa_operand(const T* x, i64 period, i64 z, i64 m, 
 // (the ops refuse operands whose product could pass 2**63); operands
 // broadcast by period. With out_kind 0, out is v itself (int64); otherwise
 // rq(v) in the same pass (lo > qmin being a fused ReLU), stored as out_kind's
-// type.
+// type. Indices in I: 32 bits below 2**31 elements, so a broadcast operand's
+// modulo is a 32-bit one; per-tensor output parameters take slot 0 without
+// Layout::slot's four 64-bit divisions an element.
+template <typename I, typename TA, typename TB>
+__device__ __forceinline__ void binary_as(const TA* a, I pa, i64 za, i64 ma, i64 sa, int ca, const TB* b, I pb, i64 zb,
+                                          i64 mb, i64 sb, int cb, int op, Requant rq, const i64* bidx, I total,
+                                          Layout lay, int out_kind, void* out) {
+    const bool flat = lay.blocks == 1 && lay.pinner == 1 && lay.pouter_on == 0;
+    for (I idx = (I)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (I)blockDim.x * gridDim.x) {
+        i64 x = qa_operand<I>(a, pa, za, ma, sa, ca, idx);
+        i64 y = qa_operand<I>(b, pb, zb, mb, sb, cb, idx);
+        i64 v = op == 2 ? x * y : (op == 1 ? x - y : x + y);
+        if (out_kind) v = rq(v, flat ? 0 : lay.slot((i64)idx, bidx));
+        qa_store(out, out_kind, (i64)idx, v);
+    }
+}
 template <typename TA, typename TB>
 __device__ void binary_body(const TA* a, i64 pa, i64 za, i64 ma, i64 sa, int ca, const TB* b, i64 pb, i64 zb,
                             i64 mb, i64 sb, int cb, int op, Requant rq, const i64* bidx, i64 total, Layout lay,
                             int out_kind, void* out) {
-    QA_GRID_STRIDE(idx, total) {
-        i64 x = qa_operand(a, pa, za, ma, sa, ca, idx);
-        i64 y = qa_operand(b, pb, zb, mb, sb, cb, idx);
-        i64 v = op == 2 ? x * y : (op == 1 ? x - y : x + y);
-        if (out_kind) v = rq(v, lay.slot(idx, bidx));
-        qa_store(out, out_kind, idx, v);
-    }
+    if (total < ((i64)1 << 31))
+        binary_as<unsigned>(a, (unsigned)pa, za, ma, sa, ca, b, (unsigned)pb, zb, mb, sb, cb, op, rq, bidx,
+                            (unsigned)total, lay, out_kind, out);
+    else
+        binary_as<unsigned long long>(a, (unsigned long long)pa, za, ma, sa, ca, b, (unsigned long long)pb, zb, mb,
+                                      sb, cb, op, rq, bidx, (unsigned long long)total, lay, out_kind, out);
 }
 
 // requantize (as elementwise.cu) into rows of a strided destination: element
