@@ -145,7 +145,8 @@ def test_grid_stride_tail_and_launch(host, rng):
 def test_nan_is_the_cpu_error_at_the_next_host_read(host):
     """quantize does not wait for the device to learn of NaN: the kernel sets a
     flag, and the next host read (or check_nan) raises the CPU's error for the
-    first pending input that has NaN, once."""
+    first noted input that has NaN, once; inputs are noted weakly (a pending
+    check keeps no array alive)."""
     x = np.zeros((2, 3), np.float32)
     x[1, 2] = np.nan
     s, z = np.asarray(np.float32(0.1)), np.asarray(np.int32(0))
@@ -162,6 +163,11 @@ def test_nan_is_the_cpu_error_at_the_next_host_read(host):
     host.quantize(x, s, z, qarray.qint8, None, None)
     with pytest.raises(ValueError, match=r"1 NaN value\(s\), the first at index \(1, 2\)"):
         host.check_nan()
+    host.quantize(x.copy(), s, z, qarray.qint8, None, None)  # only weakly noted: gone by the check
+    with pytest.raises(ValueError, match=r"^cannot quantize NaN: a quantize call on this thread since the last host "
+                                         r"read had NaN input, no longer held \(so where is not known\)"):
+        host.check_nan()
+    host.check_nan()
 
 
 def test_non_contiguous_input_is_handled(host, rng):

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import threading
+import weakref
 from pathlib import Path
 
 from typing import NamedTuple
@@ -330,26 +331,23 @@ class CupyBackend(Backend):
 
     # NaN input is reported without waiting for the device: quantize kernels set a
     # device flag (one per device and thread, reset only when read) and the call
-    # keeps its input among the pending ones; the next host read through this
-    # backend (``to_host``: QArray.get, .to("numpy"), repr) or ``check_nan()``
-    # reads the flag, which waits for the device anyway, and raises the error the
-    # CPU raises at once, naming the first pending input with NaN.
-    PENDING = 64  # inputs kept for the message; past this the oldest is let go
+    # notes its input (a weak reference: a pending check never keeps an array
+    # alive); the next host read through this backend (``to_host``: QArray.get,
+    # .to("numpy"), repr) or ``check_nan()`` reads the flag, which waits for the
+    # device anyway, and raises the error the CPU raises at once for the first
+    # noted input still alive that has NaN.
+    PENDING = 64  # inputs noted; past this the oldest is let go
 
-    def _nan_flag(self, error):
-        """The device int32 that quantize kernels set to 1 on NaN input; ``error()``
-        builds the error should this call's input hold NaN."""
+    def _nan_flag(self, x, error):
+        """The device int32 that quantize kernels set to 1 on NaN input; ``error(x)``
+        is the error should ``x`` hold NaN."""
         key = (self._device_id(), threading.get_ident())
         if key not in self._flags:
             self._flags[key] = (self.xp.zeros(1, np.int32), [])
         flag, pending = self._flags[key]
-        pending.append(error)
+        pending.append((weakref.ref(x), error))
         del pending[: -self.PENDING]
         return flag
-
-    def _if_nan(self, x, error):
-        with self.on(x):
-            return error(x) if bool(self.xp.isnan(x).any()) else None
 
     def check_nan(self):
         """Raise the NaN error of a quantize call on this thread since the last
@@ -358,19 +356,22 @@ class CupyBackend(Backend):
         for key, (flag, pending) in list(self._flags.items()):
             if key[1] != threading.get_ident() or not pending:
                 continue
-            seen = int(to_host(flag)[0])  # CuPy's get() reads from the array's own device
-            errors = list(pending)
-            pending.clear()
-            if not seen:
-                continue
             with self.on(flag):
+                seen = int(to_host(flag)[0])
+                noted = list(pending)
+                pending.clear()
+                if not seen:
+                    continue
                 flag.fill(0)
-            for error in errors:
-                e = error()
-                if e is not None:
-                    raise e
-            raise ValueError(f"cannot quantize NaN: a quantize call before the last {self.PENDING} on this "
-                                 "thread had NaN input; replace NaN (e.g. nan_to_num) before quantizing")
+            for ref, error in noted:
+                x = ref()
+                if x is not None:
+                    with self.on(x):
+                        if bool(self.xp.isnan(x).any()):
+                            raise error(x)
+            raise ValueError("cannot quantize NaN: a quantize call on this thread since the last host read had NaN "
+                             "input, no longer held (so where is not known); replace NaN (e.g. nan_to_num) before "
+                             "quantizing, or call check_nan() after each quantize to find it")
 
     def to_host(self, a):
         self.check_nan()
@@ -386,7 +387,7 @@ class CupyBackend(Backend):
             total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
             if total:
-                nan = self._nan_flag(lambda: self._if_nan(x, nan_error))
+                nan = self._nan_flag(x, nan_error)
                 self._elementwise(f"quantize_{_name(x.dtype)}_{_name(qd.storage)}", total,
                                   (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
             return out
@@ -416,7 +417,7 @@ class CupyBackend(Backend):
             out = xp.empty(x.shape, np.uint8)
             fmt = format_args(qd)
             if total:  # the flag is set only for a format without NaN (float6, float4): their error
-                nan = self._nan_flag(lambda: self._if_nan(x, lambda _: _formats.nan_error(qd)))
+                nan = self._nan_flag(x, lambda _: _formats.nan_error(qd))
                 self._elementwise(f"quantize_format_{_name(x.dtype)}", total,
                                   (x, s, bidx, *self._layout_scalars(total, lay), *fmt, np.int32(bool(saturate)), out, nan),
                                   "formats.cu")
@@ -517,7 +518,7 @@ class CupyBackend(Backend):
     def binary(self, op, a, b, ra, rb, rq=None):
         xp = self.xp
         with self.on(a):
-            shape = np.broadcast_shapes(a.shape, b.shape)
+            shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
             pa, pb = _period(a.shape, shape), _period(b.shape, shape)
             out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
             if pa is None or pb is None or not {_name(a.dtype), _name(b.dtype)} <= STORAGE or _name(out_dtype) not in OUT_KINDS:

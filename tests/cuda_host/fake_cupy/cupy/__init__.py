@@ -140,7 +140,7 @@ def _numpy_function(f):
 class ndarray:
     """An array on a (fake) device: NumPy array ``_a`` on device ``_dev``."""
 
-    __slots__ = ("_a", "_dev")
+    __slots__ = ("_a", "_dev", "__weakref__")  # CuPy's arrays take weak references
 
     def __init__(self, shape, dtype=float):
         self._a, self._dev = _np.empty(shape, dtype), _current[0]
