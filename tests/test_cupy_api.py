@@ -184,3 +184,52 @@ def test_device_plumbing_on_cupy_s_own_classes():
     allowed = cupy_api.allowed()
     assert set(kernel.call_args.kwargs) <= set(allowed["cupy.RawKernel.__call__"])
     assert set(raw.call_args.kwargs) <= set(allowed["cupy.RawModule"])
+
+
+def _specced(name):
+    """A mock of CuPy's ``name`` that binds its calls to the recorded parameters
+    (CuPy 13's and 14's, in order): a call CuPy would refuse raises TypeError."""
+    import inspect as ins
+
+    params = cupy_api.allowed()[name]
+    sig = ins.Signature([ins.Parameter(p, ins.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+
+    def spec(*args, **kwargs):
+        pass
+
+    spec.__signature__ = sig
+    return mock.create_autospec(spec)
+
+
+def test_cublas_plumbing_on_cupy_s_own_signatures():
+    """_gemm_raw's cuBLAS call: the handle from CuPy's get_cublas_handle, gemmEx
+    bound to its recorded parameters (19, in CuPy's order), device pointers from
+    ``__cuda_array_interface__`` on arrays specced from cupy.ndarray, host alpha
+    and beta (cuBLAS's default pointer mode), cuBLAS's int8 T x N layout."""
+    cupy = pytest.importorskip("cupy")
+
+    def array(shape, ptr):
+        a = mock.create_autospec(cupy.ndarray, instance=True)
+        a.shape, a.__cuda_array_interface__ = shape, {"data": (ptr, False)}
+        return a
+
+    rows, npad, kpad = 17, 12, 96
+    a8, w8, c = array((rows, kpad), 0x10000), array((npad, kpad), 0x20000), array((rows, npad), 0x30000)
+    gemm = _specced("cupy.cuda.cublas.gemmEx")
+    handle = mock.create_autospec(cupy.cuda.device.get_cublas_handle, return_value=0xABC)
+    backend = cuda_backend.CupyBackend()
+    # cupy.cuda imports cublas on first use, which needs libcublas: put the module in its place
+    with mock.patch.dict(vars(cupy.cuda), {"cublas": mock.Mock(spec=["gemmEx"], gemmEx=gemm)}), \
+            mock.patch.object(cupy.cuda.device, "get_cublas_handle", handle), \
+            mock.patch.object(cupy, "empty", mock.Mock(return_value=c)):
+        backend._xp = cupy
+        pw = cuda_backend.DeviceWeight(w8, None, 0, None, 8)
+        assert backend._gemm_raw(a8, pw) is c
+    args = gemm.call_args.args
+    assert len(args) == len(cupy_api.allowed()["cupy.cuda.cublas.gemmEx"]) == 19 and not gemm.call_args.kwargs
+    assert args[:6] == (0xABC, cuda_backend.CUBLAS_OP_T, cuda_backend.CUBLAS_OP_N, npad, rows, kpad)
+    assert args[7:10] == (0x20000, cuda_backend.CUDA_R_8I, kpad) and args[10:13] == (0x10000, cuda_backend.CUDA_R_8I, kpad)
+    assert args[14:] == (0x30000, cuda_backend.CUDA_R_32I, npad, cuda_backend.CUBLAS_COMPUTE_32I,
+                         cuda_backend.CUBLAS_GEMM_DEFAULT)
+    import ctypes
+    assert ctypes.c_int32.from_address(args[6]).value == 1 and ctypes.c_int32.from_address(args[13]).value == 0

@@ -87,8 +87,8 @@ def _doc_params(obj, name: str):
     if not sigs:
         return None
     found = [_param_names(s) for s in sigs]
-    explicit = [f for f in found if "**" not in f]  # a line that spells the keywords beats **kwargs
-    return sorted(set().union(*(explicit or found)))
+    explicit = [f for f in found if "**" not in f] or found  # a line that spells the keywords beats **kwargs
+    return list(dict.fromkeys(p for f in explicit for p in f))  # in order, the first line's first
 
 
 def _binary_params(module: str, name: str):
@@ -98,15 +98,15 @@ def _binary_params(module: str, name: str):
     if spec is None or spec.origin is None:
         return None
     m = re.search(rb"(?<![\w.])" + name.encode() + rb"\(([^)\x00\n]*)\)", Path(spec.origin).read_bytes())
-    return None if m is None else sorted(_param_names(m.group(1).decode()))
+    return None if m is None else _param_names(m.group(1).decode())
 
 
 EXTENSIONS = {"cupy.cuda.cublas": "cupy_backends.cuda.libs.cublas"}
 
 
 def describe(root, dotted: str):
-    """``(found, params)`` of ``dotted`` in CuPy ``root``: params a sorted list of
-    parameter names for a callable whose signature is known, else None."""
+    """``(found, params)`` of ``dotted`` in CuPy ``root``: params the list of
+    parameter names, in order, of a callable whose signature is known, else None."""
     parts = dotted.split(".")[1:]
     obj = root
     for i, part in enumerate(parts):
@@ -130,15 +130,7 @@ def describe(root, dotted: str):
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return True, _doc_params(obj, parts[-1])
-    names = []
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_POSITIONAL:
-            names.append("*")
-        elif p.kind is p.VAR_KEYWORD:
-            names.append("**")
-        elif p.name != "self":
-            names.append(p.name)
-    return True, sorted(names)
+    return True, _own_params(obj)
 
 
 def surface(root, names) -> dict:
@@ -152,14 +144,15 @@ def surface(root, names) -> dict:
 
 
 def allowed() -> dict:
-    """``{name: params}`` present in every recorded CuPy: params the keywords all of
-    them take (``"**"`` only where all take any), None where none is known."""
+    """``{name: params}`` present in every recorded CuPy: params the parameters all
+    of them take, in the first release's order (``"**"`` only where all take any),
+    None where none is known."""
     recorded = list(_load()["releases"].values())
     out = {}
     for n in set(recorded[0]).intersection(*recorded[1:]):
         ps = [r[n] for r in recorded]
-        known = [set(p) for p in ps if p is not None]
-        out[n] = None if not known else sorted(set.intersection(*known))
+        known = [p for p in ps if p is not None]
+        out[n] = None if not known else [p for p in known[0] if all(p in k for k in known[1:])]
     return out
 
 
@@ -180,27 +173,19 @@ def add_names(log: str):
     _save(data)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["record"]:
-        record()
-    elif sys.argv[1:2] == ["names"] and len(sys.argv) == 3:
-        add_names(sys.argv[2])
-    else:
-        sys.exit(__doc__)
-
-
 # The stand-in's own instruments, which no CuPy has and qarray never reads: the
 # tests' counters of copies and allocations, and CuPy's error text
 STAND_IN_ONLY = {"cupy.transfers", "cupy.allocations", "cupy.IMPLICIT"}
 
 
 def _own_params(f):
+    """``f``'s parameter names in order (``*args`` as ``"*"``, ``**kwargs`` as ``"**"``)."""
     try:
         sig = inspect.signature(f)
     except (TypeError, ValueError):
         return None
-    return sorted("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else p.name
-                  for p in sig.parameters.values() if p.name != "self")
+    return ["*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else p.name
+            for p in sig.parameters.values() if p.name != "self"]
 
 
 def _walk(obj, dotted, out, seen):
@@ -240,3 +225,12 @@ def stand_in_surface() -> dict:
         _walk(cls, name, out, set())
     out["cupy.cuda.cublas.gemmEx"] = _own_params(cublas_host.gemmEx)
     return {k: v for k, v in out.items() if k not in STAND_IN_ONLY}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["record"]:
+        record()
+    elif sys.argv[1:2] == ["names"] and len(sys.argv) == 3:
+        add_names(sys.argv[2])
+    else:
+        sys.exit(__doc__)
