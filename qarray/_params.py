@@ -132,6 +132,11 @@ def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.nd
     """``scale`` of shape ``want``, finite and > 0 in float32, else ValueError: as
     float32, or (``keep``, for the floating formats) in its own dtype when that is
     one of ``KEPT_SCALES``, the 8-bit block scales allowed NaN."""
+    if type(scale) is float and want == ():  # the common call: one Python number, checked as one
+        with np.errstate(over="ignore"):
+            s32 = np.float32(scale)
+        if s32 > 0 and s32 < np.inf:
+            return np.asarray(s32)
     s = to_host(scale)
     if (s.dtype.kind not in "fiu" or s.dtype == np.bool_) and s.dtype.name not in KEPT_SCALES:
         raise TypeError(f"scale must be a real number or array, got dtype {s.dtype}")
@@ -153,6 +158,9 @@ def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.nd
 
 def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=None) -> np.ndarray:
     """``zero_point`` as int32 of shape ``want``, inside ``dtype``'s range."""
+    if type(zero_point) is int and want == () and dtype.qmin <= zero_point <= dtype.qmax and (
+            zero_point == 0 or dtype.kind != "float"):  # the common call: one Python int
+        return np.asarray(zero_point, np.int32)
     z = to_host(zero_point)
     if z.dtype.kind not in "iu":
         raise TypeError(

@@ -169,11 +169,13 @@ def _period(shape, full):
 
 
 def plan(backend, shape, axis, block_size, *params):
-    """``(total, layout ints, bidx, compact params)`` for the kernels' ``Layout``
-    (``qarray._params.Layout``: its ``ints``, its ``bidx`` and each host
-    parameter as its ``pshape``, flattened), the arrays as ``backend.param``
-    keeps them on the device; the whole plan kept per device, shape and
-    parameters: a repeated call copies nothing and works nothing out again."""
+    """``(total, layout, compact params)`` for the kernels' ``Layout``: ``layout``
+    the arguments every layout kernel takes after its parameters (``bidx``, then
+    ``total`` and ``qarray._params.Layout``'s ``ints`` as int64: ``LAYOUT_ARGS``),
+    each host parameter as its ``pshape``, flattened, the arrays as
+    ``backend.param`` keeps them on the device; the whole plan kept per device,
+    shape and parameters: a repeated call copies nothing and works nothing out
+    again."""
     params = [np.asarray(p) for p in params]
     key = ("plan", backend._device_id(), tuple(shape), axis, block_size,
            *((p.dtype.str, p.shape, p.tobytes()) for p in params))
@@ -181,7 +183,7 @@ def plan(backend, shape, axis, block_size, *params):
     def make():
         lay = Layout(shape, axis, block_size)
         ps = [backend.param(lay.compact(p).reshape(-1)) for p in params]
-        return lay.size, lay.ints, backend.param(lay.bidx()), ps
+        return lay.size, (backend.param(lay.bidx()), *(np.int64(v) for v in (lay.size, *lay.ints))), ps
 
     return backend.kept(key, make)
 
@@ -325,10 +327,6 @@ class CupyBackend(Backend):
         grid, block = launch_config(total, self._max_grid(source, name))
         self._launch(source, name, grid, block, args)
 
-    @staticmethod
-    def _layout_scalars(total, lay):
-        return (np.int64(total), *(np.int64(v) for v in lay))
-
     # NaN input is reported without waiting for the device: quantize kernels set a
     # device flag (one per device and thread, reset only when read) and the call
     # notes its input (a weak reference: a pending check never keeps an array
@@ -384,12 +382,12 @@ class CupyBackend(Backend):
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
             ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
-            total, lay, bidx, (s, z) = plan(self, x.shape, axis, block_size, s, z)
+            total, layout, (s, z) = plan(self, x.shape, axis, block_size, s, z)
             out = xp.empty(x.shape, qd.storage)
             if total:
                 nan = self._nan_flag(x, nan_error)
                 self._elementwise(f"quantize_{_name(x.dtype)}_{_name(qd.storage)}", total,
-                                  (x, s, z, bidx, *self._layout_scalars(total, lay), ct(qd.qmin), ct(qd.qmax), out, nan))
+                                  (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax), out, nan))
             return out
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
@@ -398,11 +396,11 @@ class CupyBackend(Backend):
             q = xp.ascontiguousarray(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
-            total, lay, bidx, (s, z) = plan(self, q.shape, axis, block_size, s, z)
+            total, layout, (s, z) = plan(self, q.shape, axis, block_size, s, z)
             out = xp.empty(q.shape, dtype)
             if total:
                 self._elementwise(f"dequantize_{_name(q.dtype)}_{_name(dtype)}", total,
-                                  (q, s, z, bidx, *self._layout_scalars(total, lay), out))
+                                  (q, s, z, *layout, out))
             return out
 
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
@@ -413,13 +411,13 @@ class CupyBackend(Backend):
             x = xp.ascontiguousarray(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
             s = np.asarray(scale).astype(np.float32).astype(ft)  # float16 and bfloat16 scales widen exactly
-            total, lay, bidx, (s,) = plan(self, x.shape, axis, block_size, s)
+            total, layout, (s,) = plan(self, x.shape, axis, block_size, s)
             out = xp.empty(x.shape, np.uint8)
             fmt = format_args(qd)
             if total:  # the flag is set only for a format without NaN (float6, float4): their error
                 nan = self._nan_flag(x, lambda _: _formats.nan_error(qd))
                 self._elementwise(f"quantize_format_{_name(x.dtype)}", total,
-                                  (x, s, bidx, *self._layout_scalars(total, lay), *fmt, np.int32(bool(saturate)), out, nan),
+                                  (x, s, *layout, *fmt, np.int32(bool(saturate)), out, nan),
                                   "formats.cu")
             return out
 
@@ -430,11 +428,11 @@ class CupyBackend(Backend):
                 return super().dequantize_float(q, scale, qd, axis, block_size, dtype)
             q = xp.ascontiguousarray(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
-            total, lay, bidx, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
+            total, layout, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
             out = xp.empty(q.shape, dtype)
             if total:
                 self._elementwise(f"dequantize_format_{_name(dtype)}", total,
-                                  (q, s, bidx, *self._layout_scalars(total, lay), *format_args(qd), out), "formats.cu")
+                                  (q, s, *layout, *format_args(qd), out), "formats.cu")
             return out
 
     def quantize_mx(self, x, mx, axis, block_size, rounding):
@@ -477,8 +475,8 @@ class CupyBackend(Backend):
         plan (``_fixed_point.plan`` returns the same record for the same
         parameters; the entry holds it, so its id stays its own)."""
         def make():
-            total, lay, bidx, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
-            return rq, total, (*ps, bidx, *self._layout_scalars(total, lay), np.int64(rq.lo), np.int64(rq.hi),
+            total, layout, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
+            return rq, total, (*ps, *layout, np.int64(rq.lo), np.int64(rq.hi),
                                np.int32(rq.rounding))
 
         return self.kept(("requant", self._device_id(), id(rq), tuple(shape)), make)[1:]
@@ -569,10 +567,10 @@ class CupyBackend(Backend):
             out = xp.empty(q.shape, table.dtype)
             if q.size:  # the table bits are copied: index and values as unsigned of their widths
                 u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
-                total, lay, bidx, _ = plan(self, q.shape, axis, None, np.zeros(param_shape(q.shape, axis, None), np.int8))
+                total, layout, _ = plan(self, q.shape, axis, None, np.zeros(param_shape(q.shape, axis, None), np.int8))
                 self._elementwise(f"lut_{u.name}_{v.name}", total,
-                                  (q.view(u), xp.ascontiguousarray(xp.asarray(table)).view(v), bidx,
-                                   *self._layout_scalars(total, lay), out.view(v)), "lut.cu")
+                                  (q.view(u), xp.ascontiguousarray(xp.asarray(table)).view(v), *layout, out.view(v)),
+                                  "lut.cu")
             return out
 
     def _minmax_segments(self, x, rows, seg):
