@@ -179,3 +179,18 @@ def test_zarr_and_safetensors_from_device_chunks(tmp_path):
     np.testing.assert_array_equal(back.int_repr(), q.int_repr())
     qarray.save(tmp_path / "q.safetensors", {"q": dq})
     np.testing.assert_array_equal(qarray.load(tmp_path / "q.safetensors")["q"].int_repr(), q.int_repr())
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "float4_e2m1fn"])
+def test_nan_in_a_cupy_chunk_raises_at_compute(dtype):
+    """quantize on CuPy reports NaN at the next host read of the thread that ran
+    it; a Dask chunk's task asks for it itself, so compute() raises, as with NumPy
+    chunks, whichever scheduler thread ran the chunk."""
+    if dtype.startswith("float"):
+        pytest.importorskip("ml_dtypes")
+    x = np.arange(12, dtype=np.float32)
+    x[7] = np.nan
+    q = qarray.quantize(on_gpu(x, 4), 0.5, 0, dtype)
+    with pytest.raises(ValueError, match="NaN"):
+        q.compute()
+    qarray.quantize(on_gpu(np.ones(12, np.float32), 4), 0.5, 0, dtype).compute().get()  # nothing left pending

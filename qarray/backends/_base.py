@@ -93,6 +93,11 @@ class Backend:
     def to_host(self, a) -> np.ndarray:
         return to_host(a)
 
+    def check_nan(self) -> None:
+        """Raise the NaN error of an earlier quantize call on this thread that
+        this backend reported late (CuPy: at the next host read, not to wait for
+        the device at each call); nothing where every call raises at once."""
+
     # -- elementwise primitives ------------------------------------------
     # Elements per pass of the generic elementwise code (and of the chunked
     # ops, avg_pool2d): its temporaries, up to about a dozen int64 arrays in

@@ -350,7 +350,8 @@ class CupyBackend(Backend):
     def check_nan(self):
         """Raise the NaN error of a quantize call on this thread since the last
         check (ValueError, as the CPU raises it at the call); this reads one
-        device flag per device used, so it waits for the device."""
+        device flag per device used, so it waits for the device. (Dask reads it
+        in each chunk's task, so that CuPy chunks raise at compute().)"""
         for key, (flag, pending) in list(self._flags.items()):
             if key[1] != threading.get_ident() or not pending:
                 continue

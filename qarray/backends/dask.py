@@ -166,8 +166,10 @@ class DaskBackend(Backend):
         return x.map_blocks(per_chunk, dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
 
     # -- the primitives: the inner backend's, chunk by chunk ----------------
+    # quantize's NaN error is raised at compute(): a chunk backend that reports it
+    # late (CuPy) is asked in the chunk's own task and thread (a flag read a chunk)
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
-        return self.map_chunks(lambda b, c, s, z: b.quantize(c, s, z, qd, axis, block_size),
+        return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, s, z, qd, axis, block_size)),
                                x, axis, block_size, (scale, zero_point), qd.storage)
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
@@ -176,8 +178,8 @@ class DaskBackend(Backend):
 
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         bits = self.float_storage(qd)
-        return self.map_chunks(lambda b, c, s: b.quantize_float(c, s, qd, axis, block_size, saturate,
-                                                                mx=mx, multiply=multiply).view(bits),
+        return self.map_chunks(lambda b, c, s: _checked(b, b.quantize_float(c, s, qd, axis, block_size, saturate,
+                                                                            mx=mx, multiply=multiply).view(bits)),
                                x, axis, block_size, (scale,), bits)
 
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
@@ -262,3 +264,9 @@ class DaskBackend(Backend):
                               dtype=probe.data.dtype, meta=probe.data)
         return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,
                            probe.global_scale)
+
+
+def _checked(backend, result):
+    """``result``, once ``backend`` has raised any NaN error it reports late."""
+    backend.check_nan()
+    return result
