@@ -23,15 +23,23 @@ block of an axis that ``B`` does not divide is shorter. An array without that
 axis (a 1-d bias with ``--per-channel 1``, a 0-d scalar) is quantized per
 tensor, and the table says why. Integer and bool arrays, and empty ones, are
 written unchanged.
+
+``quantize`` writes OUT (.npz, .safetensors or a .zarr store) under a temporary
+name beside it and renames it into place only when every tensor is written: a
+run that fails or is interrupted leaves no partial output and an existing OUT
+as it was; an existing OUT is replaced by a run that succeeds; OUT may be IN
+itself, or a link to it (IN is read from its own file to the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -339,23 +347,24 @@ def _quantize(args) -> int:
     _need("rich", "pip install 'qarray[cli]'")
     if args.plot is not None:
         _need("matplotlib", "pip install matplotlib")
-    if lazy:
-        rows = _quantize_lazily(args)
-    else:
-        quantized, arrays = _read(args.input)
-        if quantized:
-            raise CliError(f"{args.input} is already quantized (written by qarray.save); "
-                           "see what it holds with 'qarray inspect'")
-        from rich.progress import track
+    with _staged(args.output) as staging:
+        if lazy:
+            rows = _quantize_lazily(args, staging)
+        else:
+            quantized, arrays = _read(args.input)
+            if quantized:
+                raise CliError(f"{args.input} is already quantized (written by qarray.save); "
+                               "see what it holds with 'qarray inspect'")
+            from rich.progress import track
 
-        out, rows = {}, []
-        for name, x in track(arrays.items(), description="quantizing", transient=True):
-            out[name], row = _quantize_one(name, x, args)
-            rows.append(row)
-        try:
-            qarray.save(args.output, out)
-        except OSError as e:
-            raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+            out, rows = {}, []
+            for name, x in track(arrays.items(), description="quantizing", transient=True):
+                out[name], row = _quantize_one(name, x, args)
+                rows.append(row)
+            try:
+                qarray.save(staging, out)
+            except OSError as e:
+                raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
     before, after = sum(r[-2] for r in rows), sum(r[-1] for r in rows)
     _table(f"{args.input} -> {args.output}", ["name", "shape", "dtype", "scheme", "SQNR dB", "max abs error",
                                                 "bytes before", "bytes after"],
@@ -367,6 +376,39 @@ def _quantize(args) -> int:
     if args.plot is not None:
         _plot(args.plot, [(r[0], r[4]) for r in rows if r[4] is not None], args)
     return 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """A path beside ``out``, with its suffix, to write the output to: renamed
+    onto ``out`` when the block succeeds (an existing ``out`` replaced only then:
+    a link to the input is replaced, not written through), removed when it fails."""
+    if not out.parent.is_dir():
+        raise CliError(f"cannot write {out}: No such file or directory")
+    if out.is_dir() != (out.suffix.lower() == ".zarr") and out.exists():
+        raise CliError(f"cannot write {out}: it is a {'directory' if out.is_dir() else 'file'}; remove it first")
+    staging = out.with_name(f".{out.stem}.qarray-{os.getpid()}{out.suffix}")
+    _remove(staging)
+    try:
+        yield staging
+        if out.is_dir() and not out.is_symlink():  # a store: the old one aside, the new one in, the old one gone
+            old = out.with_name(f".{out.stem}.qarray-old-{os.getpid()}{out.suffix}")
+            os.replace(out, old)
+            os.replace(staging, out)
+            _remove(old)
+        else:
+            os.replace(staging, out)
+    except OSError as e:
+        raise CliError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        _remove(staging)
 
 
 class _Lazy:
@@ -419,11 +461,12 @@ def _lazy_arrays(path: Path):
 _ST_DTYPES = {code: np.dtype(kind) for kind, code in io._ST_CODES.items()}  # safetensors' dtype names
 
 
-def _quantize_lazily(args) -> list:
-    """Quantize IN into OUT tensor by tensor, each computed chunk by chunk as it is
-    written: a Zarr store (``qarray.zarr``: a group per quantized tensor, an array
-    per tensor passed through) or a .safetensors file (``qarray.save``, which
-    streams Dask data into its place in the file); the table's rows."""
+def _quantize_lazily(args, target: Path) -> list:
+    """Quantize IN into ``target`` (OUT's staging path) tensor by tensor, each
+    computed chunk by chunk as it is written: a Zarr store (``qarray.zarr``: a
+    group per quantized tensor, an array per tensor passed through) or a
+    .safetensors file (``qarray.save``, which streams Dask data into its place in
+    the file); the table's rows."""
     import contextlib
 
     dask = _need("dask", "pip install 'qarray[dask]'")
@@ -444,21 +487,21 @@ def _quantize_lazily(args) -> list:
     to_file = args.output.suffix.lower() == ".safetensors"
     with ctx if isinstance(ctx, contextlib.AbstractContextManager) else contextlib.closing(ctx):
         try:
-            root = None if to_file else zarr.open_group(args.output, mode="w-")
+            root = None if to_file else zarr.open_group(target, mode="w-")
         except Exception as e:
-            raise CliError(f"cannot write {args.output}: {_one_line(e)} (remove it first)") from None
+            raise CliError(f"cannot write {args.output}: {_one_line(e)}") from None
         for name, x in arrays.items():
             q, row = _quantize_one(name, x, args)
             if to_file:
                 out[name] = q  # written at the end, each tensor chunk by chunk into its place in the file
             elif isinstance(q, qarray.QArray):
-                to_zarr(q, args.output / name)
+                to_zarr(q, target / name)
             else:
                 dask.array.store(q, root.create_array(name, shape=q.shape, chunks=q.chunksize, dtype=q.dtype), lock=False)
             rows.append(row)
         if to_file:
             try:
-                qarray.save(args.output, out)
+                qarray.save(target, out)
             except OSError as e:
                 raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
     return rows

@@ -215,6 +215,86 @@ def test_unwritable_output(capsys, tmp_path, weights):
     fails(capsys, 1, f"cannot write {out}: No such file or directory", "quantize", path, "-o", out, "--block-size", "8")
 
 
+def _same_file_contents(a, b):
+    """Two qarray outputs hold the same arrays: codes, parameters and dtypes."""
+    want, got = qarray.load(a), qarray.load(b)
+    assert want.keys() == got.keys()
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, qarray.QArray):
+            assert (g.dtype, g.axis, g.block_size) == (w.dtype, w.axis, w.block_size), name
+            np.testing.assert_array_equal(g.scale, w.scale)
+            g, w = g.int_repr(), w.int_repr()
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def _checkpoint(tmp_path, suffix, arrays):
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors.numpy").save_file(arrays, path)
+    else:
+        np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_quantize_over_its_own_input_or_a_link_to_it(capsys, tmp_path, rng, suffix):
+    """OUT is IN itself, a symlink to it or a hard link to it: the quantized file
+    takes OUT's name, read from IN's own data to the end (the streaming
+    .safetensors writer once mapped its output over the input it was reading:
+    every tensor one constant code), and IN, where it has another name, is as it was."""
+    arrays = {"w": rng.standard_normal((64, 40)).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    src = _checkpoint(tmp_path, suffix, arrays)
+    original = src.read_bytes()
+    want = tmp_path / f"want{suffix}"
+    assert run(capsys, "quantize", src, "-o", want, "--per-channel", "0")[0] == 0
+    for link in ("symlink", "hardlink"):
+        out = tmp_path / f"{link}{suffix}"
+        os.symlink(src, out) if link == "symlink" else os.link(src, out)
+        assert run(capsys, "quantize", src, "-o", out, "--per-channel", "0")[0] == 0
+        assert src.read_bytes() == original and not out.is_symlink()
+        _same_file_contents(want, out)
+    assert run(capsys, "quantize", src, "-o", src, "--per-channel", "0")[0] == 0
+    _same_file_contents(want, src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{n}{suffix}" for n in ("m", "want", "symlink", "hardlink"))
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".zarr"])
+def test_a_failed_run_leaves_the_output_as_it_was(capsys, tmp_path, rng, suffix):
+    """One rule for every output format: OUT is written under a temporary name
+    beside it and renamed into place only when every tensor is written, so a run
+    that fails halfway leaves an existing OUT as it was and nothing else behind; a
+    run that succeeds replaces it; a directory that does not exist is an error."""
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+        pytest.importorskip("dask")
+    good = _checkpoint(tmp_path, ".safetensors" if suffix != ".npz" else ".npz",
+                       {"a": rng.standard_normal((8, 16)).astype(np.float32)})
+    bad_arrays = {"a": rng.standard_normal((8, 16)).astype(np.float32), "z": np.full((4, 16), np.nan, np.float32)}
+    bad = good.with_name(f"bad{good.suffix}")
+    if good.suffix == ".npz":
+        np.savez(bad, **bad_arrays)
+    else:
+        pytest.importorskip("safetensors.numpy").save_file(bad_arrays, bad)
+    out = tmp_path / f"out{suffix}"
+    assert run(capsys, "quantize", good, "-o", out, "--block-size", "4")[0] == 0
+
+    def snapshot():
+        files = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
+        return {str(p): p.read_bytes() for p in files}
+
+    before = snapshot()
+    rc, _, err = run(capsys, "quantize", bad, "-o", out, "--block-size", "4")
+    assert rc == 1 and err.startswith("qarray: error: ") and "NaN" in err, err
+    assert snapshot() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([good.name, bad.name, out.name])
+    assert run(capsys, "quantize", good, "-o", out, "--block-size", "8")[0] == 0  # success replaces it
+    assert snapshot() != before
+    missing = tmp_path / "no" / "such" / "dir" / f"q{suffix}"
+    fails(capsys, 1, f"cannot write {missing}: No such file or directory", "quantize", good, "-o", missing)
+    assert not (tmp_path / "no").exists()
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"

@@ -7,6 +7,8 @@ round trips for every dtype and scheme; damaged stores."""
 
 import json
 
+import os
+
 import numpy as np
 import pytest
 
@@ -399,8 +401,12 @@ def test_cli_quantize_to_zarr_equals_the_in_memory_file(tmp_path, capsys, extra)
             _same(from_zarr(tmp_path / "m.zarr" / name), want)
         else:
             np.testing.assert_array_equal(zarr.open_group(tmp_path / "m.zarr")[name][...], want)
-    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr")]) == 1
-    assert "remove it first" in capsys.readouterr().err
+    # a run that succeeds replaces an existing store (written beside it, then renamed into place)
+    assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr"), "--dtype",
+                     "quint8"]) == 0
+    capsys.readouterr()
+    assert from_zarr(tmp_path / "m.zarr" / "fc1.weight").dtype == qarray.quint8
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
     assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "q.safetensors"), *extra]) == 0
     streamed, want = qarray.load(tmp_path / "q.safetensors"), qarray.load(tmp_path / "m.npz")
     assert streamed.keys() == want.keys()
