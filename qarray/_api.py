@@ -13,7 +13,7 @@ from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, check_scale, param_shape, to_host, user_array
+from ._params import check_params, check_scale, float_values, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -23,6 +23,7 @@ __all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "quantize
 
 def _float_input(x, what):
     x, b = user_array(x, what)
+    x = float_values(x)
     if x.dtype.kind != "f" or x.dtype.itemsize > 8:
         raise TypeError(
             f"{what} takes float16, float32 or float64 input, got {x.dtype}; "

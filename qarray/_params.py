@@ -68,6 +68,29 @@ def user_array(x, what: str):
     return x, _backends.for_array(x)
 
 
+def float_values(x):
+    """``x`` as values to quantize: bfloat16 and float8 (ml_dtypes', what
+    checkpoints hold) as float32, which holds each of their values, so they are
+    rounded once later, as float16 is; other arrays as they are."""
+    return x.astype(np.float32) if is_small_float(x.dtype) else x
+
+
+def is_small_float(dtype) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' floating types (bfloat16, float8,
+    float6, float4: what checkpoints hold besides NumPy's floats), whose every
+    value float32 holds exactly."""
+    dtype = np.dtype(dtype)
+    if dtype.type.__module__ != "ml_dtypes":  # kind "V" for most, "f" for some (float8_e5m2)
+        return False
+    import ml_dtypes
+
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:  # int2/int4 and the like
+        return False
+    return dtype.itemsize <= 2
+
+
 def normalize_axis(axis, ndim: int, what: str = "axis"):
     """``axis`` as a non-negative int (or None), with a clear error."""
     if axis is None:

@@ -49,7 +49,7 @@ import numpy as np
 
 import qarray
 from . import io
-from ._params import is_lazy, to_host
+from ._params import is_lazy, is_small_float, to_host
 
 __all__ = ["main"]
 
@@ -209,10 +209,11 @@ def _read(path: Path) -> tuple[bool, dict]:
         raise CliError(f"{path}: expected a .npz, .npy or .safetensors file", 2)
     if not path.is_file():
         raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
-    st = _need("safetensors.numpy", "pip install safetensors") if suffix == ".safetensors" else None
+    if suffix == ".safetensors":
+        _need("safetensors", "pip install safetensors")
     try:
-        if suffix == ".safetensors":
-            return False, st.load_file(path)
+        if suffix == ".safetensors":  # bfloat16 and float8 tensors too, which the safetensors package cannot read
+            return False, io.st_read(path)
         with open(path, "rb") as fh:  # not numpy's own: it leaves it open when the zip is damaged
             if not fh.read(6).startswith(_MAGIC[suffix]):
                 raise CliError(f"{path} is not a {suffix} file: it does not start as one")
@@ -413,10 +414,10 @@ def _staged(out: Path):
 
 class _Lazy:
     """A tensor of a .safetensors file, read slice by slice from its memory map
-    (``dask.array.from_array``); it holds the path, so it travels to workers."""
+    (``io.st_read``'s reader), for ``dask.array.from_array``."""
 
-    def __init__(self, path, name, shape, dtype):
-        self.path, self.name, self.shape, self.dtype = str(path), name, tuple(shape), np.dtype(dtype)
+    def __init__(self, path, name, shape, dtype, read):
+        self.path, self.name, self.shape, self.dtype, self.read = str(path), name, tuple(shape), np.dtype(dtype), read
         self.ndim = len(self.shape)
 
     def __dask_tokenize__(self):  # else dask may read the whole tensor to name it
@@ -424,10 +425,7 @@ class _Lazy:
         return self.path, st.st_size, st.st_mtime_ns, self.name, self.shape, self.dtype.str
 
     def __getitem__(self, key):
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="numpy") as f:
-            return np.asarray(f.get_slice(self.name)[key])
+        return self.read(key)
 
 
 def _lazy_arrays(path: Path):
@@ -436,11 +434,10 @@ def _lazy_arrays(path: Path):
     da = _need("dask.array", "pip install 'qarray[dask]'")
     suffix = path.suffix.lower()
     if suffix == ".safetensors" and path.is_file():
-        st = _need("safetensors", "pip install safetensors")
+        _need("safetensors", "pip install safetensors")
         try:
-            with st.safe_open(str(path), framework="numpy") as f:
-                found = {name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()}
-            lazy = {name: _Lazy(path, name, shape, _ST_DTYPES.get(dt, "V")) for name, (shape, dt) in found.items()}
+            lazy = {name: _Lazy(path, name, shape, dtype, read)
+                    for name, (shape, dtype, read) in io.st_read(path, key=None).items()}
             return {name: da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * t.ndim, t.dtype))
                     for name, t in lazy.items()}  # meta given: dask would read an empty slice, which reads it all
         except CliError:
@@ -456,9 +453,6 @@ def _lazy_arrays(path: Path):
     if quantized:
         raise CliError(f"{path} is already quantized (written by qarray.save); see what it holds with 'qarray inspect'")
     return {name: da.from_array(x, chunks="auto") for name, x in arrays.items()}
-
-
-_ST_DTYPES = {code: np.dtype(kind) for kind, code in io._ST_CODES.items()}  # safetensors' dtype names
 
 
 def _quantize_lazily(args, target: Path) -> list:
@@ -509,9 +503,13 @@ def _quantize_lazily(args, target: Path) -> list:
 
 def _quantize_one(name, x, args):
     """``(what to save, (name, shape, dtype, scheme, sqnr, max error, bytes before, bytes after))``."""
-    if x.dtype.kind in "biu" or (x.dtype.kind == "f" and x.size == 0):
-        why = "passed through" + (" (empty)" if x.dtype.kind == "f" else "")
+    floating = x.dtype.kind == "f" or is_small_float(x.dtype)  # bfloat16, float8: their float32 values, exactly
+    if x.dtype.kind in "biu" or (floating and x.size == 0):
+        why = "passed through" + (" (empty)" if floating else "")
         return x, (name, _shape(x), str(x.dtype), why, None, None, x.nbytes, x.nbytes)
+    before = x.nbytes
+    if is_small_float(x.dtype):
+        x = x.astype(np.float32)
     if x.dtype.kind != "f":
         raise CliError(f"{args.input}: {name!r} has dtype {x.dtype}: quantize takes float arrays "
                        "(and passes integer and bool arrays through)")
@@ -527,7 +525,7 @@ def _quantize_one(name, x, args):
     except (TypeError, ValueError) as e:
         raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
     sqnr, err = _errors(x, q)
-    return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, x.nbytes, _stored_bytes(q))
+    return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, before, _stored_bytes(q))
 
 
 def _axis(ndim: int, axis):

@@ -43,8 +43,8 @@ import numpy as np
 
 from ._api import packed_layout, unpack
 from ._dtypes import qdtype
-from ._params import (KEPT_SCALES, check_params, check_scale, is_lazy, normalize_axis, normalize_block_size,
-                      param_shape, to_host)
+from ._params import (KEPT_SCALES, check_params, check_scale, is_lazy, is_small_float, normalize_axis,
+                      normalize_block_size, param_shape, to_host)
 from ._qarray import QArray
 
 FORMAT = "qarray"
@@ -169,8 +169,9 @@ def _save_safetensors(path, arrays):
     for name, q in arrays.items():
         _check_name(name)
         if type(q) is np.ndarray or is_lazy(q) and not isinstance(q, QArray):
-            if q.dtype.kind not in "biuf":
-                raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float arrays")
+            if q.dtype.kind not in "biuf" and not is_small_float(q.dtype):
+                raise TypeError(f"save: {name!r} has dtype {q.dtype}; safetensors holds bool, integer and float "
+                                "arrays (bfloat16 and float8 too)")
             parts = {name: q}
         elif isinstance(q, QArray):
             codes = q.int_repr() if is_lazy(q) else to_host(q.int_repr())
@@ -183,7 +184,7 @@ def _save_safetensors(path, arrays):
                 raise ValueError(f"save: the tensor name {key!r} is used twice (a QArray {name!r} stores "
                                  f"{name}, {name}.scale and {name}.zero_point)")
             tensors[key] = a if is_lazy(a) else np.ascontiguousarray(a)
-    if any(is_lazy(a) for a in tensors.values()):
+    if any(is_lazy(a) or is_small_float(a.dtype) for a in tensors.values()):  # the package writes neither
         _stream_safetensors(path, tensors, metadata)
     else:
         save_file(tensors, str(path), metadata=metadata)
@@ -191,6 +192,60 @@ def _save_safetensors(path, arrays):
 
 _ST_CODES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "i4": "I32",
              "u4": "U32", "i8": "I64", "u8": "U64", "b1": "BOOL"}
+# safetensors' codes of ml_dtypes' floating types, which checkpoints hold (bfloat16 most of all): the
+# safetensors package reads BF16 into NumPy only once ml_dtypes is imported and F8 not at all, so
+# qarray reads these tensors' bytes itself (st_read)
+_ST_SMALL = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+
+
+def st_code(dtype) -> str:
+    """safetensors' code of ``dtype``."""
+    dtype = np.dtype(dtype)
+    small = {v: k for k, v in _ST_SMALL.items()}
+    return small[dtype.name] if dtype.name in small else _ST_CODES[f"{dtype.kind}{dtype.itemsize}"]
+
+
+def st_dtype(code: str) -> np.dtype:
+    """The NumPy dtype of safetensors' dtype ``code`` (ml_dtypes' for BF16 and F8);
+    ValueError for a code qarray does not read (F4 and F6, packed)."""
+    if code in _ST_SMALL:
+        from ._formats import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes(), _ST_SMALL[code]))
+    kinds = {v: k for k, v in _ST_CODES.items()}
+    if code not in kinds:
+        raise ValueError(f"safetensors dtype {code} is not one qarray reads")
+    return np.dtype(kinds[code].replace("b1", "?"))
+
+
+def st_read(path, key=Ellipsis) -> dict:
+    """``{name: array}`` of a .safetensors file, every dtype of ``st_dtype``:
+    the file checked and listed by the safetensors package, each tensor's bytes
+    read from their place in it. ``key`` indexes each tensor (a slice of it
+    read through a memory map), for one tensor: ``{name: (shape, dtype, read)}``
+    with ``read(key)`` when ``key`` is None."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    start = 8 + size
+
+    def reader(name, shape, dtype):
+        def read(k=Ellipsis):
+            if math.prod(shape) == 0:
+                return np.empty(shape, dtype)[k]
+            m = np.memmap(path, dtype=dtype, mode="r", offset=start + header[name]["data_offsets"][0],
+                          shape=shape or (1,))
+            return np.array(m[k] if shape else m.reshape(())[k])
+        return read
+
+    readers = {k: (shape, st_dtype(code), reader(k, shape, st_dtype(code))) for k, (shape, code) in found.items()}
+    if key is None:
+        return readers
+    return {k: read(key) for k, (shape, dtype, read) in readers.items()}
 
 
 def _stream_safetensors(path, tensors, metadata):
@@ -203,7 +258,7 @@ def _stream_safetensors(path, tensors, metadata):
     for key in sorted(tensors):
         a = tensors[key]
         n = a.dtype.itemsize * math.prod(a.shape)
-        header[key] = {"dtype": _ST_CODES[f"{a.dtype.kind}{a.dtype.itemsize}"], "shape": list(a.shape),
+        header[key] = {"dtype": st_code(a.dtype), "shape": list(a.shape),
                        "data_offsets": [offset, offset + n]}
         offset += n
     if metadata:
@@ -244,7 +299,7 @@ def _load_safetensors(path) -> dict:
     try:
         with safe_open(str(path), "np") as f:
             metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = st_read(path)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
     out = {}

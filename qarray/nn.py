@@ -24,7 +24,7 @@ import numpy as np
 
 from ._api import choose_qparams, quantize, quantize_dynamic
 from ._dtypes import qdtype, qint8, quint8
-from ._params import to_host, user_array
+from ._params import float_values, to_host, user_array
 from ._qarray import QArray
 from .ops.conv import check_conv_args, conv_packed, pack_conv_weight
 from .ops.linear import PackedWeight, _check_operand
@@ -34,7 +34,7 @@ __all__ = ["Linear", "Conv2d", "DynamicLinear"]
 
 def _float_weight(name, w, ndim):
     """``w`` as float32 on its own backend: CuPy weights make a layer on the GPU."""
-    w = user_array(w, f"{name}.from_float")[0]
+    w = float_values(user_array(w, f"{name}.from_float")[0])  # bfloat16 checkpoints too
     if w.dtype.kind != "f" or w.ndim != ndim:
         raise ValueError(f"{name}.from_float: w must be a {ndim}-d float array, got {w.dtype} of shape {w.shape}")
     return w.astype(np.float32)
@@ -43,7 +43,7 @@ def _float_weight(name, w, ndim):
 def _float_bias(name, b, n):
     if b is None:
         return None
-    b = to_host(user_array(b, f"{name}.from_float")[0])
+    b = float_values(to_host(user_array(b, f"{name}.from_float")[0]))
     if b.dtype.kind != "f" or b.shape != (n,):
         raise ValueError(f"{name}.from_float: b must be a float array of shape ({n},), got {b.dtype} {b.shape}")
     return b.astype(np.float32)
@@ -277,6 +277,7 @@ class DynamicLinear:
         if isinstance(x, QArray):
             raise TypeError("DynamicLinear takes float input; use Linear for quantized input")
         x, backend = user_array(x, "DynamicLinear")
+        x = float_values(x)
         xp = backend.xp
         if x.dtype.kind != "f" or x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"DynamicLinear: x must be float of shape (..., {self.in_features}), "

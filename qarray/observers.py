@@ -51,7 +51,7 @@ import numpy as np
 
 from ._api import choose_qparams, quantize
 from ._dtypes import qdtype
-from ._params import is_lazy, normalize_axis, to_host
+from ._params import float_values, is_lazy, normalize_axis, to_host
 from .backends import for_array
 
 __all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer"]
@@ -93,6 +93,7 @@ class Observer:
         name = type(self).__name__
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             x = np.asarray(x)
+        x = float_values(x)  # bfloat16, float8: their values as float32, exactly
         if x.dtype.kind not in "fiu":
             raise TypeError(f"{name}.update: takes a real (float or integer) array, got dtype {x.dtype}")
         if self.axis is None:

@@ -295,6 +295,49 @@ def test_a_failed_run_leaves_the_output_as_it_was(capsys, tmp_path, rng, suffix)
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".zarr"])
+def test_bfloat16_and_float8_checkpoints(capsys, tmp_path, rng, suffix):
+    """A checkpoint as PyTorch writes it (bfloat16 weights, a float8_e4m3fn tensor,
+    int64 steps): inspect lists it; quantize writes what it writes for the same
+    values in float32 (one rounding from each value), every output format; the
+    table's "bytes before" are the checkpoint's."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    pytest.importorskip("safetensors")
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+        pytest.importorskip("dask")
+    from test_io import write_safetensors
+
+    small = {"w": ("BF16", rng.standard_normal((16, 40)).astype(ml_dtypes.bfloat16)),
+             "b": ("BF16", rng.standard_normal(16).astype(ml_dtypes.bfloat16)),
+             "f8": ("F8_E4M3", rng.standard_normal((8, 8)).astype(ml_dtypes.float8_e4m3fn)),
+             "steps": ("I64", np.arange(3))}
+    wide = {k: ("F32", a.astype(np.float32)) if code != "I64" else (code, a) for k, (code, a) in small.items()}
+    write_safetensors(tmp_path / "small.safetensors", small)
+    write_safetensors(tmp_path / "wide.safetensors", wide)
+    rc, out, _ = run(capsys, "inspect", tmp_path / "small.safetensors")
+    assert rc == 0 and {r[0]: r[2] for r in rows(out)} == {"w": "bfloat16", "b": "bfloat16", "f8": "float8_e4m3fn",
+                                                          "steps": "int64"}
+    tables = []
+    for name in ("small", "wide"):
+        rc, out, err = run(capsys, "quantize", tmp_path / f"{name}.safetensors", "-o", tmp_path / f"{name}-q{suffix}",
+                           "--per-channel", "0")
+        assert rc == 0, err
+        tables.append({r[0]: r for r in rows(out)})
+    for name in ("w", "b", "f8"):
+        assert tables[0][name][:6] == tables[1][name][:6]  # scheme, SQNR, error: the same
+        assert int(tables[0][name][6]) * (2 if name != "f8" else 4) == int(tables[1][name][6])  # bytes before
+    if suffix == ".zarr":
+        from qarray.zarr import from_zarr
+
+        for name in ("w", "b", "f8"):
+            a, b = (from_zarr(tmp_path / f"{n}-q.zarr" / name).compute() for n in ("small", "wide"))
+            np.testing.assert_array_equal(a.int_repr(), b.int_repr())
+            np.testing.assert_array_equal(a.scale, b.scale)
+    else:
+        _same_file_contents(tmp_path / f"small-q{suffix}", tmp_path / f"wide-q{suffix}")
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"

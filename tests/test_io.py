@@ -303,6 +303,47 @@ def test_safetensors_float_weights_from_other_tools_quantize(tmp_path, rng):
     np.testing.assert_array_equal(q.int_repr(), qarray.quantize(w, 0.02, 0, "qint8").int_repr())
 
 
+def write_safetensors(path, tensors):
+    """A .safetensors file of ``{name: (dtype code, array)}`` laid out by the format's
+    spec (8-byte header length, JSON header, data): what PyTorch writes for bfloat16
+    and float8 tensors, which the safetensors package's NumPy side cannot write."""
+    header, blobs, offset = {}, [], 0
+    for name, (code, a) in tensors.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+@pytest.mark.parametrize("code,fmt", [("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")])
+def test_safetensors_checkpoint_floats_load_and_save(tmp_path, rng, code, fmt):
+    """bfloat16 and float8 tensors of a checkpoint (PyTorch's BF16, F8_E4M3,
+    F8_E5M2) load bit for bit, 0-d and empty ones too, quantize from their
+    values, and save back under the same codes."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    t = getattr(ml_dtypes, fmt)
+    w = rng.standard_normal((6, 9)).astype(t)
+    tensors = {"w": (code, w), "s": (code, np.array(1.5, t)), "e": (code, np.zeros((0, 3), t)),
+               "n": ("I64", np.arange(4))}
+    write_safetensors(tmp_path / "m.safetensors", tensors)
+    got = qarray.load(tmp_path / "m.safetensors")
+    for name, (_, a) in tensors.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape, name
+        np.testing.assert_array_equal(got[name].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8))
+    q = qarray.quantize(got["w"], 0.02, 0, "qint8")
+    np.testing.assert_array_equal(q.int_repr(), qarray.quantize(w.astype(np.float32), 0.02, 0, "qint8").int_repr())
+    qarray.save(tmp_path / "again.safetensors", {"w": got["w"], "q": q})
+    with open(tmp_path / "again.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["w"]["dtype"] == code
+    back = qarray.load(tmp_path / "again.safetensors")
+    np.testing.assert_array_equal(back["w"].view(np.uint8), w.view(np.uint8))
+    np.testing.assert_array_equal(back["q"].int_repr(), q.int_repr())
+
+
 def test_safetensors_errors(tmp_path, rng):
     from safetensors.numpy import save_file
 

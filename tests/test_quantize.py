@@ -332,3 +332,34 @@ def test_quantize_dynamic_too_wide_a_range_names_the_data():
         qarray.quantize_dynamic(np.array([-1e300, 1.0]))
     q = qarray.quantize_dynamic(x, "qint8", symmetric=True)  # the symmetric scale fits
     np.testing.assert_array_equal(q.int_repr(), [-128, 0, 127])
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint16"])
+def test_checkpoint_floats_are_quantized_as_float16_is(fmt, dtype):
+    """bfloat16 and float8 input (what checkpoints hold): every finite value of
+    the type, rounded once from its value as float16 is (x / scale in IEEE
+    float32): against NumPy's own float32 division, per tensor and per axis; the
+    same through quantize_dynamic and an observer."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    t = np.dtype(getattr(ml_dtypes, fmt))
+    x = np.arange(1 << (8 * t.itemsize), dtype=f"u{t.itemsize}").view(t)
+    x32 = x.astype(np.float32)
+    x, x32 = x[np.isfinite(x32)], x32[np.isfinite(x32)]
+    assert np.array_equal(x32.astype(t).view(f"u{t.itemsize}"), x.view(f"u{t.itemsize}"))  # float32 holds each value
+    d = qarray.qdtype(dtype)
+    for scale, zp in ((0.37, d.qmin + 3), (2.0**-7, 0), (1e-30, d.qmax)):
+        with np.errstate(over="ignore"):  # beyond float32: inf, which saturates
+            want = np.clip(np.rint(x32 / np.float32(scale)) + zp, d.qmin, d.qmax)
+        np.testing.assert_array_equal(qarray.quantize(x, scale, zp, dtype).int_repr(), want)
+    small = x[np.abs(x32) < 1e4]  # a range whose scale float32 holds, for the observers too
+    rows = small[: len(small) // 4 * 4].reshape(4, -1)
+    scales = np.float32([0.5, 0.01, 3.0, 1e-3])
+    with np.errstate(over="ignore"):
+        want = np.clip(np.rint(rows.astype(np.float32) / scales[:, None]), d.qmin, d.qmax)
+    np.testing.assert_array_equal(qarray.quantize(rows, scales, 0, dtype, axis=0).int_repr(), want)
+    for q, r in ((qarray.quantize_dynamic(rows, dtype, axis=0), qarray.quantize_dynamic(rows.astype(np.float32), dtype, axis=0)),
+                 (qarray.observers.MinMax(dtype).update(rows).quantize(rows),
+                  qarray.observers.MinMax(dtype).update(rows.astype(np.float32)).quantize(rows.astype(np.float32)))):
+        np.testing.assert_array_equal(q.scale, r.scale)
+        np.testing.assert_array_equal(q.int_repr(), r.int_repr())
