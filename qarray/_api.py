@@ -166,7 +166,9 @@ def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
 
 def _qparams(min_val, max_val, d: QDType, symmetric, what):
     """choose_qparams on checked (finite, ordered) bounds; ``what`` starts the
-    error message for a range too wide for float32."""
+    error message for a range too wide for float32. Floating formats are
+    symmetric by nature (zero point 0): their scale is always the symmetric one."""
+    symmetric = symmetric or d.kind == "float"
     with np.errstate(over="ignore"):  # beyond float32: inf, reported below
         lo, hi = np.asarray(min_val, np.float32), np.asarray(max_val, np.float32)
     lo = np.minimum(np.float32(0), lo)

@@ -95,7 +95,8 @@ def qdtype(spec) -> QDType:
         raise TypeError(
             f"unknown quantized dtype {spec!r}; use one of "
             + ", ".join(d.name for d in ALL)
-            + " (or int8, uint4, quint4x2, ...)"
+            + " (or int8, uint4, quint4x2, ...), or a floating format: "
+            + ", ".join(FLOATING)
         )
     try:
         np_dtype = np.dtype(spec)
@@ -114,6 +115,10 @@ def qdtype(spec) -> QDType:
 
 
 _FLOATING = {}
+# the floating formats a QArray holds (qarray._formats.FORMATS less the scale type;
+# mxint8 is MX's element, made by quantize_mx)
+FLOATING = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float6_e2m3fn", "float6_e3m2fn",
+            "float4_e2m1fn", "mxint8")
 
 
 def _floating(spec):
@@ -125,7 +130,7 @@ def _floating(spec):
         f = _formats.fmt(spec)
     except TypeError:
         return None
-    if f.name == "float8_e8m0fnu":  # a scale type, not an element type
+    if f.name not in FLOATING:  # float8_e8m0fnu: a scale type, not an element type
         return None
     if f.name not in _FLOATING:
         _FLOATING[f.name] = QDType(f.name, f.bits, True, _formats.dtype(f), kind="float")

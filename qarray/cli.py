@@ -358,6 +358,7 @@ def _quantize(args) -> int:
                                "see what it holds with 'qarray inspect'")
             from rich.progress import track
 
+            _check_axis(arrays, args)
             out, rows = {}, []
             for name, x in track(arrays.items(), description="quantizing", transient=True):
                 out[name], row = _quantize_one(name, x, args)
@@ -477,6 +478,7 @@ def _quantize_lazily(args, target: Path) -> list:
             ctx = distributed.Client(args.scheduler, timeout=30)
         except (OSError, ValueError) as e:
             raise CliError(f"--scheduler {args.scheduler}: cannot reach it: {_one_line(e)}") from None
+    _check_axis(arrays, args)
     rows, out = [], {}
     to_file = args.output.suffix.lower() == ".safetensors"
     with ctx if isinstance(ctx, contextlib.AbstractContextManager) else contextlib.closing(ctx):
@@ -526,6 +528,22 @@ def _quantize_one(name, x, args):
         raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
     sqnr, err = _errors(x, q)
     return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, before, _stored_bytes(q))
+
+
+def _check_axis(arrays, args) -> None:
+    """``--per-channel AXIS``: an axis that no float tensor has is an error (it
+    would quantize every one per tensor); the tensors that lack it are named on
+    stderr (they are quantized per tensor, as the table says)."""
+    if args.per_channel is None:
+        return
+    floats = {name: x.ndim for name, x in arrays.items() if x.dtype.kind == "f" or is_small_float(x.dtype)}
+    lacking = [f"{name} ({ndim}-d)" for name, ndim in floats.items() if _axis(ndim, args.per_channel)[0] is None]
+    if floats and len(lacking) == len(floats):
+        raise CliError(f"--per-channel {args.per_channel}: no float tensor of {args.input} has that axis (they have "
+                       f"{min(floats.values())} to {max(floats.values())} dimensions)", 2)
+    if lacking:
+        print(f"qarray: note: --per-channel {args.per_channel}: per tensor for {len(lacking)} tensor(s) without that "
+              f"axis: {', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''}", file=sys.stderr)
 
 
 def _axis(ndim: int, axis):

@@ -80,6 +80,10 @@ def save(path, arrays: dict) -> None:
     """
     if not isinstance(arrays, dict):
         raise TypeError(f"save takes a dict of name -> QArray or numpy.ndarray, got {type(arrays).__name__}")
+    suffix = os.path.splitext(os.fspath(path))[1] if isinstance(path, (str, os.PathLike)) else ""
+    if suffix not in ("", ".npz", ".safetensors"):  # NumPy would write PATH.npz: a file of another name
+        raise ValueError(f"save: {os.fspath(path)} is neither .npz nor .safetensors; name it so (a path without a "
+                         "suffix gets .npz), or write a .zarr store with qarray.zarr.to_zarr")
     if _safetensors(path):
         return _save_safetensors(path, arrays)
     out = {}

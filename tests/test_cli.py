@@ -107,7 +107,9 @@ def test_version(capsys):
         (["quantize", "m.npz"], "the following arguments are required: -o/--output (see 'qarray quantize --help')"),
         (["quantize", "m.npz", "-o", "q.npz", "--dtype", "int3"],
          "argument --dtype: unknown quantized dtype 'int3'; use one of qint2, quint2, qint4, quint4, qint8, quint8, "
-         "qint16, quint16, qint32 (or int8, uint4, quint4x2, ...) (see 'qarray quantize --help')"),
+         "qint16, quint16, qint32 (or int8, uint4, quint4x2, ...), or a floating format: float8_e4m3fn, "
+         "float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float6_e2m3fn, float6_e3m2fn, float4_e2m1fn, mxint8 "
+         "(see 'qarray quantize --help')"),
         (["quantize", "m.npz", "-o", "q.npz", "--block-size", "0"],
          "argument --block-size: expected a positive integer, got '0' (see 'qarray quantize --help')"),
         (["quantize", "m.npz", "-o", "q.npz", "--per-channel", "x"],
@@ -338,6 +340,30 @@ def test_bfloat16_and_float8_checkpoints(capsys, tmp_path, rng, suffix):
         _same_file_contents(tmp_path / f"small-q{suffix}", tmp_path / f"wide-q{suffix}")
 
 
+def test_floating_formats_are_symmetric_without_asking(capsys, tmp_path, weights):
+    """--dtype float8_e4m3fn without --symmetric: a floating format has no zero
+    point to choose (it failed on the first bias: "zero_point must be 0 ... got
+    -448"); the same file as with --symmetric."""
+    pytest.importorskip("ml_dtypes")
+    _, path = weights
+    for flags, out in (([], "a.npz"), (["--symmetric"], "b.npz")):
+        assert run(capsys, "quantize", path, "-o", tmp_path / out, "--dtype", "float8_e4m3fn", *flags)[0] == 0
+    _same_file_contents(tmp_path / "a.npz", tmp_path / "b.npz")
+    assert all(not np.any(q.zero_point) for q in qarray.load(tmp_path / "a.npz").values() if isinstance(q, qarray.QArray))
+
+
+def test_tables_are_whole_when_piped(capsys, tmp_path, monkeypatch, rng):
+    """stdout not a terminal (``| cat``, a file) and no COLUMNS: the table at its
+    own width, not cut to 80 columns ("layer4…", "per-te…")."""
+    monkeypatch.delenv("COLUMNS")
+    name = "layer4.1.downsample.0.very_long_parameter_name.weight"
+    np.savez(tmp_path / "m.npz", **{name: rng.standard_normal((8, 12)).astype(np.float32)})
+    rc, out, _ = run(capsys, "quantize", tmp_path / "m.npz", "-o", tmp_path / "q.npz", "--per-channel", "0")
+    assert rc == 0 and "…" not in out
+    assert rows(out)[0][:4] == [name, "8x12", "qint8", "per-channel axis 0"]
+    assert max(len(line) for line in out.splitlines()) > 80
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"
@@ -411,8 +437,13 @@ def test_quantize_safetensors_per_channel_fallback(capsys, tmp_path, rng, observ
     path = tmp_path / "model.safetensors"
     st.save_file(arrays, str(path))
     out = tmp_path / "q.npz"
-    rc, text, _ = run(capsys, "quantize", path, "-o", out, "--dtype", "qint4", "--per-channel", "1")
+    rc, text, err = run(capsys, "quantize", path, "-o", out, "--dtype", "qint4", "--per-channel", "1")
     assert rc == 0
+    assert err == ("qarray: note: --per-channel 1: per tensor for 2 tensor(s) without that axis: layer.0.bias (1-d), "
+                   "scale (0-d)\n")
+    fails(capsys, 2, f"--per-channel 5: no float tensor of {path} has that axis (they have 0 to 2 dimensions)",
+          "quantize", path, "-o", tmp_path / "five.npz", "--per-channel", "5")
+    assert not (tmp_path / "five.npz").exists()
     back = qarray.load(out)
     assert sorted(back) == sorted(arrays)
     assert back["layer.0.steps"].dtype == np.int32 and np.array_equal(back["layer.0.steps"], [1, 2])

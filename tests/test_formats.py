@@ -376,3 +376,17 @@ def test_float64_input_is_rounded_once_whatever_ml_dtypes_does(f, saturate):
     np.testing.assert_array_equal(got, _rounded_once(x, f, saturate), err_msg=f)
     if f == "float4_e2m1fn":
         assert got[x == 0.2500000000002274] == 1  # 0.5, not 0
+
+
+@pytest.mark.parametrize("f", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"])
+def test_choose_qparams_of_a_floating_format_is_symmetric(f):
+    """A floating format has no zero point: its scale maps max |x| onto the
+    format's largest value whether or not symmetric= is asked for."""
+    import qarray
+
+    top = np.float32(F.finfo(f).max)
+    for lo, hi in ((-1.0, 3.0), (0.5, 2.0), (-7.0, -1.0)):
+        want = np.float32(max(abs(lo), abs(hi))) / top
+        for symmetric in (False, True):
+            s, z = qarray.choose_qparams(lo, hi, f, symmetric=symmetric)
+            assert (s, z) == (want, 0), (lo, hi, symmetric)

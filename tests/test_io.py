@@ -269,6 +269,12 @@ def test_names_with_slashes_file_objects_and_paths_without_npz(tmp_path, rng):
     assert (tmp_path / "model.npz").exists() and not (tmp_path / "model").exists()
     _check_checkpoint(qarray.load(tmp_path / "model"), want)
     _check_checkpoint(qarray.load(str(tmp_path / "model.npz")), want)
+    for other in ("model.pt", "model.zarr", "model.NPZ"):  # NumPy would write other.npz, silently
+        with pytest.raises(ValueError, match=rf"^save: {re.escape(str(tmp_path / other))} is neither \.npz nor "
+                                             r"\.safetensors; name it so \(a path without a suffix gets \.npz\), or "
+                                             r"write a \.zarr store with qarray\.zarr\.to_zarr$"):
+            qarray.save(tmp_path / other, want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz"]
     buf = io.BytesIO()
     qarray.save(buf, want)
     buf.seek(0)

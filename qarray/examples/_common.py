@@ -82,7 +82,11 @@ def print_table(title: str, columns, rows, caption: str | None = None, left: int
         table.add_column(c, justify="left" if i < left else "right")
     for row in rows:
         table.add_row(*(str(v) for v in row))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped or redirected: the whole table (rich would cut it to 80 columns)
+        wide = console.options.update_width(1 << 16)
+        console = Console(width=max(console.width, console.measure(table, options=wide).maximum))
+    console.print(table)
 
 
 def load_digits(seed: int = 0):
