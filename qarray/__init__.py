@@ -30,6 +30,8 @@ from ._qarray import QArray
 from .interop import from_torch
 from .io import load
 from .io import save
+from .zarr import from_zarr
+from .zarr import to_zarr
 from .ops import *  # noqa: F403  (the ops, re-exported; names in ops.__all__)
 
 try:
@@ -50,8 +52,10 @@ __all__ = [
     "dequantize",
     "finfo",
     "from_torch",
+    "from_zarr",
     "iinfo",
     "load",
+    "to_zarr",
     "qdtype",
     "qint2",
     "qint4",

@@ -205,8 +205,17 @@ def _read(path: Path) -> tuple[bool, dict]:
     """``(written by qarray.save, {name: array or QArray})`` from a .npz, .npy or
     .safetensors file; CliError (status 1) when it cannot be read."""
     suffix = path.suffix.lower()
-    if suffix not in (".npz", ".npy", ".safetensors"):
-        raise CliError(f"{path}: expected a .npz, .npy or .safetensors file", 2)
+    if suffix not in (".npz", ".npy", ".safetensors", ".zarr"):
+        raise CliError(f"{path}: expected a .npz, .npy or .safetensors file or a .zarr store", 2)
+    if suffix == ".zarr":  # a store as quantize writes it: lazy QArrays and arrays
+        if not path.is_dir():
+            raise CliError(f"{path}: {'a file, not a Zarr store' if path.exists() else 'no such store'}")
+        _need("zarr", "pip install 'qarray[dask]'")
+        try:
+            arrays = qarray.load(path)
+        except ValueError as e:
+            raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+        return any(isinstance(a, qarray.QArray) for a in arrays.values()), arrays
     if not path.is_file():
         raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     if suffix == ".safetensors":
@@ -612,7 +621,7 @@ def _inspect(args) -> int:
         return 0
     rows = []
     for name, q in arrays.items():
-        if isinstance(q, np.ndarray):
+        if not isinstance(q, qarray.QArray):  # a NumPy array, or a Zarr store's dask array
             rows.append((name, _shape(q), str(q.dtype), "plain array", "", "", q.nbytes))
             continue
         s, z = to_host(q.scale), to_host(q.zero_point)

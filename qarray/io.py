@@ -138,7 +138,9 @@ def _check_name(name):
 def load(path) -> dict:
     """Read a file written by :func:`save` as ``{name: QArray or numpy.ndarray}``:
     a path (``NAME`` finds the ``NAME.npz`` that ``save("NAME", ...)`` wrote), a
-    binary file object, or a ``.safetensors`` file.
+    binary file object, or a ``.safetensors`` file; or a Zarr store (a directory,
+    as ``qarray quantize -o OUT.zarr`` writes it), lazily: Dask-backed QArrays and
+    dask arrays (``qarray.zarr.load_store``).
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -149,6 +151,15 @@ def load(path) -> dict:
     """
     if _safetensors(path):
         return _load_safetensors(path)
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # a Zarr store: lazy, chunk by chunk
+        try:
+            from .zarr import load_store
+            import zarr  # noqa: F401
+            import dask  # noqa: F401
+        except ImportError:
+            raise ImportError(f"reading the Zarr store {os.fspath(path)} needs zarr and dask: "
+                              "pip install 'qarray[dask]'") from None
+        return load_store(path)
     if hasattr(path, "read"):
         return _load_zip("<file object>", path)
     if not os.path.exists(path) and os.path.exists(f"{os.fspath(path)}.npz"):

@@ -27,7 +27,7 @@ from ._params import check_params, to_host
 from ._qarray import QArray
 from .io import _bad, _meta, _parse_meta, _scale_bits, _scale_dtype
 
-__all__ = ["to_zarr", "from_zarr"]
+__all__ = ["to_zarr", "from_zarr", "load_store"]
 
 
 def _group(d) -> int:
@@ -110,6 +110,9 @@ def from_zarr(store) -> QArray:
 
     try:
         grp = zarr.open_group(store, mode="r")
+    except zarr.errors.ContainsArrayError:
+        raise ValueError(f"from_zarr: {store} holds a Zarr array, not a QArray (an array passed through as it "
+                         "was): read it with dask.array.from_zarr, or all of a store with qarray.load") from None
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as e:
         raise ValueError(f"from_zarr: {store} holds no Zarr group ({e})") from None
     if "qarray" not in grp.attrs:
@@ -149,7 +152,8 @@ def from_zarr(store) -> QArray:
         raise _bad(store, "zarr", "scale", e) from None
     if np.shape(scale) != np.shape(s) or np.shape(zp) != np.shape(z):
         raise _bad(store, "zarr", "scale", f"shapes {np.shape(scale)}, {np.shape(zp)}, expected {np.shape(s)}")
-    x = da.from_zarr(codes)
+    x = da.from_array(_Chunks(codes, store, "codes"), chunks=codes.chunks, asarray=False,
+                      meta=np.empty((0,) * codes.ndim, codes.dtype))
     if g > 1:
         n_codes = per_chunk // packed_layout(d, g)[1] * g  # codes in a full chunk
         chunks = x.chunks[:-1] + (tuple(min(n_codes, stored[-1] - i * n_codes) for i in range(len(x.chunks[-1]))),)
@@ -160,3 +164,55 @@ def from_zarr(store) -> QArray:
         x = x.reshape(())
     b = _backends.get("dask")
     return QArray._new(x, s, z, d, axis, block_size, b, gs)
+
+
+class _Chunks:
+    """A stored array, read chunk by chunk for dask: a chunk that cannot be read
+    (truncated, damaged) raises ValueError naming the store and the array, not
+    the codec's own error (zarr's "Zstd decompression error")."""
+
+    def __init__(self, array, store, name):
+        self.array, self.store, self.name = array, store, name
+        self.shape, self.dtype, self.ndim = tuple(array.shape), array.dtype, array.ndim
+
+    def __getitem__(self, key):
+        try:
+            return self.array[key]
+        except Exception as e:  # the codecs raise RuntimeError, ValueError, ...
+            raise ValueError(f"{self.store}: array {self.name!r} cannot be read: "
+                             f"{type(e).__name__}: {e}") from None
+
+
+def load_store(store) -> dict:
+    """``{name: QArray or dask array}`` of a Zarr store (a directory) as ``qarray
+    quantize -o OUT.zarr`` writes it: a group per QArray (by :func:`to_zarr`), an
+    array per tensor passed through, names with ``/`` as nested groups; all lazy.
+    A store that is one QArray or one array gives ``{"": it}``. ValueError for a
+    directory that holds no Zarr store."""
+    import dask.array as da
+    import zarr
+    from pathlib import Path
+
+    root = Path(store)
+    if not (root / "zarr.json").is_file():
+        raise ValueError(f"{store} holds no Zarr store (no zarr.json: qarray reads Zarr version 3 stores)")
+    out = {}
+
+    def walk(path, prefix):
+        meta = path / "zarr.json"
+        node = json.loads(meta.read_text()) if meta.is_file() else {}  # none: a group made implicitly
+        if node.get("node_type") == "array":
+            a = zarr.open_array(path, mode="r")
+            out[prefix] = da.from_array(_Chunks(a, store, prefix), chunks=a.chunks, asarray=False,
+                                        meta=np.empty((0,) * a.ndim, a.dtype))
+        elif "qarray" in node.get("attributes", {}):
+            out[prefix] = from_zarr(path)
+        else:
+            for child in sorted(p for p in path.iterdir() if p.is_dir()):
+                walk(child, f"{prefix}/{child.name}" if prefix else child.name)
+
+    try:
+        walk(root, "")
+    except (json.JSONDecodeError, OSError) as e:  # a zarr.json that is not JSON, an unreadable directory
+        raise ValueError(f"{store}: cannot read the store: {type(e).__name__}: {e}") from None
+    return out

@@ -122,9 +122,9 @@ def test_version(capsys):
          "parameters)"),
         (["quantize", "m.npz", "-o", "q.npy"], "the output must be a .npz or .safetensors file or a .zarr store, got q.npy"),
         (["quantize", "m.npz", "-o", "q.npz", "--plot", "p.svg"], "--plot writes a .png file, got p.svg"),
-        (["quantize", "m.txt", "-o", "q.npz"], "m.txt: expected a .npz, .npy or .safetensors file"),
+        (["quantize", "m.txt", "-o", "q.npz"], "m.txt: expected a .npz, .npy or .safetensors file or a .zarr store"),
         (["inspect"], "the following arguments are required: FILE (see 'qarray inspect --help')"),
-        (["inspect", "m.pt"], "m.pt: expected a .npz, .npy or .safetensors file"),
+        (["inspect", "m.pt"], "m.pt: expected a .npz, .npy or .safetensors file or a .zarr store"),
         (["examples", "extra"], "unrecognized arguments: extra (see 'qarray --help')"),
         (["run"], "run needs the NAME of an example; the examples are " + ", ".join(
             importlib.import_module("qarray.examples").NAMES)),

@@ -8,6 +8,7 @@ round trips for every dtype and scheme; damaged stores."""
 import json
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -401,6 +402,23 @@ def test_cli_quantize_to_zarr_equals_the_in_memory_file(tmp_path, capsys, extra)
             _same(from_zarr(tmp_path / "m.zarr" / name), want)
         else:
             np.testing.assert_array_equal(zarr.open_group(tmp_path / "m.zarr")[name][...], want)
+    # the store as a whole: qarray.load (lazy), qarray inspect, from_zarr on a passed-through array
+    whole = qarray.load(tmp_path / "m.zarr")
+    assert whole.keys() == qarray.load(tmp_path / "m.npz").keys()
+    for name, want in qarray.load(tmp_path / "m.npz").items():
+        got = whole[name]
+        if isinstance(want, qarray.QArray):
+            assert got.backend == "dask"
+            _same(got, want)
+        else:
+            assert isinstance(got, da.Array)
+            np.testing.assert_array_equal(got.compute(), want)
+    assert cli.main(["inspect", str(tmp_path / "m.zarr")]) == 0
+    listed = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    assert set(listed) == set(whole) and "plain array" in listed["steps"]
+    with pytest.raises(ValueError, match=r"holds a Zarr array, not a QArray \(an array passed through as it was\): "
+                                         r"read it with dask\.array\.from_zarr, or all of a store with qarray\.load"):
+        from_zarr(tmp_path / "m.zarr" / "steps")
     # a run that succeeds replaces an existing store (written beside it, then renamed into place)
     assert cli.main(["quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "m.zarr"), "--dtype",
                      "quint8"]) == 0
@@ -417,3 +435,25 @@ def test_cli_quantize_to_zarr_equals_the_in_memory_file(tmp_path, capsys, extra)
             np.testing.assert_array_equal(got.scale, w.scale)
             got, w = got.int_repr(), w.int_repr()
         np.testing.assert_array_equal(got, w)
+
+
+def test_a_damaged_zarr_chunk_is_a_value_error_naming_the_array(tmp_path, rng):
+    """A truncated chunk file: ValueError naming the store and the array when the
+    chunk is read (zarr's own codec error was a RuntimeError), for a QArray's codes
+    and for a plain array of a store."""
+    from qarray.zarr import from_zarr
+
+    q = qarray.quantize(rng.standard_normal((64, 64)).astype(np.float32), 0.02, 0, "qint8")
+    qarray.to_zarr(q, tmp_path / "q.zarr", chunks=(32, 32))
+    assert qarray.from_zarr is from_zarr  # at the top level too
+    _same(qarray.from_zarr(tmp_path / "q.zarr"), q)
+    chunk = sorted(p for p in (tmp_path / "q.zarr" / "codes").rglob("*") if p.is_file() and p.name != "zarr.json")[0]
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'q.zarr'))}: array 'codes' cannot be read: "):
+        from_zarr(tmp_path / "q.zarr").compute()
+    z = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    z.create_array("plain", shape=(64,), chunks=(16,), dtype=np.int64)[...] = np.arange(64)
+    chunk = sorted(p for p in (tmp_path / "s.zarr" / "plain").rglob("*") if p.is_file() and p.name != "zarr.json")[0]
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 's.zarr'))}: array 'plain' cannot be read: "):
+        qarray.load(tmp_path / "s.zarr")["plain"].compute()
