@@ -101,7 +101,9 @@ def _parser() -> _Parser:
     s = sub.add_parser("info", help="versions, backends, the CPU GEMM engine, GPUs, CUDA kernels",
                        description="What qarray finds here: versions of qarray and its optional peers, the "
                        "backends available, the CPU int8 GEMM engine, the GPUs CuPy sees and whether the "
-                       "CUDA kernels compile (with CuPy's NVRTC; no GPU needed).")
+                       "CUDA kernels compile (with CuPy's NVRTC; no GPU needed: --compile).")
+    s.add_argument("--compile", action="store_true",
+                   help="also compile every CUDA kernel file with CuPy's NVRTC (tens of seconds), to show they do")
     s.set_defaults(func=_info)
 
     s = sub.add_parser("quantize", help="quantize the float arrays of a .npz, .npy or .safetensors file",
@@ -278,14 +280,16 @@ def _info(args) -> int:
     from rich.console import Console
 
     rows = [("qarray", qarray.__version__), ("NumPy", np.__version__)]
-    with Console(stderr=True).status("probing (the CUDA kernels take a few seconds)"):
+    status = "probing" + (" (compiling the CUDA kernels takes tens of seconds)" if args.compile else "")
+    with Console(stderr=True).status(status):
         rows += [(label, _version(module)) for label, module in
                  (("Numba", "numba"), ("onnxruntime", "onnxruntime"), ("CuPy", "cupy"))]
         rows.append(("backends", _probe(lambda: ", ".join(qarray.backends.available()))))
         rows.append(("CPU int8 GEMM", _probe(qarray.backends.gemm_engine)))
         gpus = _gpus()
         rows += gpus
-        rows.append(("CUDA kernels", _probe(lambda: _kernels(gpus[0][2] or "90"))))
+        rows.append(("CUDA kernels", _probe(lambda: _kernels(gpus[0][2] or "90")) if args.compile else
+                     "not compiled here ('qarray info --compile' compiles them with CuPy's NVRTC)"))
     _table("qarray info", ["", "found"], [r[:2] for r in rows], left=2)
     return 0
 

@@ -601,7 +601,11 @@ def test_info(capsys, monkeypatch):
 
     compiled = []
     monkeypatch.setattr(cuda_backend, "compile_ptx", lambda name, arch: compiled.append((name, arch)))
-    rc, text, err = run(capsys, "info")
+    rc, text, err = run(capsys, "info")  # compiles nothing unless asked: it took 27 s with NVRTC installed
+    assert (rc, err, compiled) == (0, "", [])
+    assert {r[0]: r[1] for r in rows(text)}["CUDA kernels"] == ("not compiled here ('qarray info --compile' "
+                                                                 "compiles them with CuPy's NVRTC)")
+    rc, text, err = run(capsys, "info", "--compile")
     assert (rc, err) == (0, "")
     table = {r[0]: r[1] for r in rows(text)}
     assert table["qarray"] == qarray.__version__ and table["NumPy"] == np.__version__
@@ -632,7 +636,7 @@ def test_info_never_crashes(capsys, monkeypatch):
     monkeypatch.setattr(cuda_backend, "compile_ptx", broken)
     monkeypatch.setitem(sys.modules, "numba", None)
     monkeypatch.setitem(sys.modules, "cupy", None)
-    rc, text, err = run(capsys, "info")
+    rc, text, err = run(capsys, "info", "--compile")
     assert (rc, err) == (0, "")
     table = {r[0]: r[1] for r in rows(text)}
     assert table["CPU int8 GEMM"] == table["backends"] == "not available: RuntimeError: probe failed"
