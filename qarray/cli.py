@@ -369,11 +369,9 @@ def _quantize(args) -> int:
             if quantized:
                 raise CliError(f"{args.input} is already quantized (written by qarray.save); "
                                "see what it holds with 'qarray inspect'")
-            from rich.progress import track
-
             _check_axis(arrays, args)
             out, rows = {}, []
-            for name, x in track(arrays.items(), description="quantizing", transient=True):
+            for name, x in _progress(arrays.items(), "quantizing"):
                 out[name], row = _quantize_one(name, x, args)
                 rows.append(row)
             try:
@@ -391,6 +389,15 @@ def _quantize(args) -> int:
     if args.plot is not None:
         _plot(args.plot, [(r[0], r[4]) for r in rows if r[4] is not None], args)
     return 0
+
+
+def _progress(items, description):
+    """``items``, with rich's progress bar on a terminal (elsewhere the bar is no
+    use, and rich leaves a blank line on stdout when it stops)."""
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=description, transient=True) if Console().is_terminal else items
 
 
 def _remove(path: Path) -> None:
@@ -660,7 +667,15 @@ def _run(args) -> int:
         which = f"unknown example {args.name!r}" if args.name else "run needs the NAME of an example"
         raise CliError(f"{which}; the examples are {', '.join(examples.NAMES)}", 2)
     argv = ["--backend", args.backend] + ["--quick"] * args.quick
-    return importlib.import_module(f"qarray.examples.{args.name}").main(argv)
+    from .examples import _common
+
+    token = _common.FROM_CLI.set(True)  # what the example lacks comes back as this command's error
+    try:
+        return importlib.import_module(f"qarray.examples.{args.name}").main(argv)
+    except _common.Unavailable as e:
+        raise CliError(str(e)) from None
+    finally:
+        _common.FROM_CLI.reset(token)
 
 
 # -- bench ---------------------------------------------------------------------

@@ -206,8 +206,9 @@ def test_arrays_that_cannot_be_quantized(capsys, tmp_path):
     np.savez(path, x=x)
     with pytest.raises(ValueError, match="NaN") as e:
         qarray.quantize_dynamic(x, "qint8", axis=0, block_size=4)
-    fails(capsys, 1, f"{path}: cannot quantize 'x': ValueError: {e.value}",
-          "quantize", path, "-o", tmp_path / "q.npz", "--block-size", "4")
+    out = fails(capsys, 1, f"{path}: cannot quantize 'x': ValueError: {e.value}",
+                "quantize", path, "-o", tmp_path / "q.npz", "--block-size", "4")
+    assert out == ""  # nothing on stdout, not even the blank line rich's progress bar left
     assert not (tmp_path / "q.npz").exists()
 
 
@@ -578,6 +579,19 @@ def test_run(capsys):
     assert "saved and loaded" in text
 
 
+def test_run_reports_what_an_example_lacks_as_its_own_error(capsys, monkeypatch):
+    """`qarray run NAME` says what the example lacks as every command says its
+    errors, `qarray: error: ...` (it printed `qarray.examples.NAME: ...`)."""
+    from qarray.examples import _common
+
+    monkeypatch.setattr(_common, "gpu_problem", lambda: "the cupy backend found no CUDA device")
+    fails(capsys, 1, "--backend cupy: the cupy backend found no CUDA device", "run", "digits", "--backend", "cupy")
+    monkeypatch.setattr(_common, "_PACKAGES", {**_common._PACKAGES, "rich": "rich"})
+    monkeypatch.setattr(_common.importlib.util, "find_spec", lambda m: None if m == "sklearn" else object())
+    fails(capsys, 1, "the digits example needs scikit-learn: pip install 'qarray[examples]'", "run", "digits")
+    assert not _common.FROM_CLI.get()
+
+
 def test_run_passes_the_options_and_the_exit_status(capsys, monkeypatch):
     import qarray.examples.quickstart as example
 
@@ -724,7 +738,7 @@ def _python(*args):
 def test_python_m_qarray():
     r = _python("-m", "qarray", "--help")
     assert (r.returncode, r.stderr) == (0, "") and r.stdout.startswith("usage: qarray")
-    r = _python("-m", "qarray", "info")
+    r = _python("-m", "qarray", "info", "--compile")
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
     table = {row[0]: row[1] for row in rows(r.stdout)}
     assert table["qarray"] == qarray.__version__

@@ -4,6 +4,7 @@ the digits data, a small Adam trainer and a timer."""
 from __future__ import annotations
 
 import argparse
+import contextvars
 import importlib.util
 import sys
 import time
@@ -23,12 +24,30 @@ def parse_args(name: str, doc: str, argv) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Set by ``qarray run``: what an example cannot do is raised as Unavailable, for
+# the command to report as its own one-line error ("qarray: error: ...").
+FROM_CLI = contextvars.ContextVar("qarray_examples_from_cli", default=False)
+
+
+class Unavailable(Exception):
+    """What an example needs and does not have (a package, CuPy or a GPU)."""
+
+
+def _report(standalone: str, message: str) -> None:
+    """One line on stderr (``standalone``, run as ``python -m``), or Unavailable
+    with ``message`` under ``qarray run``."""
+    if FROM_CLI.get():
+        raise Unavailable(message)
+    print(standalone, file=sys.stderr)
+
+
 def missing(name: str, needs) -> bool:
     """True, after one line on stderr naming what to install, when a package of
     ``needs`` (import names) is not installed."""
     absent = [_PACKAGES[m] for m in needs if importlib.util.find_spec(m) is None]
     if absent:
-        print(f"qarray.examples.{name} needs {' and '.join(absent)}: pip install 'qarray[examples]'", file=sys.stderr)
+        install = f"needs {' and '.join(absent)}: pip install 'qarray[examples]'"
+        _report(f"qarray.examples.{name} {install}", f"the {name} example {install}")
     return bool(absent)
 
 
@@ -54,7 +73,7 @@ def setup(name: str, doc: str, argv, needs):
         return args, np
     problem = gpu_problem()
     if problem is not None:
-        print(f"qarray.examples.{name}: --backend cupy: {problem}", file=sys.stderr)
+        _report(f"qarray.examples.{name}: --backend cupy: {problem}", f"--backend cupy: {problem}")
         return None
     import cupy
 
