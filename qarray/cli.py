@@ -224,7 +224,7 @@ def _read(path: Path) -> tuple[bool, dict]:
         _need("safetensors", "pip install safetensors")
     try:
         if suffix == ".safetensors":  # bfloat16 and float8 tensors too, which the safetensors package cannot read
-            return False, io.st_read(path)
+            return (True, qarray.load(path)) if _written_by_qarray(path) else (False, io.st_read(path))
         with open(path, "rb") as fh:  # not numpy's own: it leaves it open when the zip is damaged
             if not fh.read(6).startswith(_MAGIC[suffix]):
                 raise CliError(f"{path} is not a {suffix} file: it does not start as one")
@@ -249,6 +249,18 @@ def _read(path: Path) -> tuple[bool, dict]:
         raise CliError(str(e) if str(e).startswith(str(path)) else f"{path}: cannot read it: {_one_line(e)}") from None
     except Exception as e:  # numpy, zipfile and safetensors raise many types
         raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+
+
+def _already(path: Path) -> CliError:
+    return CliError(f"{path} is already quantized (written by qarray.save); see what it holds with 'qarray inspect'")
+
+
+def _written_by_qarray(path: Path) -> bool:
+    """Whether the .safetensors file ``path`` holds QArrays (qarray.save's metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return any(io._is_qarray_meta(text) for text in (f.metadata() or {}).values())
 
 
 def _scheme(q) -> str:
@@ -367,8 +379,7 @@ def _quantize(args) -> int:
         else:
             quantized, arrays = _read(args.input)
             if quantized:
-                raise CliError(f"{args.input} is already quantized (written by qarray.save); "
-                               "see what it holds with 'qarray inspect'")
+                raise _already(args.input)
             _check_axis(arrays, args)
             out, rows = {}, []
             for name, x in _progress(arrays.items(), "quantizing"):
@@ -457,6 +468,8 @@ def _lazy_arrays(path: Path):
     if suffix == ".safetensors" and path.is_file():
         _need("safetensors", "pip install safetensors")
         try:
+            if _written_by_qarray(path):
+                raise _already(path)
             lazy = {name: _Lazy(path, name, shape, dtype, read)
                     for name, (shape, dtype, read) in io.st_read(path, key=None).items()}
             return {name: da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * t.ndim, t.dtype))
@@ -472,7 +485,7 @@ def _lazy_arrays(path: Path):
             raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
     quantized, arrays = _read(path)
     if quantized:
-        raise CliError(f"{path} is already quantized (written by qarray.save); see what it holds with 'qarray inspect'")
+        raise _already(path)
     return {name: da.from_array(x, chunks="auto") for name, x in arrays.items()}
 
 

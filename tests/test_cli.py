@@ -365,6 +365,24 @@ def test_tables_are_whole_when_piped(capsys, tmp_path, monkeypatch, rng):
     assert max(len(line) for line in out.splitlines()) > 80
 
 
+def test_a_quantized_safetensors_file_is_inspected_and_not_quantized_again(capsys, tmp_path, weights):
+    """What `quantize -o OUT.safetensors` wrote: inspect shows its QArrays with their
+    schemes (it listed the raw X, X.scale, X.zero_point tensors), and quantize
+    refuses it whatever the output (the lazy path quantized its codes again)."""
+    pytest.importorskip("safetensors")
+    _, path = weights
+    st = tmp_path / "q.safetensors"
+    assert run(capsys, "quantize", path, "-o", st, "--per-channel", "0")[0] == 0
+    rc, out, _ = run(capsys, "inspect", st)
+    assert rc == 0 and "(qarray file)" in out
+    table = {r[0]: r for r in rows(out)}
+    assert table["w"][2:4] == ["qint8", "per-channel axis 0"] and table["steps"][3] == "plain array"
+    for out_file in ("again.npz", "again.safetensors", "again.zarr"):
+        fails(capsys, 1, f"{st} is already quantized (written by qarray.save); see what it holds with 'qarray inspect'",
+              "quantize", st, "-o", tmp_path / out_file)
+        assert not (tmp_path / out_file).exists()
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"
