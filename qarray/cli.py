@@ -19,10 +19,11 @@ package, or an example or benchmark that fails.
 minmax), per tensor or per channel (``--per-channel AXIS``), or from each block's
 own range with ``--block-size B`` (``quantize_dynamic``; minmax only): blocks run
 along ``--per-channel AXIS`` when given, else along the last axis, and the last
-block of an axis that ``B`` does not divide is shorter. An array without that
-axis (a 1-d bias with ``--per-channel 1``, a 0-d scalar) is quantized per
-tensor, and the table says why. Integer and bool arrays, and empty ones, are
-written unchanged.
+block of an axis that ``B`` does not divide is shorter. ``--per-channel`` leaves
+1-d tensors (biases, norms) per tensor, and an array without that axis (a 0-d
+scalar) too: the table says why, and stderr names those that lack the axis; an
+axis that no tensor has is a usage error. Integer and bool arrays, empty ones,
+and those whose name matches a ``--skip PATTERN``, are written unchanged.
 
 ``quantize`` writes OUT (.npz, .safetensors or a .zarr store) under a temporary
 name beside it and renames it into place only when every tensor is written: a
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import importlib
 import json
 import math
@@ -122,7 +124,12 @@ def _parser() -> _Parser:
                    help="the Dask scheduler of a .zarr or .safetensors output: threads (default), processes, or a "
                    "dask.distributed scheduler's address")
     s.add_argument("--dtype", type=_qdtype, default="qint8", help="quantized dtype (default qint8)")
-    s.add_argument("--per-channel", metavar="AXIS", type=int, help="one scale and zero point per index of AXIS")
+    s.add_argument("--per-channel", metavar="AXIS", type=int,
+                   help="one scale and zero point per index of AXIS, for tensors of 2 or more dimensions (1-d ones, "
+                        "biases and norms, stay per tensor: one scale per element would outweigh their values)")
+    s.add_argument("--skip", metavar="PATTERN", action="append", default=[],
+                   help="write the tensors whose name matches PATTERN (fnmatch: 'bn*', '*.bias', 'embed*') "
+                        "unchanged; repeatable")
     s.add_argument("--block-size", metavar="B", type=_positive, help="one scale and zero point per block of B")
     s.add_argument("--symmetric", action="store_true", help="symmetric ranges (zero point 0, or the middle code)")
     s.add_argument("--observer", choices=OBSERVERS, default="minmax",
@@ -539,8 +546,9 @@ def _quantize_lazily(args, target: Path) -> list:
 def _quantize_one(name, x, args):
     """``(what to save, (name, shape, dtype, scheme, sqnr, max error, bytes before, bytes after))``."""
     floating = x.dtype.kind == "f" or is_small_float(x.dtype)  # bfloat16, float8: their float32 values, exactly
-    if x.dtype.kind in "biu" or (floating and x.size == 0):
-        why = "passed through" + (" (empty)" if floating else "")
+    skip = next((p for p in args.skip if fnmatch.fnmatchcase(name, p)), None)
+    if x.dtype.kind in "biu" or (floating and x.size == 0) or skip is not None:
+        why = f"skipped (--skip {skip})" if skip is not None else "passed through" + (" (empty)" if floating else "")
         return x, (name, _shape(x), str(x.dtype), why, None, None, x.nbytes, x.nbytes)
     before = x.nbytes
     if is_small_float(x.dtype):
@@ -549,6 +557,8 @@ def _quantize_one(name, x, args):
         raise CliError(f"{args.input}: {name!r} has dtype {x.dtype}: quantize takes float arrays "
                        "(and passes integer and bool arrays through)")
     axis, note = _axis(x.ndim, -1 if args.per_channel is None and args.block_size else args.per_channel)
+    if x.ndim == 1 and args.per_channel is not None and args.block_size is None:
+        axis, note = None, " (1-d)"  # a scale per element of a bias: more bytes than the floats
     try:
         if args.block_size is not None and axis is not None:
             q = qarray.quantize_dynamic(x, args.dtype, symmetric=args.symmetric, axis=axis,
@@ -569,7 +579,8 @@ def _check_axis(arrays, args) -> None:
     stderr (they are quantized per tensor, as the table says)."""
     if args.per_channel is None:
         return
-    floats = {name: x.ndim for name, x in arrays.items() if x.dtype.kind == "f" or is_small_float(x.dtype)}
+    floats = {name: x.ndim for name, x in arrays.items() if (x.dtype.kind == "f" or is_small_float(x.dtype))
+              and x.ndim != 1 and not any(fnmatch.fnmatchcase(name, p) for p in args.skip)}
     lacking = [f"{name} ({ndim}-d)" for name, ndim in floats.items() if _axis(ndim, args.per_channel)[0] is None]
     if floats and len(lacking) == len(floats):
         raise CliError(f"--per-channel {args.per_channel}: no float tensor of {args.input} has that axis (they have "

@@ -383,6 +383,30 @@ def test_a_quantized_safetensors_file_is_inspected_and_not_quantized_again(capsy
         assert not (tmp_path / out_file).exists()
 
 
+def test_per_channel_leaves_1d_tensors_per_tensor_and_skip_leaves_them_alone(capsys, tmp_path, rng):
+    """--per-channel 0 on a model's 1-d BN and bias tensors gave one scale per
+    element (more bytes than the floats): they stay per tensor; --skip PATTERN
+    writes matching tensors unchanged (repeatable, fnmatch)."""
+    arrays = {"conv.weight": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+              "bn.weight": rng.standard_normal(8).astype(np.float32), "fc.bias": rng.standard_normal(10).astype(np.float32),
+              "embed.weight": rng.standard_normal((20, 4)).astype(np.float32)}
+    np.savez(tmp_path / "m.npz", **arrays)
+    rc, out, err = run(capsys, "quantize", tmp_path / "m.npz", "-o", tmp_path / "q.npz", "--per-channel", "0",
+                       "--skip", "bn.*", "--skip", "embed*")
+    assert (rc, err) == (0, "")
+    table = {r[0]: r for r in rows(out)}
+    assert table["conv.weight"][3] == "per-channel axis 0" and table["fc.bias"][3] == "per-tensor (1-d)"
+    assert table["bn.weight"][2:4] == ["float32", "skipped (--skip bn.*)"]
+    assert table["embed.weight"][3] == "skipped (--skip embed*)"
+    back = qarray.load(tmp_path / "q.npz")
+    assert back["fc.bias"].axis is None and back["fc.bias"].scale.shape == ()
+    for name in ("bn.weight", "embed.weight"):
+        assert isinstance(back[name], np.ndarray) and np.array_equal(back[name], arrays[name])
+    fails(capsys, 2, f"--per-channel 4: no float tensor of {tmp_path / 'm.npz'} has that axis (they have 4 to 4 "
+          "dimensions)", "quantize", tmp_path / "m.npz", "-o", tmp_path / "r.npz", "--per-channel", "4",
+          "--skip", "embed*")
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"
@@ -458,8 +482,7 @@ def test_quantize_safetensors_per_channel_fallback(capsys, tmp_path, rng, observ
     out = tmp_path / "q.npz"
     rc, text, err = run(capsys, "quantize", path, "-o", out, "--dtype", "qint4", "--per-channel", "1")
     assert rc == 0
-    assert err == ("qarray: note: --per-channel 1: per tensor for 2 tensor(s) without that axis: layer.0.bias (1-d), "
-                   "scale (0-d)\n")
+    assert err == "qarray: note: --per-channel 1: per tensor for 1 tensor(s) without that axis: scale (0-d)\n"
     fails(capsys, 2, f"--per-channel 5: no float tensor of {path} has that axis (they have 0 to 2 dimensions)",
           "quantize", path, "-o", tmp_path / "five.npz", "--per-channel", "5")
     assert not (tmp_path / "five.npz").exists()
@@ -468,7 +491,7 @@ def test_quantize_safetensors_per_channel_fallback(capsys, tmp_path, rng, observ
     assert back["layer.0.steps"].dtype == np.int32 and np.array_equal(back["layer.0.steps"], [1, 2])
     table = {r[0]: r for r in rows(text)}
     for name, axis, scheme in (("layer.0.weight", 1, "per-channel axis 1"),
-                               ("layer.0.bias", None, "per-tensor (1-d: no axis 1)"),
+                               ("layer.0.bias", None, "per-tensor (1-d)"),  # 1-d tensors stay per tensor
                                ("scale", None, "per-tensor (scalar: no axis 1)")):
         x, q = arrays[name], back[name]
         want = observer("minmax", "qint4", symmetric=False, axis=axis).update(x).quantize(x)
