@@ -18,7 +18,8 @@ package, or an example or benchmark that fails.
 ``quantize`` takes parameters from ``qarray.observers`` (``--observer``, default
 minmax), per tensor or per channel (``--per-channel AXIS``), or from each block's
 own range with ``--block-size B`` (``quantize_dynamic``; minmax only): blocks run
-along ``--per-channel AXIS`` when given, else along the last axis, and the last
+along ``--per-channel AXIS`` when given, else along axis 1 (a weight's input
+channels: the axis its dot products sum over, not a conv kernel's width), and the last
 block of an axis that ``B`` does not divide is shorter. ``--per-channel`` leaves
 1-d tensors (biases, norms) per tensor, and an array without that axis (a 0-d
 scalar) too: the table says why, and stderr names those that lack the axis; an
@@ -130,7 +131,9 @@ def _parser() -> _Parser:
     s.add_argument("--skip", metavar="PATTERN", action="append", default=[],
                    help="write the tensors whose name matches PATTERN (fnmatch: 'bn*', '*.bias', 'embed*') "
                         "unchanged; repeatable")
-    s.add_argument("--block-size", metavar="B", type=_positive, help="one scale and zero point per block of B")
+    s.add_argument("--block-size", metavar="B", type=_positive,
+                   help="one scale and zero point per block of B along --per-channel AXIS, else along axis 1 (a "
+                        "weight's input channels, (out, in) or (out, in, kh, kw); the only axis of a 1-d tensor)")
     s.add_argument("--symmetric", action="store_true", help="symmetric ranges (zero point 0, or the middle code)")
     s.add_argument("--observer", choices=OBSERVERS, default="minmax",
                    help="how the range is chosen (default minmax; --block-size takes minmax only)")
@@ -556,7 +559,10 @@ def _quantize_one(name, x, args):
     if x.dtype.kind != "f":
         raise CliError(f"{args.input}: {name!r} has dtype {x.dtype}: quantize takes float arrays "
                        "(and passes integer and bool arrays through)")
-    axis, note = _axis(x.ndim, -1 if args.per_channel is None and args.block_size else args.per_channel)
+    # blocks run along --per-channel AXIS, else along axis 1: a weight's input channels ((out, in) or
+    # (out, in, kh, kw)), the axis its dot products sum over (the last axis of a conv weight is its kernel's width)
+    axis, note = _axis(x.ndim, (1 if x.ndim >= 2 else -1) if args.per_channel is None and args.block_size
+                       else args.per_channel)
     if x.ndim == 1 and args.per_channel is not None and args.block_size is None:
         axis, note = None, " (1-d)"  # a scale per element of a bias: more bytes than the floats
     try:

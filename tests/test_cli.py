@@ -407,6 +407,26 @@ def test_per_channel_leaves_1d_tensors_per_tensor_and_skip_leaves_them_alone(cap
           "--skip", "embed*")
 
 
+def test_blocks_run_along_the_input_channels(capsys, tmp_path, rng):
+    """--block-size without an axis blocks a weight along axis 1, its input
+    channels: for a conv weight (out, in, kh, kw) not the kernel's width (blocks
+    of 3, 78% of the float size); a 1-d tensor along its one axis."""
+    arrays = {"conv.weight": rng.standard_normal((8, 16, 3, 3)).astype(np.float32),
+              "fc.weight": rng.standard_normal((10, 24)).astype(np.float32),
+              "fc.bias": rng.standard_normal(10).astype(np.float32)}
+    np.savez(tmp_path / "m.npz", **arrays)
+    rc, out, _ = run(capsys, "quantize", tmp_path / "m.npz", "-o", tmp_path / "q.npz", "--block-size", "8",
+                     "--dtype", "qint4")
+    assert rc == 0
+    back = qarray.load(tmp_path / "q.npz")
+    for name, axis in (("conv.weight", 1), ("fc.weight", 1), ("fc.bias", 0)):
+        q = back[name]
+        assert (q.axis, q.block_size) == (axis, 8), name
+        want = qarray.quantize_dynamic(arrays[name], "qint4", axis=axis, block_size=8)
+        np.testing.assert_array_equal(q.int_repr(), want.int_repr())
+    assert {r[0]: r[3] for r in rows(out)}["conv.weight"] == "blocks of 8 along axis 1"
+
+
 def test_missing_optional_packages(capsys, tmp_path, monkeypatch, weights):
     _, path = weights
     out = tmp_path / "q.npz"
