@@ -161,8 +161,11 @@ class QArray:
 
     def int_repr(self):
         """A copy of the integer storage (one value per element, also for 2/4 bits);
-        for a floating format, the elements' bit patterns as uint8."""
-        return self._data.view(np.uint8).copy() if self._dtype.kind == "float" else self._data.copy()
+        for a floating format, the elements' bit patterns as uint8; for mxint8, whose
+        elements are two's-complement int8 (OCP MX), those int8."""
+        if self._dtype.kind == "float":
+            return self._data.view(np.int8 if self._dtype.name == "mxint8" else np.uint8).copy()
+        return self._data.copy()
 
     def pack(self):
         """The flattened values in ONNX/PyTorch byte layout (uint8, first value in the

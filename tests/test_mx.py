@@ -313,3 +313,17 @@ def test_from_int_takes_a_global_scale():
         qarray.QArray.from_int(np.ones(3, np.int8), 1.0, 0, "qint8", global_scale=1.0)
     with pytest.raises(ValueError, match="scale must be finite and > 0"):
         qarray.QArray.from_int(q.int_repr(), q.scale, 0, "float4_e2m1fn", axis=1, block_size=16, global_scale=0.0)
+
+
+def test_mxint8_int_repr_is_its_int8_elements():
+    """mxint8's elements are two's-complement int8 (OCP MX 1.0, section 6.4):
+    int_repr gives int8 (it gave their uint8 bit patterns), -x gives the negated
+    codes, and from_int takes them back."""
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    q = qarray.quantize_mx(x, "mxint8")
+    codes = q.int_repr()
+    assert codes.dtype == np.int8 and codes.min() < 0 and codes.max() > 0
+    np.testing.assert_array_equal(qarray.quantize_mx(-x, "mxint8").int_repr(), -codes)
+    np.testing.assert_array_equal(codes[0, 0], -64)  # -1 = -64 * 2**-6 at block scale 2**0
+    back = qarray.QArray.from_int(codes, q.scale, 0, q.dtype, axis=1, block_size=32)
+    np.testing.assert_array_equal(back.dequantize(), q.dequantize())
