@@ -486,7 +486,10 @@ _protocols.install(QArray)  # the operators and NumPy's protocols, from one tabl
 def _computed(results, finish, args, params):
     """Dask's post-compute step: the computed codes as an in-memory QArray."""
     scale, zero_point, dtype, axis, block_size, global_scale = params
-    return QArray._new(finish(results, *args), scale, zero_point, dtype, axis, block_size, None, global_scale)
+    data = finish(results, *args)
+    if isinstance(data, np.generic):  # a 0-d result (qa.sum over every axis) computes to a NumPy scalar
+        data = np.asarray(data)
+    return QArray._new(data, scale, zero_point, dtype, axis, block_size, None, global_scale)
 
 
 def _persisted(dsk, rebuild, args, params, backend, rename=None):

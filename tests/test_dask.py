@@ -120,6 +120,9 @@ def test_ops_as_numpy(chunks):
         _same(qarray.cat([dq, dq], axis=axis), qarray.cat([q, q], axis=axis))
         _same(qarray.mean(dq, axis=axis, **out), qarray.mean(q, axis=axis, **out))
         _same(qarray.sum(dq, axis=axis, **out), qarray.sum(q, axis=axis, **out))
+    for kw in ({}, out):  # over every axis: a 0-d result, which dask computes to a NumPy scalar
+        _same(qarray.sum(dq, **kw), qarray.sum(q, **kw))
+        _same(qarray.mean(dq, **out), qarray.mean(q, **out))
     _same(dq.transpose(), q.transpose())
     _same(dq[3:17, ::3], q[3:17, ::3])
 
