@@ -219,9 +219,10 @@ class DaskBackend(Backend):
 
     # -- integer matmul: row chunks, K split into exact int64 partial sums ----
     def pack_weight(self, codes, qd, keep=False):
-        if isinstance(codes, da.Array) or codes.ndim != 2:
-            raise TypeError("matmul/linear with Dask data takes in-memory 2-D weights (K, N); "
-                            "compute the weights first (w.compute())")
+        if codes.ndim != 2:
+            raise TypeError(f"matmul/linear with Dask data takes 2-D weights (K, N), got shape {codes.shape}")
+        if isinstance(codes, da.Array):  # weights read lazily (from_zarr): read once here, as packing reads them all
+            codes = codes.compute()
         inner = self._chunks_backend()
         return DaskWeight(inner, inner.asarray(codes), qd, keep)
 
