@@ -302,8 +302,10 @@ class QArray:
 
     # -- shape --------------------------------------------------------------
     def __len__(self):
-        if self.ndim == 0:
-            raise TypeError("len() of a 0-d QArray")
+        if self.ndim == 0:  # also what torch.as_tensor(q) meets: it walks a QArray as a sequence
+            raise TypeError("len() of a 0-d QArray; for its value use float(q) or q.item(), and for an array or "
+                            "tensor convert the dequantized values: torch.as_tensor(q.dequantize()), or "
+                            "q.to_torch() for a PyTorch quantized tensor")
         return self.shape[0]
 
     def __iter__(self):

@@ -149,3 +149,16 @@ def test_qdq_refuses_types_quantizelinear_lacks(rng):
             qonnx.qdq_params(q)
     with pytest.raises(TypeError, match="takes a QArray"):
         qonnx.qdq_params(np.zeros(3))
+
+
+def test_torch_as_tensor_of_a_qarray_says_what_to_call():
+    """torch.as_tensor walks a QArray as a sequence down to its 0-d elements, whose
+    len() fails: the error says what to call (it said only "len() of a 0-d QArray")."""
+    torch = pytest.importorskip("torch")
+    for q in (qarray.quantize(np.float32(0.5), 0.1, 0, "qint8"), qarray.quantize(np.ones(3, np.float32), 0.1, 0, "qint8")):
+        with pytest.raises(TypeError, match=r"^len\(\) of a 0-d QArray; for its value use float\(q\) or q\.item\(\), "
+                                            r"and for an array or tensor convert the dequantized values: "
+                                            r"torch\.as_tensor\(q\.dequantize\(\)\), or q\.to_torch\(\) for a PyTorch "
+                                            r"quantized tensor$"):
+            torch.as_tensor(q)
+        np.testing.assert_array_equal(torch.as_tensor(q.dequantize()).numpy(), q.dequantize())
