@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._dtypes import QDType
+from ._params import array_key
 
 HALF_EVEN, HALF_AWAY, HALF_UP, TFLITE = 0, 1, 2, 3
 FLOAT = -1  # mode="float": rint(float64(d) * f + zp_out)
@@ -199,11 +200,6 @@ def product(factors, dtype):
     return p
 
 
-def _key(v):
-    a = np.asarray(v)
-    return a.dtype.str, a.shape, a.tobytes()
-
-
 _PLANS: dict = {}
 PLANS = 1024  # plans kept; parameters repeat call after call, or they do not
 
@@ -221,8 +217,8 @@ def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, bl
     ``scale_out``; in float mode it is computed in float32, as ONNX's
     ``a_scale * b_scale / y_scale``. ``qd`` None gives an unclamped int64 result.
     """
-    key = (tuple(_key(f) for f in factors), _key(scale_out), _key(zp_in), _key(zp_out), qd, mode, rounding, axis,
-           block_size, bool(relu))
+    key = (tuple(array_key(f) for f in factors), array_key(scale_out), array_key(zp_in), array_key(zp_out), qd, mode,
+           rounding, axis, block_size, bool(relu))
     rq = _PLANS.get(key)
     if rq is None:
         rq = _plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, axis, block_size, relu)

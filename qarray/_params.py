@@ -68,6 +68,13 @@ def user_array(x, what: str):
     return x, _backends.for_array(x)
 
 
+def array_key(a) -> tuple:
+    """A hashable key of host array ``a``'s value (dtype, shape, bytes): what the
+    caches of plans and device parameters are keyed by."""
+    a = np.asarray(a)
+    return a.dtype.str, a.shape, a.tobytes()
+
+
 def float_values(x):
     """``x`` as values to quantize: bfloat16 and float8 (ml_dtypes', what
     checkpoints hold) as float32, which holds each of their values, so they are

@@ -548,7 +548,7 @@ def _quantize_lazily(args, target: Path) -> list:
 
 def _quantize_one(name, x, args):
     """``(what to save, (name, shape, dtype, scheme, sqnr, max error, bytes before, bytes after))``."""
-    floating = x.dtype.kind == "f" or is_small_float(x.dtype)  # bfloat16, float8: their float32 values, exactly
+    floating = _floating(x)
     skip = next((p for p in args.skip if fnmatch.fnmatchcase(name, p)), None)
     if x.dtype.kind in "biu" or (floating and x.size == 0) or skip is not None:
         why = f"skipped (--skip {skip})" if skip is not None else "passed through" + (" (empty)" if floating else "")
@@ -579,13 +579,19 @@ def _quantize_one(name, x, args):
     return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, before, _stored_bytes(q))
 
 
+def _floating(x) -> bool:
+    """Whether ``x`` holds floats to quantize: NumPy's, or ml_dtypes' bfloat16 and
+    float8 (their float32 values, exactly)."""
+    return x.dtype.kind == "f" or is_small_float(x.dtype)
+
+
 def _check_axis(arrays, args) -> None:
     """``--per-channel AXIS``: an axis that no float tensor has is an error (it
     would quantize every one per tensor); the tensors that lack it are named on
     stderr (they are quantized per tensor, as the table says)."""
     if args.per_channel is None:
         return
-    floats = {name: x.ndim for name, x in arrays.items() if (x.dtype.kind == "f" or is_small_float(x.dtype))
+    floats = {name: x.ndim for name, x in arrays.items() if _floating(x)
               and x.ndim != 1 and not any(fnmatch.fnmatchcase(name, p) for p in args.skip)}
     lacking = [f"{name} ({ndim}-d)" for name, ndim in floats.items() if _axis(ndim, args.per_channel)[0] is None]
     if floats and len(lacking) == len(floats):

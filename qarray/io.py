@@ -257,7 +257,8 @@ def st_read(path, key=Ellipsis) -> dict:
             return np.array(m[k] if shape else m.reshape(())[k])
         return read
 
-    readers = {k: (shape, st_dtype(code), reader(k, shape, st_dtype(code))) for k, (shape, code) in found.items()}
+    dtypes = {k: st_dtype(code) for k, (_, code) in found.items()}
+    readers = {k: (shape, dtypes[k], reader(k, shape, dtypes[k])) for k, (shape, _) in found.items()}
     if key is None:
         return readers
     return {k: read(key) for k, (shape, dtype, read) in readers.items()}

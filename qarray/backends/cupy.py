@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _formats
 from .._fixed_point import identity
-from .._params import Layout, param_shape, to_host
+from .._params import Layout, array_key, param_shape, to_host
 from ._base import Backend, nan_error
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -177,8 +177,7 @@ def plan(backend, shape, axis, block_size, *params):
     shape and parameters: a repeated call copies nothing and works nothing out
     again."""
     params = [np.asarray(p) for p in params]
-    key = ("plan", backend._device_id(), tuple(shape), axis, block_size,
-           *((p.dtype.str, p.shape, p.tobytes()) for p in params))
+    key = ("plan", backend._device_id(), tuple(shape), axis, block_size, *map(array_key, params))
 
     def make():
         lay = Layout(shape, axis, block_size)
@@ -285,7 +284,7 @@ class CupyBackend(Backend):
         copied there once and kept (parameters and layouts that ops pass on every
         call); treat it as read-only."""
         a = np.ascontiguousarray(a)
-        return self.kept((self._device_id(), a.dtype.str, a.shape, a.tobytes()), lambda: self.xp.asarray(a))
+        return self.kept((self._device_id(), *array_key(a)), lambda: self.xp.asarray(a))
 
     @staticmethod
     def _ptr(a) -> int:
