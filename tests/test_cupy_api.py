@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import numpy as np
 import pytest
 
 from cuda_host import cupy_api
@@ -189,10 +188,8 @@ def test_device_plumbing_on_cupy_s_own_classes():
 def _specced(name):
     """A mock of CuPy's ``name`` that binds its calls to the recorded parameters
     (CuPy 13's and 14's, in order): a call CuPy would refuse raises TypeError."""
-    import inspect as ins
-
     params = cupy_api.allowed()[name]
-    sig = ins.Signature([ins.Parameter(p, ins.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    sig = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def spec(*args, **kwargs):
         pass

@@ -126,11 +126,8 @@ def describe(root, dotted: str):
             return False, None
     if inspect.ismodule(obj) or not callable(obj) or isinstance(obj, type) and obj.__module__.startswith("numpy"):
         return True, None
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return True, _doc_params(obj, parts[-1])
-    return True, _own_params(obj)
+    params = _own_params(obj)  # None where inspect finds no signature (Cython): the docstring's
+    return True, params if params is not None else _doc_params(obj, parts[-1])
 
 
 def surface(root, names) -> dict:
