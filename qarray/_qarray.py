@@ -163,8 +163,9 @@ class QArray:
         """A copy of the integer storage (one value per element, also for 2/4 bits);
         for a floating format, the elements' bit patterns as uint8; for mxint8, whose
         elements are two's-complement int8 (OCP MX), those int8."""
-        if self._dtype.kind == "float":
-            return self._data.view(np.int8 if self._dtype.name == "mxint8" else np.uint8).copy()
+        want = np.dtype(np.int8 if self._dtype.name == "mxint8" else np.uint8)
+        if self._dtype.kind == "float" and self._data.dtype != want:  # (dask cannot view a 0-d array)
+            return self._data.view(want).copy()
         return self._data.copy()
 
     def pack(self):
@@ -192,7 +193,7 @@ class QArray:
 
         def move(a):
             if self._dtype.kind == "float":  # bit patterns move; each backend views them its way
-                return b.asarray(self._backend.to_host(a.view(np.uint8))).view(b.float_storage(self._dtype))
+                return b.asarray(self._backend.to_host(a.view(np.uint8)).view(b.float_storage(self._dtype)))
             return b.asarray(self._backend.to_host(a))
 
         return QArray._new(move(self._data), self._scale, self._zero_point,

@@ -282,12 +282,23 @@ def _scheme(q) -> str:
     return f"blocks of {q.block_size} along axis {q.axis}" + (f" (last {short})" if short else "")
 
 
-def _stored_bytes(q) -> int:
-    """What qarray.save stores for ``q``: packed data, scale and zero point."""
+def _stored_bytes(q, path: Path) -> int:
+    """What the file or store ``path`` holds of ``q``: packed data (all of it in a
+    .npz; row by row in a .safetensors file or a .zarr store), scale and zero point."""
     from ._api import packed_layout
 
-    dtype, items = packed_layout(q.dtype, q.size)
-    return dtype.itemsize * items + int(q.scale.nbytes) + int(q.zero_point.nbytes)
+    if path.suffix.lower() in (".safetensors", ".zarr"):
+        dtype, shape = io.packed_rows_layout(q.dtype, q.shape)
+        data = dtype.itemsize * math.prod(shape)
+    else:
+        dtype, items = packed_layout(q.dtype, q.size)
+        data = dtype.itemsize * items
+    return data + int(q.scale.nbytes) + int(q.zero_point.nbytes)
+
+
+def _disk_bytes(path: Path) -> int:
+    """The size of a file, or of every file in a store."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def _shape(a) -> str:
@@ -404,9 +415,9 @@ def _quantize(args) -> int:
                                                 "bytes before", "bytes after"],
            [(*r[:4], "" if r[4] is None else f"{r[4]:.2f}", "" if r[5] is None else f"{r[5]:.4g}", r[6], r[7])
             for r in rows],
-           caption=f"{before} -> {after} bytes"
-           + (f" ({after / before:.1%})" if before else "")
-           + "; bytes after: packed data, scale and zero point", left=4)
+           caption=f"{before} -> {after} bytes" + (f" ({after / before:.1%})" if before else "")
+           + f" of packed data, scales and zero points; {args.output.name} is {_disk_bytes(args.output)} bytes",
+           left=4)
     if args.plot is not None:
         _plot(args.plot, [(r[0], r[4]) for r in rows if r[4] is not None], args)
     return 0
@@ -576,7 +587,7 @@ def _quantize_one(name, x, args):
     except (TypeError, ValueError) as e:
         raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
     sqnr, err = _errors(x, q)
-    return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, before, _stored_bytes(q))
+    return q, (name, _shape(x), q.dtype.name, _scheme(q) + note, sqnr, err, before, _stored_bytes(q, args.output))
 
 
 def _floating(x) -> bool:
@@ -672,7 +683,7 @@ def _inspect(args) -> int:
             rows.append((name, _shape(q), str(q.dtype), "plain array", "", "", q.nbytes))
             continue
         s, z = to_host(q.scale), to_host(q.zero_point)
-        rows.append((name, _shape(q), q.dtype.name, _scheme(q), _span(s, "{:.6g}"), _span(z, "{}"), _stored_bytes(q)))
+        rows.append((name, _shape(q), q.dtype.name, _scheme(q), _span(s, "{:.6g}"), _span(z, "{}"), _stored_bytes(q, args.file)))
     _table(f"{args.file} (qarray file)", ["name", "shape", "dtype", "scheme", "scale", "zero point", "stored bytes"],
            rows, left=4)
     return 0

@@ -12,17 +12,23 @@ slashes (``fc1.weight``, ``encoder/layer0``).
 
 A path ending in ``.safetensors`` is a safetensors file instead (the
 ``safetensors`` package, optional): for a QArray NAME the tensors ``NAME``
-(its codes, one a byte below 8 bits), ``NAME.scale`` and ``NAME.zero_point``,
+(its codes: 8 bits and wider as ``int_repr()`` gives them, with the QArray's
+shape; below 8 bits packed row by row, as ``qarray.zarr`` stores them: uint8,
+each row along the last axis packed as ``QArray.pack`` packs and padded to
+whole bytes, a 0-d QArray as one row), ``NAME.scale`` and ``NAME.zero_point``,
 and the header's metadata entry NAME holding the meta JSON above; a plain array
-is the tensor NAME alone. Float weights saved by other tools load as ndarrays,
-ready for ``qarray.quantize``.
+is the tensor NAME alone. A file holding QArrays says ``"format": "qarray"`` in
+its metadata (where PyTorch's files say ``"pt"``). Float weights saved by other
+tools load as ndarrays, ready for ``qarray.quantize``.
 
 Versions: ``save`` writes version 2, or version 3 for a QArray whose scale is
 not float32 or that has a ``global_scale`` (the floating formats, MX, NVFP4):
 its meta adds ``"scale_dtype"`` (``"float16"``, ``"bfloat16"``,
 ``"float8_e8m0fnu"``, ``"float8_e4m3fn"``; ``NAME.scale`` then holds the bit
 patterns as uint16 / uint8) and ``"global_scale"`` (a number or null).
-``load`` reads the versions in ``VERSIONS``.
+Version 4 is version 3 for a QArray below 8 bits in a ``.safetensors`` file:
+its codes packed by rows (version 3 and before stored them one a byte, with the
+QArray's shape, and still load). ``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
 field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
@@ -49,7 +55,7 @@ from ._qarray import QArray
 
 FORMAT = "qarray"
 VERSION = 2  # what save writes (3 where a QArray needs it)
-VERSIONS = (1, 2, 3)  # what load reads
+VERSIONS = (1, 2, 3, 4)  # what load reads
 _LEGACY_FORMAT = "qarray-1"  # version 1 before the version field: no "version" key
 _KEYS = {"format", "version", "dtype", "shape", "axis", "block_size"}
 _KEYS_3 = _KEYS | {"scale_dtype", "global_scale"}
@@ -107,13 +113,14 @@ def save(path, arrays: dict) -> None:
     np.savez(path, **out)
 
 
-def _meta(q) -> dict:
-    """A QArray's ``NAME.meta`` (also its safetensors metadata entry)."""
+def _meta(q, rows=False) -> dict:
+    """A QArray's ``NAME.meta`` (also its safetensors metadata entry: ``rows``
+    where it holds codes below 8 bits packed row by row, version 4)."""
     meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
             "block_size": q.block_size}
-    if q.scale.dtype != np.float32 or q.global_scale is not None:
+    if rows or q.scale.dtype != np.float32 or q.global_scale is not None:
         gs = None if q.global_scale is None else float(q.global_scale)  # float32 -> float64 -> JSON: exact
-        meta.update(version=3, scale_dtype=q.scale.dtype.name, global_scale=gs)
+        meta.update(version=4 if rows else 3, scale_dtype=q.scale.dtype.name, global_scale=gs)
     return meta
 
 
@@ -133,6 +140,52 @@ def _scale_dtype(name) -> np.dtype:
 def _check_name(name):
     if not isinstance(name, str) or not name or name.startswith("/") or "\0" in name:
         raise ValueError(f"save: names must be non-empty strings, not starting with '/', got {name!r}")
+
+
+def row_group(d) -> int:
+    """Codes per whole number of packed bytes along a row (1: codes stored as they are)."""
+    return 4 if d.bits == 6 else 8 // d.bits if d.bits < 8 else 1
+
+
+def packed_rows_layout(d, shape) -> tuple:
+    """``(dtype, shape)`` of ``shape``'s codes of ``d`` packed row by row (a 0-d
+    QArray as shape ``(1,)``): each row along the last axis packed as
+    ``QArray.pack`` packs, padded to whole bytes; 8 bits and wider as stored."""
+    stored = tuple(shape) or (1,)
+    if row_group(d) == 1:
+        return np.dtype(np.uint8 if d.kind == "float" else d.storage), stored
+    return np.dtype(np.uint8), stored[:-1] + (packed_layout(d, stored[-1])[1],)
+
+
+def pack_rows(d, chunk) -> np.ndarray:
+    """Each row of ``chunk`` (codes in storage, on the host or a device) packed as
+    ``QArray.pack`` packs it; the row padded with zero codes to whole bytes."""
+    g = row_group(d)
+    chunk = to_host(chunk)  # device chunks are written from the host
+    chunk = chunk.reshape(chunk.shape or (1,))
+    pad = -chunk.shape[-1] % g
+    bits = chunk.view(np.uint8) if d.kind == "float" else chunk
+    if pad:
+        bits = np.concatenate([bits, np.zeros(bits.shape[:-1] + (pad,), bits.dtype)], axis=-1)
+    q = QArray._new(np.ascontiguousarray(bits).view(d.storage) if d.kind == "float" else np.ascontiguousarray(bits),
+                    np.float32(1), np.int32(0), d)
+    return q.pack().reshape(packed_rows_layout(d, bits.shape)[1])
+
+
+def unpack_rows(d, count, chunk) -> np.ndarray:
+    """The codes (``d``'s storage) of packed rows (:func:`pack_rows`) of ``count`` codes each."""
+    rows = chunk.shape[:-1]
+    padded = -(-count // row_group(d)) * row_group(d)
+    codes = unpack(np.ascontiguousarray(chunk).reshape(-1), d, (math.prod(rows), padded))
+    return codes[:, :count].reshape(rows + (count,))
+
+
+def packed_rows(d, x):
+    """The Dask array of ``x``'s codes packed row by row, chunk by chunk: ``x``'s
+    chunks along the last axis (but its last) hold whole bytes of codes."""
+    dtype = packed_rows_layout(d, ())[0]
+    chunks = x.chunks[:-1] + (tuple(packed_rows_layout(d, (c,))[1][0] for c in x.chunks[-1]),)
+    return x.map_blocks(lambda c: pack_rows(d, c), chunks=chunks, dtype=dtype, meta=np.empty((0,) * x.ndim, dtype))
 
 
 def load(path) -> dict:
@@ -189,16 +242,28 @@ def _save_safetensors(path, arrays):
                                 "arrays (bfloat16 and float8 too)")
             parts = {name: q}
         elif isinstance(q, QArray):
+            if name == "format":
+                raise ValueError("save: a QArray in a .safetensors file cannot be called 'format': the file's "
+                                 "metadata entry 'format' says 'qarray' (as PyTorch's files say 'pt'); rename it")
+            rows = row_group(q.dtype) > 1
             codes = q.int_repr() if is_lazy(q) else to_host(q.int_repr())
+            if rows and is_lazy(q):  # whole bytes of codes in each chunk along a row
+                x = q.data.reshape(q.shape or (1,))
+                step = -(-x.chunksize[-1] // row_group(q.dtype)) * row_group(q.dtype) or 1
+                codes = packed_rows(q.dtype, x.rechunk({x.ndim - 1: step}))
+            elif rows:
+                codes = pack_rows(q.dtype, q.data)
             parts = {name: codes, f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
-            metadata[name] = json.dumps(_meta(q))
+            metadata[name] = json.dumps(_meta(q, rows))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
         for key, a in parts.items():
             if key in tensors:
                 raise ValueError(f"save: the tensor name {key!r} is used twice (a QArray {name!r} stores "
                                  f"{name}, {name}.scale and {name}.zero_point)")
-            tensors[key] = a if is_lazy(a) else np.ascontiguousarray(a)
+            tensors[key] = a if is_lazy(a) else np.require(a, requirements="C")  # (0-d stays 0-d)
+    if metadata:
+        metadata["format"] = FORMAT  # the file's label, where PyTorch's say "pt"
     if any(is_lazy(a) or is_small_float(a.dtype) for a in tensors.values()):  # the package writes neither
         _stream_safetensors(path, tensors, metadata)
     else:
@@ -327,6 +392,12 @@ def _load_safetensors(path) -> dict:
         if missing:
             raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")
         data, scale, zp = tensors.pop(name), tensors.pop(f"{name}.scale"), tensors.pop(f"{name}.zero_point")
+        if json.loads(text)["version"] == 4:  # codes below 8 bits packed row by row
+            want = packed_rows_layout(d, shape)
+            if (data.dtype, data.shape) != want:
+                raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata "
+                                 f"says {d.name} {list(shape)}, packed by rows: {want[0]} {list(want[1])}")
+            data = unpack_rows(d, (shape or (1,))[-1], data).reshape(shape)
         if d.kind == "float" and data.dtype == np.uint8 and data.shape == shape:  # bit patterns (int_repr)
             data = data.view(d.storage)
         if data.dtype != d.storage or data.shape != shape:
@@ -521,7 +592,7 @@ def _parse_meta(path, name, text, plain=False):
             raise _bad(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
     if plain and (legacy or meta.get("version") == 1):
         raise _bad(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
-    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] == 3 else _KEYS
+    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else _KEYS
     if meta.keys() != want:
         raise _bad(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
@@ -547,7 +618,7 @@ def _parse_meta(path, name, text, plain=False):
     except ValueError as e:
         raise _bad(path, name, "meta", e) from None
     sd, gs = np.dtype(np.float32), None
-    if meta.get("version") == 3:
+    if meta.get("version") in (3, 4):
         if meta["scale_dtype"] not in KEPT_SCALES or dtype.kind != "float" and meta["scale_dtype"] != "float32":
             raise _bad(path, name, "meta", f"scale_dtype must be one of {', '.join(KEPT_SCALES)} (float32 for "
                        f"integer formats), got {meta['scale_dtype']!r}")

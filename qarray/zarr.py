@@ -22,44 +22,19 @@ import math
 import numpy as np
 
 from . import backends as _backends
-from ._api import packed_layout, unpack
+from ._api import packed_layout
 from ._params import check_params, to_host
 from ._qarray import QArray
-from .io import _bad, _meta, _parse_meta, _scale_bits, _scale_dtype
+from .io import _bad, _meta, _parse_meta, _scale_bits, _scale_dtype, packed_rows, packed_rows_layout, row_group, unpack_rows
 
 __all__ = ["to_zarr", "from_zarr", "load_store"]
 
 
-def _group(d) -> int:
-    """Codes per whole number of packed bytes along the last axis."""
-    return 4 if d.bits == 6 else 8 // d.bits if d.bits < 8 else 1
-
-
-def _pack_rows(d, chunk):
-    """Each row of ``chunk`` (codes in storage) packed as ``QArray.pack`` packs it;
-    the row is padded with zero codes to whole bytes."""
-    g = _group(d)
-    chunk = to_host(chunk)  # device chunks are written from the host
-    pad = -chunk.shape[-1] % g
-    bits = chunk.view(np.uint8) if d.kind == "float" else chunk
-    if pad:
-        bits = np.concatenate([bits, np.zeros(bits.shape[:-1] + (pad,), bits.dtype)], axis=-1)
-    rows = bits.shape[:-1]
-    n = bits.shape[-1]
-    q = QArray._new(np.ascontiguousarray(bits).view(d.storage) if d.kind == "float" else np.ascontiguousarray(bits),
-                    np.float32(1), np.int32(0), d)
-    return q.pack().reshape(rows + (packed_layout(d, n)[1] if n else 0,))
-
-
 def _unpack_rows(d, n_last, per_chunk, chunk, block_info=None):
-    """The codes of a chunk of packed rows (the inverse of :func:`_pack_rows`):
+    """The codes of a chunk of packed rows (dask's ``block_info`` says which):
     ``per_chunk`` codes per full chunk along the last axis, ``n_last`` in all."""
     start = block_info[0]["chunk-location"][-1] * per_chunk
-    count = min(n_last - start, per_chunk)
-    rows = chunk.shape[:-1]
-    padded = -(-count // _group(d)) * _group(d)
-    codes = unpack(np.ascontiguousarray(chunk).reshape(-1), d, (math.prod(rows), padded))
-    return codes[:, :count].reshape(rows + (count,)).view(_backends.get("dask").float_storage(d))
+    return unpack_rows(d, min(n_last - start, per_chunk), chunk).view(_backends.get("dask").float_storage(d))
 
 
 def to_zarr(q: QArray, store, overwrite=False, chunks=None) -> None:
@@ -78,22 +53,16 @@ def to_zarr(q: QArray, store, overwrite=False, chunks=None) -> None:
     x = data if isinstance(data, da.Array) else da.from_array(to_host(data), chunks="auto" if chunks is None else chunks)
     if chunks is not None or not isinstance(data, da.Array):
         x = x.rechunk(chunks or x.chunksize)
-    g = _group(d)
+    g = row_group(d)
     step = [max(c[0], 1) for c in x.chunks]
     step[-1] = max(g, -(-step[-1] // g) * g)
-    x = x.rechunk(tuple(step))  # regular chunks, whole bytes along the last axis
-    n_packed = packed_layout(d, x.shape[-1])[1] if g > 1 else x.shape[-1]
-    per_chunk = packed_layout(d, step[-1])[1] if g > 1 else step[-1]
-    packed_dtype = np.dtype(np.uint8) if d.kind == "float" or d.packed else np.dtype(d.storage)
-    out_chunks = x.chunks[:-1] + (tuple(packed_layout(d, c)[1] for c in x.chunks[-1]) if g > 1 else x.chunks[-1],)
-    packed = x.map_blocks(lambda c: _pack_rows(d, c), chunks=out_chunks, dtype=packed_dtype,
-                          meta=np.empty((0,) * x.ndim, packed_dtype))
+    packed = packed_rows(d, x.rechunk(tuple(step)))  # regular chunks, whole bytes along the last axis
     try:
         grp = zarr.open_group(store, mode="w" if overwrite else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
         raise ValueError(f"to_zarr: {store} already holds data; pass overwrite=True to replace it ({e})") from None
-    codes = grp.create_array("codes", shape=x.shape[:-1] + (n_packed,), chunks=tuple(step[:-1]) + (per_chunk,),
-                             dtype=packed_dtype, fill_value=0)
+    codes = grp.create_array("codes", shape=packed.shape, chunks=tuple(step[:-1]) + (packed.chunks[-1][0],),
+                             dtype=packed.dtype, fill_value=0)
     for name, a in (("scale", _scale_bits(q)), ("zero_point", to_host(q.zero_point))):
         arr = grp.create_array(name, shape=a.shape, dtype=a.dtype)
         arr[...] = a
@@ -130,9 +99,8 @@ def from_zarr(store) -> QArray:
         if not isinstance(arrays[name], zarr.Array):
             raise _bad(store, "zarr", name, "not an array")
     stored = shape or (1,)
-    g = _group(d)
-    want_dtype = np.dtype(np.uint8) if d.kind == "float" or d.packed else np.dtype(d.storage)
-    want_shape = stored[:-1] + ((packed_layout(d, stored[-1])[1] if g > 1 else stored[-1]),)
+    g = row_group(d)
+    want_dtype, want_shape = packed_rows_layout(d, shape)
     codes = arrays["codes"]
     if codes.dtype != want_dtype or tuple(codes.shape) != want_shape:
         raise _bad(store, "zarr", "codes", f"{codes.dtype} {tuple(codes.shape)}, expected {want_dtype} {want_shape} "

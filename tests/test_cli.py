@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -341,6 +342,46 @@ def test_bfloat16_and_float8_checkpoints(capsys, tmp_path, rng, suffix):
         _same_file_contents(tmp_path / f"small-q{suffix}", tmp_path / f"wide-q{suffix}")
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".zarr"])
+def test_bytes_after_are_what_the_file_holds(capsys, tmp_path, rng, suffix):
+    """4-bit codes take half a byte in every output format (a .safetensors file
+    packs them by rows, as a .zarr store does): each row's "bytes after" is what
+    the output holds of that tensor (counted here from the file's own layout),
+    and the caption gives the output's true size on disk."""
+    pytest.importorskip("safetensors")
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+        pytest.importorskip("dask")
+    from safetensors.numpy import save_file
+
+    arrays = {"conv.weight": rng.standard_normal((8, 3, 3, 5)).astype(np.float32),  # rows of 5: padded to 3 bytes
+              "fc.weight": rng.standard_normal((10, 64)).astype(np.float32), "fc.bias": np.ones(10, np.float32)}
+    save_file(arrays, str(tmp_path / "m.safetensors"))
+    out = tmp_path / f"q{suffix}"
+    rc, text, err = run(capsys, "quantize", tmp_path / "m.safetensors", "-o", out, "--dtype", "qint4",
+                        "--per-channel", "0")
+    assert rc == 0, err
+    table = {r[0]: int(r[7]) for r in rows(text)}
+    params = {"conv.weight": 8 * 8, "fc.weight": 10 * 8, "fc.bias": 8}  # float32 scales and int32 zero points
+    if suffix == ".npz":
+        with zipfile.ZipFile(out) as z:
+            data = {n: z.getinfo(f"{n}.data.npy").file_size - 128 for n in arrays}  # the .npy header: 128 bytes
+        assert data == {"conv.weight": 180, "fc.weight": 320, "fc.bias": 5}  # all of it packed: 360 / 2, ...
+    elif suffix == ".safetensors":
+        with open(out, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        data = {n: header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in arrays}
+        assert data == {"conv.weight": 8 * 3 * 3 * 3, "fc.weight": 320, "fc.bias": 5}  # rows of 5 codes: 3 bytes
+    else:
+        import zarr
+
+        data = {n: zarr.open_array(out / n / "codes").nbytes for n in arrays}
+        assert data == {"conv.weight": 8 * 3 * 3 * 3, "fc.weight": 320, "fc.bias": 5}
+    assert table == {n: data[n] + params[n] for n in arrays}
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() else out.stat().st_size
+    assert f" of packed data, scales and zero points; {out.name} is {size} bytes" in text
+
+
 def test_floating_formats_are_symmetric_without_asking(capsys, tmp_path, weights):
     """--dtype float8_e4m3fn without --symmetric: a floating format has no zero
     point to choose (it failed on the first bias: "zero_point must be 0 ... got
@@ -473,7 +514,8 @@ def test_quantize_npz(capsys, tmp_path, weights, observer):
                                str(a.nbytes), str(a.nbytes)]
     before = sum(a.nbytes for a in arrays.values())
     after = sum(int(r[7]) for r in table.values())
-    assert f"{before} -> {after} bytes ({after / before:.1%}); bytes after: packed data, scale and zero point" in text
+    assert (f"{before} -> {after} bytes ({after / before:.1%}) of packed data, scales and zero points; q.npz is "
+            f"{out.stat().st_size} bytes") in text
 
 
 def test_quantize_npy_per_channel(capsys, tmp_path, rng, observer):

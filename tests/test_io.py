@@ -1,5 +1,6 @@
 import json
 import io
+import math
 import re
 import zipfile
 
@@ -292,10 +293,124 @@ def test_safetensors_round_trip_exact(tmp_path, rng):
     from safetensors import safe_open
 
     raw = load_file(str(path))  # plain tensors any safetensors reader sees
-    np.testing.assert_array_equal(raw["encoder/fc1.weight"], want["encoder/fc1.weight"].int_repr())
+    np.testing.assert_array_equal(raw["head.w"], want["head.w"].int_repr())
+    assert raw["encoder/fc1.weight"].dtype == np.uint8 and raw["encoder/fc1.weight"].shape == (6, 4)  # packed
     with safe_open(str(path), "np") as f:
-        meta = json.loads(f.metadata()["head.w"])
-    assert meta == {"format": "qarray", "version": 2, "dtype": "quint8", "shape": [4, 10], "axis": 1, "block_size": 4}
+        metadata = f.metadata()
+    assert metadata["format"] == "qarray"  # the file's label, where PyTorch's say "pt"
+    assert json.loads(metadata["head.w"]) == {"format": "qarray", "version": 2, "dtype": "quint8", "shape": [4, 10],
+                                              "axis": 1, "block_size": 4}
+    assert json.loads(metadata["encoder/fc1.weight"]) == {
+        "format": "qarray", "version": 4, "dtype": "qint4", "shape": [6, 8], "axis": 0, "block_size": None,
+        "scale_dtype": "float32", "global_scale": None}
+
+
+def _rows_reference(codes, bits):
+    """Integer codes packed row by row with Python ints, independently of
+    QArray.pack: ``8 // bits`` codes a byte, the first in the low bits (ONNX's
+    and PyTorch's order), two's complement within ``bits``, rows padded with 0."""
+    codes = np.asarray(codes).reshape(np.shape(codes) or (1,))
+    per, mask = 8 // bits, (1 << bits) - 1
+    out = []
+    for row in codes.reshape(math.prod(codes.shape[:-1]), codes.shape[-1]).tolist():
+        row = row + [0] * (-len(row) % per)
+        out.append([sum((int(c) & mask) << (bits * j) for j, c in enumerate(row[i:i + per]))
+                    for i in range(0, len(row), per)])
+    return np.array(out, np.uint8).reshape(codes.shape[:-1] + (-(-codes.shape[-1] // per),))
+
+
+@pytest.mark.parametrize("dtype", ["qint4", "quint4", "qint2", "quint2"])
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 7), (2, 3, 1), (4, 0), (2, 16)])
+def test_safetensors_holds_codes_below_8_bits_packed_by_rows(tmp_path, dtype, shape):
+    """Codes below 8 bits take their packed size in a .safetensors file, not a
+    byte each: the tensor NAME is uint8, each row along the last axis packed and
+    padded to whole bytes, checked byte for byte against Python-int packing at
+    qmin and qmax; the same file from a Dask QArray whose chunks split rows at
+    odd places; read back exactly."""
+    d = qarray.qdtype(dtype)
+    n = math.prod(shape)
+    codes = np.resize(np.array([d.qmin, d.qmax, d.qmin + 1, 0, d.qmax - 1], np.int64), n).reshape(shape)
+    q = QArray.from_int(codes, 0.5, 0, dtype)
+    path = tmp_path / "m.safetensors"
+    qarray.save(path, {"w": q})
+    raw = _st_tensors(path)["w"]
+    want = _rows_reference(codes, d.bits)
+    assert raw.dtype == np.uint8 and raw.shape == want.shape
+    np.testing.assert_array_equal(raw, want)
+    _same_q(qarray.load(path)["w"], q)
+    if shape and shape[-1] > 3:
+        pytest.importorskip("dask.array")
+        import dask.array as da
+
+        lazy = qarray.quantize(da.from_array(q.dequantize(), chunks=(1,) * (len(shape) - 1) + (3,)), 0.5, 0, dtype)
+        qarray.save(tmp_path / "lazy.safetensors", {"w": lazy})
+        got, want = _st_tensors(tmp_path / "lazy.safetensors"), _st_tensors(path)
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+        _same_q(qarray.load(tmp_path / "lazy.safetensors")["w"], q)
+
+
+def _st_tensors(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "mxfp4", "nvfp4"])
+def test_safetensors_packs_small_float_formats_by_rows(tmp_path, rng, dtype):
+    """float4 two a byte and float6 four in three bytes per row (each row as
+    QArray.pack packs it), blocked formats with their scales; exact round trip."""
+    pytest.importorskip("ml_dtypes")
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    x[0, :3] = [0.0, -0.0, 1e9]
+    if dtype == "mxfp4":
+        q = qarray.quantize_mx(x, "mxfp4")
+    elif dtype == "nvfp4":
+        q = qarray.quantize_nvfp4(x)
+    else:
+        q = qarray.quantize(x, 0.25, 0, dtype)
+    path = tmp_path / "m.safetensors"
+    qarray.save(path, {"w": q})
+    raw = _st_tensors(path)["w"]
+    per_row = [QArray.from_int(q.int_repr()[i].view(q.data.dtype), 1.0, 0, q.dtype.name
+                               if q.dtype.name not in ("mxfp4", "nvfp4") else "float4_e2m1fn").pack()
+               for i in range(3)]
+    np.testing.assert_array_equal(raw, np.stack(per_row))
+    assert raw.nbytes == 3 * 32 * q.dtype.bits // 8
+    back = qarray.load(path)["w"]
+    assert (back.dtype, back.shape, back.axis, back.block_size) == (q.dtype, q.shape, q.axis, q.block_size)
+    np.testing.assert_array_equal(back.int_repr(), q.int_repr())
+    assert back.scale.dtype == q.scale.dtype and back.scale.tobytes() == q.scale.tobytes()
+    assert back.global_scale == q.global_scale
+
+
+def test_safetensors_files_of_version_3_and_before_still_load(tmp_path):
+    """qarray 0.x wrote qint4 codes one a byte with the QArray's shape (versions 2
+    and 3): such files load unchanged; a version 4 tensor of the wrong packed
+    shape is refused naming both."""
+    from safetensors.numpy import save_file
+
+    codes = np.array([[-8, 7, 0], [1, -1, 3]], np.int8)
+    for version, extra in ((2, {}), (3, {"scale_dtype": "float32", "global_scale": None})):
+        meta = {"format": "qarray", "version": version, "dtype": "qint4", "shape": [2, 3], "axis": None,
+                "block_size": None, **extra}
+        save_file({"w": codes, "w.scale": np.array(0.5, np.float32), "w.zero_point": np.array(0, np.int32)},
+                  str(tmp_path / "old.safetensors"), metadata={"w": json.dumps(meta)})
+        np.testing.assert_array_equal(qarray.load(tmp_path / "old.safetensors")["w"].int_repr(), codes)
+    meta = {"format": "qarray", "version": 4, "dtype": "qint4", "shape": [2, 3], "axis": None, "block_size": None,
+            "scale_dtype": "float32", "global_scale": None}
+    save_file({"w": codes.view(np.uint8), "w.scale": np.array(0.5, np.float32), "w.zero_point": np.array(0, np.int32)},
+              str(tmp_path / "bad.safetensors"), metadata={"w": json.dumps(meta)})
+    with pytest.raises(ValueError, match=re.escape("tensor 'w' is uint8 [2, 3], but its metadata says qint4 [2, 3], "
+                                                   "packed by rows: uint8 [2, 2]")):
+        qarray.load(tmp_path / "bad.safetensors")
+
+
+def test_safetensors_refuses_a_qarray_called_format(tmp_path):
+    q = QArray.from_int(np.array([1, 2]), 1.0, 0, "qint8")
+    with pytest.raises(ValueError, match="cannot be called 'format': the file's metadata entry 'format' says 'qarray'"):
+        qarray.save(tmp_path / "f.safetensors", {"format": q})
+    qarray.save(tmp_path / "f.safetensors", {"format": np.arange(2)})  # a plain array has no metadata entry
 
 
 def test_safetensors_float_weights_from_other_tools_quantize(tmp_path, rng):
