@@ -279,9 +279,14 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
     ``global_scale`` defaults to ``amax / (448 * 6)`` over the finite values (1
     where that is 0). In float32, as torchao: ``s = e4m3(clamp(amax_block / 6 /
     global_scale, 2**-6, 448))``, elements ``e2m1(clamp(x * ((1 / global_scale) / s),
-    -6, 6))`` rounding to nearest even. A block holding NaN or inf gets a NaN
-    scale (its elements 0), as MX does. ``dequantize`` is ``float32(element * s) *
-    global_scale``, one rounding. The arithmetic: :meth:`Backend.quantize_nvfp4`.
+    -6, 6))`` rounding to nearest even. A block holding inf (and no NaN) follows
+    the same rule, as torchao's ``nvfp4_quantize``: its scale clamps to 448 (code
+    0x7e), inf and -inf saturate to +-6 (codes 0x7 and 0xf), its finite elements
+    round as ``x * ((1 / global_scale) / 448)``. A block holding NaN gets a NaN
+    scale (0x7f; its elements 0), as MX does. The default ``global_scale`` skips
+    inf (torchao's ``per_tensor_amax_to_scale`` of an inf amax would be inf).
+    ``dequantize`` is ``float32(element * s) * global_scale``, one rounding. The
+    arithmetic: :meth:`Backend.quantize_nvfp4`.
     """
     x, b, axis, block_size = _block_input(x, "quantize_nvfp4", axis, 16)
     x = x.astype(np.float32, copy=False)

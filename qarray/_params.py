@@ -153,7 +153,7 @@ def _fit(a: np.ndarray, want: tuple, name: str, axis, block_size) -> np.ndarray:
 
 
 # scale dtypes a floating format keeps (ONNX's float16 / bfloat16 scales; the MX
-# and NVFP4 block scales, whose NaN marks a block that held NaN or inf)
+# and NVFP4 block scales, whose NaN marks a block that held NaN, in MX inf too)
 KEPT_SCALES = ("float32", "float16", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
 _NAN_SCALES = ("float8_e8m0fnu", "float8_e4m3fn")
 

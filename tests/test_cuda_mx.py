@@ -13,6 +13,7 @@ import pytest
 
 from qarray import _formats as F
 from test_cuda import _numpy_and_host, host, host_lib  # noqa: F401 (fixtures)
+from test_mx import NVFP4_INF_CASES
 
 pytest.importorskip("ml_dtypes")
 
@@ -114,6 +115,7 @@ def _same_nvfp4(host, x, axis, gs):  # noqa: F811
     np.testing.assert_array_equal(gb, wb.view(np.uint8), err_msg=f"gs={gs} scales")
     np.testing.assert_array_equal(gc, wc.view(np.uint8), err_msg=f"gs={gs} codes")
     assert host.launches[-1][0] == "quantize_nvfp4"
+    return gb, gc
 
 
 @pytest.mark.parametrize("gs", ["default", 1.0, 0.37, 3e-5, 1e30, 2.0**-149])
@@ -125,3 +127,21 @@ def test_nvfp4(dirty, rng, gs, axis):
     m = F.MX_FORMATS["mxfp4"]
     for x in (X, _edge_blocks(rng, m, np.float32), X[:, :37]):
         _same_nvfp4(dirty, x, axis, None if gs == "default" else gs)  # None: the backend's default scale
+
+
+@pytest.mark.parametrize("case", list(NVFP4_INF_CASES))
+def test_nvfp4_inf_blocks(dirty, case):
+    """Blocks holding inf (tests/test_mx.py's cases, torchao's clamp to 448): the
+    kernel's scales and codes are the NumPy backend's and the written-out ones,
+    along the last axis, down the first (strided) and with a short last block."""
+    rows, gs, g, want_scale, want = NVFP4_INF_CASES[case]
+    x, want_scale, want = np.array(rows, np.float32), np.array(want_scale, np.uint8), np.array(want, np.uint8)
+    gs = g if gs is None else gs  # the API's default scale (the backend's, computed on the host, in test_nvfp4)
+    bits, codes = _same_nvfp4(dirty, x, -1, gs)
+    np.testing.assert_array_equal(bits.reshape(-1), want_scale)
+    np.testing.assert_array_equal(codes, want)
+    bits, codes = _same_nvfp4(dirty, np.ascontiguousarray(x.T), 0, gs)
+    np.testing.assert_array_equal(bits.reshape(-1), want_scale)
+    np.testing.assert_array_equal(codes, want.T)
+    _same_nvfp4(dirty, x[:, :11], -1, gs)  # a short block, its inf kept (among the first three elements)
+    _same_nvfp4(dirty, x, -1, None)  # the backend's default tensor scale

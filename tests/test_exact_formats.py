@@ -297,6 +297,20 @@ def test_mx_nan_block_scale():
     assert np.isnan(out[0]).all() and out[1].tolist() == [10.0, 10.0]
 
 
+
+def test_nvfp4_inf_block_is_finite_nan_block_is_nan():
+    """An NVFP4 block holding inf has the finite scale 448 (torchao's clamp; inf is
+    +-6 * 448 * gs): matmul through it is the exact finite sum; a NaN block's NaN
+    scale still makes its row NaN."""
+    x = np.float32([[np.inf, 1, -2, 3] + [0.5] * 12, [-np.inf, 7, 0, 0] + [1] * 12, [1, np.nan] + [2] * 14])
+    a = qarray.quantize_nvfp4(x)
+    b = qarray.quantize(np.linspace(-1, 1, 32, dtype=np.float32).reshape(16, 2), 0.125, 0, "float8_e4m3fn")
+    assert a.scale.view(np.uint8).reshape(-1).tolist()[:2] == [0x7E, 0x7E]
+    check(a[:2], b)
+    check(a[:2], b, "qint8", scale=0.5)
+    out = qarray.matmul(a, b)
+    assert np.isfinite(out[:2]).all() and np.isnan(out[2]).all()
+
 # -- errors --------------------------------------------------------------------------
 def test_errors(rng):
     a = qarray.quantize_mx(floats(rng, (2, 8), 1), "mxfp8_e4m3", block_size=8)

@@ -214,15 +214,97 @@ def test_nvfp4_rules():
     x[0, 3], x[1, 20] = np.nan, -np.inf
     q = qarray.quantize_nvfp4(x)
     sc = q.scale.astype(np.float32)
-    assert np.isnan(sc[0, 0]) and np.isnan(sc[1, 1]) and np.isfinite(sc[0, 1]) and np.isfinite(sc[1, 0])
-    assert not q.int_repr()[0, :16].any() and not q.int_repr()[1, 16:].any()
+    assert np.isnan(sc[0, 0]) and np.isfinite(sc[0, 1]) and np.isfinite(sc[1, 0])
+    assert sc[1, 1] == 448  # inf (no NaN): torchao's clamp, not NaN
+    assert not q.int_repr()[0, :16].any() and q.int_repr()[1, 20] == 0xF  # -inf: -6
     assert q.global_scale == np.float32(np.float32(63) / np.float32(2688))  # the finite values' amax
     d = q.dequantize()
-    assert np.isnan(d[0, :16]).all() and np.isfinite(d[0, 16:]).all()
+    assert np.isnan(d[0, :16]).all() and np.isfinite(d[0, 16:]).all() and np.isfinite(d[1]).all()
+    assert d[1, 20] == -63  # -6 * 448 * 63 / 2688: the largest finite magnitude
     y = np.ones((3, 20), np.float32)  # a short last block, along axis 0 as well
     q = qarray.quantize_nvfp4(y, axis=0)
     assert q.scale.shape == (1, 20) and q.axis == 0
     np.testing.assert_array_equal(qarray.quantize_nvfp4(y).scale.shape, (3, 2))
+
+
+# -- NVFP4 blocks holding inf -------------------------------------------------------
+def ref_nvfp4(x, gs):
+    """``(scale codes, element codes)`` of float32 ``x``, one block of 16 a row, by
+    torchao's ``nvfp4_quantize`` (torchao/prototype/mx_formats/nvfp4_tensor.py, two
+    level scaling): the block scale ``e4m3(clamp(amax / 6 / gs, E4M3_EPS = 2**-6,
+    F8E4M3_MAX = 448))``, so an inf amax clamps to 448; the elements ``x * ((1 / gs)
+    / scale)`` in float32 (torchao's reciprocal), ``clamp(-6, 6)`` (inf: +-6), then
+    ``f32_to_f4_unpacked``: nearest, ties to even, the sign bit kept. A NaN block:
+    torchao's NaN scale 0x7f, qarray's elements 0 (torchao's are unspecified)."""
+    e4m3 = dict((v, c) for v, c in _grid("float8_e4m3fn"))
+    e2m1 = dict((v, c) for v, c in _grid("float4_e2m1fn"))
+    scales, codes = [], []
+    for blk in np.asarray(x, np.float32):
+        amax = np.abs(blk).max()
+        if np.isnan(amax):
+            scales.append(0x7F)
+            codes.append([0] * len(blk))
+            continue
+        with np.errstate(over="ignore"):
+            s = np.float32(amax) / np.float32(6) / np.float32(gs)
+        s = ref_element(Fraction(min(max(float(s), 2.0**-6), 448.0)), "float8_e4m3fn")  # inf -> 448
+        scales.append(e4m3[s])
+        r = np.float32(np.float32(1) / np.float32(gs)) / np.float32(float(s))
+        with np.errstate(over="ignore"):
+            v = np.clip(blk * r, np.float32(-6), np.float32(6))
+        codes.append([e2m1[abs(ref_element(Fraction(float(a)), "float4_e2m1fn"))] | (8 * bool(np.signbit(a)))
+                      for a in v])
+    return np.array(scales, np.uint8), np.array(codes, np.uint8)
+
+
+INF, E = np.float32(np.inf), 0x7E  # E: e4m3 448
+NVFP4_INF_CASES = {  # name: (rows of 16, global_scale= (None: the default), the tensor scale it gives,
+    #                        scale codes, element codes), worked by hand
+    # gs 1: scale 448, x / 448: 224 -> 0.5, 672 -> 1.5, 100 -> 0.22 -> 0, 5000 and 1e30 -> 6, 300 -> 0.67 -> 0.5,
+    # -600 -> -1.34 -> -1.5, 1000 -> 2.23 -> 2, 2000 -> 4.46 -> 4, -3000 -> -6.7 -> -6; -0 keeps its sign
+    "+inf, gs=1": ([[INF, 224, 672, -1344, 0, -0.0, 100, 2688, 5000, 1e30, 300, -600, 1000, 2000, -3000, 50]], 1.0, 1.0,
+                   [E], [[7, 1, 3, 0xD, 0, 8, 0, 7, 7, 7, 1, 0xB, 4, 6, 0xF, 0]]),
+    "-inf, gs=1": ([[1, 2, -INF, 448, -896, 1792, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], 1.0, 1.0,
+                   [E], [[0, 0, 0xF, 2, 0xC, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]),
+    # gs 0.5: scale still 448 (inf / 6 / 0.5), x / 224
+    "inf mixed, gs=0.5": ([[-INF, INF, 112, -224, 336, 672, 2000, 60, 0, 0, 0, 0, 0, 0, 0, 0]], 0.5, 0.5,
+                          [E], [[0xF, 7, 1, 0xA, 3, 5, 7, 1, 0, 0, 0, 0, 0, 0, 0, 0]]),
+    # the default gs: the finite amax 672 / 2688 = 0.25; rows: finite at 448 (x / 112), inf (x / 112: 500 -> 4),
+    # finite amax 6 -> 6 / 6 / 0.25 = 4 (0x48, x / 1), NaN with inf (unchanged: NaN scale, codes 0), zeros (2**-6)
+    "inf mixed, default gs": ([[672, -336, 168, 56, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                               [INF, -INF, 112, -224, 336, 672, 500, 60, 0, 0, 0, 0, 0, 0, 0, 0],
+                               [6, 3, -1.5, 1, 0.5, 0.25, 0.75, 5, 0, 0, 0, 0, 0, 0, 0, 0],
+                               [1, INF, np.nan, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                               [0] * 16], None, 0.25,
+                              [E, E, 0x48, 0x7F, 0x08],
+                              [[7, 0xD, 3, 1] + [0] * 12,
+                               [7, 0xF, 2, 0xC, 5, 7, 6, 1] + [0] * 8,
+                               [7, 5, 0xB, 2, 1, 0, 2, 6] + [0] * 8,
+                               [0] * 16, [0] * 16]),
+    # no finite value: the default gs is 1, inf -> 6 at scale 448
+    "only inf, default gs": ([[INF, -INF] + [0] * 14], None, 1.0, [E], [[7, 0xF] + [0] * 14]),
+}
+
+
+@pytest.mark.parametrize("case", list(NVFP4_INF_CASES))
+def test_nvfp4_inf_blocks(case):
+    """A block holding inf (no NaN) saturates as torchao's nvfp4_quantize does: scale
+    448 (0x7e), not the NaN 0x7f; inf -> +-6 (0x7, 0xf), the finite elements scaled
+    by 448 * gs as any block's. Expected codes written out, checked against the
+    reference reading of torchao's rule too; NaN and all-zero blocks as before."""
+    rows, gs, g, want_scale, want = NVFP4_INF_CASES[case]
+    x, g = np.array(rows, np.float32), np.float32(g)
+    q = qarray.quantize_nvfp4(x, global_scale=gs)
+    assert q.global_scale == g
+    rs, rc = ref_nvfp4(x, g)
+    np.testing.assert_array_equal(rs, want_scale)
+    np.testing.assert_array_equal(rc, want)
+    np.testing.assert_array_equal(q.scale.view(np.uint8).reshape(-1), want_scale)
+    np.testing.assert_array_equal(q.data.view(np.uint8), np.array(want, np.uint8))
+    d, nan = q.dequantize(), np.isnan(x).any(1)
+    assert np.isfinite(d[~nan]).all() and np.isnan(d[nan]).all()
+    inf = np.isinf(x) & ~nan[:, None]  # dequantizes to +-6 * 448 * gs
+    np.testing.assert_array_equal(d[inf], np.sign(x[inf]) * np.float32(6 * 448) * g)
 
 
 def test_mx_rules_at_the_corners():

@@ -192,14 +192,16 @@ class Backend:
 
     def quantize_nvfp4(self, x, axis, block_size, gs):
         """NVFP4 blocks of float32 ``x`` with tensor scale ``gs``: ``(codes, bits, gs)``,
-        the float4 codes (0 in a block with NaN or inf), the float8_e4m3fn
-        block-scale bits (uint8, host), in float32 as torchao computes them, and
-        the tensor scale (``gs``, or where it is None :meth:`nvfp4_global_scale`)."""
+        the float4 codes (0 in a block with NaN), the float8_e4m3fn block-scale
+        bits (uint8, host), in float32 as torchao computes them, and the tensor
+        scale (``gs``, or where it is None :meth:`nvfp4_global_scale`). A block
+        with inf but no NaN is torchao's ``nvfp4_quantize``: its scale clamps to
+        448 (0x7e), inf saturates to +-6, its finite elements scale as any."""
         from .. import _formats
         from .._dtypes import qdtype
 
         amax = self.block_amax(x, axis, block_size)
-        nan = ~np.isfinite(amax)
+        nan = np.isnan(amax)  # inf: clamped to 448 below, as torchao's clamp(scale, E4M3_EPS, F8E4M3_MAX)
         gs = self.nvfp4_global_scale(x, amax) if gs is None else gs
         with np.errstate(over="ignore", invalid="ignore"):
             s = np.clip(amax / np.float32(6) / gs, np.float32(2.0**-6), np.float32(448)).astype(_formats.dtype("float8_e4m3fn"))
@@ -216,7 +218,11 @@ class Backend:
     def nvfp4_global_scale(self, x, amax):
         """NVFP4's default tensor scale, ``amax / (448 * 6)`` over the finite values
         of ``x`` (1 where that is 0), from the block maxima ``amax`` (host; all of
-        ``x`` is read again only where a block holds NaN or inf)."""
+        ``x`` is read again only where a block holds NaN or inf). torchao's
+        ``per_tensor_amax_to_scale`` of an inf amax is inf, which gives the inf blocks
+        a NaN scale and every finite element 0; the finite amax keeps the tensor
+        usable (an inf element then dequantizes to about +-the largest finite
+        magnitude, ``6 * 448 * gs``)."""
         xp = self.xp
         if np.isfinite(amax).all():
             top = np.float32(amax.max(initial=0))  # host

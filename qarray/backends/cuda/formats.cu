@@ -188,7 +188,8 @@ DEQUANTIZE_FORMAT(float64, double, double)
 // block, inner) column of the (outer, n, inner) data, its elements `inner`
 // apart; it reads its block twice (the largest magnitude, then the elements)
 // and writes the scale code bits[col] and every element code. A block whose
-// largest magnitude is NaN or inf gets the NaN scale and codes 0.
+// largest magnitude is NaN gets the NaN scale and codes 0, in MX an inf one too
+// (NVFP4 clamps an inf block's scale to 448, as torchao).
 
 // The first element of column `col` and how many its block holds (the last one may be short).
 __device__ __forceinline__ i64 qa_block(i64 col, i64 n, i64 inner, i64 blocks, i64 bs, i64* count) {
@@ -284,7 +285,8 @@ QUANTIZE_MX(float32, float)
 QUANTIZE_MX(float64, double)
 
 // NVFP4 in float32 as the reference: s = e4m3(clamp(amax / 6 / gs, 2**-6, 448)),
-// elements e2m1(x * ((1 / gs) / s)); a NaN or inf block: scale 0x7F (NaN), codes 0.
+// elements e2m1(x * ((1 / gs) / s)); a NaN block: scale 0x7F (NaN), codes 0; an
+// inf block (no NaN): amax inf clamps to 448 (0x7E) and inf elements saturate to +-6.
 extern "C" __global__ void quantize_nvfp4(const float* x, i64 cols, i64 n, i64 inner, i64 blocks, i64 bs, float gs,
                                           unsigned char* out, unsigned char* bits) {
     const QaFormat e4m3{4, 3, 7, QA_FMT_FN}, e2m1{2, 1, 1, QA_FMT_FINITE};
@@ -293,15 +295,15 @@ extern "C" __global__ void quantize_nvfp4(const float* x, i64 cols, i64 n, i64 i
         i64 count;
         const i64 first = qa_block(col, n, inner, blocks, bs, &count);
         const unsigned a = qa_amax_bits(x, first, count, inner);
-        const bool finite = qa_finite_bits<float>(a);
+        const bool nan = qa_isnan(qa_from_bits(a));
         float s = qa_div(qa_div(qa_from_bits(a), 6.0f), gs);
         s = qa_lt(s, lo) ? lo : qa_lt(hi, s) ? hi : s;
         const unsigned code = qa_to_format(s, e4m3, true);
         const float recip = qa_div(qa_div(1.0f, gs), qa_decode<float>(code, e4m3));
         for (i64 j = 0; j < count; ++j) {
             const i64 p = first + j * inner;
-            out[p] = finite ? qa_mx_element(qa_mul(x[p], recip), e2m1, false) : 0;
+            out[p] = nan ? 0 : qa_mx_element(qa_mul(x[p], recip), e2m1, false);
         }
-        bits[col] = finite ? (unsigned char)code : 0x7F;
+        bits[col] = nan ? 0x7F : (unsigned char)code;
     }
 }
