@@ -13,7 +13,7 @@ from .backends import on_data_device
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, check_scale, float_values, param_shape, to_host, user_array
+from ._params import check_params, check_scale, expand, float_values, param_shape, to_host, user_array
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -33,13 +33,22 @@ def _float_input(x, what):
 
 
 @on_data_device
-def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None) -> QArray:
+def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None,
+             reciprocal=False) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
     The division is IEEE float32 for float16/float32 input, float64 for float64
     input (ONNX QuantizeLinear, bit for bit). ``axis`` gives per-axis
     parameters, ``axis`` plus ``block_size`` blocked ones (the last block may be
     short). +-inf saturate; NaN raises ValueError.
+
+    ``reciprocal=True`` gives PyTorch's codes instead (``quantize_per_tensor``,
+    ``quantize_per_channel``, its observers' ``quantize``): ``x`` times the
+    float32 reciprocal ``float32(1 / scale)``, rounded to float32, then rounded
+    half to even, for float32 input (float16 and bfloat16 widened; PyTorch
+    takes no float64) and integer formats. The two differ where ``x / scale``
+    is at or next to a tie: at ``+-127.5`` on symmetric ranges, every channel's
+    extreme value (README, Quirks).
 
     >>> quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8").int_repr()
     array([  1,   2, 127], dtype=int8)
@@ -48,11 +57,21 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
     if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
+        if reciprocal:
+            raise TypeError(f"quantize: reciprocal=True is PyTorch's arithmetic for integer formats; {d.name} is a "
+                            "floating format")
         data = b.quantize_float(x, s, d, axis, block_size, _formats.check_saturate(saturate))
         return QArray._new(data, s, z, d, axis, block_size, b)
     if saturate is not None:
         raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
                         "saturates")
+    if reciprocal:  # PyTorch's (fbgemm's) x * (1 / scale), rounded to float32; then divided by 1, exactly
+        if x.dtype == np.float64:
+            raise TypeError("quantize: reciprocal=True is PyTorch's float32 arithmetic, and PyTorch takes no float64: "
+                            "pass x.astype(numpy.float32), or divide (reciprocal=False)")
+        inv = expand(np.float32(1) / s, x.shape, axis, block_size, np)
+        x, s1 = x.astype(np.float32, copy=False) * b.asarray(inv), np.ones_like(s)
+        return QArray._new(b.quantize(x, s1, z, d, axis, block_size), s, z, d, axis, block_size, b)
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
 
 

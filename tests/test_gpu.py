@@ -492,3 +492,14 @@ def test_int8_gemm_paths(m, wd, rng):
         same(qarray.linear(gx, gw), qarray.linear(qx, qw))
         out = dict(scale=0.3, zero_point=-5, dtype="qint8", relu=True)
         same(qarray.linear(gx, gw, b, **out), qarray.linear(qx, qw, b, **out))
+
+
+def test_reciprocal_quantize_is_the_cpus(rng):
+    """PyTorch's rule (``reciprocal=True``) on the device: the float32 product on
+    CuPy is the CPU's, so the codes are too; per tensor, per channel, blocked."""
+    x = rng.standard_normal((6, 50)).astype(np.float32)
+    for scale, axis, block_size in ((np.float32(1 / 127.5), None, None),
+                                    (np.linspace(0.01, 0.03, 6).astype(np.float32), 0, None),
+                                    (rng.uniform(0.01, 0.03, (6, 3)).astype(np.float32), 1, 20)):
+        want, got = both(lambda a: qarray.quantize(a, scale, 0, "qint8", axis, block_size, reciprocal=True), x)
+        same(got, want)

@@ -1,4 +1,6 @@
 import math
+import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -363,3 +365,102 @@ def test_checkpoint_floats_are_quantized_as_float16_is(fmt, dtype):
                   qarray.observers.MinMax(dtype).update(rows.astype(np.float32)).quantize(rows.astype(np.float32)))):
         np.testing.assert_array_equal(q.scale, r.scale)
         np.testing.assert_array_equal(q.int_repr(), r.int_repr())
+
+
+def _f32(r):
+    """The Fraction ``r`` rounded to the nearest float32, ties to even (normal
+    range): the reference's float32 arithmetic, apart from NumPy's."""
+    if r == 0:
+        return r
+    a = abs(r)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2**e <= a < 2**(e + 1) after the step below
+    if Fraction(2) ** e > a:
+        e -= 1
+    ulp = Fraction(2) ** (e - 23)
+    n, rem = divmod(a / ulp, 1)
+    n += rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2)
+    return (n * ulp) * (1 if r > 0 else -1)
+
+
+def _torch_codes(x, scale, zero_point, d, axis):
+    """PyTorch's rule (fbgemm's ``Quantize``, non-legacy), worked out in Fractions:
+    ``clamp(rint(f32(x * f32(1 / scale))) + zero_point)``, per element."""
+    x = np.asarray(x, np.float32)
+    s = np.broadcast_to(np.asarray(scale, np.float32).reshape((-1,) + (1,) * (x.ndim - 1 - (axis or 0)))
+                        if axis is not None else np.float32(scale), x.shape)
+    z = np.broadcast_to(np.asarray(zero_point).reshape((-1,) + (1,) * (x.ndim - 1 - (axis or 0)))
+                        if axis is not None else zero_point, x.shape)
+    out = np.empty(x.shape, np.int64)
+    for i in np.ndindex(x.shape):
+        y = _f32(Fraction(float(x[i])) * _f32(1 / Fraction(float(s[i]))))
+        n, rem = divmod(y, 1)
+        n += rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2)
+        out[i] = min(max(int(n) + int(z[i]), d.qmin), d.qmax)
+    return out
+
+
+def _ties(rng, scales, codes):
+    """float32 values at and one or two ulps beside ``(k + 1/2) * scale`` for each
+    scale (a row) and code k: where dividing and multiplying by the reciprocal part."""
+    rows = []
+    for s in scales:
+        centre = np.array([(k + 0.5) * np.float64(s) for k in codes], np.float32)
+        rows.append(np.concatenate([centre, *(np.nextafter(centre, sign * np.float32(np.inf)) for sign in (1, -1)),
+                                    np.nextafter(np.nextafter(centre, np.float32(np.inf)), np.float32(np.inf))]))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("dtype,zero_point", [("qint8", 0), ("qint8", -128), ("qint8", 127), ("quint8", 0),
+                                              ("quint8", 255), ("quint8", 128), ("qint4", -8), ("qint16", 5)])
+def test_reciprocal_gives_pytorchs_codes_at_ties(rng, dtype, zero_point):
+    """``reciprocal=True`` is PyTorch's ``quantize_per_tensor`` / ``per_channel``:
+    x times float32(1 / scale), rounded to float32, then half to even, checked
+    against that rule in Fractions on values at and beside every tie of the
+    range (qmin and qmax included, zero points at both ends), per tensor and per
+    channel; the division (ONNX's) gives other codes on these values."""
+    d = qarray.qdtype(dtype)
+    scales = np.concatenate([[1 / 127.5, 0.00392157, 0.1], rng.uniform(1e-4, 1, 5)]).astype(np.float32)
+    x = _ties(rng, scales, range(d.qmin - zero_point - 2, min(d.qmax - zero_point + 2, d.qmin - zero_point + 300)))
+    for s in scales[:3]:  # per tensor, one scale: the values of its row
+        row = x[list(scales).index(s)]
+        got = np.asarray(qarray.quantize(row, s, zero_point, dtype, reciprocal=True).int_repr())
+        np.testing.assert_array_equal(got, _torch_codes(row, s, zero_point, d, None))
+    zp = np.full(len(scales), zero_point, np.int32)
+    got = qarray.quantize(x, scales, zp, dtype, axis=0, reciprocal=True)
+    want = _torch_codes(x, scales, zp, d, 0)
+    np.testing.assert_array_equal(np.asarray(got.int_repr()), want)
+    assert got.scale.tobytes() == scales.tobytes()  # the scale kept, not the 1 it divided by
+    assert (np.asarray(qarray.quantize(x, scales, zp, dtype, axis=0).int_repr()) != want).sum() > 10
+
+
+def test_reciprocal_equals_torch(rng):
+    """The same, against PyTorch itself where it is installed: random data and
+    symmetric per-channel ranges (each channel's extreme at +-127.5, where
+    resnet18's weights differ), qint8 / quint8 / qint32."""
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((64, 300)).astype(np.float32)
+    x[:, 0] *= 3  # an extreme per row
+    s = (np.abs(x).max(axis=1) / np.float32(127.5)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PyTorch's deprecation of its quantized dtypes
+        t = torch.quantize_per_channel(torch.from_numpy(x), torch.from_numpy(s.astype(np.float64)),
+                                       torch.zeros(64, dtype=torch.int64), 0, torch.qint8).int_repr().numpy()
+        got = np.asarray(qarray.quantize(x, s, 0, "qint8", axis=0, reciprocal=True).int_repr())
+        np.testing.assert_array_equal(got, t)
+        assert (np.asarray(qarray.quantize(x, s, 0, "qint8", axis=0).int_repr()) != t).any()
+        for dtype, tdt, zp in (("qint8", torch.qint8, -3), ("quint8", torch.quint8, 128), ("qint32", torch.qint32, 0)):
+            for scale in (0.00392157, 1 / 127.5, 3e-5):
+                t = torch.quantize_per_tensor(torch.from_numpy(x), scale, zp, tdt).int_repr().numpy()
+                got = np.asarray(qarray.quantize(x, scale, zp, dtype, reciprocal=True).int_repr())
+                np.testing.assert_array_equal(got, t)
+
+
+def test_reciprocal_errors(rng):
+    x = rng.standard_normal(4)
+    with pytest.raises(TypeError, match=r"reciprocal=True is PyTorch's float32 arithmetic, and PyTorch takes no "
+                                        r"float64: pass x.astype\(numpy.float32\)"):
+        qarray.quantize(x, 0.1, 0, "qint8", reciprocal=True)
+    with pytest.raises(TypeError, match="reciprocal=True is PyTorch's arithmetic for integer formats; float8_e4m3fn"):
+        qarray.quantize(x.astype(np.float32), 0.1, 0, "float8_e4m3fn", reciprocal=True)
+    with pytest.raises(ValueError, match="NaN"):
+        qarray.quantize(np.array([np.nan], np.float32), 0.1, 0, "qint8", reciprocal=True)
