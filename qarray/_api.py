@@ -215,14 +215,14 @@ def _qparams(min_val, max_val, d: QDType, symmetric, what):
 
 
 @on_data_device
-def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=None) -> QArray:
+def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=None, reciprocal=False) -> QArray:
     """Quantize with parameters from the data's own range (per tensor, axis or block).
 
     The asymmetric range always includes 0, as in ONNX DynamicQuantizeLinear,
     whose results this equals bit for bit for quint8. A floating format takes
     ``scale = amax / its largest value`` (float32; the "current scaling" of
     Transformer Engine and torchao; ``symmetric`` does not apply), an all-zero
-    slice scale 1.
+    slice scale 1. ``reciprocal`` as :func:`quantize` takes it.
     """
     x, b = _float_input(x, "quantize_dynamic")
     d = qdtype(dtype)
@@ -238,9 +238,9 @@ def quantize_dynamic(x, dtype=quint8, symmetric=False, axis=None, block_size=Non
     if d.kind == "float":
         amax = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float32)
         scale = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(d.qmax), np.float32(2.0**-149)))
-        return quantize(x, scale.astype(np.float32), 0, d, axis, block_size)
+        return quantize(x, scale.astype(np.float32), 0, d, axis, block_size, reciprocal=reciprocal)
     scale, zp = _qparams(lo, hi, d, symmetric, "quantize_dynamic: the data's range")
-    return quantize(x, scale, zp, d, axis, block_size)
+    return quantize(x, scale, zp, d, axis, block_size, reciprocal=reciprocal)
 
 
 def _block_input(x, what, axis, block_size):

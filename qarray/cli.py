@@ -135,6 +135,9 @@ def _parser() -> _Parser:
                    help="one scale and zero point per block of B along --per-channel AXIS, else along axis 1 (a "
                         "weight's input channels, (out, in) or (out, in, kh, kw); the only axis of a 1-d tensor)")
     s.add_argument("--symmetric", action="store_true", help="symmetric ranges (zero point 0, or the middle code)")
+    s.add_argument("--reciprocal", action="store_true",
+                   help="PyTorch's codes: multiply by float32(1 / scale) as PyTorch does, not divide as ONNX does "
+                        "(float32 tensors, integer dtypes; they differ at ties such as a symmetric range's ends)")
     s.add_argument("--observer", choices=OBSERVERS, default="minmax",
                    help="how the range is chosen (default minmax; --block-size takes minmax only)")
     s.add_argument("--plot", metavar="FILE.png", type=Path, help="also draw the SQNR per array (needs matplotlib)")
@@ -383,6 +386,8 @@ def _quantize(args) -> int:
     if args.block_size is not None and args.observer != "minmax":
         raise CliError(f"--block-size takes --observer minmax only, got {args.observer} (the other observers "
                        "give per-tensor or per-channel parameters)", 2)
+    if args.reciprocal and args.dtype.kind == "float":
+        raise CliError(f"--reciprocal is PyTorch's rule for integer dtypes; {args.dtype.name} is a floating format", 2)
     lazy = args.output.suffix.lower() in (".zarr", ".safetensors")
     if not lazy and args.output.suffix.lower() != ".npz":
         raise CliError(f"the output must be a .npz or .safetensors file or a .zarr store, got {args.output}", 2)
@@ -579,11 +584,12 @@ def _quantize_one(name, x, args):
     try:
         if args.block_size is not None and axis is not None:
             q = qarray.quantize_dynamic(x, args.dtype, symmetric=args.symmetric, axis=axis,
-                                        block_size=args.block_size)
+                                        block_size=args.block_size, reciprocal=args.reciprocal)
         else:
             from .observers import observer
 
-            q = observer(args.observer, args.dtype, symmetric=args.symmetric, axis=axis).update(x).quantize(x)
+            obs = observer(args.observer, args.dtype, symmetric=args.symmetric, axis=axis).update(x)
+            q = obs.quantize(x, reciprocal=args.reciprocal)
     except (TypeError, ValueError) as e:
         raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
     sqnr, err = _errors(x, q)

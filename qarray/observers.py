@@ -35,7 +35,8 @@ and returns ``(scale, zero_point)`` as :func:`qarray.quantize` takes them.
   - ``"entropy"``: the range with the least KL divergence between the
     reference histogram and its quantized version, exactly as ONNX Runtime's
     ``HistogramCollector.get_entropy_threshold`` (TensorRT's method) computes
-    it, with ``(qmax - qmin + 1) // 2`` quantized bins.
+    it, with ``(qmax - qmin + 1) // 2`` quantized bins (:func:`entropy_threshold`,
+    all channels at once; fewer bins than that: the whole histogram's range).
 
 State: ``state_dict()`` is a dict of NumPy arrays (``numpy.savez`` /
 ``numpy.load(allow_pickle=False)`` keep it, no pickle) and
@@ -54,7 +55,7 @@ from ._dtypes import qdtype
 from ._params import float_values, is_lazy, normalize_axis, to_host
 from .backends import for_array
 
-__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer"]
+__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer", "entropy_threshold"]
 
 METHODS = ("percentile", "mse", "entropy")
 
@@ -141,10 +142,11 @@ class Observer:
             return scale.reshape(()), zero_point.reshape(())
         return scale, zero_point
 
-    def quantize(self, x):
-        """``x`` quantized with :meth:`qparams` (``axis`` as the observer's)."""
+    def quantize(self, x, reciprocal=False):
+        """``x`` quantized with :meth:`qparams` (``axis`` as the observer's);
+        ``reciprocal=True``: PyTorch's codes, as :func:`qarray.quantize` gives them."""
         scale, zero_point = self.qparams()
-        return quantize(x, scale, zero_point, self.dtype, axis=self.axis)
+        return quantize(x, scale, zero_point, self.dtype, axis=self.axis, reciprocal=reciprocal)
 
     def merge(self, other) -> "Observer":
         """Add the statistics of ``other`` (same class and settings) to these."""
@@ -339,14 +341,14 @@ class Histogram(Observer):
     def _grow(self, need):
         """Double ``R`` (per channel) until it reaches ``2**need``: bin ``i``
         moves to ``(half * (2**k - 1) + i) >> k`` for ``k`` doublings."""
-        k = np.maximum(need - self.exponent, 0)
-        half = self.bins // 2
-        i = np.arange(self.bins, dtype=np.int64)
-        for c in np.flatnonzero(k):
-            kc = int(min(k[c], np.log2(self.bins) + 1))  # beyond this every bin lands on the middle two
-            grown = np.zeros(self.bins, np.int64)
-            np.add.at(grown, (half * ((1 << kc) - 1) + i) >> kc, self.counts[c])
-            self.counts[c] = grown
+        k = np.minimum(np.maximum(need - self.exponent, 0), int(np.log2(self.bins)) + 1)[:, None]
+        rows = np.flatnonzero(k)  # beyond log2(bins) + 1 doublings every bin lands on the middle two
+        if rows.size:
+            k = k[rows]
+            to = ((self.bins // 2) * ((1 << k) - 1) + np.arange(self.bins)) >> k
+            grown = np.zeros((rows.size, self.bins), np.int64)
+            np.add.at(grown, (np.arange(rows.size)[:, None], to), self.counts[rows])
+            self.counts[rows] = grown
         self.exponent = np.maximum(self.exponent, need)
 
     def _merge(self, other):
@@ -368,10 +370,16 @@ class Histogram(Observer):
 
     def _range(self):
         edges = self.edges()
-        pick = {"percentile": self._percentile, "mse": self._mse, "entropy": self._entropy}[self.method]
-        lo, hi = np.empty(len(edges)), np.empty(len(edges))
-        for c in range(len(edges)):
-            lo[c], hi[c] = pick(self.counts[c], edges[c])
+        nq = (self.dtype.qmax - self.dtype.qmin + 1) // 2
+        if self.method == "entropy" and self.bins >= nq:
+            lo, hi = entropy_threshold(self.counts, edges, nq)
+        elif self.method == "entropy":  # too few bins for a search
+            lo, hi = edges[:, 0], edges[:, -1]
+        else:
+            pick = self._percentile if self.method == "percentile" else self._mse
+            lo, hi = np.empty(len(edges)), np.empty(len(edges))
+            for c in range(len(edges)):
+                lo[c], hi[c] = pick(self.counts[c], edges[c])
         # within the observed range: a channel of one value can pick bin edges wholly
         # below it (lo > hi after a one-sided clamp, which choose_qparams refused)
         return np.clip(lo, self.lo, self.hi), np.clip(hi, self.lo, self.hi)
@@ -409,32 +417,6 @@ class Histogram(Observer):
         a, b = np.unravel_index(int(np.argmin(cost)), cost.shape)
         return lo[a], hi[b]
 
-    def _entropy(self, counts, edges):
-        """ONNX Runtime's ``get_entropy_threshold`` on this histogram, vectorized
-        per candidate (the same integer steps, including its truncating
-        ``int64`` spread of each quantized bin)."""
-        nq = (self.dtype.qmax - self.dtype.qmin + 1) // 2
-        zero, nh = self.bins // 2, nq // 2
-        best, threshold = np.inf, (edges[0], edges[-1])
-        for i in range(nh, zero + 1):
-            start, end = zero - i, min(zero + i + 1, self.bins)
-            sliced = counts[start:end]
-            p = sliced.copy()
-            p[0] += counts[:start].sum()
-            p[-1] += counts[end:].sum()
-            nonzero = (p != 0).astype(np.int64)
-            merged = sliced.size // nq
-            body = nq * merged
-            quantized = sliced[:body].reshape(nq, merged).sum(axis=1)
-            quantized[-1] += sliced[body:].sum()
-            norm = nonzero[:body].reshape(nq, merged).sum(axis=1)
-            q = np.zeros(p.size, np.int64)  # ORT assigns the quotients into int64: truncated
-            q[:body] = np.repeat(np.where(norm != 0, quantized / np.maximum(norm, 1), 0.0), merged)
-            div = _kl(_smooth(p), _smooth(q))
-            if div < best:
-                best, threshold = div, (edges[start], edges[end])
-        return threshold
-
     def _settings(self):
         return dict(super()._settings(), method=self.method, bins=self.bins, percentile=self.percentile)
 
@@ -453,29 +435,117 @@ class Histogram(Observer):
                              "(negative counts, or a range beyond 2**exponent)")
 
 
-def _smooth(p, eps=0.0001):
-    """ONNX Runtime's ``smooth_distribution``: zeros get ``eps``, taken from the
-    nonzero entries (float32); None when all are zero."""
-    zeros = (p == 0).astype(np.float32)
-    n_zeros = zeros.sum()
-    n_nonzeros = p.size - n_zeros
-    if not n_nonzeros:
-        return None
-    eps1 = eps * float(n_zeros) / float(n_nonzeros)
-    return p.astype(np.float32) + (eps * zeros + (-eps1) * (1 - zeros))
+def entropy_threshold(counts, edges, num_quantized_bins):
+    """ONNX Runtime's ``HistogramCollector.get_entropy_threshold`` (TensorRT's KL
+    search) on each histogram, bit for bit: ``(lo, hi)``, the edges
+    ``edges[..., zero - i]`` and ``edges[..., zero + i + 1]`` (``zero = bins // 2``)
+    of the candidate ``i`` (``num_quantized_bins // 2 <= i <= zero``) with the
+    least divergence, before ORT's clamp to the observed minimum and maximum.
+
+    ``counts`` is ``(..., bins)`` integers, one histogram per row; ``edges`` is
+    ``(..., bins + 1)`` floats (or one ``(bins + 1,)`` row for all). Each
+    candidate is scored as ORT scores it: the reference ``p`` (the slice, the
+    counts outside it added to its end bins) and ``q`` (``p``'s slice summed into
+    ``num_quantized_bins`` groups, the last taking the remainder, each spread
+    over its group's nonzero bins and truncated to an integer), both smoothed by
+    ``smooth_distribution``, then ORT's float32 ``entropy``, stored in the
+    edges' dtype; the first least wins. A row whose ``p`` or ``q`` is all
+    zeros scores inf (ORT's ``None``).
+    """
+    counts, edges = np.asarray(counts), np.asarray(edges)
+    nq = num_quantized_bins
+    if counts.ndim < 1 or counts.dtype.kind not in "iu" or (counts < 0).any():
+        raise ValueError(f"entropy_threshold: counts must be a histogram of nonnegative integers (..., bins), "
+                         f"got dtype {counts.dtype} and shape {counts.shape}")
+    bins = counts.shape[-1]
+    if edges.dtype.kind != "f" or edges.shape not in ((bins + 1,), counts.shape[:-1] + (bins + 1,)):
+        raise ValueError(f"entropy_threshold: edges must be floats of shape {counts.shape[:-1] + (bins + 1,)} "
+                         f"(or ({bins + 1},)) for counts of shape {counts.shape}, got {edges.dtype} {edges.shape}")
+    if isinstance(nq, (bool, np.bool_)) or not isinstance(nq, (int, np.integer)) or not 1 <= nq // 2 <= bins // 2:
+        raise ValueError(f"entropy_threshold: num_quantized_bins must be an integer with "
+                         f"1 <= num_quantized_bins // 2 <= bins // 2 = {bins // 2}, got {nq!r}")
+    rows = counts.reshape(-1, bins).astype(np.int64)
+    zero, candidates = bins // 2, np.arange(nq // 2, bins // 2 + 1)
+    block = max(1, (1 << 18) // bins)  # rows scored together: a few (block, bins) float32 arrays in cache
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.concatenate([_kl_divergences(rows[r:r + block], int(nq), candidates)
+                             for r in range(0, len(rows), block)], axis=1)
+    # ORT keeps each divergence as np.array(kl, dtype=edges.dtype); then np.argmin
+    i = candidates[np.argmin(np.where(np.isfinite(kl), kl, np.inf).astype(edges.dtype), axis=0)]
+    edges = np.broadcast_to(edges, counts.shape[:-1] + (bins + 1,)).reshape(-1, bins + 1)
+    lo = edges[np.arange(len(rows)), zero - i].reshape(counts.shape[:-1])
+    hi = edges[np.arange(len(rows)), np.minimum(zero + i + 1, bins)].reshape(counts.shape[:-1])
+    return lo, hi
 
 
-def _kl(p, q):
-    """``scipy.stats.entropy(p, q)`` as ONNX Runtime calls it (SciPy when
-    installed; else the same sum in NumPy: both normalized, natural log)."""
-    if p is None or q is None:
-        return np.inf
-    try:
-        from scipy.stats import entropy
-    except ImportError:
-        p, q = p / p.sum(), q / q.sum()
-        return float(np.sum(p * np.log(p / q)))
-    return float(entropy(p, q))
+_EPS = np.float32(0.0001)  # smooth_distribution's eps, as its float32 arithmetic uses it
+
+
+def _minus_eps1(zeros, n):
+    """``smooth_distribution``'s ``-eps1`` (taken off each nonzero entry of a
+    distribution of ``n`` entries, ``zeros`` of them 0), as float32."""
+    return (-(0.0001 * zeros / (n - zeros))).astype(np.float32)
+
+
+def _kl_divergences(counts, nq, candidates):
+    """ORT's divergence (float32) for each candidate and row: ``(candidates, rows)``.
+    The per-candidate sums come from cumulative sums (exact integers in float64);
+    the float32 part runs on ``(rows, n)`` arrays, NumPy summing each row as it
+    sums ORT's 1-D arrays (pairwise), so the results are ORT's bit for bit."""
+    rows, bins = counts.shape
+    zero = bins // 2
+    cum = np.concatenate([np.zeros((rows, 1)), np.cumsum(counts, axis=1, dtype=np.float64)], axis=1)
+    nonzero = (counts != 0).astype(np.float64)
+    cum_nonzero = np.concatenate([np.zeros((rows, 1)), np.cumsum(nonzero, axis=1)], axis=1)
+    smoothed = np.where(counts != 0, counts.astype(np.float32), _EPS)  # float32(p) + eps * is_zeros
+    nonzero32 = nonzero.astype(np.float32)  # times -eps1 gives the rest of the smoothing
+    kl = np.empty((len(candidates), rows), np.float32)
+    buffers = np.empty((2, rows * bins), np.float32)
+    reps = np.empty(nq + 1, np.int64)
+    chunk = max(1, (1 << 20) // (rows * (nq + 1)))  # candidates whose q are built together
+    for c0 in range(0, len(candidates), chunk):
+        i = candidates[c0:c0 + chunk]
+        start, end = zero - i, np.minimum(zero + i + 1, bins)
+        n = end - start
+        merged = n // nq
+        body = nq * merged
+        # p: the slice; its first and last bins take the counts left and right of it
+        first = counts[:, start] + cum[:, start]
+        last = counts[:, end - 1] + cum[:, -1:] - cum[:, end]
+        first_nz, last_nz = first != 0, last != 0
+        p_nonzero = (cum_nonzero[:, end] - cum_nonzero[:, start] - nonzero[:, start] - nonzero[:, end - 1]
+                     + first_nz + last_nz)
+        p_eps1 = _minus_eps1(n - p_nonzero, n)
+        first = np.where(first_nz, first.astype(np.float32) + p_eps1, _EPS)
+        last = np.where(last_nz, last.astype(np.float32) + p_eps1, _EPS)
+        # q: the slice in nq groups of `merged` bins (the last group also takes the rest of
+        # the slice), each group's sum spread over its nonzero p bins, truncated (ORT's int64 q)
+        at = start[:, None] + merged[:, None] * np.arange(nq + 1)
+        sums, norm = np.diff(cum[:, at], axis=2), np.diff(cum_nonzero[:, at], axis=2)  # (rows, chunk, nq)
+        norm[:, :, 0] += first_nz - nonzero[:, start]
+        norm[:, :, -1] += (last_nz - nonzero[:, end - 1]) * (body == n)
+        sums[:, :, -1] = np.where(norm[:, :, -1] != 0, sums[:, :, -1] + cum[:, end] - cum[:, start + body], 0)
+        q = np.trunc(sums / np.maximum(norm, 1))  # a group with no nonzero p bin has sum 0 (the last: set so)
+        q_nonzero = merged * (q != 0).sum(axis=2)  # the tail n - body stays 0
+        q = np.where(q != 0, q.astype(np.float32) + _minus_eps1(n - q_nonzero, n)[:, :, None], _EPS)
+        q = np.concatenate([q, np.full(q.shape[:2] + (1,), _EPS)], axis=2)  # the tail's value
+        valid = (p_nonzero != 0) & (q_nonzero != 0)
+        for k in range(len(i)):
+            s, e, size = start[k], end[k], n[k]
+            p, r = (b[:rows * size].reshape(rows, size) for b in buffers)
+            np.multiply(nonzero32[:, s:e], p_eps1[:, k:k + 1], out=p)
+            np.add(smoothed[:, s:e], p, out=p)
+            p[:, 0], p[:, -1] = first[:, k], last[:, k]
+            reps[:] = merged[k]
+            reps[-1] = size - body[k]
+            qk = q[:, k]
+            qk = np.repeat(qk / np.repeat(qk, reps, axis=1).sum(axis=1, keepdims=True), reps, axis=1)
+            np.divide(p, p.sum(axis=1, keepdims=True), out=p)  # ORT's entropy(p, q), float32
+            np.divide(p, qk, out=r)
+            np.log(r, out=r)
+            np.multiply(p, r, out=r)
+            kl[c0 + k] = np.where(valid[:, k], r.sum(axis=1), np.inf)
+    return kl
 
 
 def observer(name, dtype="quint8", *, symmetric=False, axis=None) -> Observer:

@@ -382,6 +382,27 @@ def test_bytes_after_are_what_the_file_holds(capsys, tmp_path, rng, suffix):
     assert f" of packed data, scales and zero points; {out.name} is {size} bytes" in text
 
 
+def test_reciprocal_gives_pytorchs_codes(capsys, tmp_path):
+    """--reciprocal writes the codes of quantize(..., reciprocal=True): on a
+    symmetric per-channel range each row's extreme sits near -127.5, a tie that
+    the division and PyTorch's reciprocal multiply round apart (these two rows
+    found by a search over multiples of 1/8: one each way)."""
+    w = np.array([[-0.875, 0.25, 0.5], [-0.625, 0.25, 0.5]], np.float32)
+    np.save(tmp_path / "w.npy", w)
+    codes = {}
+    for flag in ([], ["--reciprocal"]):
+        out = tmp_path / f"q{len(flag)}.npz"
+        rc, _, err = run(capsys, "quantize", tmp_path / "w.npy", "-o", out, "--per-channel", "0", "--symmetric", *flag)
+        assert (rc, err) == (0, "")
+        q = qarray.load(out)["w"]
+        want = qarray.quantize(w, q.scale, 0, "qint8", axis=0, reciprocal=bool(flag))
+        np.testing.assert_array_equal(q.int_repr(), want.int_repr())
+        codes[bool(flag)] = q.int_repr()
+    assert codes[False][:, 0].tolist() == [-128, -127] and codes[True][:, 0].tolist() == [-127, -128]
+    fails(capsys, 2, "--reciprocal is PyTorch's rule for integer dtypes; float8_e4m3fn is a floating format",
+          "quantize", tmp_path / "w.npy", "-o", tmp_path / "f.npz", "--dtype", "float8_e4m3fn", "--reciprocal")
+
+
 def test_floating_formats_are_symmetric_without_asking(capsys, tmp_path, weights):
     """--dtype float8_e4m3fn without --symmetric: a floating format has no zero
     point to choose (it failed on the first bias: "zero_point must be 0 ... got
