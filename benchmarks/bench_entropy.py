@@ -10,7 +10,7 @@ biases, the fc bias) per tensor, as the CLI keeps them, the rest per channel
 (axis 0). ``Histogram(dtype, method="entropy", axis=0).update(w).qparams()`` for
 each, qint8 symmetric and quint8 asymmetric: the total wall and CPU time. The
 peer: ONNX Runtime's ``HistogramCollector`` ("entropy", 2048 bins, 128 quantized
-bins: qarray's defaults) collecting and searching one histogram, timed on a few
+bins: the size of qarray's two search views) collecting and searching one histogram, timed on a few
 rows, against qarray's time per histogram in the same run. Results go to
 OUTDIR/bench_entropy.{json,txt} (default benchmarks/results).
 """
