@@ -545,7 +545,7 @@ def _quantize_lazily(args, target: Path) -> list:
             root = None if to_file else zarr.open_group(target, mode="w-")
         except Exception as e:
             raise CliError(f"cannot write {args.output}: {_one_line(e)}") from None
-        for name, x in arrays.items():
+        for name, x in _progress(arrays.items(), "quantizing"):
             q, row = _quantize_one(name, x, args)
             if to_file:
                 out[name] = q  # written at the end, each tensor chunk by chunk into its place in the file

@@ -403,6 +403,31 @@ def test_reciprocal_gives_pytorchs_codes(capsys, tmp_path):
           "quantize", tmp_path / "w.npy", "-o", tmp_path / "f.npz", "--dtype", "float8_e4m3fn", "--reciprocal")
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_quantize_shows_progress_tensor_by_tensor(capsys, tmp_path, monkeypatch, rng, suffix):
+    """Every output format goes through the progress bar tensor by tensor (a
+    long per-channel entropy run printed nothing for minutes); off a terminal
+    the bar is not drawn (test_tables_are_whole_when_piped)."""
+    pytest.importorskip("safetensors")
+    if suffix == ".safetensors":
+        pytest.importorskip("dask")
+    from safetensors.numpy import save_file
+
+    save_file({"a": rng.standard_normal((4, 8)).astype(np.float32), "b": np.ones(3, np.float32)},
+              str(tmp_path / "m.safetensors"))
+    seen = []
+
+    def progress(items, description):
+        for item in items:
+            seen.append((description, item[0]))
+            yield item
+
+    monkeypatch.setattr(cli, "_progress", progress)
+    rc, _, err = run(capsys, "quantize", tmp_path / "m.safetensors", "-o", tmp_path / f"q{suffix}",
+                     "--observer", "entropy")
+    assert (rc, err) == (0, "") and seen == [("quantizing", "a"), ("quantizing", "b")]
+
+
 def test_floating_formats_are_symmetric_without_asking(capsys, tmp_path, weights):
     """--dtype float8_e4m3fn without --symmetric: a floating format has no zero
     point to choose (it failed on the first bias: "zero_point must be 0 ... got
