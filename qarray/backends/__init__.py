@@ -133,13 +133,15 @@ def gemm_engine() -> str:
     return f"{name}: {_gemm.status(name)[1]}"
 
 
-def on_data_device(op):
+def on_data_device(op=None, *, integer_only=False):
     """Run ``op`` on the device of its first argument's data (a QArray, an array,
     or a sequence of QArrays): CuPy allocates and launches on the current
-    device, which need not be the data's. Every public op is wrapped in it."""
-
-    # the ops take integer formats only (so far); matmul and linear also floating ones (exactly: ops._exact)
-    integer_only = op.__module__.startswith("qarray.ops") and op.__module__ != "qarray.ops.linear"
+    device, which need not be the data's. Every public op is wrapped in it,
+    as ``@on_data_device`` or, for an op that takes integer formats only
+    (floating ones are refused with a TypeError naming the fix),
+    ``@on_data_device(integer_only=True)``."""
+    if op is None:
+        return functools.partial(on_data_device, integer_only=integer_only)
 
     @functools.wraps(op)
     def on_device(first, *args, **kwargs):
@@ -160,3 +162,17 @@ def on_data_device(op):
             return op(first, *args, **kwargs)
 
     return on_device
+
+
+def per_sample(op):
+    """Mark ``op`` as one on samples along its first argument's first axis, each
+    independent of the others (conv2d, pooling): the QArray's backend runs it
+    (:meth:`Backend.over_batches`: here at once; Dask chunk by chunk)."""
+
+    @functools.wraps(op)
+    def run(x, *args, **kwargs):
+        if not hasattr(x, "_backend"):  # not a QArray: the op says so
+            return op(x, *args, **kwargs)
+        return x._backend.over_batches(op, x, *args, **kwargs)
+
+    return run

@@ -80,6 +80,12 @@ class Backend:
         do where there is one device): ops run inside it, see ``on_data_device``."""
         return contextlib.nullcontext()
 
+    def over_batches(self, op, x, *args, **kwargs):
+        """``op(x, *args, **kwargs)`` for an op whose samples (``x``'s first axis)
+        are independent (``per_sample``: conv2d, pooling): here all at once; the
+        Dask backend runs it on each chunk of samples."""
+        return op(x, *args, **kwargs)
+
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 

@@ -253,10 +253,12 @@ class DaskBackend(Backend):
     # -- whole ops over chunks of samples ------------------------------------
     def over_batches(self, op, x, *args, **kwargs):
         """``op(x, *args, **kwargs)`` (an op on NCHW samples: conv2d, pooling) run on
-        each chunk of ``x``'s first axis, the other axes whole in each chunk. The
+        each chunk of ``x``'s first axis, the other axes whole in each chunk; other
+        Dask QArrays among the arguments (a conv weight) are read once, whole. The
         output's parameters and sample shape come from ``op`` on zero samples."""
         from .._qarray import QArray
 
+        args = tuple(a.compute() if isinstance(a, QArray) and a._backend is self else a for a in args)
         data = x.data.rechunk({i: -1 for i in range(1, x.ndim)})
         like = QArray._new(self._chunks_backend().xp.zeros((0,) + x.shape[1:], data.dtype), x.scale, x.zero_point,
                            x.dtype, x.axis, x.block_size)

@@ -49,7 +49,7 @@ def _joined_params(qs, axis):
     return (np.concatenate([q.scale for q in qs], axis=pax), np.concatenate([q.zero_point for q in qs], axis=pax))
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """Concatenate QArrays along ``axis``.
 
@@ -109,7 +109,7 @@ def cat(qs, axis=0, *, scale=None, zero_point=None, dtype=None, mode=None, round
     return QArray._new(out, s, z, d, None, None, backend)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def stack(qs, axis=0, **out) -> QArray:
     """Join QArrays along a new ``axis``; parameter rules as :func:`cat`."""
     qs = _inputs("stack", qs)

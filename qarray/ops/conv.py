@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backends as _backends
-from ..backends import on_data_device
+from ..backends import on_data_device, per_sample
 from .._params import to_host
 from .._qarray import QArray
 from ._output import finish
@@ -101,7 +101,8 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
+@per_sample
 def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
            scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """Quantized 2-D convolution (cross-correlation, as in PyTorch and ONNX), NCHW.
@@ -126,9 +127,6 @@ def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, gro
         raise ValueError(f"conv2d: w must have shape (out_channels, in_channels / groups, kh, kw), got {w.shape}")
     stride, padding, dilation, groups = check_conv_args("conv2d", w.shape, stride, padding, dilation, groups)
     _check_operand("conv2d", "x", x, weight=False)
-    if _backends.common(x.data, w.data).name == "dask":  # each chunk of samples in memory
-        return x._backend.over_batches(conv2d, x, w.compute(), bias, stride, padding, dilation, groups, scale=scale,
-                                       zero_point=zero_point, dtype=dtype, relu=relu, mode=mode, rounding=rounding)
     packed = pack_conv_weight("conv2d", w, groups)
     return conv_packed("conv2d", x, packed, w.shape, bias, stride, padding, dilation, groups,
                        scale, zero_point, dtype, relu, mode, rounding)

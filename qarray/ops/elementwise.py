@@ -95,7 +95,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def add(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``a + b`` with broadcasting; inputs may differ in parameters and dtype.
 
@@ -110,13 +110,13 @@ def add(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=F
     return _add("add", a, b, 1, scale, zero_point, dtype, relu, mode, rounding)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def sub(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``a - b``; as :func:`add`."""
     return _add("sub", a, b, -1, scale, zero_point, dtype, relu, mode, rounding)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """Quantized ``a * b`` with broadcasting: the exact products ``(a - za) * (b - zb)``
     at scale ``a.scale * b.scale``, requantized once to the output parameters (or
@@ -162,7 +162,7 @@ def _constant(q: QArray, value, op):
     return QArray.from_int(b.asarray(np.int8(1 if v >= 0 else -1)), abs(v), 0, qint8) if v else None
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def add_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """``q + value``; output parameters default to the input's."""
     if not isinstance(q, QArray):
@@ -176,7 +176,7 @@ def add_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, rel
     return add(q, c, scale=scale, zero_point=zero_point, dtype=dtype, relu=relu, mode=mode, rounding=rounding)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def mul_scalar(q: QArray, value, *, scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
     """``q * value``. Without output parameters this is exact and changes only the
     parameters (scale ``|value| * q.scale``; a negative value mirrors the codes),
@@ -228,7 +228,7 @@ def _alpha(q: QArray, alpha, axis):
     return a, axis
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def prelu(q: QArray, alpha, *, axis=1, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """Quantized PReLU: ``x`` for ``x >= 0``, ``alpha[c] * x`` below (PyTorch's ``nn.PReLU``).
 
@@ -348,14 +348,14 @@ def _clamp(op, q, lo, hi, names=("min", "max"), *, scale=None, zero_point=None, 
     return out
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def clamp(q: QArray, min=None, max=None, *, scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """Clamp to real ``[min, max]`` (real numbers; either may be None). The bounds are
     quantized with ``q``'s parameters and the codes clipped: exact, parameters kept."""
     return _clamp("clamp", q, min, max, scale=scale, zero_point=zero_point, dtype=dtype, mode=mode, rounding=rounding)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def relu(q: QArray, **out) -> QArray:
     """``max(q, 0)``: codes below the zero point become the zero point."""
     return _clamp("relu", q, 0.0, None, **out)
@@ -364,13 +364,13 @@ def relu(q: QArray, **out) -> QArray:
 relu_ = relu
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def relu6(q: QArray, **out) -> QArray:
     """``min(max(q, 0), 6)``."""
     return _clamp("relu6", q, 0.0, 6.0, **out)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def hardtanh(q: QArray, min_val=-1.0, max_val=1.0, **out) -> QArray:
     """``min(max(q, min_val), max_val)``."""
     return _clamp("hardtanh", q, min_val, max_val, ("min_val", "max_val"), **out)

@@ -48,7 +48,7 @@ def _out_params(op, q, scale, zero_point, dtype, default):
     return output_params(op, scale, zero_point, dtype, default[0], default)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:
     """``fn`` applied to the real values of ``q``, quantized to the output parameters.
 
@@ -116,7 +116,7 @@ _TANH_OUT = (qint8, np.float32(1 / 128), 0)
 _erf = np.frompyfunc(math.erf, 1, 1)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def sigmoid(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     """Quantized logistic sigmoid ``1 / (1 + exp(-x))``.
 
@@ -131,7 +131,7 @@ def sigmoid(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     return _activation("sigmoid", _sigmoid, q, scale, zero_point, dtype, _SIGMOID_OUT)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def tanh(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     """Quantized ``tanh``; default output qint8, scale 1/128, zero point 0
     (``dtype`` defaults to qint8 when other parameters are given).
@@ -152,24 +152,24 @@ _SAME = """
 """
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def hardswish(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     return _activation("hardswish", lambda x: x * np.clip(x + 3.0, 0.0, 6.0) / 6.0, q, scale, zero_point, dtype)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def gelu(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     return _activation(
         "gelu", lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64)), q, scale, zero_point, dtype
     )
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def silu(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     return _activation("silu", lambda x: x * _sigmoid(x), q, scale, zero_point, dtype)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def exp(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     def _exp(x):
         with np.errstate(over="ignore"):  # inf saturates at qmax
@@ -178,14 +178,14 @@ def exp(q: QArray, *, scale=None, zero_point=None, dtype=None) -> QArray:
     return _activation("exp", _exp, q, scale, zero_point, dtype)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def elu(q: QArray, alpha=1.0, *, scale=None, zero_point=None, dtype=None) -> QArray:
     alpha = float(alpha)
     return _activation("elu", lambda x: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0))),
                        q, scale, zero_point, dtype)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def leaky_relu(q: QArray, negative_slope=0.01, *, scale=None, zero_point=None, dtype=None) -> QArray:
     slope = float(negative_slope)
     return _activation("leaky_relu", lambda x: np.where(x >= 0, x, x * slope), q, scale, zero_point, dtype)

@@ -22,7 +22,7 @@ import operator
 
 import numpy as np
 
-from ..backends import on_data_device
+from ..backends import on_data_device, per_sample
 from .._config import resolve
 from .._fixed_point import float_multiplier, quantize_multiplier
 from .._params import normalize_axis, to_host
@@ -169,7 +169,8 @@ def _finish_mean(op, q, acc, count, scale, zero_point, dtype, mode, rounding) ->
     return make(rnd(acc, count))
 
 
-@on_data_device
+@on_data_device(integer_only=True)
+@per_sample
 def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QArray:
     """2-D max pooling on the integers; the output keeps the input's parameters.
 
@@ -184,14 +185,13 @@ def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QA
              [13, 15]]]], dtype=int8)
     """
     x, three = _check("max_pool2d", q, per_axis=True)
-    if q._backend.name == "dask":  # each chunk of samples in memory
-        return q._backend.over_batches(max_pool2d, q, kernel_size, stride, padding, dilation)
     xp = q._backend.xp
     out = _windows("max_pool2d", xp, x, q.dtype.qmin, kernel_size, stride, padding, dilation).max(axis=(-2, -1))
     return QArray._new(out[0] if three else out, q.scale, q.zero_point, q.dtype, q.axis, None, q._backend)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
+@per_sample
 def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_pad=True,
                scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
     """2-D average pooling: exact integer window sums, one rounding.
@@ -207,9 +207,6 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     array([[[[2]]]], dtype=int8)
     """
     x, three = _check("avg_pool2d", q)
-    if q._backend.name == "dask":
-        return q._backend.over_batches(avg_pool2d, q, kernel_size, stride, padding, count_include_pad=count_include_pad,
-                                       scale=scale, zero_point=zero_point, dtype=dtype, mode=mode, rounding=rounding)
     b, xp = q._backend, q._backend.xp
     k, s, p, _, (oh, ow) = _geometry("avg_pool2d", x.shape, kernel_size, stride, padding)
     d, rnd, make = _mean_output("avg_pool2d", q, scale, zero_point, dtype, mode, rounding)
@@ -246,7 +243,8 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     return res[0] if three else res
 
 
-@on_data_device
+@on_data_device(integer_only=True)
+@per_sample
 def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, dtype=None,
                         mode=None, rounding=None) -> QArray:
     """2-D average pooling to ``output_size`` (an int, or a pair whose None entries
@@ -259,9 +257,6 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     array([[[2, 3]]], dtype=int8)
     """
     x, three = _check("adaptive_avg_pool2d", q)
-    if q._backend.name == "dask":
-        return q._backend.over_batches(adaptive_avg_pool2d, q, output_size, scale=scale, zero_point=zero_point,
-                                       dtype=dtype, mode=mode, rounding=rounding)
     b, xp = q._backend, q._backend.xp
     size = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size, output_size)
     if len(size) != 2:
@@ -304,7 +299,7 @@ def _reduce(op, q, axis, keepdims):
     return xp.asarray(acc - zp * count if zp else acc), count
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
          mode=None, rounding=None) -> QArray:
     """Mean over ``axis`` (None: all), rounded once from the exact integer sum.
@@ -322,7 +317,7 @@ def mean(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, d
     return _finish_mean("mean", q, acc, count, scale, zero_point, dtype, mode, rounding)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def sum(q: QArray, axis=None, keepdims=False, *, scale=None, zero_point=None, dtype=None,
         mode=None, rounding=None) -> QArray:
     """Sum over ``axis`` (None: all) of a per-tensor input.

@@ -100,7 +100,7 @@ def _softmax(op, q, axis, scale, zero_point, dtype, log):
     return QArray._new(data, s_out, z_out, d, None, None, b)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def softmax(q: QArray, axis: int = -1, *, scale=None, zero_point=None, dtype=None) -> QArray:
     """Quantized ``softmax`` along ``axis``: ``exp(x) / sum(exp(x))`` of the real values.
 
@@ -126,7 +126,7 @@ def softmax(q: QArray, axis: int = -1, *, scale=None, zero_point=None, dtype=Non
     return _softmax("softmax", q, axis, scale, zero_point, dtype, False)
 
 
-@on_data_device
+@on_data_device(integer_only=True)
 def log_softmax(q: QArray, axis: int = -1, *, scale=None, zero_point=None, dtype=None) -> QArray:
     """Quantized ``log_softmax`` along ``axis``: ``x - log(sum(exp(x)))`` of the real values.
 
