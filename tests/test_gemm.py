@@ -27,6 +27,12 @@ def engine(request):
         yield request.param
 
 
+def needs_onnxruntime():
+    """The MLAS engines' own tests (elsewhere a missing onnxruntime is a status, tested too)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+
+
 @pytest.fixture
 def fresh_state(monkeypatch):
     """Forget which engines were checked (restored after the test)."""
@@ -150,6 +156,7 @@ def test_engines_agree_on_a_large_product(rng):
 
 
 def test_auto_prefers_u8s8_only_with_vnni(fresh_state, monkeypatch):
+    needs_onnxruntime()
     monkeypatch.setattr(_gemm.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(_gemm, "_cpu_flags", lambda: {"avx2", "avx512bw"})
     ok, why = _gemm.status("u8s8")
@@ -161,6 +168,7 @@ def test_auto_prefers_u8s8_only_with_vnni(fresh_state, monkeypatch):
 
 
 def test_a_failed_self_check_is_logged_once_and_bypassed(fresh_state, monkeypatch, caplog, rng):
+    needs_onnxruntime()
     real = _gemm._self_check
     monkeypatch.setattr(_gemm, "_self_check",
                         lambda name: (False, "self-check failed: 32512 off") if name == "u8s8" else real(name))
@@ -193,6 +201,7 @@ def test_an_engine_that_fails_to_load_is_bypassed(fresh_state, monkeypatch, capl
 
 
 def test_an_engine_that_crashes_is_bypassed(fresh_state, monkeypatch):
+    needs_onnxruntime()
     def crash(*args, **kwargs):
         raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL")
 

@@ -169,6 +169,7 @@ def test_observers():
 
 
 def test_zarr_and_safetensors_from_device_chunks(tmp_path):
+    pytest.importorskip("safetensors")
     pytest.importorskip("zarr")
     from qarray.zarr import from_zarr, to_zarr
 

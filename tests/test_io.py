@@ -1,5 +1,6 @@
-import json
+import importlib.util
 import io
+import json
 import math
 import re
 import zipfile
@@ -9,6 +10,10 @@ import pytest
 
 import qarray
 from qarray import QArray
+
+
+needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
+                                       reason="safetensors is not installed (pip install safetensors)")
 
 
 @pytest.fixture
@@ -284,6 +289,7 @@ def test_names_with_slashes_file_objects_and_paths_without_npz(tmp_path, rng):
         qarray.load(io.BytesIO(b"not a zip at all, long enough for the end record"))
 
 
+@needs_safetensors
 def test_safetensors_round_trip_exact(tmp_path, rng):
     want = _checkpoint(rng)
     path = tmp_path / "m.safetensors"
@@ -321,6 +327,7 @@ def _rows_reference(codes, bits):
 
 @pytest.mark.parametrize("dtype", ["qint4", "quint4", "qint2", "quint2"])
 @pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 7), (2, 3, 1), (4, 0), (2, 16)])
+@needs_safetensors
 def test_safetensors_holds_codes_below_8_bits_packed_by_rows(tmp_path, dtype, shape):
     """Codes below 8 bits take their packed size in a .safetensors file, not a
     byte each: the tensor NAME is uint8, each row along the last axis packed and
@@ -357,6 +364,7 @@ def _st_tensors(path):
 
 
 @pytest.mark.parametrize("dtype", ["float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "mxfp4", "nvfp4"])
+@needs_safetensors
 def test_safetensors_packs_small_float_formats_by_rows(tmp_path, rng, dtype):
     """float4 two a byte and float6 four in three bytes per row (each row as
     QArray.pack packs it), blocked formats with their scales; exact round trip."""
@@ -384,6 +392,7 @@ def test_safetensors_packs_small_float_formats_by_rows(tmp_path, rng, dtype):
     assert back.global_scale == q.global_scale
 
 
+@needs_safetensors
 def test_safetensors_files_of_version_3_and_before_still_load(tmp_path):
     """qarray 0.x wrote qint4 codes one a byte with the QArray's shape (versions 2
     and 3): such files load unchanged; a version 4 tensor of the wrong packed
@@ -406,6 +415,7 @@ def test_safetensors_files_of_version_3_and_before_still_load(tmp_path):
         qarray.load(tmp_path / "bad.safetensors")
 
 
+@needs_safetensors
 def test_safetensors_refuses_a_qarray_called_format(tmp_path):
     q = QArray.from_int(np.array([1, 2]), 1.0, 0, "qint8")
     with pytest.raises(ValueError, match="cannot be called 'format': the file's metadata entry 'format' says 'qarray'"):
@@ -413,6 +423,7 @@ def test_safetensors_refuses_a_qarray_called_format(tmp_path):
     qarray.save(tmp_path / "f.safetensors", {"format": np.arange(2)})  # a plain array has no metadata entry
 
 
+@needs_safetensors
 def test_safetensors_float_weights_from_other_tools_quantize(tmp_path, rng):
     from safetensors.numpy import save_file
 
@@ -440,6 +451,7 @@ def write_safetensors(path, tensors):
 
 
 @pytest.mark.parametrize("code,fmt", [("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")])
+@needs_safetensors
 def test_safetensors_checkpoint_floats_load_and_save(tmp_path, rng, code, fmt):
     """bfloat16 and float8 tensors of a checkpoint (PyTorch's BF16, F8_E4M3,
     F8_E5M2) load bit for bit, 0-d and empty ones too, quantize from their
@@ -465,6 +477,7 @@ def test_safetensors_checkpoint_floats_load_and_save(tmp_path, rng, code, fmt):
     np.testing.assert_array_equal(back["q"].int_repr(), q.int_repr())
 
 
+@needs_safetensors
 def test_safetensors_errors(tmp_path, rng):
     from safetensors.numpy import save_file
 

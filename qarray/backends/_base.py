@@ -142,7 +142,8 @@ class Backend:
         def fn(c, s, z):
             if bool(xp.isnan(c).any()):
                 raise nan_error(x)
-            q = xp.rint(c.astype(ft, copy=False) / s).astype(xp.float64) + z
+            with np.errstate(over="ignore"):  # x / scale beyond the float range is inf, which saturates
+                q = xp.rint(c.astype(ft, copy=False) / s).astype(xp.float64) + z
             return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
 
         out = xp.empty(x.shape, qd.storage)
