@@ -9,11 +9,11 @@ import numpy as np
 
 from . import _formats
 from . import backends as _backends
-from .backends import on_data_device
+from .backends import on_data_device, user_array
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, check_scale, expand, float_values, param_shape, to_host, user_array
+from ._params import check_params, check_scale, expand, float_values, param_shape, to_host
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 

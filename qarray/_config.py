@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import numpy as np
 
@@ -135,11 +136,12 @@ def resolve(mode, rounding):
     return mode, rounding
 
 
+THREADS = [os.cpu_count() or 1]  # what set_num_threads set: read by _numba.parallel and the GEMM engine
+
+
 def set_num_threads(n: int) -> None:
     """Threads for the CPU kernels (the Numba kernels' parts, at most
     ``NUMBA_NUM_THREADS``) and for the int8 GEMM engine's new sessions."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"set_num_threads needs a positive integer, got {n!r}")
-    from .backends import numpy as _np_backend
-
-    _np_backend.set_num_threads(n)
+    THREADS[0] = n

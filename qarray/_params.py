@@ -39,35 +39,6 @@ def to_host(a):
     return np.asarray(a)
 
 
-def user_array(x, what: str):
-    """``x`` as an array a backend accepts, and that backend: the one place user
-    data is normalised (quantize, quantize_dynamic, from_int, unpack, ``nn``);
-    ``what`` names the caller in errors.
-
-    Python numbers, lists and tuples become NumPy arrays; other DLPack arrays
-    (PyTorch, JAX) NumPy or CuPy arrays; NumPy subclasses such as
-    ``numpy.matrix`` become plain ndarrays (their own reshape and ``*`` rules
-    would break the kernels); non-native byte order (``'>f4'``) is converted to
-    native. Masked arrays are refused: their masked slots hold arbitrary values.
-    """
-    from . import backends as _backends
-
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(
-            f"{what} does not take masked arrays (the masked slots hold arbitrary values); "
-            "fill the masked values first, e.g. x.filled(0)"
-        )
-    if isinstance(x, (list, tuple, int, float, np.generic)) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray):
-        x = np.asarray(x)
-    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and not _backends.handles(x):
-        from .interop import from_dlpack  # PyTorch, JAX, ...: NumPy (CPU) or CuPy (CUDA), no copy where allowed
-
-        x = from_dlpack(x, what)
-    if isinstance(x, np.ndarray) and not x.dtype.isnative:
-        x = x.astype(x.dtype.newbyteorder("="))
-    return x, _backends.for_array(x)
-
-
 def array_key(a) -> tuple:
     """A hashable key of host array ``a``'s value (dtype, shape, bytes): what the
     caches of plans and device parameters are keyed by."""

@@ -10,7 +10,7 @@ import numpy as np
 from . import backends as _backends
 from . import _protocols
 from ._dtypes import qdtype
-from ._params import check_params, normalize_axis, to_host, user_array
+from ._params import check_params, normalize_axis, to_host
 
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
@@ -70,7 +70,7 @@ class QArray:
         array([ 0.5, -1. ], dtype=float32)
         """
         d = qdtype(dtype)
-        ints, b = user_array(ints, "from_int")
+        ints, b = _backends.user_array(ints, "from_int")
         if global_scale is not None:
             if d.kind != "float":
                 raise TypeError(f"from_int: global_scale= is for floating formats (NVFP4); {d.name} is an integer format")

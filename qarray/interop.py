@@ -5,7 +5,7 @@
   exact in the integers and the parameters. PyTorch is optional: imported here,
   on first use.
 - DLPack: ``quantize`` and ``QArray.from_int`` take any array with
-  ``__dlpack__`` (PyTorch, JAX, ...) for their data (``from_dlpack``, no copy
+  ``__dlpack__`` (PyTorch, JAX, ...) for their data (``backends.user_array``, no copy
   where the producer allows); ``q.data`` is a NumPy or CuPy array, which
   DLPack consumers take without a copy (``torch.from_dlpack(q.data)``). A
   QArray itself is codes plus parameters, not one tensor: ``__dlpack__`` says so.
@@ -18,7 +18,6 @@ import numpy as np
 from ._dtypes import qdtype
 from ._qarray import QArray
 
-_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 # PyTorch's quantized dtypes by name, and ours for them
 _FROM_TORCH = {"quint8": "quint8", "qint8": "qint8", "qint32": "qint32", "quint4x2": "quint4"}
 _TO_TORCH = {v: k for k, v in _FROM_TORCH.items()}
@@ -30,30 +29,6 @@ def _torch():
     except ImportError:
         raise ImportError("PyTorch interop needs PyTorch: pip install torch") from None
     return torch
-
-
-def from_dlpack(x, what: str):
-    """A DLPack-capable array ``x`` as a NumPy array (CPU memory) or a CuPy array
-    (CUDA memory), without a copy where ``x``'s library allows one."""
-    device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _KDL_CPU
-    if device in (_KDL_CPU, _KDL_CUDA_HOST):
-        take = np.from_dlpack
-    elif device in (_KDL_CUDA, _KDL_CUDA_MANAGED):
-        try:
-            import cupy
-        except ImportError:
-            raise TypeError(f"{what}: {type(x).__name__} lives on a CUDA device; install CuPy "
-                            "(pip install 'qarray[cuda13]') or move it to the CPU first") from None
-        take = cupy.from_dlpack
-    else:
-        raise TypeError(f"{what}: {type(x).__name__} lives on DLPack device type {device}, which qarray does not "
-                        "take; move it to the CPU or a CUDA device first")
-    try:
-        return take(x)
-    except (BufferError, RuntimeError, TypeError) as e:
-        raise TypeError(f"{what}: could not take the {type(x).__module__}.{type(x).__qualname__} through DLPack "
-                        f"({e}); pass a NumPy or CuPy array (for a PyTorch tensor: t.detach(), and "
-                        "qarray.from_torch for a quantized one)") from None
 
 
 def from_torch(t) -> QArray:

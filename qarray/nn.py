@@ -24,8 +24,9 @@ import numpy as np
 
 from ._api import choose_qparams, quantize, quantize_dynamic
 from ._dtypes import qdtype, qint8, quint8
-from ._params import float_values, to_host, user_array
+from ._params import float_values, to_host
 from ._qarray import QArray
+from .backends import user_array
 from .ops.conv import check_conv_args, conv_packed, pack_conv_weight
 from .ops.linear import PackedWeight, _check_operand
 

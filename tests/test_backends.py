@@ -213,9 +213,7 @@ def test_cupy_imported_without_a_device_leaves_other_arrays_alone(monkeypatch, t
 @pytest.fixture
 def threads():
     """``qarray.set_num_threads`` for one test, restored after it."""
-    from qarray.backends import _gemm
-
-    before = _gemm.THREADS[0]
+    before = qarray._config.THREADS[0]
     yield qarray.set_num_threads
     qarray.set_num_threads(before)
 

@@ -19,9 +19,11 @@ import contextlib
 import functools
 import sys
 
+import numpy as np
+
 from ._base import Backend
 
-__all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device", "gemm_engine"]
+__all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device", "gemm_engine", "user_array"]
 
 _by_name: dict = {}
 _by_type: dict = {}
@@ -120,6 +122,58 @@ def available() -> list:
         pass
     names += [n for n in _by_name if n not in names and n not in _lazy]
     return names
+
+
+def user_array(x, what: str):
+    """``x`` as an array a backend accepts, and that backend: the one place user
+    data is normalised (quantize, quantize_dynamic, from_int, unpack, ``nn``);
+    ``what`` names the caller in errors.
+
+    Python numbers, lists and tuples become NumPy arrays; other DLPack arrays
+    (PyTorch, JAX) NumPy or CuPy arrays; NumPy subclasses such as
+    ``numpy.matrix`` become plain ndarrays (their own reshape and ``*`` rules
+    would break the kernels); non-native byte order (``'>f4'``) is converted to
+    native. Masked arrays are refused: their masked slots hold arbitrary values.
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} does not take masked arrays (the masked slots hold arbitrary values); "
+            "fill the masked values first, e.g. x.filled(0)"
+        )
+    if isinstance(x, (list, tuple, int, float, np.generic)) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray):
+        x = np.asarray(x)
+    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and not handles(x):
+        x = from_dlpack(x, what)  # PyTorch, JAX, ...: NumPy (CPU) or CuPy (CUDA), no copy where allowed
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
+    return x, for_array(x)
+
+
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13  # DLPack's device types
+
+
+def from_dlpack(x, what: str):
+    """A DLPack-capable array ``x`` as a NumPy array (CPU memory) or a CuPy array
+    (CUDA memory), without a copy where ``x``'s library allows one."""
+    device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _KDL_CPU
+    if device in (_KDL_CPU, _KDL_CUDA_HOST):
+        take = np.from_dlpack
+    elif device in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+        try:
+            import cupy
+        except ImportError:
+            raise TypeError(f"{what}: {type(x).__name__} lives on a CUDA device; install CuPy "
+                            "(pip install 'qarray[cuda13]') or move it to the CPU first") from None
+        take = cupy.from_dlpack
+    else:
+        raise TypeError(f"{what}: {type(x).__name__} lives on DLPack device type {device}, which qarray does not "
+                        "take; move it to the CPU or a CUDA device first")
+    try:
+        return take(x)
+    except (BufferError, RuntimeError, TypeError) as e:
+        raise TypeError(f"{what}: could not take the {type(x).__module__}.{type(x).__qualname__} through DLPack "
+                        f"({e}); pass a NumPy or CuPy array (for a PyTorch tensor: t.detach(), and "
+                        "qarray.from_torch for a quantized one)") from None
 
 
 def gemm_engine() -> str:

@@ -23,12 +23,13 @@ backend, which is always exact. ``qarray.config.gemm`` forces one.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import uuid
 from collections import OrderedDict
 
 import numpy as np
+
+from .._config import THREADS
 
 log = logging.getLogger("qarray")
 
@@ -36,7 +37,6 @@ ENGINES = ("u8s8", "u8u8", "blas")
 _KMAX = {"u8s8": (2**31 - 1) // (255 * 128), "u8u8": (2**31 - 1) // (255 * 255)}
 _state: dict = {}  # engine name -> (usable, reason); filled at first use
 _sessions: dict = {}  # (weight type, threads) -> session taking the weights as an input
-THREADS = [os.cpu_count() or 1]  # for new sessions; qarray.set_num_threads changes it
 
 
 def _cpu_flags() -> set:

@@ -35,8 +35,8 @@ import numpy as np
 from numba import njit
 
 from .. import _fixed_point
+from .._config import THREADS
 from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
-from ._gemm import THREADS
 
 # error_model="numpy": no check for division by zero, which would keep loops
 # from vectorizing (Numba's prange bodies compile with it too)

@@ -85,9 +85,7 @@ class DaskWeight:
 
 def _on_batch(op, like, args, kwargs, chunk):
     """``op`` on one chunk of samples, as an in-memory QArray with ``like``'s parameters."""
-    from .._qarray import QArray
-
-    x = QArray._new(chunk, like.scale, like.zero_point, like.dtype, like.axis, like.block_size)
+    x = type(like)._new(chunk, like.scale, like.zero_point, like.dtype, like.axis, like.block_size)
     return op(x, *args, **kwargs).data
 
 
@@ -256,8 +254,7 @@ class DaskBackend(Backend):
         each chunk of ``x``'s first axis, the other axes whole in each chunk; other
         Dask QArrays among the arguments (a conv weight) are read once, whole. The
         output's parameters and sample shape come from ``op`` on zero samples."""
-        from .._qarray import QArray
-
+        QArray = type(x)  # (the backends sit below the QArray class: they take it from its objects)
         args = tuple(a.compute() if isinstance(a, QArray) and a._backend is self else a for a in args)
         data = x.data.rechunk({i: -1 for i in range(1, x.ndim)})
         like = QArray._new(self._chunks_backend().xp.zeros((0,) + x.shape[1:], data.dtype), x.scale, x.zero_point,

@@ -38,10 +38,6 @@ def _numba_kernels():
 _kernels = False
 
 
-def set_num_threads(n: int) -> None:
-    _gemm.THREADS[0] = n  # the GEMM engine's new sessions and _numba.parallel
-
-
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
