@@ -470,22 +470,6 @@ def _staged(out: Path):
         _remove(staging)
 
 
-class _Lazy:
-    """A tensor of a .safetensors file, read slice by slice from its memory map
-    (``io.st_read``'s reader), for ``dask.array.from_array``."""
-
-    def __init__(self, path, name, shape, dtype, read):
-        self.path, self.name, self.shape, self.dtype, self.read = str(path), name, tuple(shape), np.dtype(dtype), read
-        self.ndim = len(self.shape)
-
-    def __dask_tokenize__(self):  # else dask may read the whole tensor to name it
-        st = os.stat(self.path)
-        return self.path, st.st_size, st.st_mtime_ns, self.name, self.shape, self.dtype.str
-
-    def __getitem__(self, key):
-        return self.read(key)
-
-
 def _lazy_arrays(path: Path):
     """``{name: dask array}`` of IN, read chunk by chunk (a .safetensors tensor slice
     by slice from its memory map, a .npy memory-mapped; a .npz member in memory)."""
@@ -496,10 +480,7 @@ def _lazy_arrays(path: Path):
         try:
             if _written_by_qarray(path):
                 raise _already(path)
-            lazy = {name: _Lazy(path, name, shape, dtype, read)
-                    for name, (shape, dtype, read) in io.st_read(path, key=None).items()}
-            return {name: da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * t.ndim, t.dtype))
-                    for name, t in lazy.items()}  # meta given: dask would read an empty slice, which reads it all
+            return io.st_lazy(path)
         except CliError:
             raise
         except Exception as e:

@@ -105,15 +105,15 @@ def save(path, arrays: dict) -> None:
         if not isinstance(q, QArray):
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, "
                             "not a QArray or numpy.ndarray")
-        meta = _meta(q)
+        meta = meta_of(q)
         out[f"{name}.data"] = to_host(q.pack())
-        out[f"{name}.scale"] = _scale_bits(q)
+        out[f"{name}.scale"] = scale_bits(q)
         out[f"{name}.zero_point"] = to_host(q.zero_point)
         out[f"{name}.meta"] = np.array(json.dumps(meta))
     np.savez(path, **out)
 
 
-def _meta(q, rows=False) -> dict:
+def meta_of(q, rows=False) -> dict:
     """A QArray's ``NAME.meta`` (also its safetensors metadata entry: ``rows``
     where it holds codes below 8 bits packed row by row, version 4)."""
     meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
@@ -124,14 +124,14 @@ def _meta(q, rows=False) -> dict:
     return meta
 
 
-def _scale_bits(q) -> np.ndarray:
+def scale_bits(q) -> np.ndarray:
     """The scale as stored: float32, or the bit patterns of another scale dtype."""
     s = to_host(q.scale)
     s = s if s.flags.c_contiguous else s.copy()  # (ascontiguousarray would make a 0-d scale 1-d)
     return s if s.dtype == np.float32 else s.view(f"u{s.dtype.itemsize}")
 
 
-def _scale_dtype(name) -> np.dtype:
+def scale_dtype(name) -> np.dtype:
     from . import _formats
 
     return np.dtype(np.float16) if name == "float16" else np.dtype(getattr(_formats.ml_dtypes(), name))
@@ -253,8 +253,8 @@ def _save_safetensors(path, arrays):
                 codes = packed_rows(q.dtype, x.rechunk({x.ndim - 1: step}))
             elif rows:
                 codes = pack_rows(q.dtype, q.data)
-            parts = {name: codes, f"{name}.scale": _scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
-            metadata[name] = json.dumps(_meta(q, rows))
+            parts = {name: codes, f"{name}.scale": scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
+            metadata[name] = json.dumps(meta_of(q, rows))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
         for key, a in parts.items():
@@ -329,6 +329,32 @@ def st_read(path, key=Ellipsis) -> dict:
     return {k: read(key) for k, (shape, dtype, read) in readers.items()}
 
 
+class _StTensor:
+    """A tensor of a .safetensors file, read slice by slice from its memory map
+    (``io.st_read``'s reader), for ``dask.array.from_array``."""
+
+    def __init__(self, path, name, shape, dtype, read):
+        self.path, self.name, self.shape, self.dtype, self.read = str(path), name, tuple(shape), np.dtype(dtype), read
+        self.ndim = len(self.shape)
+
+    def __dask_tokenize__(self):  # else dask may read the whole tensor to name it
+        st = os.stat(self.path)
+        return self.path, st.st_size, st.st_mtime_ns, self.name, self.shape, self.dtype.str
+
+    def __getitem__(self, key):
+        return self.read(key)
+
+
+def st_lazy(path) -> dict:
+    """``{name: dask array}`` of a .safetensors file's tensors (every dtype of
+    ``st_dtype``), each read slice by slice from its memory map as dask computes it."""
+    import dask.array as da
+
+    lazy = {name: _StTensor(path, name, shape, dtype, read) for name, (shape, dtype, read) in st_read(path, key=None).items()}
+    return {name: da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * t.ndim, t.dtype))
+            for name, t in lazy.items()}  # meta given: dask would read an empty slice, which reads it all
+
+
 def _stream_safetensors(path, tensors, metadata):
     """The safetensors layout (an 8-byte header length, the JSON header, the data
     in header order) written with dask arrays computed chunk by chunk into a
@@ -387,7 +413,7 @@ def _load_safetensors(path) -> dict:
     for name, text in metadata.items():
         if not _is_qarray_meta(text):
             continue  # other tools' metadata
-        d, shape, axis, block_size, sd, gs = _parse_meta(path, name, text)
+        d, shape, axis, block_size, sd, gs = parse_meta(path, name, text)
         missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
         if missing:
             raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")
@@ -494,11 +520,11 @@ def _load_one(path, zf, name, fields):
     text = _read(path, zf, fields["meta"], f"{name}.meta",
                  lambda dtype, shape: None if dtype.kind == "U" and shape == () else "expected a JSON string")
     plain = "array" in fields
-    dtype, shape, axis, block_size, sd, gs = _parse_meta(path, name, str(text[()]), plain)
+    dtype, shape, axis, block_size, sd, gs = parse_meta(path, name, str(text[()]), plain)
     if plain:
         a = _read(path, zf, fields["array"], f"{name}.array", _exactly(dtype, shape))
         if dtype.kind == "b" and a.size and a.view(np.uint8).max() > 1:
-            raise _bad(path, name, "array", "a bool array holds bytes other than 0 and 1")
+            raise bad_field(path, name, "array", "a bool array holds bytes other than 0 and 1")
         return a.copy()  # writable, as numpy.load gives it
     count = math.prod(shape)
     pshape = param_shape(shape, axis, block_size)
@@ -514,9 +540,9 @@ def _load_one(path, zf, name, fields):
     try:
         data = unpack(packed, dtype, shape)
     except (TypeError, ValueError) as e:
-        raise _bad(path, name, "data", e) from None
+        raise bad_field(path, name, "data", e) from None
     if dtype.kind == "int" and not dtype.packed and data.size and (data.min() < dtype.qmin or data.max() > dtype.qmax):
-        raise _bad(path, name, "data", f"values outside the range of {dtype.name}")
+        raise bad_field(path, name, "data", f"values outside the range of {dtype.name}")
     return QArray._new(data, s, z, dtype, axis, block_size, global_scale=gs)
 
 
@@ -559,7 +585,7 @@ def _read(path, zf, info, key, check) -> np.ndarray:
     return a
 
 
-def _bad(path, name, field, why) -> ValueError:
+def bad_field(path, name, field, why) -> ValueError:
     return ValueError(f"{path}: field {name}.{field} is invalid: {why}")
 
 
@@ -572,64 +598,64 @@ def _unique_keys(pairs) -> dict:
     return dict(pairs)
 
 
-def _parse_meta(path, name, text, plain=False):
+def parse_meta(path, name, text, plain=False):
     """``(dtype, shape, axis, block_size)`` from ``NAME.meta``: a QDType, or for a
     plain array (``plain``) a NumPy dtype with axis and block_size None."""
     try:
         meta = json.loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
-        raise _bad(path, name, "meta", f"not JSON ({e})") from None
+        raise bad_field(path, name, "meta", f"not JSON ({e})") from None
     if not isinstance(meta, dict):
-        raise _bad(path, name, "meta", "expected a JSON object")
+        raise bad_field(path, name, "meta", "expected a JSON object")
     legacy = meta.get("format") == _LEGACY_FORMAT and "version" not in meta  # version 1
     if not legacy:
         reads = f"this qarray reads version {', '.join(map(str, VERSIONS))}"
         if meta.get("format") != FORMAT:
-            raise _bad(path, name, "meta", f"format is not {FORMAT!r}")
+            raise bad_field(path, name, "meta", f"format is not {FORMAT!r}")
         if "version" not in meta:
-            raise _bad(path, name, "meta", f"version is missing; {reads}")
+            raise bad_field(path, name, "meta", f"version is missing; {reads}")
         if type(meta["version"]) is not int or meta["version"] not in VERSIONS:
-            raise _bad(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
+            raise bad_field(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
     if plain and (legacy or meta.get("version") == 1):
-        raise _bad(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
+        raise bad_field(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
     want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else _KEYS
     if meta.keys() != want:
-        raise _bad(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
+        raise bad_field(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
-        raise _bad(path, name, "meta", f"kind must be 'ndarray' beside {name}.array, got {meta['kind']!r}")
+        raise bad_field(path, name, "meta", f"kind must be 'ndarray' beside {name}.array, got {meta['kind']!r}")
     if not isinstance(meta["dtype"], str):
-        raise _bad(path, name, "meta", f"dtype must be a string, got {meta['dtype']!r}")
+        raise bad_field(path, name, "meta", f"dtype must be a string, got {meta['dtype']!r}")
     shape = meta["shape"]
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise _bad(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
+        raise bad_field(path, name, "meta", f"shape must be a list of non-negative integers, got {shape!r}")
     if plain:
         return _plain_dtype(path, name, meta["dtype"]), tuple(shape), None, None, None, None
     try:
         dtype = qdtype(meta["dtype"])
     except TypeError as e:
-        raise _bad(path, name, "meta", f"dtype: {e}") from None
+        raise bad_field(path, name, "meta", f"dtype: {e}") from None
     for key in ("axis", "block_size"):
         v = meta[key]
         if v is not None and type(v) is not int:
-            raise _bad(path, name, "meta", f"{key} must be an integer or null, got {v!r}")
+            raise bad_field(path, name, "meta", f"{key} must be an integer or null, got {v!r}")
     try:
         axis = normalize_axis(meta["axis"], len(shape))
         block_size = normalize_block_size(meta["block_size"], axis)
     except ValueError as e:
-        raise _bad(path, name, "meta", e) from None
+        raise bad_field(path, name, "meta", e) from None
     sd, gs = np.dtype(np.float32), None
     if meta.get("version") in (3, 4):
         if meta["scale_dtype"] not in KEPT_SCALES or dtype.kind != "float" and meta["scale_dtype"] != "float32":
-            raise _bad(path, name, "meta", f"scale_dtype must be one of {', '.join(KEPT_SCALES)} (float32 for "
+            raise bad_field(path, name, "meta", f"scale_dtype must be one of {', '.join(KEPT_SCALES)} (float32 for "
                        f"integer formats), got {meta['scale_dtype']!r}")
-        sd = _scale_dtype(meta["scale_dtype"]) if meta["scale_dtype"] != "float32" else sd
+        sd = scale_dtype(meta["scale_dtype"]) if meta["scale_dtype"] != "float32" else sd
         if meta["global_scale"] is not None:
             if type(meta["global_scale"]) not in (int, float):
-                raise _bad(path, name, "meta", f"global_scale must be a number or null, got {meta['global_scale']!r}")
+                raise bad_field(path, name, "meta", f"global_scale must be a number or null, got {meta['global_scale']!r}")
             try:
                 gs = check_scale(meta["global_scale"])
             except ValueError as e:
-                raise _bad(path, name, "meta", f"global_scale: {e}") from None
+                raise bad_field(path, name, "meta", f"global_scale: {e}") from None
     return dtype, tuple(shape), axis, block_size, sd, gs
 
 
@@ -640,7 +666,7 @@ def _plain_dtype(path, name, text) -> np.dtype:
             warnings.simplefilter("error")  # numpy's deprecated spellings
             dtype = np.dtype(text)
     except _READ_ERRORS as e:
-        raise _bad(path, name, "meta", f"dtype {text!r} is not a NumPy dtype ({e})") from None
+        raise bad_field(path, name, "meta", f"dtype {text!r} is not a NumPy dtype ({e})") from None
     if dtype.kind not in _ARRAY_KINDS:
-        raise _bad(path, name, "meta", f"dtype {text!r} is not numeric or bool")
+        raise bad_field(path, name, "meta", f"dtype {text!r} is not numeric or bool")
     return dtype

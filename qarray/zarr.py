@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import numpy as np
 
@@ -25,7 +24,8 @@ from . import backends as _backends
 from ._api import packed_layout
 from ._params import check_params, to_host
 from ._qarray import QArray
-from .io import _bad, _meta, _parse_meta, _scale_bits, _scale_dtype, packed_rows, packed_rows_layout, row_group, unpack_rows
+from .io import (bad_field, meta_of, packed_rows, packed_rows_layout, parse_meta, row_group, scale_bits, scale_dtype,
+                 unpack_rows)
 
 __all__ = ["to_zarr", "from_zarr", "load_store"]
 
@@ -63,10 +63,10 @@ def to_zarr(q: QArray, store, overwrite=False, chunks=None) -> None:
         raise ValueError(f"to_zarr: {store} already holds data; pass overwrite=True to replace it ({e})") from None
     codes = grp.create_array("codes", shape=packed.shape, chunks=tuple(step[:-1]) + (packed.chunks[-1][0],),
                              dtype=packed.dtype, fill_value=0)
-    for name, a in (("scale", _scale_bits(q)), ("zero_point", to_host(q.zero_point))):
+    for name, a in (("scale", scale_bits(q)), ("zero_point", to_host(q.zero_point))):
         arr = grp.create_array(name, shape=a.shape, dtype=a.dtype)
         arr[...] = a
-    grp.attrs["qarray"] = json.dumps(_meta(q))
+    grp.attrs["qarray"] = json.dumps(meta_of(q))
     da.store(packed, codes, lock=False)
 
 
@@ -88,38 +88,38 @@ def from_zarr(store) -> QArray:
         raise ValueError(f"from_zarr: {store}: attribute 'qarray' is missing: not a store written by qarray.to_zarr")
     text = grp.attrs["qarray"]
     if not isinstance(text, str):
-        raise _bad(store, "zarr", "meta", f"expected a JSON string, got {type(text).__name__}")
-    d, shape, axis, block_size, sd, gs = _parse_meta(store, "zarr", text)
+        raise bad_field(store, "zarr", "meta", f"expected a JSON string, got {type(text).__name__}")
+    d, shape, axis, block_size, sd, gs = parse_meta(store, "zarr", text)
     arrays = {}
     for name in ("codes", "scale", "zero_point"):
         try:
             arrays[name] = grp[name]
         except KeyError:
-            raise _bad(store, "zarr", name, "missing") from None
+            raise bad_field(store, "zarr", name, "missing") from None
         if not isinstance(arrays[name], zarr.Array):
-            raise _bad(store, "zarr", name, "not an array")
+            raise bad_field(store, "zarr", name, "not an array")
     stored = shape or (1,)
     g = row_group(d)
     want_dtype, want_shape = packed_rows_layout(d, shape)
     codes = arrays["codes"]
     if codes.dtype != want_dtype or tuple(codes.shape) != want_shape:
-        raise _bad(store, "zarr", "codes", f"{codes.dtype} {tuple(codes.shape)}, expected {want_dtype} {want_shape} "
+        raise bad_field(store, "zarr", "codes", f"{codes.dtype} {tuple(codes.shape)}, expected {want_dtype} {want_shape} "
                    f"for {d.name} of shape {shape}")
     per_chunk = codes.chunks[-1]
     if g > 1 and per_chunk % packed_layout(d, g)[1]:
-        raise _bad(store, "zarr", "codes", f"chunks of {per_chunk} bytes along the last axis split packed codes")
+        raise bad_field(store, "zarr", "codes", f"chunks of {per_chunk} bytes along the last axis split packed codes")
     bits_dtype = np.float32 if sd == np.float32 else np.dtype(f"u{sd.itemsize}")
     scale, zp = np.asarray(arrays["scale"][...]), np.asarray(arrays["zero_point"][...])
     if scale.dtype != bits_dtype:
-        raise _bad(store, "zarr", "scale", f"dtype {scale.dtype}, expected {np.dtype(bits_dtype)}")
+        raise bad_field(store, "zarr", "scale", f"dtype {scale.dtype}, expected {np.dtype(bits_dtype)}")
     if sd != np.float32:
-        scale = scale.view(_scale_dtype(sd.name))
+        scale = scale.view(scale_dtype(sd.name))
     try:
         s, z, axis, block_size = check_params(scale, zp, d, shape, axis, block_size)
     except (TypeError, ValueError) as e:
-        raise _bad(store, "zarr", "scale", e) from None
+        raise bad_field(store, "zarr", "scale", e) from None
     if np.shape(scale) != np.shape(s) or np.shape(zp) != np.shape(z):
-        raise _bad(store, "zarr", "scale", f"shapes {np.shape(scale)}, {np.shape(zp)}, expected {np.shape(s)}")
+        raise bad_field(store, "zarr", "scale", f"shapes {np.shape(scale)}, {np.shape(zp)}, expected {np.shape(s)}")
     x = da.from_array(_Chunks(codes, store, "codes"), chunks=codes.chunks, asarray=False,
                       meta=np.empty((0,) * codes.ndim, codes.dtype))
     if g > 1:

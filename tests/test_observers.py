@@ -405,7 +405,6 @@ def test_entropy_per_channel_is_not_worse_than_the_whole_view(rng):
     """Weights as layers have them (Kaiming normal, 576 to 4608 per channel):
     per channel, the better of the two views never loses SQNR on average
     against the whole power-of-two view alone (bins=2048, qarray 0.x)."""
-    d = qarray.qdtype("qint8")
     for fan_in in (147, 576, 1152, 4608):
         w = (rng.standard_normal((32, fan_in)) * np.sqrt(2 / fan_in)).astype(np.float32)
         gains = []

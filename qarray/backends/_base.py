@@ -120,6 +120,12 @@ class Backend:
         and returns that piece of the result.
         """
         xp = self.xp
+        if not self.writable:  # immutable arrays (JAX): the whole array in one piece, parameters broadcast
+            lay, ps = layout, []
+            for p in params:
+                p3 = self.asarray(p).reshape(lay.pouter, lay.blocks, lay.pinner)
+                ps.append(xp.repeat(p3, lay.step, axis=1)[:, :lay.n] if lay.step > 1 else p3)
+            return fn(a.reshape(lay.outer, lay.n, lay.inner), *ps).reshape(a.shape)
         af, of = a.reshape(-1), out.reshape(-1)
         for sl, lay in layout.pieces():
             rows = (lay.outer * lay.n, lay.inner)
@@ -285,7 +291,7 @@ class Backend:
 
         direct = out is not None and out.flags.c_contiguous
         target = out if direct else xp.empty(q.shape, rq.out_dtype)
-        self._chunked(fn, q, target, Layout(q.shape, rq.axis, rq.block_size), rq.params)
+        target = self._chunked(fn, q, target, Layout(q.shape, rq.axis, rq.block_size), rq.params)
         if out is None or direct:
             return target
         out[...] = target
@@ -440,11 +446,11 @@ class Backend:
         ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]`` (``xpad`` channels-last,
         ``(N, Hp, Wp, C)``)."""
         (sh, sw), (dh, dw) = stride, dilation
-        eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-        win = self.xp.lib.stride_tricks.sliding_window_view(xpad, (eh, ew), axis=(1, 2))
-        win = win[:, ::sh, ::sw, :, ::dh, ::dw]  # (N, OH, OW, C, kh, kw)
-        n, oh, ow, c = win.shape[:4]
-        return win.transpose(0, 1, 2, 4, 5, 3).reshape(n * oh * ow, kh * kw * c)
+        n, hp, wp, c = xpad.shape
+        oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+        taps = [xpad[:, p * dh: p * dh + (oh - 1) * sh + 1: sh, q * dw: q * dw + (ow - 1) * sw + 1: sw, :]
+                for p in range(kh) for q in range(kw)]  # slices only: any array library has them
+        return self.xp.stack(taps, axis=3).reshape(n * oh * ow, kh * kw * c)
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
         """Grouped conv2d: the exact sums ``sum (xpad - za) * wc`` over the taps

@@ -80,14 +80,19 @@ def _geometry(op, shape, kernel_size, stride, padding, dilation=1):
     return k, s, p, d, tuple((padded[i] - ext[i]) // s[i] + 1 for i in range(2))
 
 
-def _windows(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
-    """``(N, C, OH, OW, kh, kw)`` window view of ``x`` padded with ``pad_value``."""
-    k, s, p, d, _ = _geometry(op, x.shape, kernel_size, stride, padding, dilation)
+def _window_max(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
+    """``(N, C, OH, OW)``: the largest of each window of ``x`` padded with
+    ``pad_value``, tap by tap over strided slices (no strided views: any array
+    library has slices)."""
+    k, s, p, d, (oh, ow) = _geometry(op, x.shape, kernel_size, stride, padding, dilation)
     if p != (0, 0):
         x = xp.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=pad_value)
-    ext = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
-    w = xp.lib.stride_tricks.sliding_window_view(x, ext, axis=(2, 3))
-    return w[:, :, :: s[0], :: s[1], :: d[0], :: d[1]]
+    out = None
+    for a in range(k[0]):
+        for b in range(k[1]):
+            tap = x[:, :, a * d[0]: a * d[0] + (oh - 1) * s[0] + 1: s[0], b * d[1]: b * d[1] + (ow - 1) * s[1] + 1: s[1]]
+            out = tap if out is None else xp.maximum(out, tap)
+    return out
 
 
 def _taps(length, k, s, p, out):
@@ -186,7 +191,7 @@ def max_pool2d(q: QArray, kernel_size, stride=None, padding=0, dilation=1) -> QA
     """
     x, three = _check("max_pool2d", q, per_axis=True)
     xp = q._backend.xp
-    out = _windows("max_pool2d", xp, x, q.dtype.qmin, kernel_size, stride, padding, dilation).max(axis=(-2, -1))
+    out = _window_max("max_pool2d", xp, x, q.dtype.qmin, kernel_size, stride, padding, dilation)
     return QArray._new(out[0] if three else out, q.scale, q.zero_point, q.dtype, q.axis, None, q._backend)
 
 
