@@ -148,20 +148,13 @@ OPS = {
     "avg_pool2d": lambda A: qarray.avg_pool2d(qarray.quantize(A(_X), 0.05, 3, "qint8"), 3, stride=1, padding=1),
     "adaptive_avg_pool2d": lambda A: qarray.adaptive_avg_pool2d(qarray.quantize(A(_X), 0.05, 3, "qint8"), (2, 3)),
 }
-# What still writes into arrays outside the contract (window sums, softmax's rows): the next
-# primitives to give the backend; an immutable backend gets a clear error there, not wrong codes
-FROZEN_GAPS = {"softmax", "avg_pool2d", "adaptive_avg_pool2d"}
-
-
 @pytest.mark.parametrize("frozen", [False, True], ids=["toy", "frozen"])
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_every_op_runs_through_the_backend_contract(name, frozen):
     """A new NumPy-like backend is one class (``ToyBackend``: a namespace and
     ``to_host``): every op runs on its arrays and gives NumPy's codes and
     parameters bit for bit; with ``writable = False`` (immutable arrays, as JAX
-    has) too, but for the ops that still write into arrays (``FROZEN_GAPS``)."""
-    if frozen and name in FROZEN_GAPS:
-        pytest.skip("writes into arrays: not yet a backend primitive")
+    has) too: no op writes into an array it did not make writable."""
     b = backends.register(FrozenToyBackend() if frozen else ToyBackend())
     kind = FrozenToyArray if frozen else ToyArray
     try:

@@ -43,9 +43,45 @@ def nan_error(x) -> ValueError:
 class Backend:
     """Quantization primitives over an array namespace ``xp``.
 
-    ``name`` is what ``qarray.backends.get`` takes; ``module`` is the array
-    library's top-level module, looked up in ``sys.modules`` only (the registry
-    never imports a framework the user has not imported).
+    The contract between ops and backends. Ops validate their arguments, work
+    out parameters and plans on the host, and reach arrays only through these
+    methods and ``xp``; a backend never sees an invalid argument.
+
+    Required of a new backend (``tests/test_backends.py``'s ``ToyBackend`` is
+    the whole of one):
+
+    ===================  ========================================================
+    ``name``             what ``qarray.backends.get`` and ``QArray.to`` take
+    ``module``           the array library's top-level module, looked up in
+                         ``sys.modules`` only (never imported by the registry)
+    ``xp``               a NumPy-like namespace: ``asarray``, ``empty``, ``zeros``,
+                         ``rint``, ``clip``, ``where``, ``stack``, ``pad``, ``cumsum``,
+                         reductions, dtype casts, slicing and reshape
+    ``to_host(a)``       a NumPy array of ``a`` (the default: ``numpy.asarray``,
+                         CuPy's ``get``)
+    ===================  ========================================================
+
+    Capability flags:
+
+    - ``writable`` (True): arrays take slice assignment, so the generic code
+      writes results in pieces into one output (bounded temporaries) and honours
+      ``out=``. False (Dask, JAX): every primitive returns new arrays, whole.
+    - ``float_bits`` (False): floating-format codes are stored as their uint8
+      bit patterns (CuPy, Dask) rather than as ml_dtypes' element types.
+
+    Everything else is optional, each with its generic implementation here
+    written once against ``xp``: the elementwise primitives (``quantize``,
+    ``dequantize``, ``requantize``, ``binary``, ``clip``, ``lut``, ``minmax``,
+    ``softmax``), the floating formats (``quantize_float``, ``dequantize_float``,
+    ``quantize_mx``, ``quantize_nvfp4``, ``block_amax``, ``float_storage``), the
+    integer GEMM (``pack_weight``, ``raw_matmul``, ``int_matmul``,
+    ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
+    (``pack``, ``unpack``) and the hooks ``on`` (the current device),
+    ``over_batches`` (ops on independent samples: Dask runs them per chunk),
+    ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
+    NumPy overrides the hot ones with Numba kernels, CuPy with CUDA kernels,
+    Dask maps them over chunks; each override gives the generic result bit for
+    bit.
     """
 
     name = "generic"
@@ -362,11 +398,11 @@ class Backend:
         """
         xp = self.xp
         rows, n = x.shape
-        out = xp.empty((rows, n), out_dtype)
-        if out.size == 0:
-            return out
+        if rows * n == 0:
+            return xp.empty((rows, n), out_dtype)
         t = self.asarray(table)
         step = max(1, self.chunk // n)
+        pieces = []  # rows of about ``chunk`` elements at a time, joined
         for r in range(0, rows, step):
             c = x[r : r + step].astype(xp.int64)
             j = c.max(axis=1, keepdims=True) - c
@@ -377,8 +413,8 @@ class Backend:
                 v = xp.rint((j.astype(xp.float64) * -float(s_in) - logs) / float(s_out))
             else:
                 v = xp.rint(tj.astype(xp.float64) / (S.astype(xp.float64) * float(s_out)))
-            out[r : r + step] = xp.clip(v + float(z_out), lo, hi).astype(out_dtype)
-        return out
+            pieces.append(xp.clip(v + float(z_out), lo, hi).astype(out_dtype))
+        return xp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
     # -- integer matmul ------------------------------------------------------
     def pack_weight(self, codes, qd, keep=False):

@@ -95,18 +95,11 @@ def _window_max(op, xp, x, pad_value, kernel_size, stride, padding, dilation=1):
     return out
 
 
-def _taps(length, k, s, p, out):
-    """For each tap ``a`` of a window along one axis: ``(lo, hi)``, the outputs
-    ``o`` whose input ``o * s + a - p`` lies inside ``[0, length)``; and how many
-    taps of each output do (``count`` without the padding)."""
-    spans, count = [], np.zeros(out, np.int64)
-    for a in range(k):
-        off = a - p
-        lo = max(0, -(off // s))
-        hi = max(lo, min(out, (length - 1 - off) // s + 1))
-        spans.append((lo, hi))
-        count[lo:hi] += 1
-    return spans, count
+def _inside(length, k, s, p, out):
+    """For each output along one axis: how many taps of its window ``o * s + a - p``
+    (``0 <= a < k``) lie inside ``[0, length)`` (the divisor without the padding)."""
+    o = np.arange(out)[:, None] * s + np.arange(k)[None, :] - p
+    return ((o >= 0) & (o < length)).sum(axis=1).astype(np.int64)
 
 
 def _round_mean(acc, count, m, sh, rounding):
@@ -216,34 +209,28 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     k, s, p, _, (oh, ow) = _geometry("avg_pool2d", x.shape, kernel_size, stride, padding)
     d, rnd, make = _mean_output("avg_pool2d", q, scale, zero_point, dtype, mode, rounding)
     n, c, h, w = x.shape
-    (taps_h, count_h), (taps_w, count_w) = _taps(h, k[0], s[0], p[0], oh), _taps(w, k[1], s[1], p[1], ow)
-    count_h, count_w = b.asarray(count_h)[:, None], b.asarray(count_w)[None, :]
+    inside = b.asarray(_inside(h, k[0], s[0], p[0], oh))[:, None] * b.asarray(_inside(w, k[1], s[1], p[1], ow))[None, :]
     zp = int(to_host(q.zero_point))
-    planes = x.reshape(n * c, h, w)
-    out = xp.empty((n * c, oh, ow), d.storage)
-    # The window sums, a piece of about ``chunk`` outputs at a time: each tap of
-    # the window adds one strided view of the input (padding adds nothing, it
-    # is real 0), then the zero point comes off once per tap inside the input.
+    # padded with the zero point, real 0: each tap of the windows is one strided slice, and
+    # sum(x - zp) over a window is sum(xpad) - zp * kh * kw, padding or not
+    xpad = xp.pad(x.reshape(n * c, h, w), ((0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=x.dtype.type(zp))
+    # a piece of about ``chunk`` outputs at a time (int64 temporaries), the pieces joined
     rows = max(1, b.chunk // max(ow, 1))
     step = max(1, rows // max(oh, 1))  # planes per piece, when whole planes fit
+    planes = []
     for c0 in range(0, n * c, step):
+        pieces = []
         for r0 in range(0, oh, rows):
             r1 = min(r0 + rows, oh)
-            acc = xp.zeros((min(step, n * c - c0), r1 - r0, ow), xp.int64)
-            for ta, (lo, hi) in enumerate(taps_h):
-                lo, hi = max(lo, r0), min(hi, r1)
-                if lo >= hi:
-                    continue
-                i0 = lo * s[0] + ta - p[0]
-                for tb, (jlo, jhi) in enumerate(taps_w):
-                    if jlo < jhi:
-                        j0 = jlo * s[1] + tb - p[1]
-                        acc[:, lo - r0 : hi - r0, jlo:jhi] += planes[
-                            c0 : c0 + step, i0 : i0 + (hi - lo - 1) * s[0] + 1 : s[0], j0 : j0 + (jhi - jlo - 1) * s[1] + 1 : s[1]]
-            inside = count_h[r0:r1] * count_w
-            if zp:
-                acc -= zp * inside
-            out[c0 : c0 + step, r0:r1] = rnd(acc, k[0] * k[1] if count_include_pad else inside)
+            acc = -zp * k[0] * k[1]
+            for ta in range(k[0]):
+                for tb in range(k[1]):
+                    acc = acc + xpad[c0:c0 + step, r0 * s[0] + ta: (r1 - 1) * s[0] + ta + 1: s[0],
+                                     tb: (ow - 1) * s[1] + tb + 1: s[1]].astype(xp.int64)
+            pieces.append(rnd(acc, k[0] * k[1] if count_include_pad else inside[r0:r1]))
+        planes.append(xp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0])
+    out = (xp.concatenate(planes, axis=0) if len(planes) > 1 else planes[0] if planes
+           else xp.empty((0, oh, ow), d.storage))  # (zero samples: Dask's probe of an op's output)
     res = make(out.reshape(n, c, oh, ow))
     return res[0] if three else res
 
@@ -269,8 +256,7 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     size = tuple(x.shape[2 + i] if n is None else n for i, n in enumerate(size))
     oh, ow = _pair("adaptive_avg_pool2d", "output_size", size, 1)
     n, c, h, w = x.shape
-    integral = xp.zeros((n, c, h + 1, w + 1), xp.int64)
-    integral[:, :, 1:, 1:] = x.cumsum(axis=2, dtype=xp.int64).cumsum(axis=3)
+    integral = xp.pad(x.cumsum(axis=2, dtype=xp.int64).cumsum(axis=3), ((0, 0), (0, 0), (1, 0), (1, 0)))
 
     def edges(length, out):
         i = np.arange(out)
@@ -281,7 +267,7 @@ def adaptive_avg_pool2d(q: QArray, output_size, *, scale=None, zero_point=None, 
     h0, h1 = h0[:, None], h1[:, None]
     sums = integral[:, :, h1, w1] - integral[:, :, h0, w1] - integral[:, :, h1, w0] + integral[:, :, h0, w0]
     count = (h1 - h0) * (w1 - w0)
-    sums -= int(to_host(q.zero_point)) * count  # the sums of q - zero_point
+    sums = sums - int(to_host(q.zero_point)) * count  # the sums of q - zero_point
     out = _finish_mean("adaptive_avg_pool2d", q, sums, count, scale, zero_point, dtype, mode, rounding)
     return out[0] if three else out
 
