@@ -211,26 +211,37 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     n, c, h, w = x.shape
     inside = b.asarray(_inside(h, k[0], s[0], p[0], oh))[:, None] * b.asarray(_inside(w, k[1], s[1], p[1], ow))[None, :]
     zp = int(to_host(q.zero_point))
-    # padded with the zero point, real 0: each tap of the windows is one strided slice, and
-    # sum(x - zp) over a window is sum(xpad) - zp * kh * kw, padding or not
-    xpad = xp.pad(x.reshape(n * c, h, w), ((0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=x.dtype.type(zp))
-    # a piece of about ``chunk`` outputs at a time (int64 temporaries), the pieces joined
+    planes, fill = x.reshape(n * c, h, w), x.dtype.type(zp)
+    # A piece of about ``chunk`` outputs at a time (int64 temporaries): its input rows padded
+    # with the zero point, real 0, so that each tap of the windows is one strided slice and
+    # sum(x - zp) over a window is sum(piece) - zp * kh * kw, padding or not. Written into
+    # one output where the backend's arrays take it, else the pieces joined.
     rows = max(1, b.chunk // max(ow, 1))
     step = max(1, rows // max(oh, 1))  # planes per piece, when whole planes fit
-    planes = []
+    out = xp.empty((n * c, oh, ow), d.storage) if b.writable else None
+    done = []
     for c0 in range(0, n * c, step):
-        pieces = []
         for r0 in range(0, oh, rows):
             r1 = min(r0 + rows, oh)
+            top, bottom = r0 * s[0] - p[0], (r1 - 1) * s[0] + k[0] - p[0]  # its input rows, padding included
+            piece = xp.pad(planes[c0:c0 + step, max(top, 0):min(bottom, h)],
+                           ((0, 0), (max(-top, 0), max(bottom - h, 0)), (p[1], p[1])), constant_values=fill)
             acc = -zp * k[0] * k[1]
             for ta in range(k[0]):
                 for tb in range(k[1]):
-                    acc = acc + xpad[c0:c0 + step, r0 * s[0] + ta: (r1 - 1) * s[0] + ta + 1: s[0],
-                                     tb: (ow - 1) * s[1] + tb + 1: s[1]].astype(xp.int64)
-            pieces.append(rnd(acc, k[0] * k[1] if count_include_pad else inside[r0:r1]))
-        planes.append(xp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0])
-    out = (xp.concatenate(planes, axis=0) if len(planes) > 1 else planes[0] if planes
-           else xp.empty((0, oh, ow), d.storage))  # (zero samples: Dask's probe of an op's output)
+                    acc = acc + piece[:, ta: (r1 - r0 - 1) * s[0] + ta + 1: s[0],
+                                      tb: (ow - 1) * s[1] + tb + 1: s[1]].astype(xp.int64)
+            means = rnd(acc, k[0] * k[1] if count_include_pad else inside[r0:r1])
+            if out is not None:
+                out[c0:c0 + step, r0:r1] = means
+            else:
+                done.append((c0, means))
+    if out is None:  # immutable arrays: the pieces joined, rows within each run of planes, then the planes
+        runs = {}
+        for c0, means in done:
+            runs.setdefault(c0, []).append(means)
+        out = (xp.concatenate([xp.concatenate(r, axis=1) for r in runs.values()], axis=0) if runs
+               else xp.empty((0, oh, ow), d.storage))  # (zero samples: Dask's probe of an op's output)
     res = make(out.reshape(n, c, oh, ow))
     return res[0] if three else res
 
