@@ -44,6 +44,20 @@ def output_params(op, scale, zero_point, dtype, default_dtype, default=None):
     return d, check_scale(scale), check_zero_point(0 if zero_point is None else zero_point, d)
 
 
+def output_params_of(op, q, scale, zero_point, dtype, default=None):
+    """:func:`output_params` of an op on ``q`` whose natural output is ``default``
+    (a triple) or, where that is None, ``q``'s own parameters (the LUT ops, the
+    means); the output is per-tensor, so a per-axis ``q`` needs them given."""
+    if default is None:
+        if q.axis is not None and not wants_output(scale, zero_point, dtype):
+            raise ValueError(
+                f"{op}: the output is per-tensor, so per-axis input needs output scale=, "
+                "zero_point= and dtype="
+            )
+        default = (q.dtype, q.scale, q.zero_point)
+    return output_params(op, scale, zero_point, dtype, default[0], default)
+
+
 def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default_dtype,
            mode=None, rounding=None, relu=False) -> QArray:
     """Return ``acc`` (exact integers, real value ``acc * prod(factors)``) as a QArray.

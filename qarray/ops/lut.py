@@ -19,7 +19,7 @@ from .._api import quantize
 from .._dtypes import qdtype, qint8, quint8
 from .._params import check_scale, check_zero_point, to_host
 from .._qarray import QArray
-from ._output import output_params, wants_output
+from ._output import output_params_of
 
 __all__ = ["lut", "sigmoid", "tanh", "hardswish", "gelu", "silu", "exp", "elu", "leaky_relu"]
 
@@ -34,18 +34,6 @@ def _check_input(op, q):
         )
     if q.block_size is not None:
         raise ValueError(f"{op}: blocked parameters are not supported; requantize per-tensor or per-axis first")
-
-
-def _out_params(op, q, scale, zero_point, dtype, default):
-    """Output parameters; ``default`` is a triple, or None for the input's own."""
-    if default is None:
-        if q.axis is not None and not wants_output(scale, zero_point, dtype):
-            raise ValueError(
-                f"{op}: the output is per-tensor, so per-axis input needs output scale=, "
-                "zero_point= and dtype="
-            )
-        default = (q.dtype, q.scale, q.zero_point)
-    return output_params(op, scale, zero_point, dtype, default[0], default)
 
 
 @on_data_device(integer_only=True)
@@ -102,7 +90,7 @@ def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:
 
 def _activation(op, fn, q, scale, zero_point, dtype, default=None) -> QArray:
     _check_input(op, q)
-    d, s, z = _out_params(op, q, scale, zero_point, dtype, default)
+    d, s, z = output_params_of(op, q, scale, zero_point, dtype, default)
     return lut(q, fn, scale=s, zero_point=z, dtype=d)
 
 

@@ -27,7 +27,7 @@ from .._config import resolve
 from .._fixed_point import float_multiplier, quantize_multiplier
 from .._params import normalize_axis, to_host
 from .._qarray import QArray
-from ._output import finish, output_params
+from ._output import finish, output_params_of
 
 __all__ = ["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "mean", "sum"]
 
@@ -133,7 +133,7 @@ def _mean_output(op, q, scale, zero_point, dtype, mode, rounding):
     the output integers of the means ``acc / count`` (int64 sums of
     ``q - zero_point``) and ``make(data)`` the QArray."""
     b, xp = q._backend, q._backend.xp
-    d, s_out, z_out = output_params(op, scale, zero_point, dtype, q.dtype, (q.dtype, q.scale, q.zero_point))
+    d, s_out, z_out = output_params_of(op, q, scale, zero_point, dtype)
     mode, rounding = resolve(mode, rounding)
     s_in = to_host(q.scale)
     if mode == "fixed":
