@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _protocols
 from .. import backends as _backends
 from ..backends import on_data_device
 from .._api import requantize
@@ -118,3 +119,6 @@ def stack(qs, axis=0, **out) -> QArray:
     axis = normalize_axis(axis, qs[0].ndim + 1)
     key = (slice(None),) * axis + (None,)
     return cat([q[key] for q in qs], axis, **out)
+
+
+_protocols.JOIN_OPS.update(concatenate=cat, stack=stack)  # numpy.concatenate / numpy.stack of QArrays
