@@ -4,10 +4,7 @@ import pytest
 import qarray
 from qarray import QArray
 from qarray.ops import cat, stack
-
-
-def q_of(ints, scale, zp, dtype, **kw):
-    return QArray.from_int(np.asarray(ints), scale, zp, dtype, **kw)
+from _reference import q_of
 
 
 def test_identical_params_join_as_they_are():

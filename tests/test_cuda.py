@@ -16,6 +16,7 @@ from qarray.backends import cupy as cuda_backend
 from qarray.backends.cupy import CUDA_DIR
 
 from cuda_host.harness import HOST_GRID, SOURCES, host, host_lib  # noqa: F401 (fixtures)
+from _reference import numpy_and_host
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
@@ -77,15 +78,6 @@ def make_rq(zi, zo, M, d, axis=None, block_size=None, rounding=0, floor=None):
                    code, d, lo if floor is None else max(lo, floor), hi, axis, block_size)
 
 
-def _numpy_and_host(host, fn):
-    """Run ``fn(backend)`` on the NumPy backend and the host-run CUDA backend."""
-    from qarray.backends import get
-
-    with qarray.config.using(numba=False):
-        want = fn(get("numpy"))
-    return want, fn(host)
-
-
 LAYOUTS = [((37,), None, None), ((3, 5, 7), None, None), ((6, 7), 0, None), ((6, 7), 1, None),
            ((2, 5, 3), 1, None), ((3, 10), 1, 4), ((10, 3), 0, 3), ((2, 9, 3), 1, 2), ((0, 4), None, None)]
 
@@ -104,11 +96,11 @@ def test_quantize_dequantize(host, shape, axis, block_size, dtype, in_dtype, rng
     ps = param_shape(shape, axis, block_size)
     scale = np.where(rng.random(ps) < 0.5, 0.25, rng.uniform(0.05, 0.5, ps)).astype(np.float32)
     zp = rng.integers(d.qmin, min(d.qmax, d.qmin + 100), ps, endpoint=True).astype(np.int32)
-    want, got = _numpy_and_host(host, lambda b: b.quantize(x, scale, zp, d, axis, block_size))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, scale, zp, d, axis, block_size))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     for ft in (np.float16, np.float32, np.float64):
-        w, g = _numpy_and_host(host, lambda b: b.dequantize(want, scale, zp, axis, block_size, ft))
+        w, g = numpy_and_host(host, lambda b: b.dequantize(want, scale, zp, axis, block_size, ft))
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
 
@@ -127,7 +119,7 @@ def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
     # half the slots get multipliers that make exact ties (x.5) common
     M = np.where(rng.random(ps) < 0.5, rng.choice([0.5, 0.25, 1.5, 0.125], ps), rng.uniform(1e-4, 3.0, ps))
     rq = make_rq(zi, zo, M, d, axis, block_size, rounding)
-    want, got = _numpy_and_host(host, lambda b: b.requantize(q, rq))
+    want, got = numpy_and_host(host, lambda b: b.requantize(q, rq))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
 
@@ -137,7 +129,7 @@ def test_grid_stride_tail_and_launch(host, rng):
     n = cuda_backend.BLOCK * HOST_GRID * 64 + 77
     x = rng.standard_normal(n).astype(np.float32)
     s, z = np.float32(0.03), np.int32(5)
-    want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
     np.testing.assert_array_equal(got, want)
     assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, cuda_backend.BLOCK)
 
@@ -172,7 +164,7 @@ def test_nan_is_the_cpu_error_at_the_next_host_read(host):
 
 def test_non_contiguous_input_is_handled(host, rng):
     x = rng.standard_normal((8, 6)).astype(np.float32)[:, ::2]
-    want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None))
     np.testing.assert_array_equal(got, want)
 
 
@@ -195,13 +187,13 @@ def test_float16_in_and_out_without_widening(host, rng):
     x = np.concatenate([specials, (rng.standard_normal(1000) * 30).astype(np.float16)])
     for scale in (2.0**-25, 2.0**-24 * 3, 0.1, 0.25):
         for dtype in ("qint8", "quint4", "qint16", "qint32"):
-            want, got = _numpy_and_host(host, lambda b: b.quantize(x, np.float32(scale), np.int32(1), qdtype(dtype), None, None))
+            want, got = numpy_and_host(host, lambda b: b.quantize(x, np.float32(scale), np.int32(1), qdtype(dtype), None, None))
             np.testing.assert_array_equal(got, want)
             assert host.launches[-1][0] == f"quantize_float16_{qdtype(dtype).storage.name}"
     q = np.arange(-32768, 32768, dtype=np.int16)
     seen = []
     for scale in (2.0**-30, 2.0**-24 / 3, 1.0 + 2.0**-11, 3.0):  # subnormal, inexact, ties, overflow
-        want, got = _numpy_and_host(host, lambda b: b.dequantize(q, np.float32(scale), np.int32(5), None, None, np.float16))
+        want, got = numpy_and_host(host, lambda b: b.dequantize(q, np.float32(scale), np.int32(5), None, None, np.float16))
         assert got.dtype == np.float16
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
         assert host.launches[-1][0] == "dequantize_int16_float16"

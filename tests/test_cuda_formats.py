@@ -22,7 +22,8 @@ from qarray.backends import cupy as cuda_backend
 
 from qarray.backends.cupy import CUDA_DIR
 from cuda_host.harness import HOST_GRID
-from test_cuda import LAYOUTS, _numpy_and_host, host, host_lib  # noqa: F401 (fixtures)
+from test_cuda import LAYOUTS, host, host_lib  # noqa: F401 (fixtures)
+from _reference import numpy_and_host
 
 pytest.importorskip("ml_dtypes")
 
@@ -80,7 +81,7 @@ def _case(f, x):
 def _same_quantize(host, x, scale, f, axis=None, block_size=None, saturate=True):  # noqa: F811
     d = qdtype(f)
     with np.errstate(invalid="ignore", over="ignore"):  # NumPy's signalling NaNs and overflows in the reference
-        want, got = _numpy_and_host(host, lambda b: b.quantize_float(x, np.asarray(scale), d, axis, block_size, saturate))
+        want, got = numpy_and_host(host, lambda b: b.quantize_float(x, np.asarray(scale), d, axis, block_size, saturate))
     assert got.dtype == np.uint8 and got.shape == want.shape
     np.testing.assert_array_equal(got, _bits(want), err_msg=f"{f} saturate={saturate} {x.dtype}")
     assert not x.size or host.launches[-1][0] == f"quantize_format_{x.dtype.name}"
@@ -162,7 +163,7 @@ def test_dequantize_every_code(host, f, out, scale):  # noqa: F811
     codes = np.arange(1 << d.bits, dtype=np.uint8)
     s = np.asarray(np.float32(scale))
     with np.errstate(over="ignore"):
-        want, got = _numpy_and_host(host, lambda b: b.dequantize_float(codes, s, d, None, None, out))
+        want, got = numpy_and_host(host, lambda b: b.dequantize_float(codes, s, d, None, None, out))
     assert got.dtype == want.dtype == out
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert host.launches[-1][0] == f"dequantize_format_{np.dtype(out).name}"
@@ -202,7 +203,7 @@ def test_per_tensor_axis_and_block(host, rng, shape, axis, block_size, f, dtype)
             q = _same_quantize(host, x, scale, f, axis, block_size, saturate)
         for out in FLOATS:
             with np.errstate(over="ignore"):
-                want, got = _numpy_and_host(host, lambda b: b.dequantize_float(q, scale, qdtype(f), axis, block_size, out))
+                want, got = numpy_and_host(host, lambda b: b.dequantize_float(q, scale, qdtype(f), axis, block_size, out))
             np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
@@ -246,6 +247,6 @@ def test_non_contiguous_and_beyond_one_grid(host, rng):  # noqa: F811
     _same_quantize(host, x, np.float32(0.3), "float8_e4m3fn")
     _same_quantize(host, x.reshape(-1, 1)[: n - 1].reshape(-1, 2)[:, ::-2], np.float32(0.3), "float8_e5m2")
     q = _bits(F.quantize(x, np.float32(0.3), "float8_e4m3fn"))[::3]
-    want, got = _numpy_and_host(host, lambda b: b.dequantize_float(q, np.float32(0.3), qdtype("float8_e4m3fn"),
+    want, got = numpy_and_host(host, lambda b: b.dequantize_float(q, np.float32(0.3), qdtype("float8_e4m3fn"),
                                                                    None, None, np.float32))
     np.testing.assert_array_equal(_bits(got), _bits(want))

@@ -16,17 +16,10 @@ from qarray.backends import cupy as cuda_backend
 from qarray.backends.cupy import CUDA_DIR
 
 from cuda_host.harness import HOST_GRID, HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
+from _reference import numpy_and_host
 
 BIG = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # beyond one grid: the grid-stride tail runs
 HARNESS_KERNELS = Path(__file__).parent / "cuda_host" / "harness_test.cu"
-
-
-def _numpy_and_host(host, fn):
-    from qarray.backends import get
-
-    with qarray.config.using(numba=False):
-        want = fn(get("numpy"))
-    return want, fn(host)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def test_lut(host, rng, size, storage, out):
     q = rng.integers(info.min, info.max, size, endpoint=True).astype(storage)
     q[0] = info.min
     table = rng.integers(-100, 100, 1 << (8 * q.itemsize)).astype(out)
-    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    want, got = numpy_and_host(host, lambda b: b.lut(q, table))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     assert host.launches[-1][0] == f"lut_u{storage.lstrip('u')}_{np.dtype(f'u{np.dtype(out).itemsize}').name}"
@@ -64,7 +57,7 @@ def test_lut(host, rng, size, storage, out):
 def test_lut_shapes(host, rng, shape):
     q = rng.integers(-128, 127, shape, endpoint=True).astype(np.int8)
     table = rng.integers(0, 255, 256, endpoint=True).astype(np.uint8)
-    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    want, got = numpy_and_host(host, lambda b: b.lut(q, table))
     np.testing.assert_array_equal(got, want)
 
 
@@ -76,7 +69,7 @@ def test_lut_vector_path_and_misaligned_starts(host, rng, start, storage, out):
     info = np.iinfo(storage)
     q = rng.integers(info.min, info.max, 16 * 41 + 13, endpoint=True).astype(storage)[start:]
     table = rng.integers(-1000, 1000, 1 << (8 * q.itemsize)).astype(out)
-    want, got = _numpy_and_host(host, lambda b: b.lut(q, table))
+    want, got = numpy_and_host(host, lambda b: b.lut(q, table))
     np.testing.assert_array_equal(got, want)
 
 
@@ -88,7 +81,7 @@ def test_lut_per_axis(host, rng, shape, axis, storage, out):
     info = np.iinfo(storage)
     q = rng.integers(info.min, info.max, shape, endpoint=True).astype(storage)
     tables = rng.integers(-100, 100, (shape[axis], 1 << (8 * q.itemsize))).astype(out)
-    want, got = _numpy_and_host(host, lambda b: b.lut(q, tables, axis))
+    want, got = numpy_and_host(host, lambda b: b.lut(q, tables, axis))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     assert host.launches[-1][0] == f"lut_u{storage.lstrip('u')}_{np.dtype(f'u{np.dtype(out).itemsize}').name}"
@@ -130,20 +123,20 @@ def _assert_minmax(want, got, dtype):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_minmax_per_tensor(host, rng, size, special, dtype):
     x = _data(rng, (size,), dtype, special)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(x, None, None))
+    want, got = numpy_and_host(host, lambda b: b.minmax(x, None, None))
     _assert_minmax(want, got, dtype)
     assert host.launches[-1][0].endswith(f"_{'float64' if dtype == np.float64 else 'float32'}") and host.launches[-1][0].startswith("minmax_")
 
 
 def test_minmax_all_nan_and_one_nan_per_slot(host):
     x = np.full((4, 300), np.nan, np.float32)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(x, None, None))
+    want, got = numpy_and_host(host, lambda b: b.minmax(x, None, None))
     _assert_minmax(want, got, np.float32)
     x = np.arange(1200, dtype=np.float32).reshape(4, 300)
     x[1, 299] = np.nan
     x[3, 0] = np.nan
     for axis in (0, 1):
-        want, got = _numpy_and_host(host, lambda b: b.minmax(x, axis, None))
+        want, got = numpy_and_host(host, lambda b: b.minmax(x, axis, None))
         _assert_minmax(want, got, np.float32)
 
 
@@ -156,7 +149,7 @@ AXES = [((6, 7), 0, None), ((6, 7), 1, None), ((2, 5, 3), 1, None), ((3, 1000), 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_minmax_per_axis_and_blocked(host, rng, shape, axis, block_size, special, dtype):
     x = _data(rng, shape, dtype, special)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(x, axis, block_size))
+    want, got = numpy_and_host(host, lambda b: b.minmax(x, axis, block_size))
     for w, g in zip(want, got):
         assert g.shape == w.shape
     _assert_minmax(want, got, dtype)
@@ -164,7 +157,7 @@ def test_minmax_per_axis_and_blocked(host, rng, shape, axis, block_size, special
 
 def test_minmax_falls_back(host):
     x = np.arange(12, dtype=np.int32).reshape(3, 4)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(x, 1, None))
+    want, got = numpy_and_host(host, lambda b: b.minmax(x, 1, None))
     _assert_minmax(want, got, np.int32)
 
 
@@ -250,11 +243,11 @@ def test_minmax_fills_the_device_per_axis_and_blocked(host, rng):
     do not make 3 blocks), then one pass over the segments; short blocks take
     a thread each, not a block each."""
     x = rng.standard_normal((3, 65536)).astype(np.float32)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(x, 0, None))
+    want, got = numpy_and_host(host, lambda b: b.minmax(x, 0, None))
     _assert_minmax(want, got, np.float32)
     assert [n for n, _, _ in host.launches[-2:]] == ["minmax_float32", "minmax_each_float32"]
     assert host.launches[-2][1] == HOST_GRID  # 3 rows x 3 segments, on a grid of the device's size
     xb = rng.standard_normal((4, 256)).astype(np.float32)
-    want, got = _numpy_and_host(host, lambda b: b.minmax(xb, 1, 32))
+    want, got = numpy_and_host(host, lambda b: b.minmax(xb, 1, 32))
     _assert_minmax(want, got, np.float32)
     assert host.launches[-1][0] == "minmax_each_float32"

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from qarray import _formats as F
-from test_cuda import _numpy_and_host, host, host_lib  # noqa: F401 (fixtures)
+from test_cuda import host, host_lib  # noqa: F401 (fixtures)
 from test_mx import NVFP4_INF_CASES
+from _reference import numpy_and_host
 
 pytest.importorskip("ml_dtypes")
 
@@ -71,7 +72,7 @@ def _edge_blocks(rng, mx, dtype):
 def _same_mx(host, x, mx, rounding, axis, block_size):  # noqa: F811
     axis %= x.ndim  # as the API passes it
     with np.errstate(invalid="ignore", over="ignore"):
-        (wc, wb), (gc, gb) = _numpy_and_host(host, lambda b: b.quantize_mx(x, mx, axis, block_size, rounding))
+        (wc, wb), (gc, gb) = numpy_and_host(host, lambda b: b.quantize_mx(x, mx, axis, block_size, rounding))
     assert gb.dtype == np.uint8 and gb.shape == wb.shape and gc.shape == wc.shape
     assert gc.dtype == (np.int8 if mx.name == "mxint8" else np.uint8)
     np.testing.assert_array_equal(gb, wb, err_msg=f"{mx.name} {rounding} scales")
@@ -109,7 +110,7 @@ def _same_nvfp4(host, x, axis, gs):  # noqa: F811
     axis %= x.ndim
     gs = None if gs is None else np.asarray(np.float32(gs))
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        (wc, wb, wg), (gc, gb, gg) = _numpy_and_host(host, lambda b: b.quantize_nvfp4(x, axis, 16, gs))
+        (wc, wb, wg), (gc, gb, gg) = numpy_and_host(host, lambda b: b.quantize_nvfp4(x, axis, 16, gs))
     assert wg.dtype == gg.dtype == np.float32 and wg == gg
     assert gb.dtype == np.uint8 and gc.dtype == np.uint8 and gb.shape == wb.shape
     np.testing.assert_array_equal(gb, wb.view(np.uint8), err_msg=f"gs={gs} scales")

@@ -5,12 +5,13 @@ backend bit for bit."""
 import numpy as np
 import pytest
 from cuda_host.harness import HOST_GRID, host, host_lib  # noqa: F401 (fixtures)
-from test_cuda import _numpy_and_host, make_rq
+from test_cuda import make_rq
 
 import qarray
 from qarray import QArray, qdtype
 from qarray._fixed_point import identity
 from qarray.backends import cupy as cuda_backend
+from _reference import numpy_and_host
 
 TAIL = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # more than one grid covers
 INT_DTYPES = ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
@@ -54,7 +55,7 @@ def test_clip(host, dtype, shape, rng):
     for x in _views(_codes(rng, dtype, shape)):
         lo, hi = sorted(int(v) for v in rng.integers(d.qmin, d.qmax, 2, endpoint=True))
         for bounds in ((lo, hi), (np.asarray(lo, d.storage), np.asarray(hi, d.storage)), (d.qmin, hi)):
-            want, got = _numpy_and_host(host, lambda b: b.clip(x, *bounds))
+            want, got = numpy_and_host(host, lambda b: b.clip(x, *bounds))
             _same(got, want)
             if x.size:
                 _last_kernel(host, f"clip_{d.storage.name}")
@@ -63,10 +64,10 @@ def test_clip(host, dtype, shape, rng):
 def test_clip_per_axis_bounds_and_tail(host, rng):
     x = _codes(rng, "qint8", (6, 7))
     lo, hi = rng.integers(-100, 0, (6, 1)).astype(np.int8), rng.integers(0, 100, (1, 7)).astype(np.int8)
-    want, got = _numpy_and_host(host, lambda b: b.clip(x, lo, hi))  # the generic path
+    want, got = numpy_and_host(host, lambda b: b.clip(x, lo, hi))  # the generic path
     _same(got, want)
     x = _codes(rng, "quint8", TAIL)
-    want, got = _numpy_and_host(host, lambda b: b.clip(x, 3, 200))
+    want, got = numpy_and_host(host, lambda b: b.clip(x, 3, 200))
     _same(got, want)
     assert host.launches[-1] == ("clip_uint8", HOST_GRID, cuda_backend.BLOCK)
 
@@ -87,20 +88,20 @@ def test_relu_clamp_ops(host, fn, rng):
 def test_pack_unpack(host, dtype, n, rng):
     d = qdtype(dtype)
     for x in _views(_codes(rng, dtype, (n + 4,))):
-        packed, got = _numpy_and_host(host, lambda b: b.pack(x, d.bits))
+        packed, got = numpy_and_host(host, lambda b: b.pack(x, d.bits))
         _same(got, packed)
         for count in (x.size, max(x.size - 1, 0), x.size + 3):
-            want, got = _numpy_and_host(host, lambda b: b.unpack(packed, d.bits, d.signed, count))
+            want, got = numpy_and_host(host, lambda b: b.unpack(packed, d.bits, d.signed, count))
             _same(got, want)
         np.testing.assert_array_equal(host.unpack(packed, d.bits, d.signed, x.size), x)
 
 
 def test_pack_unpack_2d_and_tail(host, rng):
     x = _codes(rng, "qint4", (7, 9))[:, 1:]  # non-contiguous, 2-D
-    want, got = _numpy_and_host(host, lambda b: b.pack(x, 4))
+    want, got = numpy_and_host(host, lambda b: b.pack(x, 4))
     _same(got, want)
     x = _codes(rng, "quint2", 4 * TAIL - 1)
-    want, got = _numpy_and_host(host, lambda b: b.pack(x, 2))
+    want, got = numpy_and_host(host, lambda b: b.pack(x, 2))
     _same(got, want)
     assert host.launches[-1] == ("pack_bits", HOST_GRID, cuda_backend.BLOCK)
     back = host.unpack(got, 2, False, x.size)
@@ -126,7 +127,7 @@ def _binary_cases(rng, pair, sa, sb):
 @pytest.mark.parametrize("op", ["add", "sub", "mul"])
 def test_binary_exact(host, op, pair, sa, sb, rng):
     a, za, b, zb = _binary_cases(rng, pair, sa, sb)
-    want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb)))
+    want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb)))
     _same(got, want)
     if want.size and sb != (3, 4):
         _last_kernel(host, f"binary_{a.dtype.name}_{b.dtype.name}")
@@ -140,7 +141,7 @@ def test_binary_rescaled(host, pair, sa, sb, rounding, rng):
     # one multiplier near 2**19 (add's largest), one with exact ties
     ra, rb = (make_rq(z, 0, m, None, rounding=rounding) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for op in ("add", "sub"):
-        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, ra, rb))
+        want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, ra, rb))
         _same(got, want)
 
 
@@ -148,10 +149,10 @@ def test_binary_views_and_tail(host, rng):
     a, za, b, zb = _binary_cases(rng, ("qint8", "quint8"), (9, 8), (9, 8))
     for x in _views(a):
         for y in (b[: x.shape[0], : x.shape[1]], b[-x.shape[0]:, -x.shape[1]:][::-1]):
-            want, got = _numpy_and_host(host, lambda bk: bk.binary("mul", x, y, identity(za), identity(zb)))
+            want, got = numpy_and_host(host, lambda bk: bk.binary("mul", x, y, identity(za), identity(zb)))
             _same(got, want)
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
-    want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
+    want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
     _same(got, want)
     assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, cuda_backend.BLOCK)
 
@@ -174,7 +175,7 @@ def test_binary_requantized_in_one_kernel(host, sa, sb, out, rounding, relu, rng
     shape = np.broadcast_shapes(sa, sb)
     for op in ("add", "mul"):
         requant = _requant(rng, shape, out, rounding, relu)
-        want, got = _numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb), requant))
+        want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb), requant))
         _same(got, want)
         if want.size and sb != (3, 4):
             assert [n for n, *_ in host.launches][-1:] == ["binary_int8_uint8"]
@@ -188,7 +189,7 @@ def test_binary_requantized_per_axis_and_rescaled(host, axis, rng):
     ra, rb = (make_rq(z, 0, m, None, rounding=1) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for rounding in (0, 3, None):
         requant = _requant(rng, (6, 5), "qint8", rounding, False, axis)
-        want, got = _numpy_and_host(host, lambda bk: bk.binary("sub", a, b, ra, rb, requant))
+        want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, ra, rb, requant))
         _same(got, want)
         assert host.launches[-1][0] == "binary_uint16_int8"
 
@@ -236,7 +237,7 @@ def test_requantize_into_slices(host, src, dst, rounding, shape, key, rng):
                 _last_kernel(host, "requantize_rows_")
             np.testing.assert_array_equal(got, ref)
             np.testing.assert_array_equal(r, want)
-            w, _ = _numpy_and_host(host, lambda b: b.requantize(q, *args))
+            w, _ = numpy_and_host(host, lambda b: b.requantize(q, *args))
             np.testing.assert_array_equal(w, want)
 
 

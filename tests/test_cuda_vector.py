@@ -3,9 +3,10 @@ per-tensor data moves in vectors, misaligned starts and tails element by element
 
 import numpy as np
 import pytest
-from test_cuda import _numpy_and_host, host, host_lib, make_rq  # noqa: F401  (fixtures)
+from test_cuda import host, host_lib, make_rq  # noqa: F401  (fixtures)
 
 import qarray
+from _reference import numpy_and_host
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
@@ -14,15 +15,15 @@ def test_aligned_and_misaligned(host, rng, offset, n):  # noqa: F811
     base = (rng.standard_normal(n + 8) * 30).astype(np.float32)
     x = base[offset : offset + n]
     s, z = np.asarray(np.float32(0.25)), np.asarray(np.int32(3))
-    want, got = _numpy_and_host(host, lambda b: b.quantize(x, s, z, qarray.qint8, None, None))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, s, z, qarray.qint8, None, None))
     np.testing.assert_array_equal(got, want)
     qb = rng.integers(-128, 128, n + 8).astype(np.int8)[offset : offset + n]
     for ft in (np.float32, np.float64):
-        want, got = _numpy_and_host(host, lambda b: b.dequantize(qb, s, z, None, None, ft))
+        want, got = numpy_and_host(host, lambda b: b.dequantize(qb, s, z, None, None, ft))
         np.testing.assert_array_equal(got, want)
     q64 = rng.integers(-(2**40), 2**40, n + 8)[offset : offset + n]
     rq = make_rq(0, 1, np.float64(2.0**-33) * 3, qarray.qint16)
-    want, got = _numpy_and_host(host, lambda b: b.requantize(q64, rq))
+    want, got = numpy_and_host(host, lambda b: b.requantize(q64, rq))
     np.testing.assert_array_equal(got, want)
 
 
@@ -47,12 +48,12 @@ def test_per_axis_and_blocked_rows(host, rng, shape, axis, block_size, offset): 
     zp = rng.integers(-20, 20, ps).astype(np.int32)
     for d in (qarray.qint8, qarray.quint16, qarray.qint32):
         z = np.clip(zp, d.qmin, d.qmax).astype(np.int32)
-        want, got = _numpy_and_host(host, lambda b: b.quantize(x, scale, z, d, axis, block_size))
+        want, got = numpy_and_host(host, lambda b: b.quantize(x, scale, z, d, axis, block_size))
         np.testing.assert_array_equal(got, want)
         for ft in (np.float16, np.float32, np.float64):
-            w, g = _numpy_and_host(host, lambda b: b.dequantize(want, scale, z, axis, block_size, ft))
+            w, g = numpy_and_host(host, lambda b: b.dequantize(want, scale, z, axis, block_size, ft))
             np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
     q = rng.integers(-(2**20), 2**20, n + 16).astype(np.int32)[offset : offset + n].reshape(shape)
     rq = make_rq(rng.integers(-5, 5, ps), np.full(ps, 3), rng.uniform(1e-3, 0.1, ps), qarray.qint8, axis, block_size, 0)
-    want, got = _numpy_and_host(host, lambda b: b.requantize(q, rq))
+    want, got = numpy_and_host(host, lambda b: b.requantize(q, rq))
     np.testing.assert_array_equal(got, want)

@@ -5,10 +5,7 @@ from test_requantize import ref_fixed
 import qarray
 from qarray import QArray, qdtype
 from qarray.ops import add, add_scalar, clamp, hardtanh, mul, mul_scalar, relu, relu6, sub
-
-
-def q_of(ints, scale, zp, dtype):
-    return QArray.from_int(np.asarray(ints), scale, zp, dtype)
+from _reference import q_of
 
 
 def ref_add(a, b, sign, s_out, z_out, dtype):

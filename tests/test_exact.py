@@ -46,7 +46,8 @@ import qarray as qa
 from qarray import QArray, qdtype
 
 from cuda_host.harness import host, host_lib  # noqa: F401 (fixtures)
-from test_cuda import _numpy_and_host, make_rq
+from test_cuda import make_rq
+from _reference import numpy_and_host
 
 DTYPES = ["qint2", "quint2", "qint4", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
 RULES = ["half_even", "half_away", "half_up", "tflite", "float"]
@@ -968,7 +969,7 @@ def test_cuda_host_rescale_either_side_of_the_narrow_path(host, kernels, M, qo):
                   2**31 + 1, 2**40 + 1, -(2**62)], np.int64)
     for rule in RULES:
         rq = make_rq(0, 0, M, qd, None, rounding=CODES[rule])
-        want, got = _numpy_and_host(host, lambda b: b.requantize(d, rq))
+        want, got = numpy_and_host(host, lambda b: b.requantize(d, rq))
         assert host.launches[-1][0] == f"requantize_int64_{qd.storage.name}"
         ref = _ref_int64(d, None, np.float64(M), np.int64(0), qd, rule)
         np.testing.assert_array_equal(got, ref, err_msg=rule)
@@ -990,7 +991,7 @@ def test_cuda_host_requantize_and_binary(host, kernels, data):
     for rule in RULES:
         rq = make_rq(0, zo if axis is not None else zo[0], M if axis is not None else M[0], qo, axis,
                      rounding=CODES[rule])
-        want, got = _numpy_and_host(host, lambda b: b.requantize(d, rq))
+        want, got = numpy_and_host(host, lambda b: b.requantize(d, rq))
         assert host.launches[-1][0] == f"requantize_int64_{qo.storage.name}"
         ref = _ref_int64(d, axis, M, zo, qo, rule)
         np.testing.assert_array_equal(want, ref, err_msg=rule)
@@ -1016,7 +1017,7 @@ def test_cuda_host_requantize_and_binary(host, kernels, data):
             rb = make_rq(zb, 0, Mb, None, rounding=code if code is not None else 0)
         rq = make_rq(0, zo if axis is not None else zo[0], Mo if axis is not None else Mo[0], qo, axis, rounding=code)
         fn = lambda bk: bk.binary(op, qa_.astype(a.storage), qb_.astype(b.storage), ra, rb, rq)  # noqa: E731
-        want, got = _numpy_and_host(host, fn)
+        want, got = numpy_and_host(host, fn)
         assert host.launches[-1][0] == f"binary_{a.storage.name}_{b.storage.name}"
         ref = np.empty(shape, np.int64)
         op_rule = rule if rule != "float" else "half_even"

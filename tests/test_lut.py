@@ -6,6 +6,7 @@ import pytest
 import qarray
 from qarray import QArray
 import qarray as L  # every LUT op is exported at the top level
+from _reference import all_codes
 
 
 def _sigmoid(x):
@@ -34,11 +35,6 @@ def reference(codes, s_in, z_in, fn, s_out, z_out, d):
         r = (d.qmax if v > 0 else d.qmin) if math.isinf(v) else round(v) + int(z_out)
         out.append(min(max(r, d.qmin), d.qmax))
     return np.array(out, np.int64).reshape(codes.shape)
-
-
-def all_codes(d, scale, zp):
-    d = qarray.qdtype(d)
-    return QArray.from_int(np.arange(d.qmin, d.qmax + 1), scale, zp, d)
 
 
 CASES = [("qint8", 0.05, 3), ("quint8", 0.04, 128), ("qint4", 0.5, -1), ("quint4", 0.3, 7), ("qint2", 1.5, 0)]

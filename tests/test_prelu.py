@@ -19,6 +19,7 @@ import qarray
 from qarray import QArray, qdtype
 
 from test_exact import _one_thread, expand, f32_ratio, ref_out  # noqa: F401 (a fixture)
+from _reference import all_codes
 
 RULES = ["half_even", "half_away", "half_up", "tflite", "float"]
 
@@ -62,12 +63,6 @@ def check(q, alpha, axis=1, rule="half_even", **out):
     assert got.dtype is d and float(got.scale) == np.float32(s) and int(got.zero_point) == z
     np.testing.assert_array_equal(got.int_repr().astype(np.int64), reference(q, alpha, axis, s, z, d, rule))
     return got
-
-
-def all_codes(d, scale, zp, shape=None):
-    d = qdtype(d)
-    c = np.arange(d.qmin, d.qmax + 1)
-    return QArray.from_int(c if shape is None else c.reshape(shape), scale, zp, d)
 
 
 @pytest.mark.parametrize("rule", RULES)
