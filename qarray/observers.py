@@ -407,10 +407,10 @@ class Histogram(Observer):
             return self._seen(edges[:, 0], edges[:, -1])
         width = edges[:, 1] - edges[:, 0]
         reach = np.ceil(np.maximum(-self.lo, self.hi) / width).astype(np.int64)  # bins from 0 to the farthest value
-        whole = np.full(len(edges), self.bins // view)  # bins of the histogram per bin of the view
-        held = np.clip(-(-reach // (view // 2)), 1, self.bins // view)
+        whole = self.bins // view  # bins of the histogram per bin of the view
+        held = np.clip(-(-reach // (view // 2)), 1, whole)
         # the searches: (view, bins per view bin, channels); where both views are one, the first only
-        searches = [(0, whole[0], np.arange(len(edges)))]
+        searches = [(0, whole, np.arange(len(edges)))]
         searches += [(1, k, np.flatnonzero((held == k) & (held != whole))) for k in np.unique(held[held != whole])]
 
         def search(task):

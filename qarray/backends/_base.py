@@ -400,9 +400,10 @@ class Backend:
         rows, n = x.shape
         if rows * n == 0:
             return xp.empty((rows, n), out_dtype)
+        out = xp.empty((rows, n), out_dtype) if self.writable else None
         t = self.asarray(table)
         step = max(1, self.chunk // n)
-        pieces = []  # rows of about ``chunk`` elements at a time, joined
+        pieces = []  # rows of about ``chunk`` elements at a time: into out, or joined (immutable arrays)
         for r in range(0, rows, step):
             c = x[r : r + step].astype(xp.int64)
             j = c.max(axis=1, keepdims=True) - c
@@ -413,8 +414,12 @@ class Backend:
                 v = xp.rint((j.astype(xp.float64) * -float(s_in) - logs) / float(s_out))
             else:
                 v = xp.rint(tj.astype(xp.float64) / (S.astype(xp.float64) * float(s_out)))
-            pieces.append(xp.clip(v + float(z_out), lo, hi).astype(out_dtype))
-        return xp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            piece = xp.clip(v + float(z_out), lo, hi).astype(out_dtype)
+            if out is not None:
+                out[r : r + step] = piece
+            else:
+                pieces.append(piece)
+        return out if out is not None else xp.concatenate(pieces)
 
     # -- integer matmul ------------------------------------------------------
     def pack_weight(self, codes, qd, keep=False):

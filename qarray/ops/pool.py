@@ -219,8 +219,9 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
     rows = max(1, b.chunk // max(ow, 1))
     step = max(1, rows // max(oh, 1))  # planes per piece, when whole planes fit
     out = xp.empty((n * c, oh, ow), d.storage) if b.writable else None
-    done = []
+    runs = []  # immutable arrays: the pieces, rows joined within each run of planes
     for c0 in range(0, n * c, step):
+        pieces = []
         for r0 in range(0, oh, rows):
             r1 = min(r0 + rows, oh)
             top, bottom = r0 * s[0] - p[0], (r1 - 1) * s[0] + k[0] - p[0]  # its input rows, padding included
@@ -235,13 +236,11 @@ def avg_pool2d(q: QArray, kernel_size, stride=None, padding=0, *, count_include_
             if out is not None:
                 out[c0:c0 + step, r0:r1] = means
             else:
-                done.append((c0, means))
-    if out is None:  # immutable arrays: the pieces joined, rows within each run of planes, then the planes
-        runs = {}
-        for c0, means in done:
-            runs.setdefault(c0, []).append(means)
-        out = (xp.concatenate([xp.concatenate(r, axis=1) for r in runs.values()], axis=0) if runs
-               else xp.empty((0, oh, ow), d.storage))  # (zero samples: Dask's probe of an op's output)
+                pieces.append(means)
+        if pieces:
+            runs.append(xp.concatenate(pieces, axis=1))
+    if out is None:  # (zero samples: Dask's probe of an op's output)
+        out = xp.concatenate(runs, axis=0) if runs else xp.empty((0, oh, ow), d.storage)
     res = make(out.reshape(n, c, oh, ow))
     return res[0] if three else res
 
