@@ -143,6 +143,37 @@ def rescale(d, m, s, rounding, narrow=False):
     return (h + half_hi + ((l + half_lo + delta) >> 32)) >> t
 
 
+_CAP62 = (_ONE << 62) - 1
+
+
+def rescale_mean(acc, count, m, s, rounding):
+    """``R(acc / count * m / 2**s)`` exactly, by :func:`rescale`'s tie rules
+    (``HALF_EVEN``, ``HALF_AWAY``, ``HALF_UP``): the rounding of a mean.
+    ``acc`` int64, ``count`` a positive integer (scalar or array),
+    ``|acc / count| < 2**32`` (any mean of 32-bit values), ``m`` and ``s``
+    Python ints from ``quantize_multiplier`` with ``s >= 1``.
+
+    With ``acc = count * Q + R`` and ``R * m = count * Q2 + F``, the value is
+    ``X / 2**s`` with ``X = I + F / count``, ``I = Q * m + Q2`` (nothing
+    overflows). Rounding ``X / 2**s`` needs only ``floor(X / 2**(s - 1))``
+    (``I >> (s - 1)``, as ``F / count < 1``) and whether anything is left below
+    it (a sticky bit): ``rescale`` of ``J = 2 * (I >> (s - 1)) + sticky`` by
+    ``2**30 / 2**32`` rounds ``J / 4`` the same way, ties only where nothing is
+    left. For ``s == 1``, ``|I|`` is capped below ``2**62`` (the result is
+    beyond ``2**60`` there, outside every output).
+    """
+    if s > 63:  # |I| < 2**63: every value rounds to 0
+        m, s = 0, 63
+    q = acc // count
+    t = (acc - q * count) * m
+    q2 = t // count
+    i = q * m + q2
+    if s == 1:  # 2 * I must fit in int64
+        i = i - (i - _CAP62) * (i > _CAP62) - (i + _CAP62) * (i < -_CAP62)
+    sticky = ((i & ((_ONE << (s - 1)) - 1)) != 0) | (t - q2 * count > 0)
+    return rescale(2 * (i >> (s - 1)) + sticky, _ONE << 30, 32, rounding)
+
+
 @dataclass(frozen=True, eq=False)
 class Requant:
     """One requantize, resolved once by an op and taken whole by a backend:

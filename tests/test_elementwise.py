@@ -1,11 +1,10 @@
 import numpy as np
 import pytest
-from test_requantize import ref_fixed
 
 import qarray
 from qarray import QArray, qdtype
 from qarray.ops import add, add_scalar, clamp, hardtanh, mul, mul_scalar, relu, relu6, sub
-from _reference import q_of
+from _reference import q_of, ref_fixed
 
 
 def ref_add(a, b, sign, s_out, z_out, dtype):

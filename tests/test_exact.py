@@ -47,7 +47,7 @@ from qarray import QArray, qdtype
 
 from cuda_host.harness import host, host_lib  # noqa: F401 (fixtures)
 from test_cuda import make_rq
-from _reference import numpy_and_host
+from _reference import numpy_and_host, round_rational
 
 DTYPES = ["qint2", "quint2", "qint4", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
 RULES = ["half_even", "half_away", "half_up", "tflite", "float"]
@@ -108,19 +108,6 @@ def ref_multiplier(M, tflite=False):
     return m, s
 
 
-def ref_round(v: Fraction, rule: str) -> int:
-    fl = math.floor(v)
-    r = v - fl
-    if r != HALF:
-        return fl + (r > HALF)
-    if rule == "half_even":
-        return fl + (fl % 2)
-    if rule == "half_up":
-        return fl + 1
-    assert rule == "half_away"
-    return fl + (v > 0)
-
-
 def ref_gemmlowp(x: int, m: int, s: int) -> int:
     """TFLite's MultiplyByQuantizedMultiplier(x, m, 31 - s): gemmlowp's
     SaturatingRoundingDoublingHighMul then RoundingDivideByPOT, with the input
@@ -141,7 +128,7 @@ def ref_scale(d: int, M: float, rule: str) -> int:
     if rule == "tflite":
         return ref_gemmlowp(d, *ref_multiplier(M, tflite=True))
     m, s = ref_multiplier(M)
-    return ref_round(Fraction(d * m) / Fraction(2) ** s, rule)
+    return round_rational(Fraction(d * m) / Fraction(2) ** s, rule)
 
 
 def ref_out(d: int, M: float, f, zo: int, lo: int, hi: int, rule: str) -> int:
@@ -159,7 +146,7 @@ def ref_mean(acc: int, count: int, M: float, f, zo: int, lo: int, hi: int, rule:
         v = np.rint(np.float64(acc) / np.float64(count) * np.float64(f) + np.float64(zo))
     else:
         m, s = ref_multiplier(M)
-        v = ref_round(Fraction(acc * m, count) / Fraction(2) ** s, "half_away" if rule == "tflite" else rule) + zo
+        v = round_rational(Fraction(acc * m, count) / Fraction(2) ** s, "half_away" if rule == "tflite" else rule) + zo
     return int(min(max(v, lo), hi))
 
 

@@ -8,6 +8,7 @@ import qarray
 from qarray import QArray
 from qarray._fixed_point import quantize_multiplier
 from qarray.ops import pool as P
+from _reference import round_rational
 
 
 def rand_q(rng, shape, d="qint8", scale=0.1, zp=3):
@@ -37,19 +38,10 @@ def ref_max_pool(x, k, s, p, dil, fill):
     return out
 
 
-def rnd(fr: Fraction, rounding="half_even"):
-    """Round an exact rational with a tie rule."""
-    fl = math.floor(fr)
-    rem = fr - fl
-    if rem != Fraction(1, 2):
-        return fl + (rem > Fraction(1, 2))
-    return {"half_even": fl + (fl % 2), "half_up": fl + 1, "half_away": fl + (fl >= 0)}[rounding]
-
-
 def finish_ref(total, count, s_in, z_out, s_out, d, rounding="half_even"):
     """zp_out + R(mean * m / 2**sh): the mean exactly, the scale ratio as requantize's (m, sh)."""
     m, sh = quantize_multiplier(np.float64(np.float32(s_in)) / np.float64(np.float32(s_out)))
-    v = rnd(Fraction(total, count) * Fraction(int(m), 2 ** int(sh)), rounding) + z_out
+    v = round_rational(Fraction(total, count) * Fraction(int(m), 2 ** int(sh)), rounding) + z_out
     d = qarray.qdtype(d)
     return min(max(v, d.qmin), d.qmax)
 
@@ -202,7 +194,7 @@ def test_mean_and_sum(kernels, rng, axis, keepdims):
     total = x.sum(axis=axis, keepdims=keepdims)
     count = x.size // total.size
     m = P.mean(q, axis, keepdims)
-    want = np.vectorize(lambda t: 77 + rnd(Fraction(int(t), count)))(total)
+    want = np.vectorize(lambda t: 77 + round_rational(Fraction(int(t), count)))(total)
     np.testing.assert_array_equal(m.int_repr(), want)
     assert m.shape == np.shape(total) and m.dtype is qarray.quint8
     s = P.sum(q, axis, keepdims)
@@ -265,20 +257,3 @@ def test_errors(rng):
         P.mean(q, axis=(1, 1))
     with pytest.raises(ValueError, match="output scale="):
         P.mean(q, dtype="qint16")
-
-
-try:
-    from hypothesis import given, settings, strategies as st
-except ImportError:  # pragma: no cover
-    given = None
-
-if given is not None:
-
-    @settings(max_examples=300, deadline=None)
-    @given(st.lists(st.integers(-(2**32) + 1, 2**32 - 1), min_size=1, max_size=20), st.integers(1, 5000),
-           st.floats(1e-6, 1e6), st.sampled_from(["half_even", "half_away", "half_up"]))
-    def test_round_mean_is_exact(totals, count, ratio, rounding):
-        m, sh = (int(v) for v in quantize_multiplier(ratio))
-        got = P._round_mean(np.array(totals, np.int64), count, m, sh, rounding)
-        want = [rnd(Fraction(t, count) * Fraction(m, 2**sh), rounding) for t in totals]
-        assert got.tolist() == want

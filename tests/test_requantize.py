@@ -9,23 +9,9 @@ from hypothesis import strategies as st
 import qarray
 from qarray import QArray, qdtype
 from qarray._fixed_point import quantize_multiplier
+from _reference import ref_fixed, round_rational
 
 ROUNDINGS = ["half_even", "half_away", "half_up"]
-
-
-def ref_fixed(d, M, rounding):
-    """Exact rational reference: R(d * m, s) with Python integers."""
-    m, s = (int(v) for v in quantize_multiplier(M))
-    v = Fraction(d * m, 2**s)
-    fl = v.numerator // v.denominator
-    frac = v - fl
-    if frac != Fraction(1, 2):
-        return fl + (frac > Fraction(1, 2))
-    if rounding == "half_even":
-        return fl + (fl % 2)
-    if rounding == "half_up":
-        return fl + 1
-    return fl + 1 if v > 0 else fl  # half_away
 
 
 def ref_tflite(x, M):
@@ -103,6 +89,50 @@ def test_fixed_matches_exact_rational(ints, M, zp_in, rounding, dtype):
             r = qarray.requantize(q, s_out, zp_out, dtype, rounding=rounding)
             np.testing.assert_array_equal(r.int_repr(), want)
             assert r.data.dtype == d.storage
+
+
+def _means(count, m, sh):
+    """Sums whose means over ``count`` lie on, beside and far from every tie of
+    ``R(mean * m / 2**sh)``, up to the largest mean of 32-bit values."""
+    big = 2**32 - 1
+    out = {big * count, -big * count, big * count + count - 1, -big * count - count + 1, 0, 1, -1, count - 1}
+    for k in (0, 1, 2, 3, 1000, 2**20):  # the sums whose exact result is k + 1/2, and one off
+        t = Fraction(2 * k + 1, 2) * Fraction(2**sh, m) * count if m else Fraction(0)
+        if t.denominator == 1:
+            out |= {int(t) + e for e in (-1, 0, 1)} | {-int(t) + e for e in (-1, 0, 1)}
+    return sorted(v for v in out if abs(Fraction(v, count)) < 2**32)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 9, 49, 2**20 + 7])
+@pytest.mark.parametrize("M", [2.0**-40, 2.0**-33, 1 / 49, 0.3, 0.5, 1.0, 3.0, 2.0**29 * 1.5])
+def test_rescale_mean_at_ties_and_extremes(count, M):
+    """The mean's rounding (``_fixed_point.rescale_mean``, what avg_pool2d,
+    adaptive_avg_pool2d and mean use) against Fractions, every tie rule:
+    sums on the ties (M = 0.5 and 1.0 reach them), one off, and means of
+    +-(2**32 - 1), where ``I`` passes 2**62."""
+    from qarray._fixed_point import ROUNDINGS as CODES, rescale_mean
+
+    m, sh = (int(v) for v in quantize_multiplier(M))
+    acc = _means(count, m, sh)
+    for rounding in ROUNDINGS:
+        got = rescale_mean(np.array(acc, np.int64), count, m, sh, CODES[rounding])
+        want = [round_rational(Fraction(t, count) * Fraction(m, 2**sh), rounding) for t in acc]
+        # beyond 2**60 the result is saturated there (outside every output)
+        want = [max(min(w, 2**60), -(2**60)) for w in want]
+        assert [max(min(g, 2**60), -(2**60)) for g in got.tolist()] == want, rounding
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(2**32) + 1, 2**32 - 1), st.integers(0, 2**40), st.integers(1, 5000),
+       st.floats(1e-12, 1e6), st.sampled_from(ROUNDINGS))
+def test_rescale_mean_is_exact(mean, rem, count, M, rounding):
+    from qarray._fixed_point import ROUNDINGS as CODES, rescale_mean
+
+    acc = mean * count + rem % count  # |acc / count| < 2**32
+    m, sh = (int(v) for v in quantize_multiplier(M))
+    got = rescale_mean(np.array([acc, -acc], np.int64), np.array([count, count]), m, sh, CODES[rounding])
+    want = [round_rational(Fraction(t, count) * Fraction(m, 2**sh), rounding) for t in (acc, -acc)]
+    assert got.tolist() == want
 
 
 @settings(max_examples=80, deadline=None)

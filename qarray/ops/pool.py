@@ -24,7 +24,7 @@ import numpy as np
 
 from ..backends import on_data_device, per_sample
 from .._config import resolve
-from .._fixed_point import float_multiplier, quantize_multiplier
+from .._fixed_point import plan, rescale_mean
 from .._params import normalize_axis, to_host
 from .._qarray import QArray
 from ._output import finish, output_params_of
@@ -102,32 +102,6 @@ def _inside(length, k, s, p, out):
     return ((o >= 0) & (o < length)).sum(axis=1).astype(np.int64)
 
 
-def _round_mean(acc, count, m, sh, rounding):
-    """``R(acc / count * m, sh)`` exactly: int64 ``acc``, positive integer ``count``
-    (scalar or array), ``|acc / count| < 2**32`` (any mean of 32-bit values),
-    ``m < 2**31``, ``1 <= sh <= 63``.
-
-    With ``acc = count * Q + R`` and ``R * m = count * Q2 + R2``, the value is
-    ``(I + R2 / count) / 2**sh`` with integer ``I = Q * m + Q2``: nothing overflows
-    and the tie test is exact.
-    """
-    q = acc // count
-    t = (acc - q * count) * m
-    q2 = t // count
-    frac = t - q2 * count  # R2: > 0 means strictly above I / 2**sh
-    i = q * m + q2
-    a, rem, half = i >> sh, i & ((1 << sh) - 1), 1 << (sh - 1)
-    tie = (rem == half) & (frac == 0)
-    up = (rem > half) | ((rem == half) & (frac > 0))
-    if rounding == "half_even":
-        up = up | (tie & ((a & 1) == 1))
-    elif rounding == "half_up":
-        up = up | tie
-    else:  # half_away, and tflite (TFLite's average pool rounds ties away from 0)
-        up = up | (tie & (a >= 0))
-    return a + up
-
-
 def _mean_output(op, q, scale, zero_point, dtype, mode, rounding):
     """``(d, rnd, make)`` for a mean of ``q``: the output QDType, ``rnd(acc, count)``
     the output integers of the means ``acc / count`` (int64 sums of
@@ -135,25 +109,22 @@ def _mean_output(op, q, scale, zero_point, dtype, mode, rounding):
     b, xp = q._backend, q._backend.xp
     d, s_out, z_out = output_params_of(op, q, scale, zero_point, dtype)
     mode, rounding = resolve(mode, rounding)
-    s_in = to_host(q.scale)
+    # TFLite's average pool divides with ties away from 0 (its rounding, for a mean)
+    rq = plan((to_host(q.scale),), s_out, 0, z_out, d, mode, "half_away" if rounding == "tflite" else rounding)
+    z, f = int(rq.zp_out), float(rq.f)
     if mode == "fixed":
-        m, sh = (int(v) for v in quantize_multiplier(s_in.astype(np.float64) / s_out.astype(np.float64)))
+        m, sh = int(rq.m), int(rq.shift)
         if sh < 1:
             raise ValueError(
-                f"{op}: scale_in / scale_out = {float(s_in) / float(s_out):g} is too large for an exact "
-                "average (it must be below 2**30); choose a larger output scale or mode='float'"
+                f"{op}: scale_in / scale_out = {float(to_host(q.scale)) / float(s_out):g} is too large for an "
+                "exact average (it must be below 2**30); choose a larger output scale or mode='float'"
             )
-        if sh > 63:  # |mean * m| < 2**63: every value rounds to 0
-            m, sh = 0, 63
 
         def rnd(acc, count):
-            return xp.clip(_round_mean(acc, count, m, sh, rounding) + int(z_out), d.qmin, d.qmax).astype(d.storage)
+            return xp.clip(rescale_mean(acc, count, m, sh, rq.rounding) + z, rq.lo, rq.hi).astype(d.storage)
     else:  # as the requantize primitive: round after adding the zero point, clamp in float
-        mult = float(float_multiplier(s_in, s_out))
-
         def rnd(acc, count):
-            v = xp.rint(acc.astype(xp.float64) / count * mult + int(z_out))
-            return xp.clip(v, d.qmin, d.qmax).astype(d.storage)
+            return xp.clip(xp.rint(acc.astype(xp.float64) / count * f + z), rq.lo, rq.hi).astype(d.storage)
 
     def make(data):
         return QArray._new(data, s_out, z_out, d, None, None, b)
