@@ -78,7 +78,7 @@ class Backend:
     ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
     (``pack``, ``unpack``) and the hooks ``on`` (the current device),
     ``over_batches`` (ops on independent samples: Dask runs them per chunk),
-    ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
+    ``empty`` (a kernel's output: NumPy aligns large ones to huge pages), ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
     NumPy overrides the hot ones with Numba kernels, CuPy with CUDA kernels,
     Dask maps them over chunks; each override gives the generic result bit for
     bit.
@@ -96,6 +96,22 @@ class Backend:
     def xp(self):
         """The array namespace the generic primitives use."""
         return self._xp
+
+    def empty(self, shape, dtype):
+        """A new uninitialised array for a primitive's output."""
+        return self.xp.empty(shape, dtype)
+
+    def _into(self, out, fill, shape, dtype):
+        """``fill(target)``, the result of a primitive with ``out=``: ``target``
+        is ``out`` itself where it is C-contiguous, else a new array, returned
+        or, for a strided ``out`` (cat's slice along an inner axis), copied in.
+        ``fill`` returns the filled array."""
+        direct = out is not None and out.flags.c_contiguous
+        target = fill(out if direct else self.empty(shape, dtype))
+        if out is None or direct:
+            return target
+        out[...] = target
+        return out
 
     def __repr__(self):
         return f"<qarray backend {self.name!r}>"
@@ -188,7 +204,7 @@ class Backend:
                 q = xp.rint(c.astype(ft, copy=False) / s).astype(xp.float64) + z
             return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
 
-        out = xp.empty(x.shape, qd.storage)
+        out = self.empty(x.shape, qd.storage)
         params = (scale.astype(ft), zero_point.astype(xp.float64))
         return self._chunked(fn, x, out, Layout(x.shape, axis, block_size), params)
 
@@ -200,7 +216,7 @@ class Backend:
         def fn(c, s, z):
             return ((c.astype(xp.int64) - z).astype(ft) * s).astype(dtype, copy=False)
 
-        out = xp.empty(q.shape, dtype)
+        out = self.empty(q.shape, dtype)
         params = (scale.astype(ft), zero_point.astype(xp.int64))
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return self._chunked(fn, q, out, Layout(q.shape, axis, block_size), params)
@@ -325,13 +341,8 @@ class Backend:
                 v = xp.clip(v + zo, rq.lo, rq.hi)
             return v.astype(rq.out_dtype, copy=False)
 
-        direct = out is not None and out.flags.c_contiguous
-        target = out if direct else xp.empty(q.shape, rq.out_dtype)
-        target = self._chunked(fn, q, target, Layout(q.shape, rq.axis, rq.block_size), rq.params)
-        if out is None or direct:
-            return target
-        out[...] = target
-        return out
+        lay = Layout(q.shape, rq.axis, rq.block_size)
+        return self._into(out, lambda t: self._chunked(fn, q, t, lay, rq.params), q.shape, rq.out_dtype)
 
     def clip(self, q, lo, hi):
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
@@ -399,8 +410,8 @@ class Backend:
         xp = self.xp
         rows, n = x.shape
         if rows * n == 0:
-            return xp.empty((rows, n), out_dtype)
-        out = xp.empty((rows, n), out_dtype) if self.writable else None
+            return self.empty((rows, n), out_dtype)
+        out = self.empty((rows, n), out_dtype) if self.writable else None
         t = self.asarray(table)
         step = max(1, self.chunk // n)
         pieces = []  # rows of about ``chunk`` elements at a time: into out, or joined (immutable arrays)

@@ -495,13 +495,13 @@ class CupyBackend(Backend):
                 dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
                 self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
                 return out
-            target = out if out is not None and out.flags.c_contiguous else xp.empty(q.shape, rq.qd.storage)
-            if total:
-                self._elementwise(f"requantize_{pair}", total, (q, *args, target))
-            if out is None or target is out:
+
+            def fill(target):
+                if total:
+                    self._elementwise(f"requantize_{pair}", total, (q, *args, target))
                 return target
-            out[...] = target
-            return out
+
+            return self._into(out, fill, q.shape, rq.qd.storage)
 
     def clip(self, q, lo, hi):
         with self.on(q):

@@ -41,7 +41,7 @@ _kernels = False
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
-def _empty(shape, dtype):
+def _aligned_empty(shape, dtype):
     """``np.empty(shape, dtype)`` for a kernel's output; from 4 MiB on, starting
     at a 2 MiB boundary. NumPy asks for transparent huge pages from 4 MiB
     (``madvise``), but a mapping that starts mid-page takes 4 KiB pages up to
@@ -67,6 +67,8 @@ class NumpyBackend(Backend):
 
     def __init__(self):
         super().__init__(np)
+
+    empty = staticmethod(_aligned_empty)
 
     @staticmethod
     def _fast(a):
@@ -98,7 +100,7 @@ class NumpyBackend(Backend):
             x = x.astype(np.float32)
         # <= 16-bit results clamp exactly in float32; qint32 needs float64.
         ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
-        out = _empty(x.shape, qd.storage)
+        out = self.empty(x.shape, qd.storage)
         params = (scale.astype(x.dtype), zero_point.astype(ct))
         bad = self._run(k.quantize, x, out, axis, block_size, params, ct(qd.qmin), ct(qd.qmax))
         if any(v != v for v in bad) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
@@ -113,7 +115,7 @@ class NumpyBackend(Backend):
 
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
-        out = _empty(x.shape, np.uint8)
+        out = self.empty(x.shape, np.uint8)
         kernel = k.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
         nans = self._run(kernel, x, out, axis, block_size, (np.asarray(scale, np.float32),))
         if any(nans) and not (mx or _formats.fmt(qd).has_nan):
@@ -125,7 +127,7 @@ class NumpyBackend(Backend):
         if k is None:
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
         ft = np.float64 if dtype == np.float64 else np.float32
-        out = _empty(q.shape, ft)
+        out = self.empty(q.shape, ft)
         self._run(k.dequantize, q, out, axis, block_size, (scale.astype(ft), zero_point.astype(np.int64)))
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype, copy=False)
@@ -145,7 +147,7 @@ class NumpyBackend(Backend):
         if k is None or axis is not None:
             return super().lut(q, table, axis)
         u = _contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
-        out = _empty(q.shape, table.dtype)
+        out = self.empty(q.shape, table.dtype)
         k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1))
         return out
 
@@ -155,14 +157,13 @@ class NumpyBackend(Backend):
             return super().requantize(q, rq, out)
         # a strided out (cat's slice along axis > 0) gets a contiguous result copied
         # in: 12x faster than the generic code's int64 passes (cat of 3 x 86K codes on axis 1)
-        direct = out is not None and out.flags.c_contiguous
-        target = out if direct else _empty(q.shape, rq.out_dtype)
         kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
-        self._run(kernel, q, target, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
-        if out is None or direct:
+
+        def fill(target):
+            self._run(kernel, q, target, rq.axis, rq.block_size, rq.params, np.int64(rq.lo), np.int64(rq.hi))
             return target
-        out[...] = target
-        return out
+
+        return self._into(out, fill, q.shape, rq.out_dtype)
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
     def pack_weight(self, codes, qd, keep=False):
@@ -191,7 +192,7 @@ class NumpyBackend(Backend):
         m, n = raw.shape
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
         rq = identity(0) if rq is None else rq
-        out = _empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
+        out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
         k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, _contiguous(raw), rows, *cols, np.int64(rq.lo),
@@ -214,7 +215,7 @@ class NumpyBackend(Backend):
         (sh, sw), (dh, dw) = stride, dilation
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-        out = _empty((n * oh * ow, c * kh * kw), xpad.dtype)
+        out = self.empty((n * oh * ow, c * kh * kw), xpad.dtype)
         k.parallel(k.im2col, n * oh, _contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
@@ -230,7 +231,7 @@ class NumpyBackend(Backend):
         narrow = bias is None and rq is not None and rq.narrow(np.int32)
         dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
         rq = identity(0) if rq is None else rq
-        out = _empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
+        out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
         k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), _contiguous(wc), groups,
                    sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
@@ -246,7 +247,7 @@ class NumpyBackend(Backend):
             sums = np.empty(x.shape[0], np.int64)
             k.parallel(k.softmax_sums, len(x), x, table, sums)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
-        out = _empty(x.shape, out_dtype)
+        out = self.empty(x.shape, out_dtype)
         k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
                    np.float64(lo), np.float64(hi), bool(log), out)
         return out
