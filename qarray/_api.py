@@ -321,11 +321,11 @@ def quantize_nvfp4(x, axis=-1, global_scale=None) -> QArray:
 
 def packed_layout(d: QDType, count: int):
     """How ``QArray.pack()`` stores ``count`` values of ``d``: ``(NumPy dtype, number of items)``."""
-    if d.kind == "float":  # bit patterns: float8 one a byte, float4 two, float6 four in three bytes
-        return np.dtype(np.uint8), {8: count, 6: -(-count // 4) * 3, 4: -(-count // 2)}[d.bits]
+    if d.bits == 6:  # float6: four in three bytes
+        return np.dtype(np.uint8), -(-count // 4) * 3
     if d.packed:
-        return np.dtype(np.uint8), -(-count // (8 // d.bits))
-    return d.storage, count
+        return np.dtype(np.uint8), -(-count * d.bits // 8)
+    return d.bits_dtype, count
 
 
 def _shape(op, shape) -> tuple:
@@ -359,12 +359,10 @@ def unpack(packed, dtype, shape):
         raise TypeError(f"unpack: {d.name} data comes as {want_dtype.name}, got {packed.dtype}")
     if packed.size != items:
         raise ValueError(f"unpack: {count} {d.name} values need {items} items, got {packed.size}")
-    if d.kind == "float":  # bit patterns, as the format's elements
-        if d.bits == 6:
-            bits = _formats.unpack6(to_host(packed), count)
-        else:
-            bits = packed.reshape(shape).copy() if d.bits == 8 else b.unpack(packed.reshape(-1), 4, False, count)
-        return bits.reshape(shape).view(d.storage)
-    if not d.packed:
-        return packed.reshape(shape).copy()
-    return b.unpack(packed.reshape(-1), d.bits, d.signed, count).reshape(shape)
+    if d.bits == 6:  # float6: four in three bytes
+        codes = _formats.unpack6(to_host(packed), count)
+    elif d.packed:  # a floating format's bit patterns are unsigned
+        codes = b.unpack(packed.reshape(-1), d.bits, d.signed and d.kind == "int", count)
+    else:
+        codes = packed.reshape(-1).copy()
+    return codes.reshape(shape).view(d.storage)

@@ -48,6 +48,13 @@ class QDType:
         return (qdtype, (self.name,))
 
     @property
+    def bits_dtype(self) -> np.dtype:
+        """The codes as plain integers, as ``pack()``, files and moves between
+        backends hold them: the storage of an integer format; a floating
+        format's bit patterns, uint8 (mxint8's int8 codes too)."""
+        return np.dtype(np.uint8) if self.kind == "float" else self.storage
+
+    @property
     def packed(self) -> bool:
         """True for the sub-byte types that ``pack()`` stores several to a byte."""
         return self.bits < 8

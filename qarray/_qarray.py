@@ -163,8 +163,8 @@ class QArray:
         """A copy of the integer storage (one value per element, also for 2/4 bits);
         for a floating format, the elements' bit patterns as uint8; for mxint8, whose
         elements are two's-complement int8 (OCP MX), those int8."""
-        want = np.dtype(np.int8 if self._dtype.name == "mxint8" else np.uint8)
-        if self._dtype.kind == "float" and self._data.dtype != want:  # (dask cannot view a 0-d array)
+        want = np.dtype(np.int8) if self._dtype.name == "mxint8" else self._dtype.bits_dtype
+        if self._data.dtype != want:  # (dask cannot view a 0-d array)
             return self._data.view(want).copy()
         return self._data.copy()
 
@@ -173,16 +173,15 @@ class QArray:
         low bits); 8 bits and wider come back as a copy of the storage. Floating
         formats give their bit patterns: float8 one a byte, float4 two a byte,
         float6 four in three bytes (torchao's MXFP6 layout, ``qarray._formats.pack6``)."""
-        if self._dtype.kind == "float":  # float6: four in three bytes, torchao's MXFP6 layout
-            bits = self._backend.xp.ascontiguousarray(self._data).reshape(-1).view(np.uint8)
-            if self._dtype.bits == 6:
-                from ._formats import pack6
+        d = self._dtype
+        codes = self._backend.xp.ascontiguousarray(self._data).reshape(-1)
+        if codes.dtype != d.bits_dtype:
+            codes = codes.view(d.bits_dtype)
+        if d.bits == 6:  # float6: four in three bytes, torchao's MXFP6 layout
+            from ._formats import pack6
 
-                return pack6(bits)
-            return bits.copy() if self._dtype.bits == 8 else self._backend.pack(bits, 4)
-        if not self._dtype.packed:
-            return self._backend.xp.ascontiguousarray(self._data).reshape(-1).copy()
-        return self._backend.pack(self._data, self._dtype.bits)
+            return pack6(codes)
+        return self._backend.pack(codes, d.bits) if d.packed else codes.copy()
 
     def to(self, backend: str) -> "QArray":
         """The same QArray on another backend ("numpy", "cupy", or "dask": one chunk

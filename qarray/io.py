@@ -153,7 +153,7 @@ def packed_rows_layout(d, shape) -> tuple:
     ``QArray.pack`` packs, padded to whole bytes; 8 bits and wider as stored."""
     stored = tuple(shape) or (1,)
     if row_group(d) == 1:
-        return np.dtype(np.uint8 if d.kind == "float" else d.storage), stored
+        return d.bits_dtype, stored
     return np.dtype(np.uint8), stored[:-1] + (packed_layout(d, stored[-1])[1],)
 
 
@@ -164,11 +164,10 @@ def pack_rows(d, chunk) -> np.ndarray:
     chunk = to_host(chunk)  # device chunks are written from the host
     chunk = chunk.reshape(chunk.shape or (1,))
     pad = -chunk.shape[-1] % g
-    bits = chunk.view(np.uint8) if d.kind == "float" else chunk
+    bits = chunk.view(d.bits_dtype)
     if pad:
         bits = np.concatenate([bits, np.zeros(bits.shape[:-1] + (pad,), bits.dtype)], axis=-1)
-    q = QArray._new(np.ascontiguousarray(bits).view(d.storage) if d.kind == "float" else np.ascontiguousarray(bits),
-                    np.float32(1), np.int32(0), d)
+    q = QArray._new(np.ascontiguousarray(bits).view(d.storage), np.float32(1), np.int32(0), d)
     return q.pack().reshape(packed_rows_layout(d, bits.shape)[1])
 
 
@@ -424,7 +423,7 @@ def _load_safetensors(path) -> dict:
                 raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata "
                                  f"says {d.name} {list(shape)}, packed by rows: {want[0]} {list(want[1])}")
             data = unpack_rows(d, (shape or (1,))[-1], data).reshape(shape)
-        if d.kind == "float" and data.dtype == np.uint8 and data.shape == shape:  # bit patterns (int_repr)
+        if data.dtype == d.bits_dtype != d.storage and data.shape == shape:  # bit patterns (int_repr)
             data = data.view(d.storage)
         if data.dtype != d.storage or data.shape != shape:
             raise ValueError(f"{path}: tensor {name!r} is {data.dtype} {list(data.shape)}, but its metadata says "

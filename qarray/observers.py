@@ -116,13 +116,8 @@ class Observer:
         if self.lo is not None and rows.shape[0] != self.lo.shape[0]:
             raise ValueError(f"{name}.update: the batch has {rows.shape[0]} channels along axis {self.axis}, "
                              f"earlier batches had {self.lo.shape[0]}")
-        if is_lazy(rows):  # a dask array: both reductions in one pass, each a tree over the chunks
-            import dask
-
-            lo, hi = (to_host(v).astype(np.float64) for v in dask.compute(rows.min(axis=1), rows.max(axis=1)))
-        else:
-            lo = to_host(rows.min(axis=1)).astype(np.float64)
-            hi = to_host(rows.max(axis=1)).astype(np.float64)
+        # per row; the Dask backend takes both in one pass, each a tree over the chunks
+        lo, hi = (to_host(v).astype(np.float64) for v in for_array(rows).minmax(rows, 0, None))
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
             raise ValueError(f"{name}.update: the batch holds NaN or inf; observe finite values only")
         return rows, lo, hi
