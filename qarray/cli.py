@@ -368,11 +368,11 @@ def _gpus() -> list:
 
 def _kernels(arch: str) -> str:
     """Compile every kernel file with CuPy's NVRTC for ``compute_<arch>``."""
-    from .backends import cupy as cuda_backend
+    from .backends import _cuda
 
-    names = sorted(p.name for p in cuda_backend.CUDA_DIR.glob("*.cu"))
+    names = sorted(p.name for p in _cuda.CUDA_DIR.glob("*.cu"))
     for name in names:
-        cuda_backend.compile_ptx(name, arch)
+        _cuda.compile_ptx(name, arch)
     import cupy
 
     major, minor = cupy.cuda.nvrtc.getVersion()

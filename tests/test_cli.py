@@ -760,10 +760,10 @@ def test_run_passes_the_options_and_the_exit_status(capsys, monkeypatch):
 
 
 def test_info(capsys, monkeypatch):
-    from qarray.backends import cupy as cuda_backend
+    from qarray.backends import _cuda
 
     compiled = []
-    monkeypatch.setattr(cuda_backend, "compile_ptx", lambda name, arch: compiled.append((name, arch)))
+    monkeypatch.setattr(_cuda, "compile_ptx", lambda name, arch: compiled.append((name, arch)))
     rc, text, err = run(capsys, "info")  # compiles nothing unless asked: it took 27 s with NVRTC installed
     assert (rc, err, compiled) == (0, "", [])
     assert {r[0]: r[1] for r in rows(text)}["CUDA kernels"] == ("not compiled here ('qarray info --compile' "
@@ -781,7 +781,7 @@ def test_info(capsys, monkeypatch):
             assert table[label] == "not installed"
     if "cupy" not in qarray.backends.available():
         assert table["GPU"].startswith("none: ")
-    names = sorted(p.name for p in cuda_backend.CUDA_DIR.glob("*.cu"))
+    names = sorted(p.name for p in _cuda.CUDA_DIR.glob("*.cu"))
     assert compiled == [(n, "90" if "cupy" not in qarray.backends.available() else compiled[0][1]) for n in names]
     if importlib.util.find_spec("cupy"):  # the NVRTC version comes from CuPy
         assert table["CUDA kernels"].startswith(f"compile: {len(names)} files ({', '.join(names)}), NVRTC ")
@@ -790,13 +790,13 @@ def test_info(capsys, monkeypatch):
 
 
 def test_info_never_crashes(capsys, monkeypatch):
-    from qarray.backends import cupy as cuda_backend
+    from qarray.backends import _cuda
 
     def broken(*args):
         raise RuntimeError("probe failed\nwith a long log")
     monkeypatch.setattr(qarray.backends, "gemm_engine", broken)
     monkeypatch.setattr(qarray.backends, "available", broken)
-    monkeypatch.setattr(cuda_backend, "compile_ptx", broken)
+    monkeypatch.setattr(_cuda, "compile_ptx", broken)
     monkeypatch.setitem(sys.modules, "numba", None)
     monkeypatch.setitem(sys.modules, "cupy", None)
     rc, text, err = run(capsys, "info", "--compile")

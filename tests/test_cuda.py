@@ -12,8 +12,8 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 from qarray._fixed_point import FLOAT, Requant, quantize_multiplier
-from qarray.backends import cupy as cuda_backend
-from qarray.backends.cupy import CUDA_DIR
+from qarray.backends import _cuda, cupy as cuda_backend
+from qarray.backends._cuda import CUDA_DIR
 
 from cuda_host.harness import HOST_GRID, SOURCES, host, host_lib  # noqa: F401 (fixtures)
 from _reference import numpy_and_host
@@ -36,7 +36,7 @@ def test_rawmodule_gets_every_header_inlined(tmp_path, monkeypatch):
     (tmp_path / "inner.cuh").write_text("#pragma once\nint inner;\n")
     (tmp_path / "outer.cuh").write_text('#pragma once\n#include "inner.cuh"\nint outer;\n')
     (tmp_path / "k.cu").write_text('#include "outer.cuh"\n  #include "inner.cuh"  // again\n#include <cuda_fp16.h>\nint k;\n')
-    monkeypatch.setattr(cuda_backend, "CUDA_DIR", tmp_path)
+    monkeypatch.setattr(_cuda, "CUDA_DIR", tmp_path)
     given = []
 
     class Module:
@@ -54,12 +54,12 @@ def test_rawmodule_gets_every_header_inlined(tmp_path, monkeypatch):
         return given[-1]
 
     assert compile_k() == ("#pragma once\n#pragma once\nint inner;\n\nint outer;\n\n\n#include <cuda_fp16.h>\nint k;\n",
-                           cuda_backend.NVRTC_OPTIONS)
+                           _cuda.NVRTC_OPTIONS)
     (tmp_path / "inner.cuh").write_text("#pragma once\nint inner2;\n")
     assert "int inner2;" in compile_k()[0]
     monkeypatch.undo()
     for source in SOURCES:  # the real kernels: common.cuh once, no include of ours left
-        code = cuda_backend.kernel_source(source.name)
+        code = _cuda.kernel_source(source.name)
         assert '#include "' not in code and code.count("struct Layout {") == 1, source.name
 
 
@@ -126,12 +126,12 @@ def test_requantize(host, shape, axis, block_size, src, dst, rounding, rng):
 
 def test_grid_stride_tail_and_launch(host, rng):
     """More elements than one grid covers: the grid-stride loop's tail runs."""
-    n = cuda_backend.BLOCK * HOST_GRID * 64 + 77
+    n = _cuda.BLOCK * HOST_GRID * 64 + 77
     x = rng.standard_normal(n).astype(np.float32)
     s, z = np.float32(0.03), np.int32(5)
     want, got = numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
     np.testing.assert_array_equal(got, want)
-    assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, _cuda.BLOCK)
 
 
 def test_nan_is_the_cpu_error_at_the_next_host_read(host):

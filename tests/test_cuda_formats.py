@@ -18,9 +18,9 @@ import qarray
 from qarray import QArray, qdtype
 from qarray import _formats as F
 from qarray._params import param_shape
-from qarray.backends import cupy as cuda_backend
+from qarray.backends import _cuda
 
-from qarray.backends.cupy import CUDA_DIR
+from qarray.backends._cuda import CUDA_DIR
 from cuda_host.harness import HOST_GRID
 from test_cuda import LAYOUTS, host, host_lib  # noqa: F401 (fixtures)
 from _reference import numpy_and_host
@@ -110,7 +110,7 @@ def test_nvrtc_compiles_the_hardware_path():
     """As CuPy compiles it for compute_90 (test_cuda_nvrtc.py checks the rest)."""
     pytest.importorskip("cupy")
     try:
-        options, ptx = cuda_backend.compile_ptx("formats.cu", "90")
+        options, ptx = _cuda.compile_ptx("formats.cu", "90")
     except RuntimeError as e:
         pytest.skip(str(e))
     assert all(op in ptx for op in HARDWARE)
@@ -119,7 +119,7 @@ def test_nvrtc_compiles_the_hardware_path():
 def test_format_parameters():
     """The converter's numbers for each format, from ml_dtypes: exponent and
     mantissa bits, bias, kind."""
-    got = {f: tuple(int(v) for v in cuda_backend.format_args(qdtype(f))) for f in FORMATS}
+    got = {f: tuple(int(v) for v in _cuda.format_args(qdtype(f))) for f in FORMATS}
     assert got == {"float8_e4m3fn": (4, 3, 7, 1), "float8_e4m3fnuz": (4, 3, 8, 2), "float8_e5m2": (5, 2, 15, 0),
                    "float8_e5m2fnuz": (5, 2, 16, 2), "float6_e2m3fn": (2, 3, 1, 3), "float6_e3m2fn": (3, 2, 3, 3),
                    "float4_e2m1fn": (2, 1, 1, 3)}
@@ -242,7 +242,7 @@ def test_qarray_api_through_the_host_backend(host, rng, f, shape, axis, block_si
 
 def test_non_contiguous_and_beyond_one_grid(host, rng):  # noqa: F811
     """A strided view, and more elements than one grid covers with an odd tail."""
-    n = cuda_backend.BLOCK * HOST_GRID * 64 + 77
+    n = _cuda.BLOCK * HOST_GRID * 64 + 77
     x = _data(rng, "float8_e4m3fn", (n,), np.float32)
     _same_quantize(host, x, np.float32(0.3), "float8_e4m3fn")
     _same_quantize(host, x.reshape(-1, 1)[: n - 1].reshape(-1, 2)[:, ::-2], np.float32(0.3), "float8_e5m2")

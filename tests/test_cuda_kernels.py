@@ -12,13 +12,13 @@ import pytest
 
 import qarray
 from qarray import QArray
-from qarray.backends import cupy as cuda_backend
-from qarray.backends.cupy import CUDA_DIR
+from qarray.backends import _cuda
+from qarray.backends._cuda import CUDA_DIR
 
 from cuda_host.harness import HOST_GRID, HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
 from _reference import numpy_and_host
 
-BIG = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # beyond one grid: the grid-stride tail runs
+BIG = _cuda.BLOCK * HOST_GRID * 64 + 77  # beyond one grid: the grid-stride tail runs
 HARNESS_KERNELS = Path(__file__).parent / "cuda_host" / "harness_test.cu"
 
 

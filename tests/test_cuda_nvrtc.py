@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from cuda_host.harness import SOURCES, kernel_names
-from qarray.backends import cupy as cuda_backend
+from qarray.backends import _cuda
 
 cupy = pytest.importorskip("cupy")
 
@@ -33,7 +33,7 @@ def ptx():
     compiled = {}
     for source in SOURCES:
         try:
-            compiled[source.name] = cuda_backend.compile_ptx(source.name, ARCH)
+            compiled[source.name] = _cuda.compile_ptx(source.name, ARCH)
         except RuntimeError as e:  # CuPy without NVRTC, or one that compiles differently
             pytest.skip(str(e))
     return compiled
@@ -41,7 +41,7 @@ def ptx():
 
 def test_cupy_passes_the_backend_options(ptx):
     for options, _ in ptx.values():
-        assert tuple(options[: len(cuda_backend.NVRTC_OPTIONS)]) == cuda_backend.NVRTC_OPTIONS
+        assert tuple(options[: len(_cuda.NVRTC_OPTIONS)]) == _cuda.NVRTC_OPTIONS
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)

@@ -10,10 +10,10 @@ from test_cuda import make_rq
 import qarray
 from qarray import QArray, qdtype
 from qarray._fixed_point import identity
-from qarray.backends import cupy as cuda_backend
+from qarray.backends import _cuda
 from _reference import numpy_and_host
 
-TAIL = cuda_backend.BLOCK * HOST_GRID * 64 + 77  # more than one grid covers
+TAIL = _cuda.BLOCK * HOST_GRID * 64 + 77  # more than one grid covers
 INT_DTYPES = ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
 
 
@@ -69,7 +69,7 @@ def test_clip_per_axis_bounds_and_tail(host, rng):
     x = _codes(rng, "quint8", TAIL)
     want, got = numpy_and_host(host, lambda b: b.clip(x, 3, 200))
     _same(got, want)
-    assert host.launches[-1] == ("clip_uint8", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("clip_uint8", HOST_GRID, _cuda.BLOCK)
 
 
 @pytest.mark.parametrize("fn", [qarray.relu, qarray.relu6, lambda q: qarray.clamp(q, -0.3, None),
@@ -84,7 +84,7 @@ def test_relu_clamp_ops(host, fn, rng):
 
 # -- pack / unpack -------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["qint2", "quint2", "qint4", "quint4"])
-@pytest.mark.parametrize("n", [0, 1, 3, 5, 37, 2 * cuda_backend.BLOCK + 1])
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 37, 2 * _cuda.BLOCK + 1])
 def test_pack_unpack(host, dtype, n, rng):
     d = qdtype(dtype)
     for x in _views(_codes(rng, dtype, (n + 4,))):
@@ -103,9 +103,9 @@ def test_pack_unpack_2d_and_tail(host, rng):
     x = _codes(rng, "quint2", 4 * TAIL - 1)
     want, got = numpy_and_host(host, lambda b: b.pack(x, 2))
     _same(got, want)
-    assert host.launches[-1] == ("pack_bits", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("pack_bits", HOST_GRID, _cuda.BLOCK)
     back = host.unpack(got, 2, False, x.size)
-    assert host.launches[-1] == ("unpack_bits", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("unpack_bits", HOST_GRID, _cuda.BLOCK)
     _same(back, x)
 
 
@@ -154,7 +154,7 @@ def test_binary_views_and_tail(host, rng):
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
     want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
     _same(got, want)
-    assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, _cuda.BLOCK)
 
 
 def _requant(rng, shape, out, rounding, relu, axis=None):
@@ -246,7 +246,7 @@ def test_strided_requantize_is_one_kernel_and_tail(host, rng):
     out = np.zeros((q.shape[0], 8), np.int8)
     args = _requantize_args(rng, q, "qint32", "qint8")
     host.requantize(q, *args, out=out[:, 2:7])
-    assert host.launches[-1] == ("requantize_rows_int32_int8", HOST_GRID, cuda_backend.BLOCK)
+    assert host.launches[-1] == ("requantize_rows_int32_int8", HOST_GRID, _cuda.BLOCK)
     np.testing.assert_array_equal(out[:, 2:7], qarray.backends.get("numpy").requantize(q, *args))
     assert not out[:, :2].any() and not out[:, 7:].any()
 

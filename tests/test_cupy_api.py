@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 
 from cuda_host import cupy_api
-from qarray.backends import cupy as cuda_backend
+from qarray.backends import _cuda, cupy as cuda_backend
 
 TESTS = Path(__file__).parent
 
@@ -122,17 +122,23 @@ def _chain(node):
     return None
 
 
+# The modules of the CuPy backend that touch CuPy: the backend and its CUDA plumbing
+BACKEND_MODULES = (cuda_backend, _cuda)
+
+
 def test_the_backend_names_only_recorded_cupy():
-    """Every ``cupy.*`` / ``xp.*`` chain in backends/cupy.py (and the cuBLAS calls)
-    is in both releases, called with keywords and arity they take. compile_ptx's
-    compiler hooks are private CuPy and checked by it at run time (hasattr)."""
+    """Every ``cupy.*`` / ``xp.*`` chain in backends/cupy.py and backends/_cuda.py
+    (and the cuBLAS calls) is in both releases, called with keywords and arity they
+    take. compile_ptx's compiler hooks are private CuPy and checked by it at run
+    time (hasattr)."""
     allowed = cupy_api.allowed()
-    tree = ast.parse(inspect.getsource(cuda_backend))
-    compile_ptx = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compile_ptx")
-    skip = {id(n) for n in ast.walk(compile_ptx)}
-    calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    trees = {Path(m.__file__).name: ast.parse(inspect.getsource(m)) for m in BACKEND_MODULES}
+    compile_ptx = [n for t in trees.values() for n in t.body if isinstance(n, ast.FunctionDef) and n.name == "compile_ptx"]
+    assert len(compile_ptx) == 1
+    skip = {id(n) for n in ast.walk(compile_ptx[0])}
+    calls = {id(n.func): n for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.Call)}
     seen = set()
-    for node in ast.walk(tree):
+    for node, file in ((n, f) for f, t in trees.items() for n in ast.walk(t)):
         if not isinstance(node, ast.Attribute) or id(node) in skip:
             continue
         chain = _chain(node)
@@ -140,7 +146,7 @@ def test_the_backend_names_only_recorded_cupy():
         if root is None:
             continue
         name = ROOTS[root] + chain[len(root):]
-        assert name in allowed, f"backends/cupy.py uses {name}, not in CuPy 13 and 14 (tests/cuda_host/cupy_api.json)"
+        assert name in allowed, f"backends/{file} uses {name}, not in CuPy 13 and 14 (tests/cuda_host/cupy_api.json)"
         seen.add(name)
         call = calls.get(id(node))
         if call is None or allowed[name] is None:
@@ -176,10 +182,10 @@ def test_device_plumbing_on_cupy_s_own_classes():
         backend._xp = cupy
         assert backend._max_grid("ops.cu", "clip_int8") == 132 * 6
         backend._elementwise("clip_int8", 10**6, ("args",), "ops.cu")
-    raw.assert_called_once_with(code=cuda_backend.kernel_source("ops.cu"), options=cuda_backend.NVRTC_OPTIONS)
-    occupancy.assert_called_once_with(0x1234, cuda_backend.BLOCK, 0)
+    raw.assert_called_once_with(code=_cuda.kernel_source("ops.cu"), options=_cuda.NVRTC_OPTIONS)
+    occupancy.assert_called_once_with(0x1234, _cuda.BLOCK, 0)
     props.assert_called_once_with(0)
-    kernel.assert_called_once_with((132 * 6,), (cuda_backend.BLOCK,), ("args",), shared_mem=0)
+    kernel.assert_called_once_with((132 * 6,), (_cuda.BLOCK,), ("args",), shared_mem=0)
     allowed = cupy_api.allowed()
     assert set(kernel.call_args.kwargs) <= set(allowed["cupy.RawKernel.__call__"])
     assert set(raw.call_args.kwargs) <= set(allowed["cupy.RawModule"])
@@ -224,9 +230,9 @@ def test_cublas_plumbing_on_cupy_s_own_signatures():
         assert backend._gemm_raw(a8, pw) is c
     args = gemm.call_args.args
     assert len(args) == len(cupy_api.allowed()["cupy.cuda.cublas.gemmEx"]) == 19 and not gemm.call_args.kwargs
-    assert args[:6] == (0xABC, cuda_backend.CUBLAS_OP_T, cuda_backend.CUBLAS_OP_N, npad, rows, kpad)
-    assert args[7:10] == (0x20000, cuda_backend.CUDA_R_8I, kpad) and args[10:13] == (0x10000, cuda_backend.CUDA_R_8I, kpad)
-    assert args[14:] == (0x30000, cuda_backend.CUDA_R_32I, npad, cuda_backend.CUBLAS_COMPUTE_32I,
-                         cuda_backend.CUBLAS_GEMM_DEFAULT)
+    assert args[:6] == (0xABC, _cuda.CUBLAS_OP_T, _cuda.CUBLAS_OP_N, npad, rows, kpad)
+    assert args[7:10] == (0x20000, _cuda.CUDA_R_8I, kpad) and args[10:13] == (0x10000, _cuda.CUDA_R_8I, kpad)
+    assert args[14:] == (0x30000, _cuda.CUDA_R_32I, npad, _cuda.CUBLAS_COMPUTE_32I,
+                         _cuda.CUBLAS_GEMM_DEFAULT)
     import ctypes
     assert ctypes.c_int32.from_address(args[6]).value == 1 and ctypes.c_int32.from_address(args[13]).value == 0

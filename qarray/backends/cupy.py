@@ -2,24 +2,23 @@
 quantize, dequantize (integer and floating formats) and requantize. CuPy is
 imported on first use only.
 
-Kernel sources live in ``qarray/backends/cuda/`` and are compiled with
-``cupy.RawModule`` once per device, their headers inlined (``kernel_source``).
-Each primitive here runs with its data's device current, whichever device is
-the caller's. ``plan`` and ``launch_config`` decide every argument and the grid
-(at most ``_max_grid`` blocks: the device's SMs times the kernel's occupancy);
-the host-execution harness in the tests calls this same class with NumPy arrays
-and a CPU build of the kernels, so it checks this launch logic too.
+``CupyBackend`` decides what runs: which kernel, on which arguments, or the
+generic code where no kernel fits. How a kernel is named, compiled and launched
+(kernel names, sources, the grid, the argument plans, the kernels' codes) is
+``_cuda.py``; the backend's ``_function``, ``_launch``, ``_max_grid`` and
+``_elementwise`` compile each source with ``cupy.RawModule`` once per device and
+launch at most ``_max_grid`` blocks (the device's SMs times the kernel's
+occupancy). Each primitive here runs with its data's device current, whichever
+device is the caller's; the host-execution harness in the tests calls this same
+class with NumPy arrays and a CPU build of the kernels, so it checks this launch
+logic too.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import re
 import threading
 import weakref
-from pathlib import Path
 
 from typing import NamedTuple
 
@@ -29,173 +28,14 @@ from .. import _formats
 from .._fixed_point import identity
 from .._params import Layout, array_key, param_shape, to_host
 from ._base import Backend, nan_error
+from ._cuda import (BINARY_OPS, BLOCK, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I,
+                    CUDA_R_32I, FLOATS, GEMV_COLS, GEMV_ROWS, KPAD, MXINT8_FORMAT, NVRTC_OPTIONS, OUT_KINDS, STORAGE,
+                    _name, _period, _rows, format_args, kernel_name, kernel_source, launch_config, plan, requant_args)
+from ._cuda import compile_ptx  # noqa: F401 (qarray.backends.cupy.compile_ptx, as CHANGELOG.md names it)
 
-CUDA_DIR = Path(__file__).parent / "cuda"
-BLOCK = 256
 EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
-STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
-BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
-FLOATS = ("float16", "float32", "float64")
-# QA_FMT_* in cuda/formats.cu: inf and NaN (e5m2), NaN only (e4m3fn), one NaN and no -0 (the fnuz formats), neither
-FORMAT_IEEE, FORMAT_FN, FORMAT_FNUZ, FORMAT_FINITE = range(4)
-# mxint8's element for the converter: sign and magnitude E1M6 with bias 1, whose values are n * 2**-6,
-# n = 0..127 (rint(v * 64) saturating); formats.cu turns a negative code into the int8 -n
-MXINT8_FORMAT = tuple(np.int32(v) for v in (1, 6, 1, FORMAT_FINITE))
-OUT_KINDS = {"int64": 0, "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5}  # common.cuh qa_store
-NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true: see cuda/common.cuh
-# cuBLAS's integer GEMM (library_types.h, cublas_api.h): int8 inputs, int32
-# output and compute, on the tensor cores; pointers 4-byte aligned, m, k and
-# the leading dimensions multiples of 4.
-CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I = 3, 10, 72
-CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_GEMM_DEFAULT = 0, 1, -1
-KPAD = 32  # packed weights' K is a multiple of this: cuBLAS's 4, and gemv's 16 bytes of 4-bit codes
 K_INT32 = (2**31 // 2**14) // KPAD * KPAD - KPAD  # values of K whose int8 x int8 sums always fit int32
-GEMV_ROWS = (1, 4, 16)  # M up to 16 runs gemv (gemm.cu), compiled for these row counts
-GEMV_COLS = 4  # columns a warp of gemv computes (gemm.cu)
 NO_REQUANT = identity(0)  # the accumulator as it is: one record, so its device parameters are kept once
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
-
-
-@functools.lru_cache(maxsize=None)
-def _name(dtype) -> str:
-    """``dtype.name``, looked up once per dtype (NumPy works it out at each read;
-    kernel names take it on every launch)."""
-    return np.dtype(dtype).name
-
-
-def kernel_source(name: str) -> str:
-    """The text of ``cuda/<name>`` with its ``#include "x.cuh"`` headers inlined,
-    recursively, each once: CuPy's compile cache is keyed by the code it is
-    given, so an edited header must change that code."""
-    seen = set()
-
-    def inline(match):
-        header = match.group(1)
-        if header in seen:
-            return ""
-        seen.add(header)
-        return _INCLUDE.sub(inline, (CUDA_DIR / header).read_text())
-
-    return _INCLUDE.sub(inline, (CUDA_DIR / name).read_text())
-
-
-class _Compiled(Exception):
-    """Raised inside CuPy's compile path once NVRTC has produced the PTX."""
-
-
-def compile_ptx(name: str, arch: str = "90") -> tuple:
-    """``(options, ptx)``: ``cuda/<name>`` compiled the way ``RawModule`` compiles it,
-    through CuPy's own path (``cupy.cuda.compiler``, NVRTC, ``NVRTC_OPTIONS`` plus
-    whatever CuPy adds, e.g. ``-ftz=true``), for ``compute_<arch>``, stopped where
-    CuPy would load the module onto a device: no GPU needed.
-
-    RuntimeError, saying why, when CuPy, its compiler hooks or NVRTC are missing;
-    a source NVRTC rejects raises CuPy's ``CompileException``. CuPy's compiler is
-    patched while this runs: do not compile kernels in other threads meanwhile.
-    """
-    try:
-        import cupy
-        from cupy.cuda import compiler
-    except ImportError as e:
-        raise RuntimeError(f"CuPy is not installed ({e})") from None
-    hooks = ("_compile_module_with_cache", "_compile_using_nvrtc_no_warning", "_get_arch_for_options_for_nvrtc")
-    if not all(hasattr(compiler, h) for h in hooks):
-        raise RuntimeError(f"CuPy {cupy.__version__} compiles differently from what qarray knows")
-    try:
-        compiler._get_nvrtc_version()
-    except Exception as e:  # CuPy without the NVRTC library: CuPy raises various types
-        raise RuntimeError(f"NVRTC is not available: {e}") from None
-    real = compiler._compile_using_nvrtc_no_warning
-
-    def spy(source, options, arch, *args, **kwargs):
-        out = real(source, options, arch, *args, **kwargs)[0]
-        raise _Compiled(options, out.decode() if isinstance(out, bytes) else out)
-
-    saved = {h: getattr(compiler, h) for h in hooks[1:]}
-    env = os.environ.get("CUPY_CACHE_IN_MEMORY")
-    os.environ["CUPY_CACHE_IN_MEMORY"] = "1"  # not CuPy's on-disk cache: it would skip NVRTC
-    # CuPy asks the current device for its architecture: there may be none
-    compiler._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=compute_{arch}", "ptx")
-    compiler._compile_using_nvrtc_no_warning = spy
-    try:
-        compiler._compile_module_with_cache(kernel_source(name), NVRTC_OPTIONS, arch=arch)
-    except _Compiled as done:
-        return done.args
-    finally:
-        for h, f in saved.items():
-            setattr(compiler, h, f)
-        if env is None:
-            del os.environ["CUPY_CACHE_IN_MEMORY"]
-        else:
-            os.environ["CUPY_CACHE_IN_MEMORY"] = env
-    raise RuntimeError(f"CuPy {cupy.__version__} did not compile {name} through NVRTC")
-
-
-def launch_config(total: int, max_grid: int):
-    """``(grid, block)`` for ``total`` elements: a thread each, at most ``max_grid``
-    blocks (grid-stride loops cover the rest)."""
-    return (max(1, min(-(-total // BLOCK), max_grid)),), (BLOCK,)
-
-
-def _rows(a):
-    """``(row, stride, span)`` in elements when ``a`` is rows of ``row`` contiguous
-    elements ``stride`` apart in C order (a slice along an inner axis of a
-    C-contiguous array), spanning ``span`` elements; else None."""
-    dims = [(n, st // a.itemsize) for n, st in zip(a.shape, a.strides) if n != 1]
-    if any(st % a.itemsize for st in a.strides):
-        return None
-    row = 1
-    while dims and dims[-1][1] == row:
-        row *= dims.pop()[0]
-    if not dims or dims[-1][1] < row:
-        return None
-    stride = expect = dims[-1][1]
-    for n, st in reversed(dims):
-        if st != expect:
-            return None
-        expect *= n
-    return row, stride, (expect // stride - 1) * stride + row
-
-
-def _period(shape, full):
-    """``p`` such that an operand of ``shape`` broadcast to ``full`` has element
-    ``[idx % p]`` at flat index ``idx`` (it equals the trailing dims of ``full``
-    after leading 1s), else None."""
-    s = (1,) * (len(full) - len(shape)) + tuple(shape)
-    k = len(full)
-    while k and s[k - 1] == full[k - 1]:
-        k -= 1
-    return math.prod(s) if all(n == 1 for n in s[:k]) else None
-
-
-def plan(backend, shape, axis, block_size, *params):
-    """``(total, layout, compact params)`` for the kernels' ``Layout``: ``layout``
-    the arguments every layout kernel takes after its parameters (``bidx``, then
-    ``total`` and ``qarray._params.Layout``'s ``ints`` as int64: ``LAYOUT_ARGS``),
-    each host parameter as its ``pshape``, flattened, the arrays as
-    ``backend.param`` keeps them on the device; the whole plan kept per device,
-    shape and parameters: a repeated call copies nothing and works nothing out
-    again."""
-    params = [np.asarray(p) for p in params]
-    key = ("plan", backend._device_id(), tuple(shape), axis, block_size, *map(array_key, params))
-
-    def make():
-        lay = Layout(shape, axis, block_size)
-        ps = [backend.param(lay.compact(p).reshape(-1)) for p in params]
-        return lay.size, (backend.param(lay.bidx()), *(np.int64(v) for v in (lay.size, *lay.ints))), ps
-
-    return backend.kept(key, make)
-
-
-def format_args(qd) -> tuple:
-    """The floating format ``qd`` as cuda/formats.cu's ``FORMAT_ARGS``: exponent and
-    mantissa bits, bias and kind, from ml_dtypes' numbers (``qarray._formats``)."""
-
-    f = _formats.fmt(qd)
-    i = _formats.ml_dtypes().finfo(_formats.dtype(f))
-    kind = FORMAT_IEEE if f.has_inf else FORMAT_FINITE if not f.has_nan else (
-        FORMAT_FNUZ if f.name.endswith("fnuz") else FORMAT_FN)
-    return np.int32(i.nexp), np.int32(i.nmant), np.int32(1 - i.minexp), np.int32(kind)
 
 
 class DeviceWeight(NamedTuple):
@@ -386,7 +226,7 @@ class CupyBackend(Backend):
             out = xp.empty(x.shape, qd.storage)
             if total:
                 nan = self._nan_flag(x, nan_error)
-                self._elementwise(f"quantize_{_name(x.dtype)}_{_name(qd.storage)}", total,
+                self._elementwise(kernel_name("quantize", x.dtype, qd.storage), total,
                                   (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax), out, nan))
             return out
 
@@ -399,7 +239,7 @@ class CupyBackend(Backend):
             total, layout, (s, z) = plan(self, q.shape, axis, block_size, s, z)
             out = xp.empty(q.shape, dtype)
             if total:
-                self._elementwise(f"dequantize_{_name(q.dtype)}_{_name(dtype)}", total,
+                self._elementwise(kernel_name("dequantize", q.dtype, dtype), total,
                                   (q, s, z, *layout, out))
             return out
 
@@ -416,7 +256,7 @@ class CupyBackend(Backend):
             fmt = format_args(qd)
             if total:  # the flag is set only for a format without NaN (float6, float4): their error
                 nan = self._nan_flag(x, lambda _: _formats.nan_error(qd))
-                self._elementwise(f"quantize_format_{_name(x.dtype)}", total,
+                self._elementwise(kernel_name("quantize_format", x.dtype), total,
                                   (x, s, *layout, *fmt, np.int32(bool(saturate)), out, nan),
                                   "formats.cu")
             return out
@@ -431,7 +271,7 @@ class CupyBackend(Backend):
             total, layout, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
             out = xp.empty(q.shape, dtype)
             if total:
-                self._elementwise(f"dequantize_format_{_name(dtype)}", total,
+                self._elementwise(kernel_name("dequantize_format", dtype), total,
                                   (q, s, *layout, *format_args(qd), out), "formats.cu")
             return out
 
@@ -442,7 +282,7 @@ class CupyBackend(Backend):
             return super().quantize_mx(x, mx, axis, block_size, rounding)
         qd, ft = qdtype(mx.element), x.dtype.type
         fmt = MXINT8_FORMAT if mx.name == "mxint8" else format_args(qd)
-        codes, bits = self._blocks(f"quantize_mx_{_name(x.dtype)}", x, axis, block_size,
+        codes, bits = self._blocks(kernel_name("quantize_mx", x.dtype), x, axis, block_size,
                                    (*fmt, np.int32(mx.name == "mxint8"), np.int32(mx.emax), np.int32(mx.mbits),
                                     np.int32(_formats.SCALE_ROUNDINGS.index(rounding)), ft(_formats.finfo(qd).max)))
         return codes.view(self.float_storage(qd)), bits
@@ -469,36 +309,23 @@ class CupyBackend(Backend):
                                                *args, codes, bits), "formats.cu")
             return codes, self.to_host(bits).reshape(param_shape(x.shape, axis, block_size))
 
-    def _requant_args(self, shape, rq):
-        """``(total, args)``: what every requantizing kernel takes after its data,
-        ``REQUANT_PARAMS`` to ``REQUANT_BOUNDS`` (``cuda/common.cuh``); kept per
-        plan (``_fixed_point.plan`` returns the same record for the same
-        parameters; the entry holds it, so its id stays its own)."""
-        def make():
-            total, layout, ps = plan(self, shape, rq.axis, rq.block_size, *rq.params)
-            return rq, total, (*ps, *layout, np.int64(rq.lo), np.int64(rq.hi),
-                               np.int32(rq.rounding))
-
-        return self.kept(("requant", self._device_id(), id(rq), tuple(shape)), make)[1:]
-
     def requantize(self, q, rq, out=None):
         xp = self.xp
         with self.on(q):
             q = xp.ascontiguousarray(q)
             if _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
                 return super().requantize(q, rq, out)
-            total, args = self._requant_args(q.shape, rq)
-            pair = f"{_name(q.dtype)}_{_name(rq.qd.storage)}"
+            total, args = requant_args(self, q.shape, rq)
             rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
             if rows is not None:  # a strided slice (cat along an inner axis): written in place
                 row, stride, span = rows
                 dest = xp.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,))
-                self._elementwise(f"requantize_rows_{pair}", total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
+                self._elementwise(kernel_name("requantize_rows", q.dtype, rq.qd.storage), total, (q, *args, np.int64(row), np.int64(stride), dest), "ops.cu")
                 return out
 
             def fill(target):
                 if total:
-                    self._elementwise(f"requantize_{pair}", total, (q, *args, target))
+                    self._elementwise(kernel_name("requantize", q.dtype, rq.qd.storage), total, (q, *args, target))
                 return target
 
             return self._into(out, fill, q.shape, rq.qd.storage)
@@ -510,7 +337,7 @@ class CupyBackend(Backend):
             q = self.xp.ascontiguousarray(q)
             out = self.xp.empty_like(q)
             if q.size:
-                self._elementwise(f"clip_{_name(q.dtype)}", q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
+                self._elementwise(kernel_name("clip", q.dtype), q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
             return out
 
     def binary(self, op, a, b, ra, rb, rq=None):
@@ -522,12 +349,12 @@ class CupyBackend(Backend):
             if pa is None or pb is None or not {_name(a.dtype), _name(b.dtype)} <= STORAGE or _name(out_dtype) not in OUT_KINDS:
                 return super().binary(op, a, b, ra, rb, rq)
             # without rq the kernel stores the int64 result and reads no parameters: any will do
-            total, args = self._requant_args(shape, ra if rq is None else rq)
+            total, args = requant_args(self, shape, ra if rq is None else rq)
             out = xp.empty(shape, out_dtype)
             if total:
                 operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
                              np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
-                self._elementwise(f"binary_{_name(a.dtype)}_{_name(b.dtype)}", total,
+                self._elementwise(kernel_name("binary", a.dtype, b.dtype), total,
                                   (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
                                    np.int32(OUT_KINDS[_name(out_dtype)] if rq is not None else 0), out), "ops.cu")
             return out
@@ -568,7 +395,7 @@ class CupyBackend(Backend):
             if q.size:  # the table bits are copied: index and values as unsigned of their widths
                 u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))
                 total, layout, _ = plan(self, q.shape, axis, None, np.zeros(param_shape(q.shape, axis, None), np.int8))
-                self._elementwise(f"lut_{u.name}_{v.name}", total,
+                self._elementwise(kernel_name("lut", u, v), total,
                                   (q.view(u), xp.ascontiguousarray(xp.asarray(table)).view(v), *layout, out.view(v)),
                                   "lut.cu")
             return out
@@ -581,9 +408,9 @@ class CupyBackend(Backend):
         lo, hi = (self.xp.empty(rows * nseg, x.dtype) for _ in range(2))
         args = (x, np.int64(rows), np.int64(length), np.int64(seg), np.int64(nseg), lo, hi)
         if seg <= EACH:
-            self._elementwise(f"minmax_each_{_name(x.dtype)}", rows * nseg, args, "reduce.cu")
+            self._elementwise(kernel_name("minmax_each", x.dtype), rows * nseg, args, "reduce.cu")
         else:
-            name = f"minmax_{_name(x.dtype)}"
+            name = kernel_name("minmax", x.dtype)
             self._launch("reduce.cu", name, (max(1, min(rows * nseg, self._max_grid("reduce.cu", name))),), (BLOCK,),
                          args)
         return lo, hi
@@ -593,7 +420,7 @@ class CupyBackend(Backend):
         enough segments to fill the device, then one more pass over the
         segments' mins and maxes, both at once as ``2 * rows`` rows."""
         length = x.size // rows
-        want = -(-self._max_grid("reduce.cu", f"minmax_{_name(x.dtype)}") // rows)  # segments a row
+        want = -(-self._max_grid("reduce.cu", kernel_name("minmax", x.dtype)) // rows)  # segments a row
         seg = max(-(-length // want), BLOCK * 16)
         lo, hi = self._minmax_segments(x, rows, seg)
         if lo.size == rows:
@@ -683,7 +510,7 @@ class CupyBackend(Backend):
                 a8 = a.reshape(rows, kpad)
             else:
                 a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
-                self._elementwise(f"to_s8_{_name(a.dtype)}", a8.size,
+                self._elementwise(kernel_name("to_s8", a.dtype), a8.size,
                                   (a, np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8), "gemm.cu")
             za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
             gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
@@ -708,7 +535,7 @@ class CupyBackend(Backend):
                               np.int32(OUT_KINDS[name]), out))
             else:
                 raw = self._gemm_raw(a8, pw)
-                self._elementwise(f"gemm_epilogue_{_name(raw.dtype)}_{name}", rows * n,
+                self._elementwise(kernel_name("gemm_epilogue", raw.dtype, out.dtype), rows * n,
                                   (raw, np.int64(npad), np.int64(rows), np.int64(n), *terms, *outq, out), "gemm.cu")
             return out
 
@@ -724,7 +551,7 @@ class CupyBackend(Backend):
             out = xp.empty((n * oh * ow, kh * kw * c), xpad.dtype)
             if out.size:
                 total = n * oh * ow * kh * kw
-                self._elementwise(f"im2col_{_name(xpad.dtype)}", total,
+                self._elementwise(kernel_name("im2col", xpad.dtype), total,
                                   (xp.ascontiguousarray(xpad), *(np.int64(v) for v in (hp, wp, c, oh, ow, kh, kw, sh, sw, dh, dw, total)),
                                    out), "gemm.cu")
             return out
@@ -745,7 +572,7 @@ class CupyBackend(Backend):
                 zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
                 b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
                 self._elementwise(
-                    f"conv_grouped_{_name(xpad.dtype)}_{_name(out.dtype)}", out.size,
+                    kernel_name("conv_grouped", xpad.dtype, out.dtype), out.size,
                     (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32, copy=False)),
                      *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
                      np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),

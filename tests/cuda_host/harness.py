@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qarray.backends.cupy import CUDA_DIR, CupyBackend
+from qarray.backends._cuda import CUDA_DIR
+from qarray.backends.cupy import CupyBackend
 
 from . import cublas_host
 
