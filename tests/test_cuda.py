@@ -11,12 +11,11 @@ import pytest
 
 import qarray
 from qarray import QArray, qdtype
-from qarray._fixed_point import FLOAT, Requant, quantize_multiplier
 from qarray.backends import _cuda, cupy as cuda_backend
 from qarray.backends._cuda import CUDA_DIR
 
-from cuda_host.harness import HOST_GRID, SOURCES, host, host_lib  # noqa: F401 (fixtures)
-from _reference import numpy_and_host
+from cuda_host.harness import HOST_GRID, SOURCES
+from _reference import LAYOUTS, make_rq, numpy_and_host
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
@@ -61,25 +60,6 @@ def test_rawmodule_gets_every_header_inlined(tmp_path, monkeypatch):
     for source in SOURCES:  # the real kernels: common.cuh once, no include of ours left
         code = _cuda.kernel_source(source.name)
         assert '#include "' not in code and code.count("struct Layout {") == 1, source.name
-
-
-def make_rq(zi, zo, M, d, axis=None, block_size=None, rounding=0, floor=None):
-    """A ``Requant`` from the real multiplier(s) ``M`` (float32 in float mode,
-    ``rounding=None``), as the ops build them, for calling primitives directly."""
-    shape = np.shape(M)
-    zeros = np.zeros(shape, np.int64)
-    if rounding is None:
-        m, s, f, code = zeros, zeros, np.asarray(M, np.float32).astype(np.float64), FLOAT
-    else:
-        (m, s), f, code = quantize_multiplier(M, tflite=rounding == 3), np.zeros(shape), rounding
-    lo, hi = (-(2**63), 2**63 - 1) if d is None else (d.qmin, d.qmax)
-    return Requant(*(np.broadcast_to(np.asarray(v, dt), shape).copy()
-                     for v, dt in ((zi, np.int64), (zo, np.int64), (m, np.int64), (s, np.int64), (f, np.float64))),
-                   code, d, lo if floor is None else max(lo, floor), hi, axis, block_size)
-
-
-LAYOUTS = [((37,), None, None), ((3, 5, 7), None, None), ((6, 7), 0, None), ((6, 7), 1, None),
-           ((2, 5, 3), 1, None), ((3, 10), 1, 4), ((10, 3), 0, 3), ((2, 9, 3), 1, 2), ((0, 4), None, None)]
 
 
 @pytest.mark.parametrize("shape,axis,block_size", LAYOUTS)

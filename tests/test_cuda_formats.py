@@ -22,8 +22,7 @@ from qarray.backends import _cuda
 
 from qarray.backends._cuda import CUDA_DIR
 from cuda_host.harness import HOST_GRID
-from test_cuda import LAYOUTS, host, host_lib  # noqa: F401 (fixtures)
-from _reference import numpy_and_host
+from _reference import LAYOUTS, float32_boundaries, float64_boundaries, numpy_and_host
 
 pytest.importorskip("ml_dtypes")
 
@@ -35,50 +34,12 @@ def _bits(a):
     return np.asarray(a).view(np.uint8)
 
 
-def _values(f):
-    """The non-negative finite values of format ``f``, ascending, as float64."""
-    v = np.arange(1 << qdtype(f).bits, dtype=np.uint8).view(F.dtype(f)).astype(np.float64)
-    v = np.unique(v[np.isfinite(v)])
-    return v[v >= 0]
-
-
-def _points(f):
-    """Every value of ``f``, every midpoint between neighbours, the midpoint past
-    the largest value (towards the next one the exponent would give) and
-    those beyond: the places where rounding, saturation and overflow decide."""
-    v = _values(f)
-    grid = np.append(v, 2 * v[-1] - v[-2])
-    return np.concatenate([v, (grid[:-1] + grid[1:]) / 2, grid[-1:], [2 * v[-1], 1e30]])
-
-
-def _signed(x):
-    return np.concatenate([x, -x])
-
-
-def float32_boundaries(f):
-    p = _points(f).astype(np.float32)  # exact: one digit more than the format's
-    near = [np.nextafter(p, np.float32(np.inf)), np.nextafter(p, np.float32(0))]
-    tiny = np.float32(2.0**-149)
-    specials = np.array([0, tiny, 3 * tiny, 2.0**-126, np.finfo(np.float32).max, np.inf, np.nan], np.float32)
-    return _signed(np.concatenate([p, *near, specials]))
-
-
-def float64_boundaries(f):
-    """float64 inputs a hair from each point: float32 would round them onto it
-    (a tie, or the point itself), a single rounding from float64 must not."""
-    p = _points(f)
-    hair = p * 2.0**-40
-    near = [p + hair, p - hair, np.nextafter(p, np.inf), np.nextafter(p, 0)]
-    specials = np.array([0, 5e-324, 1e-300, 2.0**-149 * 0.75, 1e300, np.inf, np.nan])
-    return _signed(np.concatenate([p, *near, specials]))
-
-
 def _case(f, x):
     """``x`` without NaN for the formats that refuse it."""
     return x if F.fmt(f).has_nan else x[~np.isnan(x)]
 
 
-def _same_quantize(host, x, scale, f, axis=None, block_size=None, saturate=True):  # noqa: F811
+def _same_quantize(host, x, scale, f, axis=None, block_size=None, saturate=True):
     d = qdtype(f)
     with np.errstate(invalid="ignore", over="ignore"):  # NumPy's signalling NaNs and overflows in the reference
         want, got = numpy_and_host(host, lambda b: b.quantize_float(x, np.asarray(scale), d, axis, block_size, saturate))
@@ -128,7 +89,7 @@ def test_format_parameters():
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("saturate", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 0.25, 0.1, 2.0**-130])
-def test_every_float32_boundary(host, f, saturate, scale):  # noqa: F811
+def test_every_float32_boundary(host, f, saturate, scale):
     """Scale 1 and 0.25 put every value, midpoint and neighbour exactly where it
     decides; 0.1 rounds in the division; 2**-130 makes float32 subnormal inputs."""
     x = float32_boundaries(f)
@@ -137,7 +98,7 @@ def test_every_float32_boundary(host, f, saturate, scale):  # noqa: F811
 
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("saturate", [True, False])
-def test_every_float64_boundary_is_rounded_once(host, f, saturate):  # noqa: F811
+def test_every_float64_boundary_is_rounded_once(host, f, saturate):
     x = _case(f, float64_boundaries(f))
     got = _same_quantize(host, x, np.float32(1.0), f, saturate=saturate)
     with np.errstate(over="ignore"):
@@ -148,7 +109,7 @@ def test_every_float64_boundary_is_rounded_once(host, f, saturate):  # noqa: F81
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("saturate", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 2.0**-20])
-def test_every_float16(host, f, saturate, scale):  # noqa: F811
+def test_every_float16(host, f, saturate, scale):
     x = _case(f, np.arange(1 << 16, dtype=np.uint16).view(np.float16))
     _same_quantize(host, x, np.float32(scale), f, saturate=saturate)
 
@@ -156,7 +117,7 @@ def test_every_float16(host, f, saturate, scale):  # noqa: F811
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("out", FLOATS)
 @pytest.mark.parametrize("scale", [1.0, 0.37, 2.0**-140, 3e38, 1e4])
-def test_dequantize_every_code(host, f, out, scale):  # noqa: F811
+def test_dequantize_every_code(host, f, out, scale):
     """Every code, times scales that give exact, rounded, float32 subnormal and
     overflowing (float32, float16) results; NaN codes as NumPy gives them."""
     d = qdtype(f)
@@ -191,7 +152,7 @@ ROWS = LAYOUTS + [((4, 3, 32), 1, None), ((5, 64), 1, 16), ((64, 48), 0, None), 
 @pytest.mark.parametrize("shape,axis,block_size", ROWS)
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_per_tensor_axis_and_block(host, rng, shape, axis, block_size, f, dtype):  # noqa: F811
+def test_per_tensor_axis_and_block(host, rng, shape, axis, block_size, f, dtype):
     """Each slot its own scale; aligned rows go through the vector path, the
     others element by element (and an offset start, misaligned)."""
     n = int(np.prod(shape))
@@ -209,7 +170,7 @@ def test_per_tensor_axis_and_block(host, rng, shape, axis, block_size, f, dtype)
 
 @pytest.mark.parametrize("f", ["float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_nan_into_a_format_without_nan_is_the_cpu_error(host, f, dtype):  # noqa: F811
+def test_nan_into_a_format_without_nan_is_the_cpu_error(host, f, dtype):
     x = np.ones((3, 4), dtype)
     x[1, 2] = np.nan
     errors = []
@@ -224,7 +185,7 @@ def test_nan_into_a_format_without_nan_is_the_cpu_error(host, f, dtype):  # noqa
 
 @pytest.mark.parametrize("f", FORMATS)
 @pytest.mark.parametrize("shape,axis,block_size", [((6, 40), None, None), ((6, 40), 0, None), ((6, 40), 1, 16)])
-def test_qarray_api_through_the_host_backend(host, rng, f, shape, axis, block_size):  # noqa: F811
+def test_qarray_api_through_the_host_backend(host, rng, f, shape, axis, block_size):
     """quantize / dequantize / int_repr of a QArray whose backend runs the host
     build of the kernels, against the NumPy QArray."""
     x = _data(rng, f, shape, np.float32)
@@ -240,7 +201,7 @@ def test_qarray_api_through_the_host_backend(host, rng, f, shape, axis, block_si
         assert host.launches[-1][0] == "dequantize_format_float64"
 
 
-def test_non_contiguous_and_beyond_one_grid(host, rng):  # noqa: F811
+def test_non_contiguous_and_beyond_one_grid(host, rng):
     """A strided view, and more elements than one grid covers with an odd tail."""
     n = _cuda.BLOCK * HOST_GRID * 64 + 77
     x = _data(rng, "float8_e4m3fn", (n,), np.float32)

@@ -7,8 +7,6 @@ and the exact sums against int64 references."""
 import numpy as np
 import pytest
 from cuda_host import cublas_host
-from cuda_host.harness import host, host_lib  # noqa: F401 (fixtures)
-from test_cuda_ops import on_host  # noqa: F401 (fixture)
 
 import qarray
 from qarray import QArray, qdtype

@@ -15,7 +15,7 @@ from qarray import QArray
 from qarray.backends import _cuda
 from qarray.backends._cuda import CUDA_DIR
 
-from cuda_host.harness import HOST_GRID, HostCupyBackend, build, host, host_lib  # noqa: F401 (fixtures)
+from cuda_host.harness import HOST_GRID, HostCupyBackend, build
 from _reference import numpy_and_host
 
 BIG = _cuda.BLOCK * HOST_GRID * 64 + 77  # beyond one grid: the grid-stride tail runs

@@ -6,19 +6,15 @@ short last blocks, float32 and float64 input, torchao's vectors (NaN, inf, zero,
 subnormal, tie and near-power-of-two blocks), NVFP4 with several global scales.
 Outputs start as garbage: the kernels must write every code and scale."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from qarray import _formats as F
-from test_cuda import host, host_lib  # noqa: F401 (fixtures)
-from test_mx import NVFP4_INF_CASES
-from _reference import numpy_and_host
+from _reference import NVFP4_INF_CASES, mx_vectors, numpy_and_host
 
 pytest.importorskip("ml_dtypes")
 
-X = np.load(Path(__file__).parent / "data" / "mx_vectors.npz")["x"]  # (45, 128) float32
+X = mx_vectors()["x"]  # (45, 128) float32
 MX = list(F.MX_FORMATS.values())
 ROUNDINGS = list(F.SCALE_ROUNDINGS)
 
@@ -37,7 +33,7 @@ class _Garbage:
 
 
 @pytest.fixture
-def dirty(host):  # noqa: F811
+def dirty(host):
     host._xp = _Garbage()
     return host
 
@@ -69,7 +65,7 @@ def _edge_blocks(rng, mx, dtype):
     return x
 
 
-def _same_mx(host, x, mx, rounding, axis, block_size):  # noqa: F811
+def _same_mx(host, x, mx, rounding, axis, block_size):
     axis %= x.ndim  # as the API passes it
     with np.errstate(invalid="ignore", over="ignore"):
         (wc, wb), (gc, gb) = numpy_and_host(host, lambda b: b.quantize_mx(x, mx, axis, block_size, rounding))
@@ -106,7 +102,7 @@ def test_mx_torchao_vectors(dirty, mx, rounding, axis, dtype):
     _same_mx(dirty, X.astype(dtype), mx, rounding, axis, 32)
 
 
-def _same_nvfp4(host, x, axis, gs):  # noqa: F811
+def _same_nvfp4(host, x, axis, gs):
     axis %= x.ndim
     gs = None if gs is None else np.asarray(np.float32(gs))
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):

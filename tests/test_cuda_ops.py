@@ -1,17 +1,16 @@
 """The kernels of qarray/backends/cuda/ops.cu (clip, pack/unpack, binary, strided
-requantize), host-run through the harness of test_cuda.py, against the NumPy
+requantize), host-run through the harness of tests/cuda_host, against the NumPy
 backend bit for bit."""
 
 import numpy as np
 import pytest
-from cuda_host.harness import HOST_GRID, host, host_lib  # noqa: F401 (fixtures)
-from test_cuda import make_rq
+from cuda_host.harness import HOST_GRID
 
 import qarray
 from qarray import QArray, qdtype
 from qarray._fixed_point import identity
 from qarray.backends import _cuda
-from _reference import numpy_and_host
+from _reference import assert_same, make_rq, numpy_and_host
 
 TAIL = _cuda.BLOCK * HOST_GRID * 64 + 77  # more than one grid covers
 INT_DTYPES = ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"]
@@ -27,22 +26,6 @@ def _views(x):
     return [x, x[1:], x[::2]] if x.ndim == 1 else [x, x[1:], x[:, ::2]]
 
 
-def _same(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
-
-
-@pytest.fixture
-def on_host(host, monkeypatch):
-    """``run(fn)``: call ``fn()`` with the registry mapping every array to ``host``."""
-    def run(fn):
-        with monkeypatch.context() as m:
-            m.setattr(qarray.backends, "for_array", lambda a: host)
-            m.setattr(host, "check_together", lambda arrays: None)
-            return fn()
-    return run
-
-
 def _last_kernel(host, prefix):
     assert host.launches and host.launches[-1][0].startswith(prefix), host.launches[-1:]
 
@@ -56,7 +39,7 @@ def test_clip(host, dtype, shape, rng):
         lo, hi = sorted(int(v) for v in rng.integers(d.qmin, d.qmax, 2, endpoint=True))
         for bounds in ((lo, hi), (np.asarray(lo, d.storage), np.asarray(hi, d.storage)), (d.qmin, hi)):
             want, got = numpy_and_host(host, lambda b: b.clip(x, *bounds))
-            _same(got, want)
+            assert_same(got, want)
             if x.size:
                 _last_kernel(host, f"clip_{d.storage.name}")
 
@@ -65,10 +48,10 @@ def test_clip_per_axis_bounds_and_tail(host, rng):
     x = _codes(rng, "qint8", (6, 7))
     lo, hi = rng.integers(-100, 0, (6, 1)).astype(np.int8), rng.integers(0, 100, (1, 7)).astype(np.int8)
     want, got = numpy_and_host(host, lambda b: b.clip(x, lo, hi))  # the generic path
-    _same(got, want)
+    assert_same(got, want)
     x = _codes(rng, "quint8", TAIL)
     want, got = numpy_and_host(host, lambda b: b.clip(x, 3, 200))
-    _same(got, want)
+    assert_same(got, want)
     assert host.launches[-1] == ("clip_uint8", HOST_GRID, _cuda.BLOCK)
 
 
@@ -78,7 +61,7 @@ def test_relu_clamp_ops(host, fn, rng):
     x = rng.standard_normal((5, 11)).astype(np.float32)
     q = qarray.quantize(x, 0.02, 7, "qint8")
     h = QArray._new(q.data, q.scale, q.zero_point, q.dtype, None, None, host)
-    _same(fn(h).int_repr(), fn(q).int_repr())
+    assert_same(fn(h).int_repr(), fn(q).int_repr())
     _last_kernel(host, "clip_int8")
 
 
@@ -89,24 +72,24 @@ def test_pack_unpack(host, dtype, n, rng):
     d = qdtype(dtype)
     for x in _views(_codes(rng, dtype, (n + 4,))):
         packed, got = numpy_and_host(host, lambda b: b.pack(x, d.bits))
-        _same(got, packed)
+        assert_same(got, packed)
         for count in (x.size, max(x.size - 1, 0), x.size + 3):
             want, got = numpy_and_host(host, lambda b: b.unpack(packed, d.bits, d.signed, count))
-            _same(got, want)
+            assert_same(got, want)
         np.testing.assert_array_equal(host.unpack(packed, d.bits, d.signed, x.size), x)
 
 
 def test_pack_unpack_2d_and_tail(host, rng):
     x = _codes(rng, "qint4", (7, 9))[:, 1:]  # non-contiguous, 2-D
     want, got = numpy_and_host(host, lambda b: b.pack(x, 4))
-    _same(got, want)
+    assert_same(got, want)
     x = _codes(rng, "quint2", 4 * TAIL - 1)
     want, got = numpy_and_host(host, lambda b: b.pack(x, 2))
-    _same(got, want)
+    assert_same(got, want)
     assert host.launches[-1] == ("pack_bits", HOST_GRID, _cuda.BLOCK)
     back = host.unpack(got, 2, False, x.size)
     assert host.launches[-1] == ("unpack_bits", HOST_GRID, _cuda.BLOCK)
-    _same(back, x)
+    assert_same(back, x)
 
 
 # -- binary (add / sub / mul) ------------------------------------------------------
@@ -128,7 +111,7 @@ def _binary_cases(rng, pair, sa, sb):
 def test_binary_exact(host, op, pair, sa, sb, rng):
     a, za, b, zb = _binary_cases(rng, pair, sa, sb)
     want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb)))
-    _same(got, want)
+    assert_same(got, want)
     if want.size and sb != (3, 4):
         _last_kernel(host, f"binary_{a.dtype.name}_{b.dtype.name}")
 
@@ -142,7 +125,7 @@ def test_binary_rescaled(host, pair, sa, sb, rounding, rng):
     ra, rb = (make_rq(z, 0, m, None, rounding=rounding) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for op in ("add", "sub"):
         want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, ra, rb))
-        _same(got, want)
+        assert_same(got, want)
 
 
 def test_binary_views_and_tail(host, rng):
@@ -150,10 +133,10 @@ def test_binary_views_and_tail(host, rng):
     for x in _views(a):
         for y in (b[: x.shape[0], : x.shape[1]], b[-x.shape[0]:, -x.shape[1]:][::-1]):
             want, got = numpy_and_host(host, lambda bk: bk.binary("mul", x, y, identity(za), identity(zb)))
-            _same(got, want)
+            assert_same(got, want)
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
     want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
-    _same(got, want)
+    assert_same(got, want)
     assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, _cuda.BLOCK)
 
 
@@ -176,7 +159,7 @@ def test_binary_requantized_in_one_kernel(host, sa, sb, out, rounding, relu, rng
     for op in ("add", "mul"):
         requant = _requant(rng, shape, out, rounding, relu)
         want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb), requant))
-        _same(got, want)
+        assert_same(got, want)
         if want.size and sb != (3, 4):
             assert [n for n, *_ in host.launches][-1:] == ["binary_int8_uint8"]
     if relu:  # the floor is the output zero point: real 0
@@ -190,7 +173,7 @@ def test_binary_requantized_per_axis_and_rescaled(host, axis, rng):
     for rounding in (0, 3, None):
         requant = _requant(rng, (6, 5), "qint8", rounding, False, axis)
         want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, ra, rb, requant))
-        _same(got, want)
+        assert_same(got, want)
         assert host.launches[-1][0] == "binary_uint16_int8"
 
 
@@ -202,7 +185,7 @@ def test_binary_ops(host, on_host, op, out, rng):
     x, y = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
     a = qarray.quantize(x, 0.03, -5, "qint8")
     b = qarray.quantize(y, 0.03 if not out else 0.07, 120, "quint8")
-    _same(on_host(lambda: op(a, b, **out)).int_repr(), op(a, b, **out).int_repr())
+    assert_same(on_host(lambda: op(a, b, **out)).int_repr(), op(a, b, **out).int_repr())
     assert [name for name, *_ in host.launches] == ["binary_int8_uint8"]  # requantize and ReLU fused
 
 
@@ -262,6 +245,6 @@ def test_cat_through_the_host_backend(host, on_host, axis, rng):
           qarray.quantize(xs[2], 0.025, -2, "qint8")]  # already the output's: copied
     kw = {"scale": 0.025, "zero_point": -2, "dtype": "qint8"}
     hs = [QArray._new(q.data, q.scale, q.zero_point, q.dtype, q.axis, q.block_size, host) for q in qs]
-    _same(on_host(lambda: qarray.cat(hs, axis, **kw)).int_repr(), qarray.cat(qs, axis, **kw).int_repr())
+    assert_same(on_host(lambda: qarray.cat(hs, axis, **kw)).int_repr(), qarray.cat(qs, axis, **kw).int_repr())
     rows = any(name.startswith("requantize_rows_") for name, *_ in host.launches)
     assert rows == (axis % 3 > 0), host.launches

@@ -3,15 +3,14 @@ per-tensor data moves in vectors, misaligned starts and tails element by element
 
 import numpy as np
 import pytest
-from test_cuda import host, host_lib, make_rq  # noqa: F401  (fixtures)
 
 import qarray
-from _reference import numpy_and_host
+from _reference import make_rq, numpy_and_host
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
 @pytest.mark.parametrize("n", [1, 5, 4099])
-def test_aligned_and_misaligned(host, rng, offset, n):  # noqa: F811
+def test_aligned_and_misaligned(host, rng, offset, n):
     base = (rng.standard_normal(n + 8) * 30).astype(np.float32)
     x = base[offset : offset + n]
     s, z = np.asarray(np.float32(0.25)), np.asarray(np.int32(3))
@@ -35,7 +34,7 @@ ROW_LAYOUTS = [((3, 32), 1, None), ((4, 3, 32), 1, None), ((64, 48), 0, None), (
 
 @pytest.mark.parametrize("shape,axis,block_size", ROW_LAYOUTS)
 @pytest.mark.parametrize("offset", [0, 1])
-def test_per_axis_and_blocked_rows(host, rng, shape, axis, block_size, offset):  # noqa: F811
+def test_per_axis_and_blocked_rows(host, rng, shape, axis, block_size, offset):
     """Per-axis and blocked layouts run as rows of contiguous elements (one slot a
     row, a slot per column, or slots along the row): quantize, dequantize and
     requantize equal NumPy's, aligned (vectors) or not (element by element)."""

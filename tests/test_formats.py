@@ -10,6 +10,8 @@ import pytest
 from qarray import _formats as F
 from qarray._params import expand
 
+from _reference import float64_boundaries
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
@@ -366,8 +368,6 @@ def test_float64_input_is_rounded_once_whatever_ml_dtypes_does(f, saturate):
     0.7.0 still for float4, 0.2500000000002274 -> 0), and beyond its range,
     against the rounding worked out in Fractions from the format's table."""
     import qarray
-
-    from test_cuda_formats import float64_boundaries
 
     x = float64_boundaries(f)
     x = x[~np.isnan(x)]

@@ -12,14 +12,11 @@ import pytest
 
 import qarray
 
+from _reference import assert_same, device_cupy, float32_boundaries, float64_boundaries, mx_vectors
+
 pytestmark = pytest.mark.gpu
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError("no device")
-except Exception as e:  # no driver, no device
-    pytest.skip(f"no CUDA device: {e}", allow_module_level=True)
+cupy = device_cupy()
 
 
 def both(fn, *host_arrays):
@@ -34,14 +31,11 @@ def ints(q):
 
 
 def same(got, want):
-    """``got`` (on the GPU) is ``want`` (NumPy) bit for bit: integers, parameters and dtype."""
+    """``got`` (on the GPU) is ``want`` (NumPy) bit for bit (``assert_same``)."""
     assert got.backend == "cupy" and isinstance(got.data, cupy.ndarray), got.backend
-    assert (got.dtype, got.axis, got.block_size) == (want.dtype, want.axis, want.block_size)
-    np.testing.assert_array_equal(ints(got), ints(want))
-    for p, r in ((got.scale, want.scale), (got.zero_point, want.zero_point)):
+    for p in (got.scale, got.zero_point):
         assert isinstance(p, np.ndarray)  # parameters are host metadata, whatever the data's device
-        np.testing.assert_array_equal(p, r)
-        assert p.dtype == r.dtype
+    assert_same(got, want)
 
 
 def test_seed_use_case():
@@ -160,8 +154,6 @@ def test_floating_formats(f, saturate, rng):
     """cuda/formats.cu (sm_89 and later: the hardware e4m3fn / e5m2 conversion
     with saturation) against NumPy: every float32 and float64 boundary of the
     format, every float16, per tensor and blocked; dequantize of every code."""
-    from test_cuda_formats import float32_boundaries, float64_boundaries
-
     x16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     for x, scale, layout in ((float32_boundaries(f), 1.0, {}), (float64_boundaries(f), 1.0, {}),
                              (x16, 0.37, {}), (x16.reshape(256, 256), np.full((256, 8), 0.25, np.float32),
@@ -187,8 +179,7 @@ def test_mx_and_nvfp4(fmt, rng):
     """cuda/formats.cu's block kernels against NumPy: torchao's vectors (NaN, inf,
     zero, subnormal, tie blocks) and float64 data, every scale rounding, blocks along
     the last axis and down the first (strided, a short last block); NVFP4 too."""
-    from test_cuda_mx import X
-
+    X = mx_vectors()["x"]
     bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
     x64 = rng.standard_normal((40, 70)) * np.exp(rng.uniform(-300, 300, (40, 1)))
     for x, axis, rounding in [(X, -1, r) for r in qarray._formats.SCALE_ROUNDINGS] + [(X, 0, "floor"), (x64, 0, "rceil")]:

@@ -9,6 +9,8 @@ import qarray
 from qarray import QArray
 from qarray._params import param_shape
 
+from _reference import assert_same
+
 # PyTorch deprecates its own quantized tensors (a warning from torch, not qarray)
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
 
@@ -16,13 +18,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation func
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
-
-
-def _same(a, b):
-    assert isinstance(a, QArray) and (a.dtype, a.shape, a.axis, a.block_size) == (b.dtype, b.shape, b.axis, b.block_size)
-    np.testing.assert_array_equal(a.int_repr(), b.int_repr())
-    np.testing.assert_array_equal(a.scale, b.scale)
-    np.testing.assert_array_equal(a.zero_point, b.zero_point)
 
 
 # -- PyTorch quantized tensors ---------------------------------------------------------------
@@ -42,7 +37,7 @@ def test_from_torch_per_tensor_and_back(torch, tdtype, qd, rng):
         back = q.to_torch()
         assert back.dtype == t.dtype and back.q_scale() == t.q_scale() and back.q_zero_point() == t.q_zero_point()
         assert torch.equal(back.int_repr(), t.int_repr())
-        _same(qarray.from_torch(back), q)
+        assert_same(qarray.from_torch(back), q)
 
 
 @pytest.mark.parametrize("qd", ["qint8", "quint8", "qint32"])
@@ -57,7 +52,7 @@ def test_per_channel_round_trip(torch, qd, axis, rng):
     assert t.qscheme() == torch.per_channel_affine and t.q_per_channel_axis() == axis
     np.testing.assert_array_equal(t.int_repr().numpy(), q.int_repr())
     np.testing.assert_array_equal(t.q_per_channel_scales().numpy(), q.scale.astype(np.float64))
-    _same(qarray.from_torch(t), q)
+    assert_same(qarray.from_torch(t), q)
 
 
 def test_torch_interop_errors(torch, rng):
@@ -80,9 +75,9 @@ def test_torch_interop_errors(torch, rng):
 # -- DLPack ----------------------------------------------------------------------------
 def test_dlpack_arrays_go_into_quantize_and_from_int(torch, rng):
     x = rng.standard_normal((3, 5)).astype(np.float32)
-    _same(qarray.quantize(torch.from_numpy(x), 0.05, 1, "qint8"), qarray.quantize(x, 0.05, 1, "qint8"))
+    assert_same(qarray.quantize(torch.from_numpy(x), 0.05, 1, "qint8"), qarray.quantize(x, 0.05, 1, "qint8"))
     ints = torch.tensor([[-128, 0, 127]], dtype=torch.int8)
-    _same(QArray.from_int(ints, 0.5, 0, "qint8"), QArray.from_int(ints.numpy(), 0.5, 0, "qint8"))
+    assert_same(QArray.from_int(ints, 0.5, 0, "qint8"), QArray.from_int(ints.numpy(), 0.5, 0, "qint8"))
     with pytest.raises(ValueError, match="outside the range"):
         QArray.from_int(torch.tensor([300]), 0.5, 0, "qint8")
     with pytest.raises(TypeError, match=r"quantize: could not take the torch.Tensor through DLPack .*t.detach\(\)"):

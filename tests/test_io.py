@@ -11,6 +11,8 @@ import pytest
 import qarray
 from qarray import QArray
 
+from _reference import assert_same, write_safetensors
+
 
 needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
                                        reason="safetensors is not installed (pip install safetensors)")
@@ -34,12 +36,7 @@ def test_round_trip(tmp_path, arrays):
     qarray.save(path, arrays)
     back = qarray.load(path)
     assert set(back) == set(arrays)
-    for name, q in arrays.items():
-        r = back[name]
-        assert (r.dtype, r.shape, r.axis, r.block_size) == (q.dtype, q.shape, q.axis, q.block_size)
-        np.testing.assert_array_equal(r.int_repr(), q.int_repr())
-        np.testing.assert_array_equal(r.scale, q.scale)
-        np.testing.assert_array_equal(r.zero_point, q.zero_point)
+    assert_same(back, arrays)
 
 
 def test_empty_file_round_trip(tmp_path):
@@ -242,14 +239,6 @@ def test_damaged_plain_array_data(tmp_path):
 # -- issue 12: names with "/", file objects, a path without .npz, safetensors ---------
 
 
-def _same_q(a, b):
-    assert isinstance(a, QArray) and (a.dtype, a.shape, a.axis, a.block_size) == (b.dtype, b.shape, b.axis, b.block_size)
-    np.testing.assert_array_equal(a.int_repr(), b.int_repr())
-    np.testing.assert_array_equal(a.scale, b.scale)
-    np.testing.assert_array_equal(a.zero_point, b.zero_point)
-    assert a.scale.dtype == np.float32 and a.zero_point.dtype == np.int32
-
-
 def _checkpoint(rng):
     w = qarray.quantize(rng.standard_normal((6, 8)).astype(np.float32), np.linspace(0.01, 0.1, 6).astype(np.float32),
                         np.arange(-3, 3).astype(np.int32), "qint4", axis=0)
@@ -260,13 +249,7 @@ def _checkpoint(rng):
 
 
 def _check_checkpoint(got, want):
-    assert sorted(got) == sorted(want)
-    for k, v in want.items():
-        if isinstance(v, QArray):
-            _same_q(got[k], v)
-        else:
-            assert type(got[k]) is np.ndarray and got[k].dtype == v.dtype
-            np.testing.assert_array_equal(got[k], v)
+    assert_same(got, want, plain=True)
 
 
 def test_names_with_slashes_file_objects_and_paths_without_npz(tmp_path, rng):
@@ -344,7 +327,7 @@ def test_safetensors_holds_codes_below_8_bits_packed_by_rows(tmp_path, dtype, sh
     want = _rows_reference(codes, d.bits)
     assert raw.dtype == np.uint8 and raw.shape == want.shape
     np.testing.assert_array_equal(raw, want)
-    _same_q(qarray.load(path)["w"], q)
+    assert_same(qarray.load(path)["w"], q)
     if shape and shape[-1] > 3:
         pytest.importorskip("dask.array")
         import dask.array as da
@@ -353,7 +336,7 @@ def test_safetensors_holds_codes_below_8_bits_packed_by_rows(tmp_path, dtype, sh
         qarray.save(tmp_path / "lazy.safetensors", {"w": lazy})
         got, want = _st_tensors(tmp_path / "lazy.safetensors"), _st_tensors(path)
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
-        _same_q(qarray.load(tmp_path / "lazy.safetensors")["w"], q)
+        assert_same(qarray.load(tmp_path / "lazy.safetensors")["w"], q)
 
 
 def _st_tensors(path):
@@ -433,21 +416,6 @@ def test_safetensors_float_weights_from_other_tools_quantize(tmp_path, rng):
     np.testing.assert_array_equal(got["layer.weight"], w)
     q = qarray.quantize(got["layer.weight"], 0.02, 0, "qint8")
     np.testing.assert_array_equal(q.int_repr(), qarray.quantize(w, 0.02, 0, "qint8").int_repr())
-
-
-def write_safetensors(path, tensors):
-    """A .safetensors file of ``{name: (dtype code, array)}`` laid out by the format's
-    spec (8-byte header length, JSON header, data): what PyTorch writes for bfloat16
-    and float8 tensors, which the safetensors package's NumPy side cannot write."""
-    header, blobs, offset = {}, [], 0
-    for name, (code, a) in tensors.items():
-        b = np.ascontiguousarray(a).tobytes()
-        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
 @pytest.mark.parametrize("code,fmt", [("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")])

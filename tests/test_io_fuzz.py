@@ -15,6 +15,8 @@ import pytest
 import qarray
 from qarray import QArray
 
+from _reference import assert_same
+
 
 def _files():
     """Valid files as ``{file: {name: QArray}}``. Within a file no two members but the
@@ -42,18 +44,6 @@ def _files():
                                           axis=0, block_size=4).T,
         },
     }
-
-
-def _assert_same(back, want):
-    assert sorted(back) == sorted(want)
-    for name, q in want.items():
-        r = back[name]
-        if isinstance(q, np.ndarray):
-            assert type(r) is np.ndarray and (r.dtype, r.shape) == (q.dtype, q.shape) and np.array_equal(r, q)
-            continue
-        assert (r.dtype.name, r.shape, r.axis, r.block_size) == (q.dtype.name, q.shape, q.axis, q.block_size)
-        for got, exp in ((r.scale, q.scale), (r.zero_point, q.zero_point), (r.int_repr(), q.int_repr())):
-            assert (got.dtype, got.shape) == (exp.dtype, exp.shape) and np.array_equal(got, exp)
 
 
 def _members(data: bytes) -> list:
@@ -132,7 +122,7 @@ def test_fuzz(tmp_path):
         data = good.read_bytes()
         layouts = [c[: _header_len(c)].replace(b" ", b"") for n, c in _members(data) if not n.endswith(".meta.npy")]
         assert len(set(layouts)) == len(layouts), "two members alike: a swap could go unseen"
-        _assert_same(qarray.load(good), arrays)
+        assert_same(qarray.load(good), arrays, plain=True)
         for what, damaged in _damaged(data, rng):
             path = tmp_path / "damaged.npz"
             path.write_bytes(damaged)
@@ -145,7 +135,7 @@ def test_fuzz(tmp_path):
             except Exception as e:  # anything else is the failure this test looks for
                 pytest.fail(f"{file}, {what}: {type(e).__name__}: {e}")
             try:
-                _assert_same(back, arrays)
+                assert_same(back, arrays, plain=True)
             except AssertionError:
                 pytest.fail(f"{file}, {what}: loaded, but not the arrays saved")
             outcomes["loaded exactly"] += 1
@@ -293,7 +283,7 @@ def test_files_from_before_the_version_field(saved):
     for name in ("t", "b"):
         _meta(saved, name, format="qarray-1", version=...)
     want = _files()["mixed"]
-    _assert_same(qarray.load(saved), {"t": want["t"], "b": want["b"]})
+    assert_same(qarray.load(saved), {"t": want["t"], "b": want["b"]}, plain=True)
 
 
 @pytest.mark.parametrize(

@@ -2,22 +2,13 @@ import numpy as np
 import pytest
 
 import qarray
-from qarray import QArray, qdtype
+from qarray import QArray
 from qarray.ops import linear, matmul
+
+from _reference import rand_q
 
 ACTS = ["quint8", "qint8", "qint4", "quint4", "qint2"]
 WEIGHTS = ["qint8", "quint8", "qint4", "quint4"]
-
-
-def rand_q(rng, shape, dtype, axis=None, scale=0.05):
-    d = qdtype(dtype)
-    ints = rng.integers(d.qmin, d.qmax + 1, shape)
-    if axis is None:
-        zp = (d.qmin + d.qmax) // 3
-        return QArray.from_int(ints, scale, zp, dtype)
-    n = shape[axis]
-    zp = rng.integers(d.qmin, d.qmax + 1, n)
-    return QArray.from_int(ints, rng.uniform(0.01, 0.1, n).astype(np.float32), zp, dtype, axis=axis)
 
 
 def ref_acc(a, b):

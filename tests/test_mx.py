@@ -6,7 +6,6 @@ the OCP spec are tested on their own."""
 
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,9 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import qarray  # noqa: E402
 from qarray import _formats as F  # noqa: E402
 
-V = np.load(Path(__file__).parent / "data" / "mx_vectors.npz")
+from _reference import NVFP4_INF_CASES, mx_vectors  # noqa: E402
+
+V = mx_vectors()
 X = V["x"]
 TORCHAO_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4"]
 MODES = list(F.SCALE_ROUNDINGS)
@@ -255,35 +256,6 @@ def ref_nvfp4(x, gs):
         codes.append([e2m1[abs(ref_element(Fraction(float(a)), "float4_e2m1fn"))] | (8 * bool(np.signbit(a)))
                       for a in v])
     return np.array(scales, np.uint8), np.array(codes, np.uint8)
-
-
-INF, E = np.float32(np.inf), 0x7E  # E: e4m3 448
-NVFP4_INF_CASES = {  # name: (rows of 16, global_scale= (None: the default), the tensor scale it gives,
-    #                        scale codes, element codes), worked by hand
-    # gs 1: scale 448, x / 448: 224 -> 0.5, 672 -> 1.5, 100 -> 0.22 -> 0, 5000 and 1e30 -> 6, 300 -> 0.67 -> 0.5,
-    # -600 -> -1.34 -> -1.5, 1000 -> 2.23 -> 2, 2000 -> 4.46 -> 4, -3000 -> -6.7 -> -6; -0 keeps its sign
-    "+inf, gs=1": ([[INF, 224, 672, -1344, 0, -0.0, 100, 2688, 5000, 1e30, 300, -600, 1000, 2000, -3000, 50]], 1.0, 1.0,
-                   [E], [[7, 1, 3, 0xD, 0, 8, 0, 7, 7, 7, 1, 0xB, 4, 6, 0xF, 0]]),
-    "-inf, gs=1": ([[1, 2, -INF, 448, -896, 1792, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], 1.0, 1.0,
-                   [E], [[0, 0, 0xF, 2, 0xC, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]),
-    # gs 0.5: scale still 448 (inf / 6 / 0.5), x / 224
-    "inf mixed, gs=0.5": ([[-INF, INF, 112, -224, 336, 672, 2000, 60, 0, 0, 0, 0, 0, 0, 0, 0]], 0.5, 0.5,
-                          [E], [[0xF, 7, 1, 0xA, 3, 5, 7, 1, 0, 0, 0, 0, 0, 0, 0, 0]]),
-    # the default gs: the finite amax 672 / 2688 = 0.25; rows: finite at 448 (x / 112), inf (x / 112: 500 -> 4),
-    # finite amax 6 -> 6 / 6 / 0.25 = 4 (0x48, x / 1), NaN with inf (unchanged: NaN scale, codes 0), zeros (2**-6)
-    "inf mixed, default gs": ([[672, -336, 168, 56, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-                               [INF, -INF, 112, -224, 336, 672, 500, 60, 0, 0, 0, 0, 0, 0, 0, 0],
-                               [6, 3, -1.5, 1, 0.5, 0.25, 0.75, 5, 0, 0, 0, 0, 0, 0, 0, 0],
-                               [1, INF, np.nan, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-                               [0] * 16], None, 0.25,
-                              [E, E, 0x48, 0x7F, 0x08],
-                              [[7, 0xD, 3, 1] + [0] * 12,
-                               [7, 0xF, 2, 0xC, 5, 7, 6, 1] + [0] * 8,
-                               [7, 5, 0xB, 2, 1, 0, 2, 6] + [0] * 8,
-                               [0] * 16, [0] * 16]),
-    # no finite value: the default gs is 1, inf -> 6 at scale 448
-    "only inf, default gs": ([[INF, -INF] + [0] * 14], None, 1.0, [E], [[7, 0xF] + [0] * 14]),
-}
 
 
 @pytest.mark.parametrize("case", list(NVFP4_INF_CASES))

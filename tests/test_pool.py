@@ -8,12 +8,7 @@ import qarray
 from qarray import QArray
 from qarray._fixed_point import quantize_multiplier
 from qarray.ops import pool as P
-from _reference import round_rational
-
-
-def rand_q(rng, shape, d="qint8", scale=0.1, zp=3):
-    d = qarray.qdtype(d)
-    return QArray.from_int(rng.integers(d.qmin, d.qmax + 1, size=shape), scale, zp, d)
+from _reference import rand_q, round_rational
 
 
 def geometry(H, k, s, p, d=1):

@@ -1,4 +1,4 @@
-"""prelu against the exact rational reference of test_exact.py (``ref_out``: the
+"""prelu against the exact rational reference of tests/_reference.py (``ref_out``: the
 fixed-point contract written with Fractions, or ONNX's float mode).
 
 Per element with ``d = q - z_in``: ``d >= 0`` is requantized with ``M = s_in / s_out``,
@@ -18,14 +18,9 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 
-from test_exact import _one_thread, expand, f32_ratio, ref_out  # noqa: F401 (a fixture)
-from _reference import all_codes
+from _reference import RULES, all_codes, expand, f32_ratio, ref_out, rounding_kw
 
-RULES = ["half_even", "half_away", "half_up", "tflite", "float"]
-
-
-def _kw(rule):
-    return {"mode": "float"} if rule == "float" else {"mode": "fixed", "rounding": rule}
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny arrays: one thread (conftest.py)
 
 
 def reference(q, alpha, axis, s_out, z_out, dout, rule):
@@ -55,7 +50,7 @@ def reference(q, alpha, axis, s_out, z_out, dout, rule):
 
 
 def check(q, alpha, axis=1, rule="half_even", **out):
-    got = qarray.prelu(q, alpha, axis=axis, **out, **_kw(rule))
+    got = qarray.prelu(q, alpha, axis=axis, **out, **rounding_kw(rule))
     if out:
         d, s, z = qdtype(out.get("dtype", q.dtype)), out["scale"], out.get("zero_point", 0)
     else:

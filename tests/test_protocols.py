@@ -123,13 +123,6 @@ def test_unary_plus_copies(q):
 
 
 # -- functions that move or select elements ---------------------------------------------------
-def _same(a, b):
-    assert isinstance(a, QArray) and a.dtype is b.dtype and (a.axis, a.block_size) == (b.axis, b.block_size)
-    np.testing.assert_array_equal(a.int_repr(), b.int_repr())
-    np.testing.assert_array_equal(a.scale, b.scale)
-    np.testing.assert_array_equal(a.zero_point, b.zero_point)
-
-
 def test_structural_functions_keep_a_qarray(q, qc):
     codes = q.int_repr()
     for got, want in (

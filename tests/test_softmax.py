@@ -20,7 +20,7 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 
-from test_exact import _one_thread  # noqa: F401 (a fixture: tiny arrays, one thread)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny arrays: one thread (conftest.py)
 
 TFLITE_SOFTMAX = {"quint8": ("quint8", 1 / 256, 0), "qint8": ("qint8", 1 / 256, -128),
                   "qint16": ("qint16", 1 / 32768, 0), "qint4": ("qint4", 1 / 16, -8)}

@@ -1,0 +1,90 @@
+"""linear and matmul (qarray/ops/linear.py) against the exact rational
+reference of tests/_reference.py: exact accumulators (Python ints) requantized
+once, per-tensor and per-channel weights, float bias, ReLU, every rounding, on
+both CPU paths (``kernels``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qarray as qa
+from qarray import QArray, qdtype
+
+from _reference import (RULES, rounding_kw, bias_ints, ref_acc_out, exact_settings, check_path, paths, scales,
+                        zero_points, draw_code, weight_params, weight_of, MM_CASES)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize(**paths("dx,dw,dout", MM_CASES, []))
+@exact_settings(40)
+@given(data=st.data())
+def test_linear_and_matmul(dx, dw, dout, kernels, data):
+    """linear (w per-tensor or per-channel along axis 0, float bias or none, ReLU)
+    and matmul (b per-channel along its last axis) on extreme codes."""
+    check_path(kernels)
+    qx, qw, qo = qdtype(dx), qdtype(dw), qdtype(dout)
+    n, k, o = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 40)), data.draw(st.integers(1, 4))
+    per_channel = data.draw(st.booleans())
+    s_x, zx = data.draw(scales(-12, 2)), data.draw(zero_points(qx))
+    s_w, zw = data.draw(weight_params(qw, o, per_channel))
+    x = np.array([[draw_code(data.draw, qx.qmin, qx.qmax, zx) for _ in range(k)] for _ in range(n)])
+    w = np.array([[draw_code(data.draw, qw.qmin, qw.qmax, int(zw[j])) for _ in range(k)] for j in range(o)])
+    land = qx.bits + qw.bits + k.bit_length() - 1 - qo.bits
+    s_out = np.float32(float(s_x) * float(s_w[0]) * 2.0 ** data.draw(st.one_of(st.integers(land - 3, land + 2),
+                                                                                 st.integers(-20, 30)))
+                       * data.draw(st.sampled_from([1.0, 1.0, 1.5, 0.7])))
+    zo = data.draw(zero_points(qo))
+    relu = data.draw(st.booleans())
+    one_d = n == 1 and data.draw(st.booleans())  # linear of a vector
+    bias = None
+    if data.draw(st.booleans()):
+        acc_scale = np.float32(s_x) * np.float32(s_w)
+        bias = (np.array([data.draw(st.integers(-(2**20), 2**20)) for _ in range(o)]) * acc_scale
+                * np.float32(data.draw(st.sampled_from([1.0, 0.5, 1.25, 1.0000001])))).astype(np.float32)
+    xq = QArray.from_int(x.astype(qx.storage), s_x, zx, dx)
+    wq = weight_of(w.astype(qw.storage), s_w, zw, dw, per_channel, 0)
+    bq = weight_of(np.ascontiguousarray(w.T).astype(qw.storage), s_w, zw, dw, per_channel, 1)
+    acc = (x.astype(object) - zx) @ (w.astype(object) - zw.astype(np.int64)[:, None]).T  # Python ints
+    acc_b = acc + bias_ints(bias, s_x, s_w)
+    for rule in RULES:
+        kw = dict(scale=s_out, zero_point=zo, dtype=dout, relu=relu, **rounding_kw(rule))
+        want = ref_acc_out(acc_b, s_x, s_w, (s_out, zo), qo, rule, relu, 1)
+        got = qa.linear(xq if not one_d else xq.reshape(-1), wq, bias, **kw)
+        assert got.data.dtype == qo.storage
+        np.testing.assert_array_equal(got.int_repr(), want[0] if one_d else want, err_msg=f"linear {rule}")
+        want = ref_acc_out(acc, s_x, s_w, (s_out, zo), qo, rule, relu, 1)
+        np.testing.assert_array_equal(qa.matmul(xq, bq, **kw).int_repr(), want, err_msg=f"matmul {rule}")
+
+
+def test_linear_long_k_extreme_codes(kernels):
+    """K = 2**18 products of extreme codes: accumulators near 2**34, per-channel
+    weights, an output scale that makes row 0's accumulators exact ties."""
+    check_path(kernels)
+    k = 2**18
+    xc = np.full((2, k), 255, np.uint8)
+    xc[1, ::2] = 0  # row 1: half the codes at the other end
+    x = QArray.from_int(xc, 1.0, 0, "quint8")
+    codes = np.empty((4, k), np.int8)
+    codes[0], codes[1], codes[2], codes[3] = -128, 127, -128, 127
+    codes[3, 1::3] = -128
+    s_w = np.array([1.0, 1.0, 0.5, 2.0**-10], np.float32)
+    zw = np.array([127, -128, -128, 0], np.int32)
+    w = QArray.from_int(codes, s_w, zw, "qint8", axis=0)
+    acc = xc.astype(object) @ (codes.astype(object) - zw.astype(np.int64)[:, None]).T
+    assert acc[0, 0] == -255 * 255 * k and max(abs(int(v)) for v in acc.flat) > 2**33.9
+    s_out = np.float32(2.0**19)  # -255 * 255 * 2**18 / 2**19 = -32512.5, a tie inside qint16
+    ties = {"half_even": [-32512, 32512], "half_away": [-32513, 32513], "half_up": [-32512, 32513],
+            "float": [-32512, 32512],  # rint: half even
+            "tflite": [-4096, 4096]}  # gemmlowp saturates the accumulator to int32 first
+    for rule in RULES:
+        for dout, zo in [("qint16", 0), ("qint16", -32768), ("qint32", 2**31 - 1), ("quint8", 0)]:
+            qo = qdtype(dout)
+            got = qa.linear(x, w, scale=s_out, zero_point=zo, dtype=dout, **rounding_kw(rule)).int_repr()
+            want = ref_acc_out(acc, np.float32(1.0), s_w, (s_out, zo), qo, rule, False, 1)
+            np.testing.assert_array_equal(got, want, err_msg=f"{rule} {dout} {zo}")
+            if dout == "qint16" and zo == 0:
+                assert list(got[0, :2]) == ties[rule], rule
