@@ -29,8 +29,9 @@ import pytest
 import qarray
 
 onnx = pytest.importorskip("onnx")
-from onnx import TensorProto, helper  # noqa: E402
-from onnx.reference import ReferenceEvaluator  # noqa: E402
+from onnx import TensorProto  # noqa: E402
+
+from _reference import run_onnx  # noqa: E402
 
 OPSET = 21  # QLinearMatMul-21; MatMulInteger, ConvInteger and QLinearConv are opset 10
 if onnx.defs.onnx_opset_version() < OPSET:
@@ -57,19 +58,6 @@ CONV_CASES = {
     "deep": ((1, 32, 5, 5), (4, 32, 3, 3), 1, 1, 1, 1),
     "all": ((1, 4, 11, 10), (4, 2, 3, 3), 2, 1, 2, 2),
 }
-
-
-def run_onnx(op, inputs, out_type, **attrs):
-    """Run one ``op`` node on ``inputs`` (name -> array) with the reference evaluator."""
-    ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-           for n, a in inputs.items()]
-    out = helper.make_tensor_value_info("y", out_type, None)
-    node = helper.make_node(op, list(inputs), ["y"], **attrs)
-    opset = [helper.make_opsetid("", OPSET)]
-    model = helper.make_model(helper.make_graph([node], op, ins, [out]), opset_imports=opset,
-                              ir_version=helper.find_min_ir_version_for(opset))
-    (y,) = ReferenceEvaluator(model).run(None, inputs)
-    return y
 
 
 def rand_ints(rng, name, shape, narrow=False):
@@ -136,8 +124,8 @@ def mm_case(shape, a_name, b_name, per_column, kind="random"):
 @pytest.mark.parametrize("shape", MM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matmul_integer(shape, a_name, b_name, per_column, kernels):
     _, a, b, za, zb, sa, sb, acc = mm_case(shape, a_name, b_name, per_column)
-    want = run_onnx("MatMulInteger", {"a": a, "b": b, "a_zero_point": za, "b_zero_point": zb},
-                    TensorProto.INT32)
+    (want,) = run_onnx("MatMulInteger", {"a": a, "b": b, "a_zero_point": za, "b_zero_point": zb},
+                       [TensorProto.INT32], OPSET)
     got = qarray.matmul(wrap(a, sa, za, a_name), wrap(b, sb, zb, b_name, 1 if per_column else None))
     assert got.dtype.name == "qint32" and want.dtype == np.int32
     np.testing.assert_array_equal(got.int_repr(), want)
@@ -151,9 +139,9 @@ def test_matmul_integer(shape, a_name, b_name, per_column, kernels):
 def test_qlinear_matmul(shape, a_name, b_name, y_name, per_column, kind, kernels):
     rng, a, b, za, zb, sa, sb, acc = mm_case(shape, a_name, b_name, per_column, kind)
     sy, zy = out_scale(kind, sa, sb, acc), out_zp(rng, y_name)
-    want = run_onnx("QLinearMatMul", {"a": a, "a_scale": sa, "a_zero_point": za,
-                                      "b": b, "b_scale": sb, "b_zero_point": zb,
-                                      "y_scale": sy, "y_zero_point": zy}, ONNX_TYPE[y_name])
+    (want,) = run_onnx("QLinearMatMul", {"a": a, "a_scale": sa, "a_zero_point": za,
+                                         "b": b, "b_scale": sb, "b_zero_point": zb,
+                                         "y_scale": sy, "y_zero_point": zy}, [ONNX_TYPE[y_name]], OPSET)
     got = qarray.matmul(wrap(a, sa, za, a_name), wrap(b, sb, zb, b_name, 1 if per_column else None),
                         scale=sy, zero_point=int(zy), dtype=y_name, mode="float")
     check_requantized(got.int_repr(), want, y_name)
@@ -181,8 +169,8 @@ def conv_case(case, x_name, w_name, per_channel, kind="random"):
 @pytest.mark.parametrize("case", list(CONV_CASES))
 def test_conv_integer(case, x_name, w_name, per_channel, kernels):
     _, x, w, zx, zw, sx, sw, attrs, kwargs = conv_case(case, x_name, w_name, per_channel)
-    want = run_onnx("ConvInteger", {"x": x, "w": w, "x_zero_point": zx, "w_zero_point": zw},
-                    TensorProto.INT32, **attrs)
+    (want,) = run_onnx("ConvInteger", {"x": x, "w": w, "x_zero_point": zx, "w_zero_point": zw},
+                       [TensorProto.INT32], OPSET, **attrs)
     got = qarray.conv2d(wrap(x, sx, zx, x_name), wrap(w, sw, zw, w_name, 0 if per_channel else None),
                         **kwargs)
     assert got.dtype.name == "qint32" and want.dtype == np.int32
@@ -209,6 +197,6 @@ def test_qlinear_conv(case, x_name, w_name, y_name, per_channel, bias, kind, ker
         inputs["B"] = b_ints
         qbias = qarray.QArray.from_int(b_ints, np.float32(sx) * sw, 0, "qint32",
                                        axis=0 if per_channel else None)
-    want = run_onnx("QLinearConv", inputs, ONNX_TYPE[y_name], **attrs)
+    (want,) = run_onnx("QLinearConv", inputs, [ONNX_TYPE[y_name]], OPSET, **attrs)
     got = qarray.conv2d(qx, qw, qbias, **kwargs, scale=sy, zero_point=int(zy), dtype=y_name, mode="float")
     check_requantized(got.int_repr(), want, y_name)

@@ -32,7 +32,8 @@ import qarray
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
-from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from _reference import run_onnx  # noqa: E402
 
 OPSET = 25  # the first opset with int2/uint2 (block_size since 21)
 if onnx.defs.onnx_opset_version() < OPSET:
@@ -58,19 +59,6 @@ LAYOUTS = {
     "block4-short": ((3, 10), 1, 4),
     "block3-axis0-short": ((10, 3), 0, 3),
 }
-
-
-def run_onnx(op, inputs, out_types, **attrs):
-    """Run one ``op`` node on ``inputs`` (name -> array) with the reference evaluator."""
-    ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-           for n, a in inputs.items()]
-    outs = [helper.make_tensor_value_info(f"out{i}", t, None) for i, t in enumerate(out_types)]
-    node = helper.make_node(op, list(inputs), [o.name for o in outs],
-                            **{k: v for k, v in attrs.items() if v is not None})
-    opset = [helper.make_opsetid("", OPSET)]
-    model = helper.make_model(helper.make_graph([node], op, ins, outs), opset_imports=opset,
-                              ir_version=helper.find_min_ir_version_for(opset))
-    return ReferenceEvaluator(model).run(None, inputs)
 
 
 def onnx_ints(a, name):
@@ -132,7 +120,7 @@ def test_quantize_linear(name, x_dtype, layout, kernels):
     x, scale, zp = quantize_case(name, x_dtype, layout, rng)
     _, axis, block_size = LAYOUTS[layout]
     (want,) = run_onnx("QuantizeLinear", {"x": x, "scale": scale, "zp": onnx_ints(zp, name)},
-                       [ONNX_TYPE[name]], axis=axis, block_size=block_size)
+                       [ONNX_TYPE[name]], OPSET, axis=axis, block_size=block_size)
 
     q = qarray.quantize(x, scale, zp, name, axis=axis, block_size=block_size)
     got = q.int_repr()
@@ -165,7 +153,7 @@ def test_dequantize_linear(name, out_dtype, layout, kernels):
     out_type = helper.np_dtype_to_tensor_dtype(np.dtype(out_dtype))
     (want,) = run_onnx("DequantizeLinear",
                        {"x": onnx_ints(ints, name), "scale": scale, "zp": onnx_ints(zp, name)},
-                       [out_type], axis=axis, block_size=block_size, output_dtype=out_type)
+                       [out_type], OPSET, axis=axis, block_size=block_size, output_dtype=out_type)
 
     q = qarray.QArray.from_int(ints, scale, zp, name, axis=axis, block_size=block_size)
     got = qarray.dequantize(q, out_dtype)
@@ -191,7 +179,7 @@ def test_dynamic_quantize_linear(case, kernels):
     x = DYNAMIC_INPUTS[case](np.random.default_rng(0)).astype(np.float32)
     want, want_scale, want_zp = run_onnx(
         "DynamicQuantizeLinear", {"x": x},
-        [TensorProto.UINT8, TensorProto.FLOAT, TensorProto.UINT8])
+        [TensorProto.UINT8, TensorProto.FLOAT, TensorProto.UINT8], OPSET)
 
     q = qarray.quantize_dynamic(x, "quint8")
     assert q.int_repr().dtype == np.uint8
