@@ -1,3 +1,7 @@
+"""qarray/ops/elementwise.py: add, sub, mul, the scalar ops and the clip family
+against exact references, each on every backend (the ``backend`` fixture:
+Numba, generic NumPy, the host-run CUDA kernels, Dask)."""
+
 import numpy as np
 import pytest
 
@@ -22,51 +26,56 @@ def ref_add(a, b, sign, s_out, z_out, dtype):
 
 @pytest.mark.parametrize("op,sign", [(add, 1), (sub, -1)])
 @pytest.mark.parametrize("dtypes", [("qint8", "qint8"), ("quint8", "qint8"), ("qint4", "quint8"), ("qint16", "qint8")])
-def test_add_sub_fixed(op, sign, dtypes, rng, kernels):
+def test_add_sub_fixed(op, sign, dtypes, rng, backend):
     da, db = (qdtype(t) for t in dtypes)
     a = q_of(rng.integers(da.qmin, da.qmax + 1, (3, 4)), 0.037, (da.qmin + da.qmax) // 2, da)
     b = q_of(rng.integers(db.qmin, db.qmax + 1, (4,)), 0.011, db.qmin + 3, db)
-    r = op(a, b, scale=0.05, zero_point=-3, dtype="qint8")
+    r = backend.run(op, a, b, scale=0.05, zero_point=-3, dtype="qint8")
     np.testing.assert_array_equal(r.int_repr(), ref_add(a, b, sign, 0.05, -3, "qint8"))
     assert r.shape == (3, 4)
+    assert backend.ran("binary_"), backend.launched
 
 
-def test_add_is_close_to_float_and_relu(rng):
+def test_add_is_close_to_float_and_relu(rng, backend):
     a = qarray.quantize(rng.standard_normal(1000).astype(np.float32), 0.02, 0, "qint8")
     b = qarray.quantize(rng.standard_normal(1000).astype(np.float32), 0.03, 128, "quint8")
-    r = add(a, b, scale=0.04, zero_point=0, dtype="qint8")
+    r = backend.run(add, a, b, scale=0.04, zero_point=0, dtype="qint8")
     exact = qarray.quantize(a.dequantize("float64") + b.dequantize("float64"), 0.04, 0, "qint8")
     assert np.abs(r.int_repr().astype(int) - exact.int_repr()).max() <= 1
-    rr = add(a, b, scale=0.04, zero_point=0, dtype="qint8", relu=True)
+    rr = backend.run(add, a, b, scale=0.04, zero_point=0, dtype="qint8", relu=True)
     np.testing.assert_array_equal(rr.int_repr(), np.maximum(r.int_repr(), 0))
 
 
-def test_add_float_mode_is_dequantize_add_quantize(rng):
+def test_add_float_mode_is_dequantize_add_quantize(rng, backend):
     a = qarray.quantize(rng.standard_normal(100).astype(np.float32), 0.02, 3, "qint8")
     b = qarray.quantize(rng.standard_normal(100).astype(np.float32), 0.03, 128, "quint8")
-    r = add(a, b, scale=0.04, zero_point=1, dtype="qint8", mode="float")
+    r = backend.run(add, a, b, scale=0.04, zero_point=1, dtype="qint8", mode="float")
     want = qarray.quantize(a.dequantize() + b.dequantize(), 0.04, 1, "qint8")
     np.testing.assert_array_equal(r.int_repr(), want.int_repr())
 
 
-def test_add_without_output_params():
+def test_add_without_output_params(backend):
     a, b = q_of([1, 2], 0.5, 1, "qint8"), q_of([[3], [4]], 0.5, -1, "qint8")
-    r = add(a, b)
+    r = backend.run(add, a, b)
     assert r.dtype is qarray.qint32 and r.shape == (2, 2)
     np.testing.assert_array_equal(r.int_repr(), [[4, 5], [5, 6]])
     with pytest.raises(ValueError, match="inputs have scales 0.5 and 0.25; pass the output scale="):
-        add(a, q_of([1], 0.25, 0, "qint8"))
+        backend.run(add, a, q_of([1], 0.25, 0, "qint8"))
 
 
 @pytest.mark.parametrize("mode", ["fixed", "float"])
-def test_mul(mode, rng, kernels):
+def test_mul(mode, rng, backend):
     a = q_of(rng.integers(0, 256, (5, 1)), 0.02, 100, "quint8")
     b = q_of(rng.integers(-128, 128, (1, 6)), 0.03, -5, "qint8")
     prod = (a.int_repr().astype(np.int64) - 100) * (b.int_repr().astype(np.int64) + 5)
-    acc = mul(a, b)
+    acc = backend.run(mul, a, b)
     np.testing.assert_array_equal(acc.int_repr(), prod)
     assert acc.scale == np.float32(0.02) * np.float32(0.03)
-    r = mul(a, b, scale=0.5, zero_point=0, dtype="qint8", mode=mode)
+    c = q_of(rng.integers(0, 256, (5, 6)), 0.02, 100, "quint8")  # b repeats along c: the CUDA kernel's case
+    want = (c.int_repr().astype(np.int64) - 100) * (b.int_repr().astype(np.int64) + 5)
+    np.testing.assert_array_equal(backend.run(mul, c, b).int_repr(), want)
+    assert backend.ran("binary_uint8_int8"), backend.launched
+    r = backend.run(mul, a, b, scale=0.5, zero_point=0, dtype="qint8", mode=mode)
     if mode == "fixed":
         want = [min(max(ref_fixed(int(p), float(np.float32(0.02)) * float(np.float32(0.03)) / float(np.float32(0.5)), "half_even"), -128), 127) for p in prod.ravel()]
     else:
@@ -74,32 +83,33 @@ def test_mul(mode, rng, kernels):
     np.testing.assert_array_equal(r.int_repr().ravel(), np.ravel(want))
 
 
-def test_scalars():
+def test_scalars(backend):
     a = q_of([-10, 0, 7], 0.1, 2, "qint8")
-    np.testing.assert_array_equal(add_scalar(a, 0.3).int_repr(), [-7, 3, 10])
-    np.testing.assert_array_equal(add_scalar(a, 0.0).int_repr(), a.int_repr())
-    m = mul_scalar(a, -2.0)
+    np.testing.assert_array_equal(backend.run(add_scalar, a, 0.3).int_repr(), [-7, 3, 10])
+    np.testing.assert_array_equal(backend.run(add_scalar, a, 0.0).int_repr(), a.int_repr())
+    m = backend.run(mul_scalar, a, -2.0)
     assert m.scale == np.float32(0.2) and int(m.zero_point) == -128 + 127 - 2
     np.testing.assert_allclose(m.dequantize(), -2 * a.dequantize(), rtol=1e-6)
-    np.testing.assert_array_equal(mul_scalar(a, 3.0, scale=0.1, zero_point=0, dtype="qint8").int_repr(), [-36, -6, 15])
+    np.testing.assert_array_equal(backend.run(mul_scalar, a, 3.0, scale=0.1, zero_point=0, dtype="qint8").int_repr(),
+                                  [-36, -6, 15])
     with pytest.raises(ValueError, match="finite and nonzero"):
-        mul_scalar(a, 0.0)
+        backend.run(mul_scalar, a, 0.0)
     with pytest.raises(ValueError, match="must be finite"):
-        add_scalar(a, np.inf)
+        backend.run(add_scalar, a, np.inf)
 
 
-def test_relu_family():
+def test_relu_family(backend):
     a = q_of([-128, -3, 2, 3, 40, 127], 0.25, 2, "qint8")
-    np.testing.assert_array_equal(relu(a).int_repr(), [2, 2, 2, 3, 40, 127])
-    np.testing.assert_array_equal(relu6(a).int_repr(), [2, 2, 2, 3, 26, 26])
-    np.testing.assert_array_equal(hardtanh(a).int_repr(), [-2, -2, 2, 3, 6, 6])
-    np.testing.assert_array_equal(clamp(a, max=0.5).int_repr(), [-128, -3, 2, 3, 4, 4])
-    r = relu(a, scale=0.5, zero_point=0, dtype="quint8")
+    np.testing.assert_array_equal(backend.run(relu, a).int_repr(), [2, 2, 2, 3, 40, 127])
+    np.testing.assert_array_equal(backend.run(relu6, a).int_repr(), [2, 2, 2, 3, 26, 26])
+    np.testing.assert_array_equal(backend.run(hardtanh, a).int_repr(), [-2, -2, 2, 3, 6, 6])
+    np.testing.assert_array_equal(backend.run(clamp, a, max=0.5).int_repr(), [-128, -3, 2, 3, 4, 4])
+    r = backend.run(relu, a, scale=0.5, zero_point=0, dtype="quint8")
     assert r.dtype is qarray.quint8 and r.int_repr().tolist() == [0, 0, 0, 0, 19, 62]
     pa = QArray.from_int(np.array([[-5, 5], [-5, 5]]), [0.5, 1.0], [0, -2], "qint8", axis=0)
-    np.testing.assert_array_equal(relu(pa).int_repr(), [[0, 5], [-2, 5]])
+    np.testing.assert_array_equal(backend.run(relu, pa).int_repr(), [[0, 5], [-2, 5]])
     with pytest.raises(ValueError, match="min 2 is greater than max 1"):
-        clamp(a, 2, 1)
+        backend.run(clamp, a, 2, 1)
 
 
 def test_errors():
@@ -122,7 +132,10 @@ def _slot_index(shape, axis, block_size):
 
 
 @pytest.mark.parametrize("axis,block_size", [(0, None), (1, None), (2, None), (-1, None), (1, 2), (2, 3), (0, 1)])
-def test_clamp_per_axis_and_blocked(axis, block_size, rng, kernels):
+def test_clamp_per_axis_and_blocked(axis, block_size, rng, backend, request):
+    if backend.name == "dask" and block_size not in (None, 1):  # _codes: dask's repeat of a NumPy array
+        request.applymarker(pytest.mark.xfail(raises=AttributeError, strict=True,
+                                              reason="clamp of a blocked QArray on Dask (library bug)"))
     shape = (3, 4, 5)
     ax = axis % 3
     pshape = (shape[ax],) if block_size is None else \
@@ -137,10 +150,11 @@ def test_clamp_per_axis_and_blocked(axis, block_size, rng, kernels):
     def bound(v):  # quantize's rule, in float32, per element
         return np.clip(np.rint(np.float32(v) / s) + z, -128, 127)
 
-    np.testing.assert_array_equal(clamp(q, -0.3, 0.5).int_repr(), np.clip(codes, bound(-0.3), bound(0.5)))
-    np.testing.assert_array_equal(relu(q).int_repr(), np.maximum(codes, z))
-    np.testing.assert_array_equal(hardtanh(q, -1.0, 0.25).int_repr(), np.clip(codes, bound(-1.0), bound(0.25)))
-    r = relu6(q)
+    np.testing.assert_array_equal(backend.run(clamp, q, -0.3, 0.5).int_repr(), np.clip(codes, bound(-0.3), bound(0.5)))
+    np.testing.assert_array_equal(backend.run(relu, q).int_repr(), np.maximum(codes, z))
+    np.testing.assert_array_equal(backend.run(hardtanh, q, -1.0, 0.25).int_repr(),
+                                  np.clip(codes, bound(-1.0), bound(0.25)))
+    r = backend.run(relu6, q)
     np.testing.assert_array_equal(r.int_repr(), np.clip(codes, z, bound(6.0)))
     assert (r.axis, r.block_size) == (q.axis, q.block_size)
 
@@ -162,7 +176,7 @@ def test_clamp_bounds_checked(call, exc, message):
         call(q_of([1, 2, 3], 0.1, 0, "qint8"))
 
 
-def test_clamp_bounds_beyond_float():
+def test_clamp_bounds_beyond_float(backend):
     a = q_of([-128, 0, 127], 0.1, 0, "qint8")
-    np.testing.assert_array_equal(clamp(a, -(10**400), 10**400).int_repr(), [-128, 0, 127])
-    np.testing.assert_array_equal(clamp(a, np.float64(1e300)).int_repr(), [127, 127, 127])
+    np.testing.assert_array_equal(backend.run(clamp, a, -(10**400), 10**400).int_repr(), [-128, 0, 127])
+    np.testing.assert_array_equal(backend.run(clamp, a, np.float64(1e300)).int_repr(), [127, 127, 127])
