@@ -69,7 +69,7 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
         if x.dtype == np.float64:
             raise TypeError("quantize: reciprocal=True is PyTorch's float32 arithmetic, and PyTorch takes no float64: "
                             "pass x.astype(numpy.float32), or divide (reciprocal=False)")
-        inv = expand(np.float32(1) / s, x.shape, axis, block_size, np)
+        inv = expand(np.float32(1) / s, x.shape, axis, block_size)
         x, s1 = x.astype(np.float32, copy=False) * b.asarray(inv), np.ones_like(s)
         return QArray._new(b.quantize(x, s1, z, d, axis, block_size), s, z, d, axis, block_size, b)
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)

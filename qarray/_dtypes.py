@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _formats
+
 __all__ = ["QDType", "qdtype", "iinfo"]
 
 
@@ -29,9 +31,7 @@ class QDType:
         self.qmax = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
         self.storage = np.dtype(storage)
         if kind == "float":  # the largest finite values; the zero point is always 0
-            from ._formats import finfo
-
-            self.qmax = finfo(name).max
+            self.qmax = _formats.finfo(name).max
             self.qmin = -self.qmax
 
     def __repr__(self) -> str:
@@ -131,8 +131,6 @@ FLOATING = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"
 def _floating(spec):
     """The floating-format QDType ``spec`` names (ml_dtypes', ONNX's or PyTorch's
     spelling), made on first use (it needs ml_dtypes); None if it names none."""
-    from . import _formats
-
     try:
         f = _formats.fmt(spec)
     except TypeError:

@@ -322,7 +322,7 @@ class Layout:
                 yield slice(r0, r1), slice(c0, c0 + width), prow
 
 
-def expand(p, shape, axis, block_size, xp):
+def expand(p, shape, axis, block_size):
     """The one broadcasting helper: a parameter array broadcastable against ``shape``.
 
     Per-tensor parameters are returned as they are; per-axis ones get size-1
@@ -335,5 +335,5 @@ def expand(p, shape, axis, block_size, xp):
         return p.reshape((1,) * axis + (-1,) + (1,) * (len(shape) - axis - 1))
     p3 = Layout(shape, axis, block_size).compact(p)
     if block_size > 1:
-        p3 = xp.repeat(p3, block_size, axis=1)[:, : shape[axis]]
+        p3 = p3.repeat(block_size, axis=1)[:, : shape[axis]]  # any array library's arrays
     return p3.reshape(shape)

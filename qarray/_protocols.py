@@ -104,8 +104,8 @@ def _real(q):
     if q.dtype.kind == "float":  # element * scale (* NVFP4's tensor scale): exact in float64 (<= 4 + 4 + 24 bits)
         return q.dequantize(np.float64)
     d = q.data.astype(xp.int64) - q._backend.param(expand(q.zero_point.astype(np.int64), q.shape, q.axis,
-                                                          q.block_size, np))
-    s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size, np))
+                                                          q.block_size))
+    s = q._backend.param(expand(q.scale.astype(np.float64), q.shape, q.axis, q.block_size))
     if q.dtype.bits <= 16 or int(to_host(abs(d).max(initial=0))) < 2**29:
         return d.astype(xp.float64) * s
     d, s = np.broadcast_arrays(to_host(d), to_host(s))

@@ -10,7 +10,8 @@ import numpy as np
 from . import backends as _backends
 from . import _protocols
 from ._dtypes import qdtype
-from ._params import check_params, normalize_axis, to_host
+from ._formats import pack6
+from ._params import check_params, check_scale, normalize_axis, to_host
 
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
@@ -76,8 +77,6 @@ class QArray:
                 raise TypeError(f"from_int: global_scale= is for floating formats (NVFP4); {d.name} is an integer format")
             if np.shape(to_host(global_scale)) != ():
                 raise ValueError(f"from_int: global_scale must be one number, got shape {np.shape(to_host(global_scale))}")
-            from ._params import check_scale
-
             global_scale = check_scale(global_scale)
         if d.kind == "float":
             return cls._from_codes(ints, b, scale, zero_point, d, axis, block_size, global_scale)
@@ -178,8 +177,6 @@ class QArray:
         if codes.dtype != d.bits_dtype:
             codes = codes.view(d.bits_dtype)
         if d.bits == 6:  # float6: four in three bytes, torchao's MXFP6 layout
-            from ._formats import pack6
-
             return pack6(codes)
         return self._backend.pack(codes, d.bits) if d.packed else codes.copy()
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from ._api import packed_layout, unpack
 from ._dtypes import qdtype
+from . import _formats
 from ._params import (KEPT_SCALES, check_params, check_scale, is_lazy, is_small_float, normalize_axis,
                       normalize_block_size, param_shape, to_host)
 from ._qarray import QArray
@@ -132,8 +133,6 @@ def scale_bits(q) -> np.ndarray:
 
 
 def scale_dtype(name) -> np.dtype:
-    from . import _formats
-
     return np.dtype(np.float16) if name == "float16" else np.dtype(getattr(_formats.ml_dtypes(), name))
 
 
@@ -288,9 +287,7 @@ def st_dtype(code: str) -> np.dtype:
     """The NumPy dtype of safetensors' dtype ``code`` (ml_dtypes' for BF16 and F8);
     ValueError for a code qarray does not read (F4 and F6, packed)."""
     if code in _ST_SMALL:
-        from ._formats import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes(), _ST_SMALL[code]))
+        return np.dtype(getattr(_formats.ml_dtypes(), _ST_SMALL[code]))
     kinds = {v: k for k, v in _ST_CODES.items()}
     if code not in kinds:
         raise ValueError(f"safetensors dtype {code} is not one qarray reads")

@@ -132,10 +132,7 @@ def _slot_index(shape, axis, block_size):
 
 
 @pytest.mark.parametrize("axis,block_size", [(0, None), (1, None), (2, None), (-1, None), (1, 2), (2, 3), (0, 1)])
-def test_clamp_per_axis_and_blocked(axis, block_size, rng, backend, request):
-    if backend.name == "dask" and block_size not in (None, 1):  # _codes: dask's repeat of a NumPy array
-        request.applymarker(pytest.mark.xfail(raises=AttributeError, strict=True,
-                                              reason="clamp of a blocked QArray on Dask (library bug)"))
+def test_clamp_per_axis_and_blocked(axis, block_size, rng, backend):
     shape = (3, 4, 5)
     ax = axis % 3
     pshape = (shape[ax],) if block_size is None else \

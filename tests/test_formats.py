@@ -318,7 +318,7 @@ def test_kernel_rounding_on_every_boundary(kernels, rng, f, saturate):
     s = rng.uniform(0.25, 4, 60).astype(np.float32)
     for axis, block, sp in ((0, None, s), (1, 7, rng.uniform(0.25, 4, (60, -(-x2.shape[1] // 7))).astype(np.float32))):
         got = b.quantize_float(x2, sp, qarray.qdtype(f), axis, block, saturate)
-        np.testing.assert_array_equal(got.view(np.uint8), F.quantize(x2, expand(sp, x2.shape, axis, block, np), f,
+        np.testing.assert_array_equal(got.view(np.uint8), F.quantize(x2, expand(sp, x2.shape, axis, block), f,
                                                                     saturate).view(np.uint8))
     if not F.fmt(f).has_nan:
         with pytest.raises(ValueError, match=f"cannot quantize NaN to {f}, which holds no NaN"):

@@ -16,7 +16,7 @@ def ref_acc(a, b):
     from qarray._params import expand
 
     A = a.int_repr().astype(np.int64) - np.int64(a.zero_point)
-    zb = expand(b.zero_point.astype(np.int64), b.shape, b.axis, None, np)
+    zb = expand(b.zero_point.astype(np.int64), b.shape, b.axis, None)
     return A @ (b.int_repr().astype(np.int64) - zb)
 
 

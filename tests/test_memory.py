@@ -50,7 +50,7 @@ def test_layout_pieces_and_chunks_find_every_parameter(shape, axis, block_size, 
     parameter that ``expand`` (the broadcasting helper) gives it."""
     params = np.arange(int(np.prod(param_shape(shape, axis, block_size), dtype=np.int64))).reshape(
         param_shape(shape, axis, block_size))
-    want = np.broadcast_to(expand(params, shape, axis, block_size, np), shape).reshape(-1)
+    want = np.broadcast_to(expand(params, shape, axis, block_size), shape).reshape(-1)
     got = np.full(want.size, -1)
     covered = 0
     for sl, lay in Layout(shape, axis, block_size).pieces(cols):

@@ -174,10 +174,10 @@ def test_per_axis(case, mode, rng, kernels):
     r = qarray.requantize(q, dtype="qint8", mode=mode, rounding="half_even", **out)
     # reference: every element on its own, per-tensor in and out
     from qarray._params import expand
-    si = np.broadcast_to(expand(q.scale, q.shape, q.axis, q.block_size, np), q.shape)
-    zi = np.broadcast_to(expand(q.zero_point, q.shape, q.axis, q.block_size, np), q.shape)
-    so = np.broadcast_to(expand(r.scale, r.shape, r.axis, r.block_size, np), r.shape)
-    zo = np.broadcast_to(expand(r.zero_point, r.shape, r.axis, r.block_size, np), r.shape)
+    si = np.broadcast_to(expand(q.scale, q.shape, q.axis, q.block_size), q.shape)
+    zi = np.broadcast_to(expand(q.zero_point, q.shape, q.axis, q.block_size), q.shape)
+    so = np.broadcast_to(expand(r.scale, r.shape, r.axis, r.block_size), r.shape)
+    zo = np.broadcast_to(expand(r.zero_point, r.shape, r.axis, r.block_size), r.shape)
     if mode == "fixed":
         want = [min(max(ref_fixed(int(v) - int(a), float(b) / float(c), "half_even") + int(z), -128), 127)
                 for v, a, b, c, z in zip(q.int_repr().ravel(), zi.ravel(), si.ravel(), so.ravel(), zo.ravel())]

@@ -15,8 +15,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _formats
+from .._dtypes import qdtype
 from .._fixed_point import FLOAT, IDENTITY, rescale
-from .._params import Layout, to_host
+from .._params import Layout, expand, to_host
 
 
 class FloatWeight(NamedTuple):
@@ -228,10 +230,7 @@ class Backend:
         NaN is allowed, its code left for the caller to overwrite). The reference
         runs on the host; a backend with kernels overrides it (CuPy: the bit
         patterns as uint8)."""
-        from .. import _formats
-        from .._params import expand
-
-        xh, s = to_host(x), expand(scale, x.shape, axis, block_size, np)
+        xh, s = to_host(x), expand(scale, x.shape, axis, block_size)
         if not mx and not multiply:
             codes = _formats.quantize(xh, s, qd, saturate)
         else:
@@ -247,9 +246,6 @@ class Backend:
         E8M0 scale bits (uint8, host). The reference: block max (``minmax``), the
         exponent (``qarray._formats.mx_exponents``), then ``x / 2**e`` (exact)
         rounded by :meth:`quantize_float` with MX's signed zeros."""
-        from .. import _formats
-        from .._dtypes import qdtype
-
         bits = _formats.mx_exponents(self.block_amax(x, axis, block_size), mx, rounding)
         scale = bits.view(_formats.dtype("float8_e8m0fnu")).astype(np.float32)  # 2**e, NaN for NaN blocks
         codes = self.quantize_float(x, scale, qdtype(mx.element), axis, block_size, True, mx=True)
@@ -262,9 +258,6 @@ class Backend:
         scale (``gs``, or where it is None :meth:`nvfp4_global_scale`). A block
         with inf but no NaN is torchao's ``nvfp4_quantize``: its scale clamps to
         448 (0x7e), inf saturates to +-6, its finite elements scale as any."""
-        from .. import _formats
-        from .._dtypes import qdtype
-
         amax = self.block_amax(x, axis, block_size)
         nan = np.isnan(amax)  # inf: clamped to 448 below, as torchao's clamp(scale, E4M3_EPS, F8E4M3_MAX)
         gs = self.nvfp4_global_scale(x, amax) if gs is None else gs
@@ -299,21 +292,16 @@ class Backend:
     def _zero_blocks(self, codes, nan, axis, block_size):
         """``codes`` with 0 in the blocks where ``nan`` (host, the parameters' shape)."""
         if nan.any():
-            from .._params import expand
-
-            codes[self.asarray(expand(nan, codes.shape, axis, block_size, np))] = 0
+                codes[self.asarray(expand(nan, codes.shape, axis, block_size))] = 0
         return codes
 
     def dequantize_float(self, q, scale, qd, axis, block_size, dtype):
         """``element * scale`` of floating-format codes in float32 (float64 when
         ``dtype`` is float64), as ``dtype``."""
-        from .. import _formats
-        from .._params import expand
-
         wide = np.float64 if dtype == np.float64 else np.float32
         codes = to_host(q).view(qd.storage)
         with np.errstate(over="ignore"):
-            v = _formats.dequantize(codes, expand(scale, q.shape, axis, block_size, np), qd, wide)
+            v = _formats.dequantize(codes, expand(scale, q.shape, axis, block_size), qd, wide)
         return self.asarray(v.astype(dtype, copy=False))
 
     def float_storage(self, qd):

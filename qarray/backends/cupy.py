@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _formats
+from .._dtypes import qdtype
 from .._fixed_point import identity
 from .._params import Layout, array_key, param_shape, to_host
 from ._base import Backend, nan_error
@@ -276,8 +277,6 @@ class CupyBackend(Backend):
             return out
 
     def quantize_mx(self, x, mx, axis, block_size, rounding):
-        from .._dtypes import qdtype
-
         if _name(x.dtype) not in ("float32", "float64"):
             return super().quantize_mx(x, mx, axis, block_size, rounding)
         qd, ft = qdtype(mx.element), x.dtype.type

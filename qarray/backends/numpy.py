@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _formats
 from .._config import config
 from .._fixed_point import identity
 from .._params import Layout
@@ -111,8 +112,6 @@ class NumpyBackend(Backend):
         k = self._fast(x)
         if k is None or x.dtype == np.float64 or qd.name == "mxint8":
             return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
-        from .. import _formats
-
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         out = self.empty(x.shape, np.uint8)

@@ -93,7 +93,7 @@ class _Operand:
             v = table.take(data.view(np.uint8))
             self.unit = int(np.frexp(_formats.finfo(f).smallest_subnormal)[1]) - 1  # every element's multiple
         else:
-            v = data.astype(np.float64) - expand(to_host(q.zero_point), q.shape, q.axis, q.block_size, np)
+            v = data.astype(np.float64) - expand(to_host(q.zero_point), q.shape, q.axis, q.block_size)
             self.unit = 0
         _scale_in_place(v, s, q.axis, q.block_size)
         amax = _amax(v, kaxis)  # NaN or inf where a row holds them
@@ -112,10 +112,10 @@ class _Operand:
         if q.axis == kaxis:  # the scale varies along K: groups of block_size (per-axis: 1) elements
             starts = np.arange(0, q.shape[kaxis], q.block_size or 1)
             nonzero = np.logical_or.reduceat(self.fv != 0, starts, axis=kaxis) if skip_empty else True
-            s = s if q.block_size else expand(s, q.shape, q.axis, None, np)
+            s = s if q.block_size else expand(s, q.shape, q.axis, None)
         else:
             nonzero = True
-            s = expand(s, q.shape, q.axis, q.block_size, np)
+            s = expand(s, q.shape, q.axis, q.block_size)
             s = s.take([0], axis=kaxis) if np.ndim(s) == q.ndim else s
         low = np.where(nonzero, _v2(s), _NONE)
         low = self.unit + low.reshape(low.shape if low.ndim == q.ndim else (1,) * q.ndim).min(
@@ -129,7 +129,7 @@ def _scale_in_place(v, s, axis, block_size):
         lay = Layout(v.shape, axis, block_size)
         v.reshape(lay.outer, lay.blocks, block_size, lay.inner).__imul__(s.reshape(lay.pouter, lay.blocks, 1, lay.pinner))
     else:
-        v *= expand(s, v.shape, axis, block_size, np)
+        v *= expand(s, v.shape, axis, block_size)
 
 
 def _amax(v, axis):

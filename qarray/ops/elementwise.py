@@ -295,10 +295,10 @@ def prelu(q: QArray, alpha, *, axis=1, scale=None, zero_point=None, dtype=None, 
     codes = q.data
     if flip.any():
         wide = xp.int32 if q.dtype.bits <= 16 else xp.int64
-        sign = expand(b.param(np.where(flip, -1, 1).astype(wide)), q.shape, a_axis, None, xp)
+        sign = expand(b.param(np.where(flip, -1, 1).astype(wide)), q.shape, a_axis, None)
         codes = q.data.astype(wide) * sign
     neg = b.requantize(codes, rq)
-    z = expand(b.param(z_in.astype(q.dtype.storage)), q.shape, q.axis, None, xp)
+    z = expand(b.param(z_in.astype(q.dtype.storage)), q.shape, q.axis, None)
     data = xp.where(q.data >= z, pos, neg)
     return QArray._new(data, np.asarray(s_out, np.float32), np.asarray(z_out, np.int32), d, None, None, b)
 
@@ -330,7 +330,7 @@ def _codes(q: QArray, t, default):
     c = quantize(np.full(s.shape, t, np.float32), s, q.zero_point, q.dtype, axis=axis, block_size=block).data
     if q.axis is None:  # a host scalar: a kernel argument
         return c[()]
-    return expand(q._backend.param(c), q.shape, q.axis, q.block_size, q._backend.xp)
+    return expand(q._backend.param(c), q.shape, q.axis, q.block_size)
 
 
 def _clamp(op, q, lo, hi, names=("min", "max"), *, scale=None, zero_point=None, dtype=None, mode=None,
