@@ -248,3 +248,20 @@ def test_cat_through_the_host_backend(host, on_host, axis, rng):
     assert_same(on_host(lambda: qarray.cat(hs, axis, **kw)).int_repr(), qarray.cat(qs, axis, **kw).int_repr())
     rows = any(name.startswith("requantize_rows_") for name, *_ in host.launches)
     assert rows == (axis % 3 > 0), host.launches
+
+
+@pytest.mark.parametrize("fn", ["quantize", "dequantize", "requantize", "relu", "add", "clamp"])
+def test_zero_d_keeps_its_shape(fn, on_host):
+    """CuPy's ascontiguousarray makes a 0-d array 1-d, as NumPy's does: quantize
+    gave shape (1,) for a 0-d input, and relu/clamp, whose bounds are quantized
+    0-d arrays, fell back to the generic code."""
+    x = np.array(0.37, np.float32)
+    q = QArray.from_int(np.array(5, np.int8), 0.1, 1, "qint8")
+    ops = {"quantize": lambda: qarray.quantize(x, 0.1, 0, "qint8"),
+           "dequantize": lambda: q.dequantize(),
+           "requantize": lambda: qarray.requantize(q, 0.2, 0, "qint8"),
+           "relu": lambda: qarray.relu(q),
+           "add": lambda: qarray.add(q, q, scale=0.2, zero_point=0, dtype="qint8"),
+           "clamp": lambda: qarray.clamp(q, -0.2, 0.3)}
+    r = on_host(ops[fn])
+    assert np.shape(r.data if isinstance(r, QArray) else r) == ()

@@ -104,6 +104,7 @@ def test_relu_family(backend):
     np.testing.assert_array_equal(backend.run(relu6, a).int_repr(), [2, 2, 2, 3, 26, 26])
     np.testing.assert_array_equal(backend.run(hardtanh, a).int_repr(), [-2, -2, 2, 3, 6, 6])
     np.testing.assert_array_equal(backend.run(clamp, a, max=0.5).int_repr(), [-128, -3, 2, 3, 4, 4])
+    assert backend.ran("clip_int8"), backend.launched  # per-tensor bounds: the clip kernel
     r = backend.run(relu, a, scale=0.5, zero_point=0, dtype="quint8")
     assert r.dtype is qarray.quint8 and r.int_repr().tolist() == [0, 0, 0, 0, 19, 62]
     pa = QArray.from_int(np.array([[-5, 5], [-5, 5]]), [0.5, 1.0], [0, -2], "qint8", axis=0)

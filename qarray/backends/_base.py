@@ -42,6 +42,12 @@ def nan_error(x) -> ValueError:
     )
 
 
+def contiguous(a):
+    """C-contiguous ``a``, 0-d kept 0-d (NumPy's and CuPy's ``ascontiguousarray``
+    make it 1-d)."""
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
 class Backend:
     """Quantization primitives over an array namespace ``xp``.
 

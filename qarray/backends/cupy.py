@@ -28,7 +28,7 @@ from .. import _formats
 from .._dtypes import qdtype
 from .._fixed_point import identity
 from .._params import Layout, array_key, param_shape, to_host
-from ._base import Backend, nan_error
+from ._base import Backend, contiguous, nan_error
 from ._cuda import (BINARY_OPS, BLOCK, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I,
                     CUDA_R_32I, FLOATS, GEMV_COLS, GEMV_ROWS, KPAD, MXINT8_FORMAT, NVRTC_OPTIONS, OUT_KINDS, STORAGE,
                     _name, _period, _rows, format_args, kernel_name, kernel_source, launch_config, plan, requant_args)
@@ -219,7 +219,7 @@ class CupyBackend(Backend):
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         xp = self.xp
         with self.on(x):
-            x = xp.ascontiguousarray(x)
+            x = contiguous(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
             ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
@@ -234,7 +234,7 @@ class CupyBackend(Backend):
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp
         with self.on(q):
-            q = xp.ascontiguousarray(q)
+            q = contiguous(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
             s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
             total, layout, (s, z) = plan(self, q.shape, axis, block_size, s, z)
@@ -249,7 +249,7 @@ class CupyBackend(Backend):
         with self.on(x):
             if _name(x.dtype) not in FLOATS or mx or multiply or qd.name == "mxint8":  # only the generic MX / NVFP4 path: the host
                 return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
-            x = xp.ascontiguousarray(x)
+            x = contiguous(x)
             ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is divided in float32, as on the CPU
             s = np.asarray(scale).astype(np.float32).astype(ft)  # float16 and bfloat16 scales widen exactly
             total, layout, (s,) = plan(self, x.shape, axis, block_size, s)
@@ -267,7 +267,7 @@ class CupyBackend(Backend):
         with self.on(q):
             if _name(dtype) not in FLOATS or q.dtype != np.uint8:
                 return super().dequantize_float(q, scale, qd, axis, block_size, dtype)
-            q = xp.ascontiguousarray(q)
+            q = contiguous(q)
             ft = np.float64 if dtype == np.float64 else np.float32  # float16: a float32 result, rounded once more
             total, layout, (s,) = plan(self, q.shape, axis, block_size, np.asarray(scale).astype(ft))
             out = xp.empty(q.shape, dtype)
@@ -299,7 +299,7 @@ class CupyBackend(Backend):
         bits as uint8 on the host in the parameters' shape."""
         xp = self.xp
         with self.on(x):
-            x = xp.ascontiguousarray(x)
+            x = contiguous(x)
             lay = Layout(x.shape, axis, block_size)
             cols = lay.outer * lay.blocks * lay.inner
             codes, bits = xp.empty(x.shape, np.uint8), xp.empty(cols, np.uint8)
@@ -311,7 +311,7 @@ class CupyBackend(Backend):
     def requantize(self, q, rq, out=None):
         xp = self.xp
         with self.on(q):
-            q = xp.ascontiguousarray(q)
+            q = contiguous(q)
             if _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
                 return super().requantize(q, rq, out)
             total, args = requant_args(self, q.shape, rq)
@@ -333,7 +333,7 @@ class CupyBackend(Backend):
         with self.on(q):
             if np.ndim(lo) or np.ndim(hi) or _name(q.dtype) not in STORAGE:
                 return super().clip(q, lo, hi)
-            q = self.xp.ascontiguousarray(q)
+            q = contiguous(q)
             out = self.xp.empty_like(q)
             if q.size:
                 self._elementwise(kernel_name("clip", q.dtype), q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
@@ -389,7 +389,7 @@ class CupyBackend(Backend):
             if q.dtype.itemsize > 2 or table.shape != ((n_table,) if axis is None else (rows, n_table)) \
                     or table.dtype.itemsize not in (1, 2, 4, 8):
                 return super().lut(q, table, axis)
-            q = xp.ascontiguousarray(q)
+            q = contiguous(q)
             out = xp.empty(q.shape, table.dtype)
             if q.size:  # the table bits are copied: index and values as unsigned of their widths
                 u, v = (np.dtype(f"u{a.dtype.itemsize}") for a in (q, table))

@@ -15,7 +15,7 @@ from .._config import config
 from .._fixed_point import identity
 from .._params import Layout
 from . import _gemm
-from ._base import Backend, nan_error
+from ._base import Backend, contiguous, nan_error
 
 # Below this many elements the generic NumPy code runs: it costs a few dozen
 # microseconds there, and the first small call never imports Numba (whose
@@ -57,10 +57,6 @@ def _aligned_empty(shape, dtype):
     return raw[start:start + size].view(dtype).reshape(shape)
 
 
-def _contiguous(a):
-    """C-contiguous ``a`` (``np.ascontiguousarray`` would make 0-d arrays 1-d)."""
-    return a if a.flags.c_contiguous else a.copy(order="C")
-
 
 class NumpyBackend(Backend):
     name = "numpy"
@@ -84,7 +80,7 @@ class NumpyBackend(Backend):
         piece of the layout (``Layout.pieces``: shapes that keep the kernels'
         inner loops fast), its rows split among threads; returns every part's result."""
         k = _numba_kernels()
-        af, of = _contiguous(a).reshape(-1), out.reshape(-1)
+        af, of = contiguous(a).reshape(-1), out.reshape(-1)
         results = []
         for sl, lay in Layout(a.shape, axis, block_size).pieces(_COLS):
             ps = [np.ascontiguousarray(lay.compact(p)) for p in params]
@@ -137,7 +133,7 @@ class NumpyBackend(Backend):
             return super().minmax(x, axis, block_size)
         lay = Layout(x.shape, axis, block_size)
         lo, hi = (np.empty((lay.outer, lay.blocks, lay.inner), x.dtype) for _ in range(2))
-        k.parallel(k.block_minmax, lay.outer * lay.blocks, _contiguous(x).reshape(lay.dims), block_size, lo, hi)
+        k.parallel(k.block_minmax, lay.outer * lay.blocks, contiguous(x).reshape(lay.dims), block_size, lo, hi)
         want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1:]
         return lo.reshape(want), hi.reshape(want)
 
@@ -145,7 +141,7 @@ class NumpyBackend(Backend):
         k = self._fast(q)
         if k is None or axis is not None:
             return super().lut(q, table, axis)
-        u = _contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
+        u = contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
         out = self.empty(q.shape, table.dtype)
         k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1))
         return out
@@ -194,7 +190,7 @@ class NumpyBackend(Backend):
         out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
-        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, _contiguous(raw), rows, *cols, np.int64(rq.lo),
+        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, contiguous(raw), rows, *cols, np.int64(rq.lo),
                    np.int64(rq.hi), out)
         return out
 
@@ -215,7 +211,7 @@ class NumpyBackend(Backend):
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         out = self.empty((n * oh * ow, c * kh * kw), xpad.dtype)
-        k.parallel(k.im2col, n * oh, _contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
+        k.parallel(k.im2col, n * oh, contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
@@ -232,7 +228,7 @@ class NumpyBackend(Backend):
         rq = identity(0) if rq is None else rq
         out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
-        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), _contiguous(wc), groups,
+        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), contiguous(wc), groups,
                    sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
@@ -240,7 +236,7 @@ class NumpyBackend(Backend):
         k = self._fast(x)
         if k is None or x.size == 0:
             return super().softmax(x, table, s_in, s_out, z_out, lo, hi, log, out_dtype)
-        x = _contiguous(x)
+        x = contiguous(x)
         logs = np.zeros(x.shape[0])
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
