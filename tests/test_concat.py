@@ -40,23 +40,26 @@ def test_blocked_params_concatenate():
 
 
 @pytest.mark.parametrize("mode", ["fixed", "float"])
-def test_mixed_params_requantize_integer_only(mode, kernels):
+def test_mixed_params_requantize_integer_only(mode, backend):
     a = q_of([100, -100, 7], 0.1, 0, "qint8")
     b = q_of([255, 0, 128], 0.05, 128, "quint8")
-    r = cat([a, b], scale=0.1, zero_point=0, dtype="qint8", mode=mode)
+    r = backend.run(lambda *qs: cat(qs, scale=0.1, zero_point=0, dtype="qint8", mode=mode), a, b)
     want = np.concatenate([a.int_repr(), qarray.requantize(b, 0.1, 0, "qint8", mode=mode).int_repr()])
     np.testing.assert_array_equal(r.int_repr(), want)
     np.testing.assert_array_equal(r.int_repr(), [100, -100, 7, 64, -64, 0])
+    assert backend.ran("requantize_uint8_int8"), backend.launched  # b into its slice, a copied as it is
 
 
-def test_mixed_params_along_a_later_axis(kernels, rng):
+def test_mixed_params_along_a_later_axis(backend, rng):
     """Each input is requantized into a strided slice of the output (the Numba
-    kernel writes a contiguous result, copied in)."""
+    kernel writes a contiguous result, copied in; the CUDA backend's
+    requantize_rows kernel writes the slice in place)."""
     a = qarray.quantize(rng.standard_normal((3, 2, 5)).astype(np.float32), 0.02, 3, "qint8")
     b = qarray.quantize(rng.standard_normal((3, 4, 5)).astype(np.float32), 0.05, 128, "quint8")
-    r = cat([a, b], axis=1, scale=0.03, zero_point=-2, dtype="qint8")
+    r = backend.run(lambda *qs: cat(qs, axis=1, scale=0.03, zero_point=-2, dtype="qint8"), a, b)
     want = np.concatenate([qarray.requantize(q, 0.03, -2, "qint8").int_repr() for q in (a, b)], axis=1)
     np.testing.assert_array_equal(r.int_repr(), want)
+    assert backend.ran("requantize_rows_int8_int8") and backend.ran("requantize_rows_uint8_int8"), backend.launched
 
 
 def test_no_silent_clamp():
@@ -70,13 +73,18 @@ def test_no_silent_clamp():
         cat([a, q_of([1], 0.01, 0, "quint8")])
 
 
-def test_stack():
+def test_stack(backend):
     a, b = q_of([1, 2], 0.1, 0, "qint8"), q_of([3, 4], 0.1, 0, "qint8")
-    r = stack([a, b], axis=1)
+    r = backend.run(lambda *qs: stack(qs, axis=1), a, b)
     np.testing.assert_array_equal(r.int_repr(), [[1, 3], [2, 4]])
     pa = q_of([[1, 2], [3, 4]], [0.1, 0.2], 0, "qint8", axis=1)
-    r = stack([pa, pa])
+    r = backend.run(lambda *qs: stack(qs), pa, pa)
     assert r.axis == 2 and r.shape == (2, 2, 2)
+    np.testing.assert_array_equal(r.int_repr(), [[[1, 2], [3, 4]]] * 2)
+    c = q_of([5, -6], 0.2, 1, "qint8")  # mixed parameters: each requantized, then joined
+    r = backend.run(lambda *qs: stack(qs, axis=1, scale=0.1, zero_point=0, dtype="qint8"), a, c)
+    np.testing.assert_array_equal(r.int_repr(), [[1, 8], [2, -14]])  # (5 - 1) * 2, (-6 - 1) * 2
+    assert backend.ran("requantize_rows_int8_int8"), backend.launched
     with pytest.raises(ValueError, match="must have one shape"):
         stack([a, q_of([1], 0.1, 0, "qint8")])
 

@@ -78,26 +78,39 @@ def acc_scale(x, w):
     return np.float32(x.scale) * np.asarray(w.scale, np.float32)
 
 
+def ran_conv_kernels(backend, groups, since=0):
+    """On the host-run CUDA backend: the launches from ``since`` on include
+    conv2d's own kernels, im2col into the GEMM (cuBLAS, then our epilogue: every
+    CONFIGS entry of groups 1 has over 16 rows) or the direct grouped kernel,
+    never the generic fallback. True on the other backends."""
+    new = backend.launched[since:]
+    want = ("im2col_", "gemm_epilogue_") if groups == 1 else ("conv_grouped_",)
+    return backend.name != "cuda_host" or all(any(n.startswith(p) for n in new) for p in want)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
 @pytest.mark.parametrize("pair", PAIRS, ids="-".join)
-def test_accumulator_is_exact(pair, cfg, kernels):
+def test_accumulator_is_exact(pair, cfg, backend):
     rng = np.random.default_rng(100 * PAIRS.index(pair) + CONFIGS.index(cfg))
     x, w, kw = make_operands(rng, pair, cfg)
-    out = conv2d(x, w, **kw)
+    out = backend.run(conv2d, x, w, **kw)
+    assert ran_conv_kernels(backend, kw["groups"]), backend.launched
     ref = reference_acc(x, w, **kw)
     assert out.dtype is qint32 and out.data.dtype == np.int32
     np.testing.assert_array_equal(out.int_repr(), ref)
     np.testing.assert_array_equal(out.scale, acc_scale(x, w))
     assert not np.any(out.zero_point)
     assert out.axis == (1 if w.axis is not None else None)
-    relu = conv2d(x, w, **kw, relu=True)
+    since = len(backend.launched)
+    relu = backend.run(conv2d, x, w, **kw, relu=True)
     np.testing.assert_array_equal(relu.int_repr(), np.maximum(ref, 0))
+    assert ran_conv_kernels(backend, kw["groups"], since), backend.launched[since:]
 
 
 @pytest.mark.parametrize("mode", ["fixed", "float"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
 @pytest.mark.parametrize("pair", PAIRS, ids="-".join)
-def test_requantized_equals_requantizing_the_accumulator(pair, cfg, mode, kernels):
+def test_requantized_equals_requantizing_the_accumulator(pair, cfg, mode, backend):
     rng = np.random.default_rng(10_000 + 100 * PAIRS.index(pair) + CONFIGS.index(cfg))
     x, w, kw = make_operands(rng, pair, cfg, exact_scales=mode == "fixed")
     o = w.shape[0]
@@ -117,7 +130,10 @@ def test_requantized_equals_requantizing_the_accumulator(pair, cfg, mode, kernel
         real = total * np.reshape(s_acc, (1, -1, 1, 1) if per_channel else ())
         s_out = np.float32(max(np.ptp(real), 1e-3) / (out_d.qmax - out_d.qmin) * 0.8)
         z_out = int(rng.integers(out_d.qmin, out_d.qmax + 1))
-        out = conv2d(x, w, bias, **kw, scale=s_out, zero_point=z_out, dtype=out_d, relu=relu, mode=mode)
+        since = len(backend.launched)
+        out = backend.run(conv2d, x, w, bias, **kw, scale=s_out, zero_point=z_out, dtype=out_d, relu=relu, mode=mode)
+        # requantized in the kernels' epilogue, every bias kind
+        assert ran_conv_kernels(backend, kw["groups"], since), backend.launched[since:]
         acc_q = QArray.from_int(total, s_acc, 0, qint32, axis=1 if per_channel else None)
         want = acc_q.requantize(s_out, z_out, out_d, mode=mode).int_repr()
         if relu:

@@ -42,10 +42,11 @@ CASES = [("qint8", 0.05, 3), ("quint8", 0.04, 128), ("qint4", 0.5, -1), ("quint4
 
 @pytest.mark.parametrize("name", sorted(REFS))
 @pytest.mark.parametrize("din,s_in,z_in", CASES)
-def test_activation_exhaustive(kernels, name, din, s_in, z_in):
+def test_activation_exhaustive(backend, name, din, s_in, z_in):
     q = all_codes(din, s_in, z_in)
     s_out, z_out, dout = 0.03, -5, "qint8"
-    got = getattr(L, name)(q, scale=s_out, zero_point=z_out, dtype=dout)
+    got = backend.run(getattr(L, name), q, scale=s_out, zero_point=z_out, dtype=dout)
+    assert backend.ran("lut_uint8_uint8"), backend.launched
     assert got.dtype is qarray.qint8 and got.qscheme == "per_tensor_affine"
     assert float(got.scale) == np.float32(s_out) and int(got.zero_point) == z_out
     want = reference(q.int_repr(), s_in, z_in, REFS[name], s_out, z_out, dout)
@@ -86,22 +87,24 @@ def test_elu_alpha_and_leaky_slope():
 
 
 @pytest.mark.parametrize("din", ["qint16", "quint16"])
-def test_16_bit_input(kernels, din, rng):
+def test_16_bit_input(backend, din, rng):
     d = qarray.qdtype(din)
     codes = rng.integers(d.qmin, d.qmax + 1, size=(7, 300))
     z_in = 100 if d.signed else 30000
     q = QArray.from_int(codes, 0.001, z_in, d)
-    got = L.tanh(q, scale=1 / 32768, dtype="qint16")
+    got = backend.run(L.tanh, q, scale=1 / 32768, dtype="qint16")
+    assert backend.ran("lut_uint16_uint16"), backend.launched
     want = reference(codes, 0.001, z_in, math.tanh, 1 / 32768, 0, "qint16")
     np.testing.assert_array_equal(got.int_repr().astype(np.int64), want)
     assert got.int_repr().dtype == np.int16
 
 
-def test_per_axis_input_one_table_per_channel(kernels, rng):
+def test_per_axis_input_one_table_per_channel(backend, rng):
     scales, zps = np.array([0.1, 0.02, 0.5], np.float32), np.array([0, -3, 4])
     codes = rng.integers(-128, 128, size=(2, 3, 5))
     q = QArray.from_int(codes, scales, zps, "qint8", axis=1)
-    got = L.silu(q, scale=0.05, zero_point=1, dtype="qint8")
+    got = backend.run(L.silu, q, scale=0.05, zero_point=1, dtype="qint8")
+    assert backend.ran("lut_uint8_uint8"), backend.launched  # one table per channel: (C, 256)
     assert got.qscheme == "per_tensor_affine"
     for c in range(3):
         want = reference(codes[:, c], scales[c], zps[c], REFS["silu"], 0.05, 1, "qint8")

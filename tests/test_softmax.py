@@ -5,7 +5,9 @@ The reference uses only ``math`` and Python ints and floats: ``T[j] =
 round(2**30 * math.exp(s * -j))``, the row sum as a Python int, and the final
 step as the same IEEE double operations written with Python floats
 (``float(T) / (float(S) * s_out)``; ``(j * -s - math.log(float(S) / 2**30)) / s_out``).
-It calls no qarray arithmetic. Every test runs on both CPU paths (``kernels``).
+It calls no qarray arithmetic. Every test runs on both CPU paths (``kernels``); the
+main ones on every backend (``backend``: the CUDA backend has no softmax kernel, its
+arrays take the generic code).
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def reference(q, axis, s_out, z_out, dtype_out, log):
     return np.moveaxis(r.reshape(codes.shape), -1, axis)
 
 
-def check(q, axis=-1, log=False, **out):
+def check(q, axis=-1, log=False, backend=None, **out):
     op = qarray.log_softmax if log else qarray.softmax
-    got = op(q, axis, **out)
+    got = op(q, axis, **out) if backend is None else backend.run(op, q, axis, **out)
     if out:
         d = qdtype(out.get("dtype", q.dtype))
         s, z = out["scale"], out.get("zero_point", 0)
@@ -84,7 +86,7 @@ DTYPES = [("quint8", 0.05, 128), ("qint8", 0.1, 3), ("qint16", 0.001, 0), ("qint
 
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("din,s_in,z_in", DTYPES)
-def test_defaults_and_extremes(kernels, rng, din, s_in, z_in, log):
+def test_defaults_and_extremes(backend, rng, din, s_in, z_in, log):
     d = qdtype(din)
     rows = [
         [d.qmin, d.qmax] + [d.qmin] * 5 + [d.qmax] * 3,  # both ends
@@ -94,17 +96,17 @@ def test_defaults_and_extremes(kernels, rng, din, s_in, z_in, log):
         [d.qmin + 1] * 9 + [d.qmax],  # one winner: saturates the top code
     ]
     q = QArray.from_int(np.array(rows), s_in, z_in, d)
-    check(q, log=log)
+    check(q, log=log, backend=backend)
     check(QArray.from_int(np.array([[d.qmin], [d.qmax], [0 if d.qmin < 0 else d.qmin]]), s_in, z_in, d),
-          log=log)  # single-element rows: softmax 1, log_softmax 0
+          log=log, backend=backend)  # single-element rows: softmax 1, log_softmax 0
 
 
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("axis", [0, 1, 2, -1, -3])
-def test_every_axis_of_3d(kernels, rng, axis, log):
+def test_every_axis_of_3d(backend, rng, axis, log):
     q = random_q(rng, (3, 4, 5), "qint8", 0.07, -3)
-    check(q, axis, log)
-    check(q, axis, log, scale=0.003, zero_point=-100, dtype="qint8")
+    check(q, axis, log, backend)
+    check(q, axis, log, backend, scale=0.003, zero_point=-100, dtype="qint8")
 
 
 @pytest.mark.parametrize("log", [False, True])
