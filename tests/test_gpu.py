@@ -151,6 +151,7 @@ def test_float32_subnormals_are_kept(rng):
                                "float6_e3m2fn", "float4_e2m1fn"])
 @pytest.mark.parametrize("saturate", [True, False])
 def test_floating_formats(f, saturate, rng):
+    pytest.importorskip("ml_dtypes")  # the CPU reference
     """cuda/formats.cu (sm_89 and later: the hardware e4m3fn / e5m2 conversion
     with saturation) against NumPy: every float32 and float64 boundary of the
     format, every float16, per tensor and blocked; dequantize of every code."""
@@ -179,6 +180,7 @@ def test_mx_and_nvfp4(fmt, rng):
     """cuda/formats.cu's block kernels against NumPy: torchao's vectors (NaN, inf,
     zero, subnormal, tie blocks) and float64 data, every scale rounding, blocks along
     the last axis and down the first (strided, a short last block); NVFP4 too."""
+    pytest.importorskip("ml_dtypes")  # the CPU reference
     X = mx_vectors()["x"]
     bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
     x64 = rng.standard_normal((40, 70)) * np.exp(rng.uniform(-300, 300, (40, 1)))
