@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,23 @@ def test_second_process_loads_every_kernel_and_writes_nothing(tmp_path):
     assert saved2 == set()  # nothing compiled again ...
     assert loaded2 == saved  # ... every kernel from the cache ...
     assert files2 == files  # ... and no new file
+
+
+def test_small_calls_take_the_kernels_once_a_process_keeps_calling():
+    """A one-off small call runs NumPy code and never imports Numba (half a
+    second); from the _WARM-th small call on, small calls run the kernels."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import qarray
+        from qarray.backends import numpy as nb
+        x = np.ones(8, np.float32)
+        qarray.quantize(x, 0.1, 0, "qint8")
+        print("numba" in sys.modules, end=" ")
+        for _ in range(nb._WARM):
+            qarray.quantize(x, 0.1, 0, "qint8")
+        print("numba" in sys.modules, nb._kernels is not False)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", "True"]

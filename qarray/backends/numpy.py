@@ -8,6 +8,9 @@ the same integers and the same float bits.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from .. import _formats
@@ -17,10 +20,14 @@ from .._params import Layout
 from . import _gemm
 from ._base import Backend, contiguous, nan_error
 
-# Below this many elements the generic NumPy code runs: it costs a few dozen
-# microseconds there, and the first small call never imports Numba (whose
-# start-up is about half a second even with a warm cache).
+# Below this many elements the generic NumPy code runs until Numba's kernels are
+# loaded (by a call on a larger array, or after _WARM small calls): a one-off
+# small call never imports Numba, whose start-up is about half a second even
+# with a warm cache, and a process that keeps calling pays it once and then
+# gets the kernels (13 us instead of 24 for quantize 16x64).
 _SMALL = 1 << 14
+_WARM = 64
+_small_calls = [0]
 _COLS = 4096  # data with one parameter is seen as rows of this many elements, shared out to the threads
 
 
@@ -49,13 +56,20 @@ def _aligned_empty(shape, dtype):
     the first boundary: a 16 MiB array faulted ~2 MiB in 4 KiB pages, and
     16 such chunks took 1.5x as long to fill as one array of their size."""
     dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     if size < 1 << 22:
         return np.empty(shape, dtype)
     raw = np.empty(size + _PAGE, np.uint8)
     start = -raw.ctypes.data % _PAGE
     return raw[start:start + size].view(dtype).reshape(shape)
 
+
+
+@functools.lru_cache(maxsize=512)
+def _pieces(shape, axis, block_size):
+    """``Layout(shape, axis, block_size).pieces(_COLS)`` with each piece's ``bidx``
+    (shapes and layouts repeat call after call)."""
+    return [(sl, lay, lay.bidx()) for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
 
 
 class NumpyBackend(Backend):
@@ -70,8 +84,12 @@ class NumpyBackend(Backend):
     @staticmethod
     def _fast(a):
         """The kernel module when the Numba path should run for ``a``, else None."""
-        if not config.numba or a.size < _SMALL:
+        if not config.numba:
             return None
+        if a.size < _SMALL and _kernels is False:  # not loaded yet
+            _small_calls[0] += 1
+            if _small_calls[0] < _WARM:
+                return None
         return _numba_kernels()
 
     @staticmethod
@@ -82,11 +100,10 @@ class NumpyBackend(Backend):
         k = _numba_kernels()
         af, of = contiguous(a).reshape(-1), out.reshape(-1)
         results = []
-        for sl, lay in Layout(a.shape, axis, block_size).pieces(_COLS):
+        for sl, lay, bidx in _pieces(a.shape, axis, block_size):
             ps = [np.ascontiguousarray(lay.compact(p)) for p in params]
-            rows = lay.dims[0] * lay.dims[1]  # the tasks: rows (o, l) of the (outer, n, inner) view
-            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, lay.bidx(), *args,
-                                  of[sl].reshape(lay.dims))
+            rows = lay.outer * lay.n  # the tasks: rows (o, l) of the (outer, n, inner) view
+            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, bidx, *args, of[sl].reshape(lay.dims))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):

@@ -1,0 +1,165 @@
+"""What a call costs on small inputs, against PyTorch in the same run: the
+per-op overhead users of small shapes pay on every call (token-by-token
+decoding, M = 1 inference, per-sample pipelines).
+
+    python benchmarks/bench_overhead.py [OUTDIR] [--quick]
+
+Each row times qarray's call and PyTorch's equivalent alternately, call by
+call (no warm-up block between them: what ran just before is part of the
+cost), and reports the median time per call and its spread (the 25th to 75th
+percentile) over the calls; both use 2 threads. Then the same Python path on
+the CuPy backend, on the tests' stand-in CuPy with every launch stubbed
+(``bench_gpu_host.py``), against that stand-in's floor (one allocation and one
+launch). No OMP_WAIT_POLICY is set: PyTorch's OpenMP threads behave as they do
+for users.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+import qarray as qa  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+RESULTS = Path(__file__).resolve().parent / "results"
+THREADS = 2
+
+
+def rows():
+    """``{name: (qarray call, torch call or None)}`` on 16x64 activations and 64x64 weights."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 64)).astype(np.float32) * 0.1
+    bias = rng.standard_normal(64).astype(np.float32)
+    a = qa.quantize(x, 0.05, 3, "qint8")
+    b = qa.quantize(x * 0.7, 0.04, -2, "qint8")
+    a32 = qa.QArray.from_int(rng.integers(-(2**20), 2**20, (16, 64)).astype(np.int32), 1e-4, 0, "qint32")
+    layer = qa.nn.Linear.from_float(w, bias)
+    out = dict(scale=0.2, zero_point=1, dtype="qint8")
+    ours = {
+        "quantize 16x64 float32 -> qint8": lambda: qa.quantize(x, 0.05, 3, "qint8"),
+        "dequantize 16x64 qint8": lambda: a.dequantize(),
+        "requantize 16x64 qint32 -> qint8": lambda: a32.requantize(0.05, 0, "qint8"),
+        "add 16x64 + 16x64 -> qint8": lambda: qa.add(a, b, **out),
+        "nn.Linear 16x64 @ 64x64 -> qint8": lambda: layer(a, **out),
+        "nn.Linear M=1 64x64 -> qint8": lambda: layer(a[:1], **out),
+    }
+    theirs = dict.fromkeys(ours)
+    if torch is not None:
+        tx = torch.from_numpy(x)
+        ta = torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8)
+        tb = torch.quantize_per_tensor(tx * 0.7, 0.04, -2, torch.qint8)
+        t32 = torch.from_numpy(a32.int_repr().astype(np.float32) * np.float32(1e-4))
+        t32q = torch.quantize_per_tensor(t32, 1e-4, 0, torch.qint32)
+        tl = torch.ao.nn.quantized.Linear(64, 64, dtype=torch.qint8)
+        ws = np.asarray(layer.weight.scale, np.float64).reshape(-1)  # qarray's weight parameters, per channel
+        tw = torch.quantize_per_channel(torch.from_numpy(w), torch.from_numpy(ws), torch.zeros(ws.size, dtype=torch.long),
+                                        0, torch.qint8) if ws.size > 1 else \
+            torch.quantize_per_tensor(torch.from_numpy(w), float(ws[0]), 0, torch.qint8)
+        tl.set_weight_bias(tw, torch.from_numpy(bias))
+        tl.scale, tl.zero_point = 0.2, 1
+        ta_u = torch.quantize_per_tensor(tx, 0.05, 131, torch.quint8)  # fbgemm's Linear takes quint8 activations
+        theirs.update({
+            "quantize 16x64 float32 -> qint8": lambda: torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8),
+            "dequantize 16x64 qint8": lambda: ta.dequantize(),
+            "requantize 16x64 qint32 -> qint8":
+                lambda: torch.quantize_per_tensor(t32q.dequantize(), 0.05, 0, torch.qint8),
+            "add 16x64 + 16x64 -> qint8": lambda: torch.ops.quantized.add(ta, tb, 0.2, 1),
+            "nn.Linear 16x64 @ 64x64 -> qint8": lambda: tl(ta_u),
+            "nn.Linear M=1 64x64 -> qint8": lambda: tl(ta_u[:1]),
+        })
+    return {k: (ours[k], theirs[k]) for k in ours}
+
+
+def alternate(f, g, calls):
+    """Per-call times in us of ``f`` and ``g`` called alternately ``calls`` times each."""
+    tf, tg = [], []
+    for _ in range(calls):
+        t = time.perf_counter()
+        f()
+        t1 = time.perf_counter()
+        if g is not None:
+            g()
+        t2 = time.perf_counter()
+        tf.append((t1 - t) * 1e6)
+        tg.append((t2 - t1) * 1e6)
+    return tf, (tg if g is not None else None)
+
+
+def stats(v):
+    q = statistics.quantiles(v, n=4)
+    return dict(median=statistics.median(v), p25=q[0], p75=q[2])
+
+
+def main(outdir: Path, quick: bool):
+    qa.set_num_threads(THREADS)
+    if torch is not None:
+        torch.set_num_threads(THREADS)
+    calls = 200 if quick else 2000
+    lines, out = [], []
+
+    def say(text):
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"per call, us: median (25th-75th percentile) of {calls} calls, qarray and torch alternating, "
+        f"{THREADS} threads each" + ("" if torch is not None else "; torch not installed"))
+    for name, (f, g) in rows().items():
+        for _ in range(50):  # first calls: compiles, packs, plans
+            f()
+            if g is not None:
+                g()
+        tf, tg = alternate(f, g, calls)
+        sf = stats(tf)
+        row = dict(op=name, qarray=sf)
+        text = f"{name:<36} qarray {sf['median']:8.1f} ({sf['p25']:.1f}-{sf['p75']:.1f})"
+        if tg is not None:
+            sg = stats(tg)
+            row.update(torch=sg, ratio=sf["median"] / sg["median"])
+            text += f"   torch {sg['median']:7.1f} ({sg['p25']:.1f}-{sg['p75']:.1f})   {row['ratio']:5.1f}x"
+        say(text)
+        out.append(row)
+
+    import bench_gpu_host  # the CuPy backend's Python path, launches stubbed
+
+    cupy, qarray, _ = bench_gpu_host._stand_in()
+    gcalls = 50 if quick else 1000
+    kernel = cupy.RawModule(code="", options=()).get_function("floor")
+    floor = bench_gpu_host.per_call_us(lambda: kernel((1,), (256,), (cupy.empty((16, 64), np.int8),)), gcalls)
+    say(f"CuPy backend on the stand-in, launches stubbed ({gcalls} calls a block, median of 7 blocks (min-max)); "
+        f"floor {floor[0]:.1f} us: one allocation + one launch")
+    gpu = []
+    for name, fn in bench_gpu_host.host_ops(cupy, qarray).items():
+        us, lo, hi = bench_gpu_host.per_call_us(fn, gcalls)
+        gpu.append(dict(op=name, us=us, spread=[lo, hi], floor_ratio=us / floor[0]))
+        say(f"{name:<36} cupy path {us:7.1f} us ({lo:.1f}-{hi:.1f})  {us / floor[0]:5.1f}x floor")
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "bench_overhead.txt").write_text("\n".join(lines) + "\n")
+    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, cupy_stand_in=gpu, floor_us=floor[0]),
+                                                          indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("outdir", nargs="?", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    main(args.outdir, args.quick)
