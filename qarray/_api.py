@@ -139,7 +139,8 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     want = param_shape(q.shape, lax, lblock)
 
     def host(p):
-        return np.broadcast_to(to_host(p), want)
+        p = to_host(p)
+        return p if p.shape == want else np.broadcast_to(p, want)
 
     rq = plan([host(q.scale)], host(s_out), host(q.zero_point), host(z_out), d, mode, rounding,
               axis=lax, block_size=lblock)

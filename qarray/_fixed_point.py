@@ -21,6 +21,7 @@ ports it line for line. One definition of the arithmetic for every backend.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,8 +212,15 @@ class Requant:
         ``q - zp_in`` fits in int32 (inputs of 16 bits or less, or 32 bits with
         zero points 0, as accumulators) and every shift is >= 32."""
         size = np.dtype(dtype).itemsize
-        fits = size <= 2 or (size == 4 and not np.any(self.zp_in))
-        return fits and bool(np.all(self.shift >= 32))
+        return (size <= 2 or (size == 4 and self._zp_in_zero)) and self._shifts_32
+
+    @functools.cached_property
+    def _zp_in_zero(self) -> bool:
+        return not self.zp_in.any()
+
+    @functools.cached_property
+    def _shifts_32(self) -> bool:
+        return bool((self.shift >= 32).all())
 
     @property
     def out_dtype(self) -> np.dtype:

@@ -177,6 +177,23 @@ class NumpyBackend(Backend):
 
         return self._into(out, fill, q.shape, rq.out_dtype)
 
+    def binary(self, op, a, b, ra, rb, rq=None):
+        k = self._fast(a)
+        if k is None or rq is None or a.shape != b.shape or rq.axis is not None or a.dtype.kind not in "iu" \
+                or b.dtype.kind not in "iu":
+            return super().binary(op, a, b, ra, rb, rq)
+        out = self.empty(a.shape, rq.out_dtype)
+        i64, f64 = np.int64, np.float64
+
+        def operand(r, x):
+            return i64(r.zp_in), i64(r.m), i64(r.shift), f64(r.f), i64(r.rounding), r.narrow(x.dtype)
+
+        k.parallel(k.binary, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1),
+                   *operand(ra, a), *operand(rb, b), i64(("add", "sub", "mul").index(op)),
+                   i64(rq.zp_out), i64(rq.m), i64(rq.shift), f64(rq.f), i64(rq.rounding), i64(rq.lo), i64(rq.hi),
+                   out.reshape(-1))
+        return out
+
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
     def pack_weight(self, codes, qd, keep=False):
         # Small weights of a one-off matmul skip the engine: its first use costs ~0.5 s
