@@ -47,11 +47,15 @@ _pool: list = [0, None]  # [threads, ThreadPoolExecutor of threads - 1]
 os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, None]))
 
 
-def parallel(k, tasks, *args):
+GRAIN = 1 << 14  # elements worth handing to another thread (waking one costs ~10 us)
+
+
+def parallel(k, tasks, *args, grain=1):
     """``k(*args, start, stop)`` over ``range(tasks)``, in one contiguous part
-    per thread (``qarray.set_num_threads``, at most ``NUMBA_NUM_THREADS``); the
-    calling thread runs the first. Returns the parts' results, in order."""
-    n = max(1, min(THREADS[0], numba.config.NUMBA_NUM_THREADS, tasks))
+    per thread (``qarray.set_num_threads``, at most ``NUMBA_NUM_THREADS``), each
+    of at least ``grain`` tasks; the calling thread runs the first. Returns the
+    parts' results, in order."""
+    n = max(1, min(THREADS[0], numba.config.NUMBA_NUM_THREADS, tasks // max(grain, 1)))
     if n == 1:
         return [k(*args, 0, tasks)]
     if _pool[0] < n:

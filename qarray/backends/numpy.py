@@ -72,6 +72,16 @@ def _pieces(shape, axis, block_size):
     return [(sl, lay, lay.bidx()) for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
 
 
+_NO_REQUANT = identity(0)  # the accumulator as it is
+
+
+@functools.lru_cache(maxsize=256)
+def _columns(rq, n):
+    """``rq``'s output parameters (zp_out, m, shift, f) as ``(n,)`` columns, the
+    GEMM epilogue's: kept per plan (plans repeat call after call)."""
+    return tuple(np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in rq.params[1:])
+
+
 class NumpyBackend(Backend):
     name = "numpy"
     module = "numpy"
@@ -160,7 +170,7 @@ class NumpyBackend(Backend):
             return super().lut(q, table, axis)
         u = contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
         out = self.empty(q.shape, table.dtype)
-        k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1))
+        k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1), grain=k.GRAIN)
         return out
 
     def requantize(self, q, rq, out=None):
@@ -220,12 +230,12 @@ class NumpyBackend(Backend):
             return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
         m, n = raw.shape
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
-        rq = identity(0) if rq is None else rq
+        rq = _NO_REQUANT if rq is None else rq
         out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
-        cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw, *rq.params[1:])]
+        cols = [np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in (c, zw)] + list(_columns(rq, n))
         rows = np.zeros(m, np.int64) if rowsum is None else rowsum
         k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, contiguous(raw), rows, *cols, np.int64(rq.lo),
-                   np.int64(rq.hi), out)
+                   np.int64(rq.hi), out, grain=k.GRAIN // max(n, 1))
         return out
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
@@ -274,9 +284,9 @@ class NumpyBackend(Backend):
         logs = np.zeros(x.shape[0])
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
-            k.parallel(k.softmax_sums, len(x), x, table, sums)
+            k.parallel(k.softmax_sums, len(x), x, table, sums, grain=k.GRAIN // max(x.shape[1], 1))
             logs = np.log(sums.astype(np.float64) / 2.0**30)
         out = self.empty(x.shape, out_dtype)
         k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
-                   np.float64(lo), np.float64(hi), bool(log), out)
+                   np.float64(lo), np.float64(hi), bool(log), out, grain=k.GRAIN // max(x.shape[1], 1))
         return out

@@ -24,7 +24,7 @@ import numpy as np
 from .. import backends as _backends
 from ..backends import on_data_device
 from .._dtypes import qint8, qint32, quint8
-from .._params import to_host
+from .._params import array_key, to_host
 from .._qarray import QArray
 from . import _exact
 from ._output import finish
@@ -59,7 +59,7 @@ class PackedWeight:
     keep one (``keep=True``: the backend may pack harder, e.g. into the CPU
     engine's own layout)."""
 
-    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other")
+    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other", "_bias")
 
     def __init__(self, w: QArray, axis, keep=False):
         """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
@@ -73,7 +73,7 @@ class PackedWeight:
         self.packed = self.backend.pack_weight(w.data, w.dtype, keep)
         self.zp = to_host(w.zero_point).astype(np.int64)
         self.scale = to_host(w.scale)
-        self.codes, self.keep, self._other = w.data, keep, None
+        self.codes, self.keep, self._other, self._bias = w.data, keep, None, None
 
     def packed_for(self, b):
         """The weights packed by backend ``b`` (in-memory weights meeting Dask
@@ -112,7 +112,13 @@ class PackedWeight:
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         b = self.backend
         factors = [to_host(a.scale), self.scale]
-        bias = None if bias is None else _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+        if isinstance(bias, QArray):
+            bias = _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+        elif bias is not None:  # a float bias: the last call's integers again where it and a.scale are the same
+            key = (array_key(factors[0]), mode, rounding, array_key(to_host(bias)))
+            if self._bias is None or self._bias[0] != key:
+                self._bias = key, _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+            bias = self._bias[1]
         axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
         return finish(op, b, lambda rq: self.run(op, a, bias, rq), factors, axis, scale, zero_point, dtype,
                       default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
