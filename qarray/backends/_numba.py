@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,19 +51,38 @@ os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, No
 GRAIN = 1 << 14  # elements worth handing to another thread (waking one costs ~10 us)
 
 
+PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
+
+
 def parallel(k, tasks, *args, grain=1):
-    """``k(*args, start, stop)`` over ``range(tasks)``, in one contiguous part
-    per thread (``qarray.set_num_threads``, at most ``NUMBA_NUM_THREADS``), each
-    of at least ``grain`` tasks; the calling thread runs the first. Returns the
-    parts' results, in order."""
+    """``k(*args, start, stop)`` over ``range(tasks)`` on up to
+    ``qarray.set_num_threads`` threads (at most ``NUMBA_NUM_THREADS``), each
+    thread's share at least ``grain`` tasks. The tasks are cut into ``PARTS``
+    contiguous parts a thread, and each thread, the calling one first, claims
+    the next unclaimed part until none is left: a pool thread that wakes late
+    (its core busy with another library's spinning threads) takes fewer parts
+    instead of holding up the call. Returns the parts' results, in order."""
     n = max(1, min(THREADS[0], numba.config.NUMBA_NUM_THREADS, tasks // max(grain, 1)))
     if n == 1:
         return [k(*args, 0, tasks)]
     if _pool[0] < n:
         _pool[:] = n, ThreadPoolExecutor(n - 1, thread_name_prefix="qarray")
-    cut = [tasks * i // n for i in range(n + 1)]
-    rest = [_pool[1].submit(k, *args, cut[i], cut[i + 1]) for i in range(1, n)]
-    return [k(*args, 0, cut[1])] + [f.result() for f in rest]
+    parts = min(tasks, n * PARTS)
+    cut = [tasks * i // parts for i in range(parts + 1)]
+    results = [None] * parts
+    claim = itertools.count()  # next() is atomic under the GIL
+
+    def work():
+        for i in iter(claim.__next__, parts):  # (parts is never reached by a second thread: >= stops below)
+            if i >= parts:
+                return
+            results[i] = k(*args, cut[i], cut[i + 1])
+
+    rest = [_pool[1].submit(work) for _ in range(n - 1)]
+    work()
+    for f in rest:
+        f.result()
+    return results
 
 _rescale = njit(inline="always")(_fixed_point.rescale)
 # Numba's cache sees only this file's timestamp, not _fixed_point.py's; closure
