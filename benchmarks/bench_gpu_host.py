@@ -31,16 +31,24 @@ import numpy as np  # noqa: E402
 from _timing import options  # noqa: E402
 
 
-def host_ops(cupy, qarray):
-    """``{name: call}`` on small inputs (16x64 activations, 64x64 weights): the
-    calls whose host time the GPU issue measured, for both benchmarks."""
+def host_inputs():
+    """The small inputs (host arrays): 16x64 float32 activations, 16x64 int32
+    accumulator codes, 64x64 float32 weights and their bias."""
     rng = np.random.default_rng(0)
-    x = cupy.asarray(rng.standard_normal((16, 64)).astype(np.float32))
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    acc = rng.integers(-(2**20), 2**20, (16, 64)).astype(np.int32)
+    return x, acc, rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+
+
+def host_ops(cupy, qarray):
+    """``{name: call}`` on ``host_inputs()`` moved by ``cupy.asarray`` (NumPy's
+    for the CPU): the calls whose host time the GPU issue measured, for the
+    GPU benchmarks and bench_overhead.py."""
+    x, acc, w, bias = (cupy.asarray(a) for a in host_inputs())
     q = qarray.quantize(x, 0.05, 3, "qint8")
     q2 = qarray.quantize(x, 0.04, -2, "qint8")
-    q32 = qarray.QArray.from_int(cupy.asarray(rng.integers(-(2**20), 2**20, (16, 64)).astype(np.int32)), 1e-4, 0, "qint32")
-    layer = qarray.nn.Linear.from_float(cupy.asarray(rng.standard_normal((64, 64)).astype(np.float32)),
-                                        cupy.asarray(rng.standard_normal(64).astype(np.float32)))
+    q32 = qarray.QArray.from_int(acc, 1e-4, 0, "qint32")
+    layer = qarray.nn.Linear.from_float(w, bias)
     out = dict(scale=0.2, zero_point=1, dtype="qint8")
     return {
         "quantize 16x64 float32 -> qint8": lambda: qarray.quantize(x, 0.05, 3, "qint8"),

@@ -17,6 +17,7 @@ for users.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,61 +30,46 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 
-import qarray as qa  # noqa: E402
-
 warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes
 try:
     import torch
 except ImportError:  # pragma: no cover
     torch = None
+_POLICY = os.environ.get("OMP_WAIT_POLICY")
+import bench_gpu_host  # noqa: E402  (its _timing sets OMP_WAIT_POLICY=PASSIVE: not here, see above)
+import qarray as qa  # noqa: E402
+
+if _POLICY is None:
+    os.environ.pop("OMP_WAIT_POLICY", None)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THREADS = 2
 
 
 def rows():
-    """``{name: (qarray call, torch call or None)}`` on 16x64 activations and 64x64 weights."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 64)).astype(np.float32)
-    w = rng.standard_normal((64, 64)).astype(np.float32) * 0.1
-    bias = rng.standard_normal(64).astype(np.float32)
-    a = qa.quantize(x, 0.05, 3, "qint8")
-    b = qa.quantize(x * 0.7, 0.04, -2, "qint8")
-    a32 = qa.QArray.from_int(rng.integers(-(2**20), 2**20, (16, 64)).astype(np.int32), 1e-4, 0, "qint32")
-    layer = qa.nn.Linear.from_float(w, bias)
-    out = dict(scale=0.2, zero_point=1, dtype="qint8")
-    ours = {
-        "quantize 16x64 float32 -> qint8": lambda: qa.quantize(x, 0.05, 3, "qint8"),
-        "dequantize 16x64 qint8": lambda: a.dequantize(),
-        "requantize 16x64 qint32 -> qint8": lambda: a32.requantize(0.05, 0, "qint8"),
-        "add 16x64 + 16x64 -> qint8": lambda: qa.add(a, b, **out),
-        "nn.Linear 16x64 @ 64x64 -> qint8": lambda: layer(a, **out),
-        "nn.Linear M=1 64x64 -> qint8": lambda: layer(a[:1], **out),
-    }
+    """``{name: (qarray call, torch call or None)}``: ``bench_gpu_host.host_ops``
+    on NumPy arrays, and PyTorch's equivalent on the same values."""
+    ours = bench_gpu_host.host_ops(np, qa)
     theirs = dict.fromkeys(ours)
     if torch is not None:
+        x, acc, w, bias = bench_gpu_host.host_inputs()
+        layer = qa.nn.Linear.from_float(w, bias)  # its weight parameters, for torch's weights
         tx = torch.from_numpy(x)
         ta = torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8)
-        tb = torch.quantize_per_tensor(tx * 0.7, 0.04, -2, torch.qint8)
-        t32 = torch.from_numpy(a32.int_repr().astype(np.float32) * np.float32(1e-4))
-        t32q = torch.quantize_per_tensor(t32, 1e-4, 0, torch.qint32)
+        tb = torch.quantize_per_tensor(tx, 0.04, -2, torch.qint8)
+        t32 = torch.quantize_per_tensor(torch.from_numpy(acc.astype(np.float32) * np.float32(1e-4)), 1e-4, 0,
+                                        torch.qint32)
         tl = torch.ao.nn.quantized.Linear(64, 64, dtype=torch.qint8)
         ws = np.asarray(layer.weight.scale, np.float64).reshape(-1)  # qarray's weight parameters, per channel
         tw = torch.quantize_per_channel(torch.from_numpy(w), torch.from_numpy(ws), torch.zeros(ws.size, dtype=torch.long),
-                                        0, torch.qint8) if ws.size > 1 else \
-            torch.quantize_per_tensor(torch.from_numpy(w), float(ws[0]), 0, torch.qint8)
+                                        0, torch.qint8)
         tl.set_weight_bias(tw, torch.from_numpy(bias))
         tl.scale, tl.zero_point = 0.2, 1
-        ta_u = torch.quantize_per_tensor(tx, 0.05, 131, torch.quint8)  # fbgemm's Linear takes quint8 activations
-        theirs.update({
-            "quantize 16x64 float32 -> qint8": lambda: torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8),
-            "dequantize 16x64 qint8": lambda: ta.dequantize(),
-            "requantize 16x64 qint32 -> qint8":
-                lambda: torch.quantize_per_tensor(t32q.dequantize(), 0.05, 0, torch.qint8),
-            "add 16x64 + 16x64 -> qint8": lambda: torch.ops.quantized.add(ta, tb, 0.2, 1),
-            "nn.Linear 16x64 @ 64x64 -> qint8": lambda: tl(ta_u),
-            "nn.Linear M=1 64x64 -> qint8": lambda: tl(ta_u[:1]),
-        })
+        tu = torch.quantize_per_tensor(tx, 0.05, 131, torch.quint8)  # fbgemm's Linear takes quint8 activations
+        peers = [lambda: torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8), lambda: ta.dequantize(),
+                 lambda: torch.quantize_per_tensor(t32.dequantize(), 0.05, 0, torch.qint8),
+                 lambda: torch.ops.quantized.add(ta, tb, 0.2, 1), lambda: tl(tu), lambda: tl(tu[:1])]
+        theirs = dict(zip(ours, peers))  # host_ops' order: quantize, dequantize, requantize, add, Linear M=16, M=1
     return {k: (ours[k], theirs[k]) for k in ours}
 
 
@@ -136,9 +122,7 @@ def main(outdir: Path, quick: bool):
         say(text)
         out.append(row)
 
-    import bench_gpu_host  # the CuPy backend's Python path, launches stubbed
-
-    cupy, qarray, _ = bench_gpu_host._stand_in()
+    cupy, qarray, _ = bench_gpu_host._stand_in()  # the CuPy backend's Python path, launches stubbed
     gcalls = 50 if quick else 1000
     kernel = cupy.RawModule(code="", options=()).get_function("floor")
     floor = bench_gpu_host.per_call_us(lambda: kernel((1,), (256,), (cupy.empty((16, 64), np.int8),)), gcalls)
