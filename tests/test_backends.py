@@ -305,18 +305,26 @@ def threads():
     qarray.set_num_threads(before)
 
 
-def test_kernel_tasks_split_into_one_part_per_thread(threads):
+def test_kernel_tasks_are_cut_into_parts_that_threads_claim(threads):
+    """PARTS contiguous parts a thread, each task in exactly one, results in
+    order whoever ran them; a share below ``grain`` tasks stays on one thread;
+    never more parts than tasks."""
     k = pytest.importorskip("qarray.backends._numba")
     import numba
 
     parts = []
     threads(3)
-    got = k.parallel(lambda tag, start, stop: parts.append((start, stop)) or tag, 10, "part")
+    got = k.parallel(lambda tag, start, stop: parts.append((start, stop)) or (tag, start), 100, "part")
     n = min(3, numba.config.NUMBA_NUM_THREADS)
-    assert sorted(parts) == [(10 * i // n, 10 * (i + 1) // n) for i in range(n)] and got == ["part"] * n
+    p = n * k.PARTS if n > 1 else 1
+    cut = [100 * i // p for i in range(p + 1)]
+    assert sorted(parts) == list(zip(cut, cut[1:])) and got == [("part", c) for c in cut[:-1]]
+    parts.clear()
+    k.parallel(lambda start, stop: parts.append((start, stop)), 100, grain=60)  # 100 // 60: one thread
+    assert parts == [(0, 100)]
     parts.clear()
     threads(8)
-    k.parallel(lambda start, stop: parts.append((start, stop)), 2)  # never more parts than tasks
+    k.parallel(lambda start, stop: parts.append((start, stop)), 2)
     assert sorted(parts) == ([(0, 1), (1, 2)] if numba.config.NUMBA_NUM_THREADS > 1 else [(0, 2)])
 
 
