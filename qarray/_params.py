@@ -129,14 +129,16 @@ KEPT_SCALES = ("float32", "float16", "bfloat16", "float8_e8m0fnu", "float8_e4m3f
 _NAN_SCALES = ("float8_e8m0fnu", "float8_e4m3fn")
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.ndarray:
     """``scale`` of shape ``want``, finite and > 0 in float32, else ValueError: as
     float32, or (``keep``, for the floating formats) in its own dtype when that is
     one of ``KEPT_SCALES``, the 8-bit block scales allowed NaN."""
-    if type(scale) is float and want == ():  # the common call: one Python number, checked as one
-        with np.errstate(over="ignore"):
-            s32 = np.float32(scale)
-        if s32 > 0 and s32 < np.inf:
+    if type(scale) is float and want == () and 0 < scale <= _F32_MAX:  # the common call: one number
+        s32 = np.float32(scale)  # (no overflow below float32's largest; below its smallest, 0)
+        if s32 > 0:
             return np.asarray(s32)
     s = to_host(scale)
     if (s.dtype.kind not in "fiu" or s.dtype == np.bool_) and s.dtype.name not in KEPT_SCALES:

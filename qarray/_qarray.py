@@ -16,9 +16,15 @@ from ._params import check_params, check_scale, normalize_axis, to_host
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
+_FLOAT_TYPES = {**{t: t for t in _FLOATS.values()}, **{np.dtype(t): t for t in _FLOATS.values()}, **_FLOATS}
+
+
 def float_dtype(dtype):
     """NumPy float16/32/64 from any spelling; TypeError for anything else."""
     try:
+        t = _FLOAT_TYPES.get(dtype)  # the usual spellings, without making a dtype
+        if t is not None:
+            return t
         d = np.dtype(dtype)
     except TypeError:
         d = None
