@@ -42,8 +42,9 @@ def to_host(a):
 def array_key(a) -> tuple:
     """A hashable key of host array ``a``'s value (dtype, shape, bytes): what the
     caches of plans and device parameters are keyed by."""
-    a = np.asarray(a)
-    return a.dtype.str, a.shape, a.tobytes()
+    if type(a) is not np.ndarray:
+        a = np.asarray(a)
+    return a.dtype, a.shape, a.tobytes()
 
 
 def float_values(x):
