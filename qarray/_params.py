@@ -42,7 +42,10 @@ def to_host(a):
 def array_key(a) -> tuple:
     """A hashable key of host array ``a``'s value (dtype, shape, bytes): what the
     caches of plans and device parameters are keyed by."""
-    if type(a) is not np.ndarray:
+    t = type(a)
+    if t is int or t is float:  # a Python number: itself
+        return t, a
+    if t is not np.ndarray:
         a = np.asarray(a)
     return a.dtype, a.shape, a.tobytes()
 
