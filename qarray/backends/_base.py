@@ -475,7 +475,8 @@ class Backend:
         if bias is not None:
             c = c + bias
         rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if np.any(zw) else None
-        return self.gemm_epilogue(raw, rowsum, xp.broadcast_to(c, raw.shape[:-2] + raw.shape[-1:]), zw, rq, acc_dtype)
+        want = raw.shape[:-2] + raw.shape[-1:]
+        return self.gemm_epilogue(raw, rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw, rq, acc_dtype)
 
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
         """``raw + c - zw * rowsum`` (int64 arithmetic; ``c`` per column, ``rowsum``
