@@ -131,7 +131,8 @@ class NumpyBackend(Backend):
         for sl, lay, bidx in _pieces(a.shape, axis, block_size):
             ps = [p if p.shape == lay.pshape else np.ascontiguousarray(lay.compact(p)) for p in params]
             rows = lay.outer * lay.n  # the tasks: rows (o, l) of the (outer, n, inner) view
-            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, bidx, *args, of[sl].reshape(lay.dims))
+            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, bidx, *args, of[sl].reshape(lay.dims),
+                                  grain=k.GRAIN // max(lay.inner, 1))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
@@ -216,7 +217,7 @@ class NumpyBackend(Backend):
             return super().binary(op, a, b, ra, rb, rq)
         out = self.empty(a.shape, rq.out_dtype)
         k.parallel(k.binary, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1),
-                   *_binary_args(op, ra, rb, rq, a.dtype, b.dtype), out.reshape(-1))
+                   *_binary_args(op, ra, rb, rq, a.dtype, b.dtype), out.reshape(-1), grain=k.GRAIN // k.BINARY_RUN)
         return out
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
