@@ -144,6 +144,9 @@ def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.nd
         s32 = np.float32(scale)  # (no overflow below float32's largest; below its smallest, 0)
         if s32 > 0:
             return np.asarray(s32)
+    if type(scale) is np.ndarray and want == () and scale.shape == () and scale.dtype == np.float32 and not keep \
+            and 0 < scale < np.inf:  # a QArray's or an observer's scale
+        return scale.copy()
     s = to_host(scale)
     if (s.dtype.kind not in "fiu" or s.dtype == np.bool_) and s.dtype.name not in KEPT_SCALES:
         raise TypeError(f"scale must be a real number or array, got dtype {s.dtype}")
@@ -168,6 +171,9 @@ def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=N
     if type(zero_point) is int and want == () and dtype.qmin <= zero_point <= dtype.qmax and (
             zero_point == 0 or dtype.kind != "float"):  # the common call: one Python int
         return np.asarray(zero_point, np.int32)
+    if type(zero_point) is np.ndarray and want == () and zero_point.shape == () and zero_point.dtype.kind in "iu" \
+            and dtype.kind != "float" and dtype.qmin <= zero_point <= dtype.qmax:
+        return zero_point.astype(np.int32)
     z = to_host(zero_point)
     if z.dtype.kind not in "iu":
         raise TypeError(
