@@ -296,3 +296,6 @@ def identity(zp_in) -> Requant:
     z = np.asarray(zp_in, np.int64)
     zero = np.zeros(z.shape, np.int64)
     return Requant(z, zero, zero, zero, np.zeros(z.shape), IDENTITY, None, int(_I64.min), int(_I64.max))
+
+
+NO_REQUANT = identity(0)  # the accumulator as it is: one record, so what backends keep per plan is kept once

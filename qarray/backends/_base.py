@@ -42,6 +42,9 @@ def nan_error(x) -> ValueError:
     )
 
 
+BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}  # the binary kernels' op codes (_numba.binary, cuda/ops.cu)
+
+
 def contiguous(a):
     """C-contiguous ``a``, 0-d kept 0-d (NumPy's and CuPy's ``ascontiguousarray``
     make it 1-d)."""
@@ -86,7 +89,8 @@ class Backend:
     ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
     (``pack``, ``unpack``) and the hooks ``on`` (the current device),
     ``over_batches`` (ops on independent samples: Dask runs them per chunk),
-    ``empty`` (a kernel's output: NumPy aligns large ones to huge pages), ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
+    ``empty`` (a kernel's output: NumPy aligns large ones to huge pages),
+    ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
     NumPy overrides the hot ones with Numba kernels, CuPy with CUDA kernels,
     Dask maps them over chunks; each override gives the generic result bit for
     bit.

@@ -9,7 +9,7 @@ Each file is compiled whole, its headers inlined (``kernel_source``), with
 ``launch_config`` gives the grid of an elementwise kernel, ``plan`` and
 ``requant_args`` the arguments of the ``Layout`` and requantizing kernels, and
 ``format_args`` those of a floating format; the constants are the kernels' own
-codes (``OUT_KINDS``, ``BINARY_OPS``, ``FORMAT_*``) and cuBLAS's. CuPy is imported
+codes (``OUT_KINDS``, ``FORMAT_*``) and cuBLAS's. CuPy is imported
 only inside ``compile_ptx``: ``import qarray`` needs NumPy alone.
 """
 
@@ -29,7 +29,6 @@ from .._params import Layout, array_key
 CUDA_DIR = Path(__file__).parent / "cuda"
 BLOCK = 256
 STORAGE = {"int8", "uint8", "int16", "uint16", "int32"}  # the kernels of ops.cu
-BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}
 FLOATS = ("float16", "float32", "float64")
 # QA_FMT_* in cuda/formats.cu: inf and NaN (e5m2), NaN only (e4m3fn), one NaN and no -0 (the fnuz formats), neither
 FORMAT_IEEE, FORMAT_FN, FORMAT_FNUZ, FORMAT_FINITE = range(4)

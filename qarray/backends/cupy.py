@@ -26,17 +26,16 @@ import numpy as np
 
 from .. import _formats
 from .._dtypes import qdtype
-from .._fixed_point import identity
+from .._fixed_point import NO_REQUANT
 from .._params import Layout, array_key, param_shape, to_host
-from ._base import Backend, contiguous, nan_error
-from ._cuda import (BINARY_OPS, BLOCK, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I,
+from ._base import BINARY_OPS, Backend, contiguous, nan_error
+from ._cuda import (BLOCK, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I,
                     CUDA_R_32I, FLOATS, GEMV_COLS, GEMV_ROWS, KPAD, MXINT8_FORMAT, NVRTC_OPTIONS, OUT_KINDS, STORAGE,
                     _name, _period, _rows, format_args, kernel_name, kernel_source, launch_config, plan, requant_args)
 from ._cuda import compile_ptx  # noqa: F401 (qarray.backends.cupy.compile_ptx, as CHANGELOG.md names it)
 
 EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
 K_INT32 = (2**31 // 2**14) // KPAD * KPAD - KPAD  # values of K whose int8 x int8 sums always fit int32
-NO_REQUANT = identity(0)  # the accumulator as it is: one record, so its device parameters are kept once
 
 
 class DeviceWeight(NamedTuple):

@@ -15,10 +15,10 @@ import numpy as np
 
 from .. import _formats
 from .._config import config
-from .._fixed_point import identity
+from .._fixed_point import NO_REQUANT
 from .._params import Layout
 from . import _gemm
-from ._base import Backend, contiguous, nan_error
+from ._base import BINARY_OPS, Backend, contiguous, nan_error
 
 # Below this many elements the generic NumPy code runs until Numba's kernels are
 # loaded (by a call on a larger array, or after _WARM small calls): a one-off
@@ -64,15 +64,11 @@ def _aligned_empty(shape, dtype):
     return raw[start:start + size].view(dtype).reshape(shape)
 
 
-
 @functools.lru_cache(maxsize=512)
 def _pieces(shape, axis, block_size):
     """``Layout(shape, axis, block_size).pieces(_COLS)`` with each piece's ``bidx``
     (shapes and layouts repeat call after call)."""
     return [(sl, lay, lay.bidx()) for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
-
-
-_NO_REQUANT = identity(0)  # the accumulator as it is
 
 
 @functools.lru_cache(maxsize=256)
@@ -96,7 +92,7 @@ def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
     def operand(r, dtype):
         return i64(r.zp_in), i64(r.m), i64(r.shift), f64(r.f), i64(r.rounding), r.narrow(dtype)
 
-    return (*operand(ra, a_dtype), *operand(rb, b_dtype), i64(("add", "sub", "mul").index(op)),
+    return (*operand(ra, a_dtype), *operand(rb, b_dtype), i64(BINARY_OPS[op]),
             i64(rq.zp_out), i64(rq.m), i64(rq.shift), f64(rq.f), i64(rq.rounding), i64(rq.lo), i64(rq.hi))
 
 
@@ -246,7 +242,7 @@ class NumpyBackend(Backend):
             return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
         m, n = raw.shape
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
-        rq = _NO_REQUANT if rq is None else rq
+        rq = NO_REQUANT if rq is None else rq
         out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [p if p.shape == (n,) and p.flags.c_contiguous else np.ascontiguousarray(np.broadcast_to(p, (n,)))
                 for p in (c, np.asarray(zw))] + list(_columns(rq, n))
@@ -286,9 +282,9 @@ class NumpyBackend(Backend):
         o, _, kh, kw = wc.shape
         narrow = bias is None and rq is not None and rq.narrow(np.int32)
         dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
-        rq = identity(0) if rq is None else rq
+        rq = NO_REQUANT if rq is None else rq
         out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
-        cols = [np.ascontiguousarray(np.broadcast_to(p, (o,))) for p in (0 if bias is None else bias, *rq.params[1:])]
+        cols = [np.ascontiguousarray(np.broadcast_to(0 if bias is None else bias, (o,))), *_columns(rq, o)]
         k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), contiguous(wc), groups,
                    sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
