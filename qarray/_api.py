@@ -13,7 +13,7 @@ from .backends import on_data_device, user_array
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, check_scale, expand, float_values, param_shape, to_host
+from ._params import check_params, check_scale, expand, float_values, kept, param_shape, to_host
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -21,7 +21,12 @@ __all__ = ["quantize", "dequantize", "requantize", "quantize_dynamic", "quantize
            "choose_qparams", "unpack"]
 
 
+_FLOATS = frozenset(map(np.dtype, ("float16", "float32", "float64")))
+
+
 def _float_input(x, what):
+    if type(x) is np.ndarray and x.dtype in _FLOATS:  # the common call, as user_array would return it
+        return x, _backends.for_array(x)
     x, b = user_array(x, what)
     x = float_values(x)
     if x.dtype.kind != "f" or x.dtype.itemsize > 8:
@@ -94,17 +99,27 @@ def dequantize(q: QArray, dtype="float32"):
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
 
 
-def _common_layout(q: QArray, axis, block_size):
-    """The parameter layout that covers both q's and the output's parameters."""
-    if q.axis is None:
-        return axis, block_size
-    if axis is None or (axis, block_size) == (q.axis, q.block_size):
-        return q.axis, q.block_size
-    raise ValueError(
-        f"cannot requantize from parameters on axis {q.axis} (block_size={q.block_size}) to "
-        f"parameters on axis {axis} (block_size={block_size}); requantize to per-tensor "
-        "parameters first or keep the same axis"
-    )
+@kept
+def _requantize_plan(s_in, z_in, shape, axis_in, block_in, scale, zero_point, d, axis, block_size, mode, rounding):
+    """requantize's checked output parameters and its ``Requant``, on the
+    parameter layout that covers both the input's and the output's; kept, as
+    all of it repeats call after call."""
+    s_out, z_out, axis, block_size = check_params(scale, zero_point, d, shape, axis, block_size)
+    if axis_in is None or axis is None or (axis, block_size) == (axis_in, block_in):
+        lax, lblock = (axis, block_size) if axis_in is None else (axis_in, block_in)
+    else:
+        raise ValueError(
+            f"cannot requantize from parameters on axis {axis_in} (block_size={block_in}) to "
+            f"parameters on axis {axis} (block_size={block_size}); requantize to per-tensor "
+            "parameters first or keep the same axis"
+        )
+    want = param_shape(shape, lax, lblock)
+
+    def host(p):
+        return p if p.shape == want else np.broadcast_to(p, want)
+
+    rq = plan([host(s_in)], host(s_out), host(z_in), host(z_out), d, mode, rounding, axis=lax, block_size=lblock)
+    return rq, s_out, z_out, axis, block_size
 
 
 @on_data_device
@@ -134,16 +149,8 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
                             "mode=, rounding= and out= do not apply")
         return quantize(dequantize(q), scale, zero_point, d, axis, block_size)
     mode, rounding = resolve(mode, rounding)
-    s_out, z_out, axis, block_size = check_params(scale, zero_point, d, q.shape, axis, block_size)
-    lax, lblock = _common_layout(q, axis, block_size)
-    want = param_shape(q.shape, lax, lblock)
-
-    def host(p):
-        p = to_host(p)
-        return p if p.shape == want else np.broadcast_to(p, want)
-
-    rq = plan([host(q.scale)], host(s_out), host(q.zero_point), host(z_out), d, mode, rounding,
-              axis=lax, block_size=lblock)
+    rq, s_out, z_out, axis, block_size = _requantize_plan(q.scale, q.zero_point, q.shape, q.axis, q.block_size,
+                                                          scale, zero_point, d, axis, block_size, mode, rounding)
     b = q._backend
     if out is not None:
         if _backends.for_array(out) is not b or out.shape != q.shape or out.dtype != d.storage:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._dtypes import QDType
-from ._params import array_key
+from ._params import kept
 
 HALF_EVEN, HALF_AWAY, HALF_UP, TFLITE = 0, 1, 2, 3
 FLOAT = -1  # mode="float": rint(float64(d) * f + zp_out)
@@ -239,15 +239,13 @@ def product(factors, dtype):
     return p
 
 
-_PLANS: dict = {}
-PLANS = 1024  # plans kept; parameters repeat call after call, or they do not
-
-
+@kept
 def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, block_size=None, relu=False):
     """The ``Requant`` taking integers whose real value is ``q * prod(factors)``
     (``zp_in`` subtracted first) to ``(scale_out, zp_out, qd)``; the same
     (read-only) record for the same parameters, kept from an earlier call
-    (working out the multipliers took most of a small call's host time).
+    (``qarray._params.kept``: working out the multipliers took most of a small
+    call's host time).
 
     ``factors`` are host arrays (float32 scales, or float64 where a power of 2
     scales one) broadcastable to one parameter shape (``a.scale * b.scale``
@@ -256,16 +254,9 @@ def plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, *, axis=None, bl
     ``scale_out``; in float mode it is computed in float32, as ONNX's
     ``a_scale * b_scale / y_scale``. ``qd`` None gives an unclamped int64 result.
     """
-    key = (tuple(array_key(f) for f in factors), array_key(scale_out), array_key(zp_in), array_key(zp_out), qd, mode,
-           rounding, axis, block_size, bool(relu))
-    rq = _PLANS.get(key)
-    if rq is None:
-        rq = _plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, axis, block_size, relu)
-        for a in rq.params:
-            a.setflags(write=False)
-        if len(_PLANS) >= PLANS:
-            _PLANS.clear()
-        _PLANS[key] = rq
+    rq = _plan(factors, scale_out, zp_in, zp_out, qd, mode, rounding, axis, block_size, relu)
+    for a in rq.params:
+        a.setflags(write=False)
     return rq
 
 

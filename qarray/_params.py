@@ -16,6 +16,7 @@ Example: ``x.shape == (2, 5)``, ``axis=1, block_size=2`` gives scale shape
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -48,6 +49,68 @@ def array_key(a) -> tuple:
     if t is not np.ndarray:
         a = np.asarray(a)
     return a.dtype, a.shape, a.tobytes()
+
+
+_AS_IS = (str, bool, type(None), np.dtype, np.generic, QDType, type)  # immutable: their own keys
+
+
+def _array_key(a):
+    if a.base is None and not a.flags.writeable:  # check_params' and plan's: the entry holds it
+        return id(a)
+    return a.dtype, a.shape, a.tobytes()
+
+
+def _typed_key(a):
+    return type(a), a
+
+
+def _seq_key(a):
+    return type(a), *map(_key, a)
+
+
+_KEY_OF = {np.ndarray: _array_key, list: _seq_key, tuple: _seq_key, int: _typed_key, float: _typed_key}
+
+
+def _key(a):
+    """``a``'s part of a ``kept`` key, or TypeError where ``a`` is not a value
+    that can be keyed (a CuPy array, a torch tensor: keyed by identity, they
+    could change underneath)."""
+    f = _KEY_OF.get(type(a))
+    if f is None:
+        if not isinstance(a, _AS_IS):
+            raise TypeError(f"{type(a).__name__} is not kept")
+        f = _KEY_OF[type(a)] = _typed_key
+    return f(a)
+
+
+def kept(fn):
+    """``fn`` of host parameters, computed once per value of its (positional)
+    arguments and kept: parameters repeat call after call, and working them out
+    took most of a small call's host time. Arrays are keyed by value (dtype,
+    shape, bytes), except read-only arrays that own their data, which are
+    keyed by identity, the entry holding them: what ``fn`` returns should be
+    read-only for that (``check_params``, ``plan``), so that one op's output
+    parameters are the next op's cheap key. Arguments of other types (device
+    arrays) are not kept: ``fn`` runs."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            key = tuple(map(_key, args))
+            if kwargs:
+                key += _key(tuple(kwargs.items()))
+        except TypeError:
+            return fn(*args, **kwargs)
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= 1024:
+                cache.clear()
+            hit = cache[key] = fn(*args, **kwargs), args, kwargs
+        return hit[0]
+
+    call.cache = cache
+    return call
 
 
 def float_values(x):
@@ -163,7 +226,7 @@ def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.nd
             f"scale must be finite and > 0 in float32; got {first!r} "
             f"({int(bad.sum())} bad value(s))"
         )
-    return (s if s.flags.c_contiguous else s.copy()) if keep else s32
+    return s.copy() if keep else s32  # never the caller's array: check_params makes it read-only
 
 
 def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=None) -> np.ndarray:
@@ -200,8 +263,21 @@ def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
     comes back as ``shape[axis]`` (the same layout, no size taken from it).
     Returns ``(scale, zero_point int32, axis, block_size)`` on the host, with
     axis made non-negative; the scale is float32, or for a floating format its
-    own dtype where that is one of ``KEPT_SCALES``.
+    own dtype where that is one of ``KEPT_SCALES``. The arrays are read-only,
+    the same ones for the same parameters (``kept``).
     """
+    return _checked(scale, zero_point, dtype, tuple(shape), axis, block_size)
+
+
+@kept
+def _checked(scale, zero_point, dtype, shape, axis, block_size):
+    checked = _check_params(scale, zero_point, dtype, shape, axis, block_size)
+    for a in checked[:2]:
+        a.setflags(write=False)
+    return checked
+
+
+def _check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):
     axis = normalize_axis(axis, len(shape))
     block_size = normalize_block_size(block_size, axis)
     if block_size is not None:

@@ -63,9 +63,10 @@ def parallel(k, tasks, *args, grain=1):
     the next unclaimed part until none is left: a pool thread that wakes late
     (its core busy with another library's spinning threads) takes fewer parts
     instead of holding up the call. Returns the parts' results, in order."""
-    n = max(1, min(THREADS[0], numba.config.NUMBA_NUM_THREADS, tasks // max(grain, 1)))
-    if n == 1:
+    n = min(THREADS[0], tasks // max(grain, 1))
+    if n < 2:  # small calls: no more than this on their way to the kernel
         return [k(*args, 0, tasks)]
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
     if _pool[0] < n:
         _pool[:] = n, ThreadPoolExecutor(n - 1, thread_name_prefix="qarray")
     parts = min(tasks, n * PARTS)

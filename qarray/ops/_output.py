@@ -17,7 +17,7 @@ from .. import backends as _backends
 from .._config import resolve
 from .._dtypes import qdtype, qint32
 from .._fixed_point import plan, product
-from .._params import check_scale, check_zero_point, to_host
+from .._params import check_scale, check_zero_point, kept, to_host
 from .._qarray import QArray
 
 _I32 = np.iinfo(np.int32)
@@ -90,10 +90,21 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                 )
         s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
         return QArray._new(acc.astype(np.int32), s, np.zeros(want, np.int32), qint32, axis, None)
-    mode, rounding = resolve(mode, rounding)
-    d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
-    rq = plan(factors, s_out, np.zeros(want, np.int64), z_out, d, mode, rounding, axis=axis, relu=relu)
+    rq, d, s_out, z_out = output_plan(op, factors, want, axis, scale, zero_point, dtype, default_dtype,
+                                       *resolve(mode, rounding), relu)
     return QArray._new(acc(rq), s_out, z_out, d, None, None)  # the backend of the data (Dask takes NumPy along)
+
+
+@kept
+def output_plan(op, factors, want, axis, scale, zero_point, dtype, default_dtype, mode, rounding, relu):
+    """``finish``'s ``Requant`` and checked output ``(dtype, scale, zero_point)``
+    for factors of parameter shape ``want`` along ``axis``; kept, as they
+    repeat call after call."""
+    d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
+    for a in (s_out, z_out):
+        a.setflags(write=False)
+    rq = plan(factors, s_out, np.zeros(want, np.int64), z_out, d, mode, rounding, axis=axis, relu=relu)
+    return rq, d, s_out, z_out
 
 
 def _requantized(backend, acc, rq):

@@ -25,9 +25,9 @@ from .._api import quantize, requantize
 from .._config import resolve
 from .._dtypes import qint8
 from .._fixed_point import identity, plan
-from .._params import expand, to_host
+from .._params import expand, kept, to_host
 from .._qarray import QArray
-from ._output import finish, output_params, wants_output
+from ._output import finish, output_params, output_plan, wants_output
 
 __all__ = ["add", "sub", "mul", "add_scalar", "mul_scalar", "prelu", "relu", "relu6", "clamp", "hardtanh"]
 
@@ -39,6 +39,8 @@ def _operands(op, a, b):
         if q.axis is not None:
             raise ValueError(f"{op}: {name} has per-axis parameters; {op} takes per-tensor inputs (requantize first)")
     backend = _backends.common(a.data, b.data)
+    if a.shape == b.shape:
+        return backend, a.shape
     try:
         shape = np.broadcast_shapes(a.shape, b.shape)
     except ValueError:
@@ -58,11 +60,11 @@ def _float_op(op, a, b, ufunc, scale, zero_point, dtype, relu):
     return relu_(out) if relu else out
 
 
-def _left_shift(a: QArray, b: QArray) -> int:
+def _left_shift(a, b) -> int:
     """Bits of headroom on add's common scale, from the wider input: TFLite's 20
     for 8-bit inputs and 15 for 16-bit; 28 for 32-bit inputs (int64 operands
     below 2**59). The operands are never clamped."""
-    return {8: 20, 16: 15, 32: 28}[max(8, a.dtype.bits, b.dtype.bits)]
+    return {8: 20, 16: 15, 32: 28}[max(8, a.bits, b.bits)]
 
 
 def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
@@ -86,13 +88,20 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
             f"{op}: rounding='tflite' follows TFLite's add, which takes inputs of 16 bits or less; "
             f"got {a.dtype.name} and {b.dtype.name}: use another rounding (e.g. 'half_away')"
         )
-    # each input onto the common scale 2 * max / 2**shift (exact in float64),
-    # rounded once, then the exact int64 sum requantized once
-    common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(a, b)
-    ra, rb = (plan([s], common, _zp(q), 0, None, mode, rounding) for q, s in ((a, s_a), (b, s_b)))
-    acc = functools.partial(backend.binary, op, a.data, b.data, ra, rb)
-    return finish(op, backend, acc, [np.float64(common)], None, scale, zero_point, dtype,
-                  default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+    ra, rb, rq, d, s_out, z_out = _add_plans(op, a.dtype, s_a, a.zero_point, b.dtype, s_b, b.zero_point, scale,
+                                             zero_point, dtype, mode, rounding, relu)
+    return QArray._new(backend.binary(op, a.data, b.data, ra, rb, rq), s_out, z_out, d)
+
+
+@kept
+def _add_plans(op, da, s_a, z_a, db, s_b, z_b, scale, zero_point, dtype, mode, rounding, relu):
+    """Each input onto the common scale ``2 * max / 2**shift`` (exact in
+    float64), rounded once, and the exact int64 sum requantized once to the
+    output (``finish``'s output plan): the three ``Requant`` and the output
+    parameters, kept (they repeat call after call)."""
+    common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(da, db)
+    ra, rb = (plan([s], common, int(z), 0, None, mode, rounding) for s, z in ((s_a, z_a), (s_b, z_b)))
+    return ra, rb, *output_plan(op, [np.float64(common)], (), None, scale, zero_point, dtype, da, mode, rounding, relu)
 
 
 @on_data_device(integer_only=True)
