@@ -11,6 +11,7 @@ before they call one.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from .. import _formats
 from .._dtypes import qdtype
 from .._fixed_point import FLOAT, IDENTITY, rescale
-from .._params import Layout, expand, to_host
+from .._params import Layout, expand, kept, to_host
 
 
 class FloatWeight(NamedTuple):
@@ -29,6 +30,20 @@ class FloatWeight(NamedTuple):
     shift: int
     colsum: object
     bits: int
+
+
+def _column_terms(xp, k, za, zw, shift, colsum, bias):
+    """:meth:`Backend.int_matmul`'s terms for ``a' = a + off`` (``za`` is
+    ``za + off``) and ``w' = w - shift``: the host ``zw - shift``, the
+    per-column ``K * za * zw - za * colsum(w') + bias`` and whether any
+    ``zw - shift`` is nonzero (the row sums are needed)."""
+    zw = np.asarray(zw, np.int64) - shift
+    c = (k * za) * xp.asarray(zw) - za * colsum
+    return zw, c if bias is None else c + bias, bool(np.any(zw))
+
+
+# kept for NumPy weights: a layer's terms repeat call after call
+_host_column_terms = kept(functools.partial(_column_terms, np))
 
 
 def nan_error(x) -> ValueError:
@@ -474,11 +489,9 @@ class Backend:
         xp = self.xp
         raw, off = self.raw_matmul(a, qd, pw, acc_dtype)
         k = a.shape[-1]
-        za, zw = int(za) + off, np.asarray(zw, np.int64) - pw.shift
-        c = (k * za) * xp.asarray(zw) - za * pw.colsum
-        if bias is not None:
-            c = c + bias
-        rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if np.any(zw) else None
+        terms = _host_column_terms if isinstance(pw.colsum, np.ndarray) else functools.partial(_column_terms, xp)
+        zw, c, rows = terms(k, int(za) + off, zw, pw.shift, pw.colsum, bias)
+        rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if rows else None
         want = raw.shape[:-2] + raw.shape[-1:]
         return self.gemm_epilogue(raw, rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw, rq, acc_dtype)
 

@@ -219,6 +219,7 @@ class Packed:
             raise TypeError(f"the int8 GEMM engine takes 8-bit codes, got {codes.dtype}")
         self.w = np.ascontiguousarray(self.w)
         self.colsum = self.w.sum(axis=-2, dtype=np.int64)
+        self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
         self.nibbles = None
         if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:

@@ -71,11 +71,8 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
     """
     if not callable(acc):
         acc = functools.partial(_requantized, backend, acc)
-    factors = [np.asarray(to_host(f)) for f in factors]
-    if all(f.ndim == 0 for f in factors):
-        axis = None
-    want = () if axis is None else next(f.shape for f in factors if f.ndim)  # acc.shape[axis]
     if not wants_output(scale, zero_point, dtype):
+        factors, axis, want = _factor_layout(factors, axis)
         acc = acc(None)
         backend = _backends.for_array(acc)  # the data's (Dask activations meeting in-memory weights: Dask)
         xp = backend.xp
@@ -90,16 +87,25 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                 )
         s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
         return QArray._new(acc.astype(np.int32), s, np.zeros(want, np.int32), qint32, axis, None)
-    rq, d, s_out, z_out = output_plan(op, factors, want, axis, scale, zero_point, dtype, default_dtype,
+    rq, d, s_out, z_out = output_plan(op, factors, axis, scale, zero_point, dtype, default_dtype,
                                        *resolve(mode, rounding), relu)
     return QArray._new(acc(rq), s_out, z_out, d, None, None)  # the backend of the data (Dask takes NumPy along)
 
 
+def _factor_layout(factors, axis):
+    """``factors`` as host arrays, the axis of the per-channel ones (None when
+    all are scalars) and their parameter shape (``acc.shape[axis]``)."""
+    factors = [np.asarray(to_host(f)) for f in factors]
+    if all(f.ndim == 0 for f in factors):
+        axis = None
+    return factors, axis, () if axis is None else next(f.shape for f in factors if f.ndim)
+
+
 @kept
-def output_plan(op, factors, want, axis, scale, zero_point, dtype, default_dtype, mode, rounding, relu):
-    """``finish``'s ``Requant`` and checked output ``(dtype, scale, zero_point)``
-    for factors of parameter shape ``want`` along ``axis``; kept, as they
-    repeat call after call."""
+def output_plan(op, factors, axis, scale, zero_point, dtype, default_dtype, mode, rounding, relu):
+    """``finish``'s ``Requant`` and checked output ``(dtype, scale, zero_point)``;
+    kept, as they repeat call after call."""
+    factors, axis, want = _factor_layout(factors, axis)
     d, s_out, z_out = output_params(op, scale, zero_point, dtype, default_dtype)
     for a in (s_out, z_out):
         a.setflags(write=False)

@@ -101,7 +101,7 @@ def _add_plans(op, da, s_a, z_a, db, s_b, z_b, scale, zero_point, dtype, mode, r
     parameters, kept (they repeat call after call)."""
     common = 2.0 * max(np.float64(s_a), np.float64(s_b)) / 2.0 ** _left_shift(da, db)
     ra, rb = (plan([s], common, int(z), 0, None, mode, rounding) for s, z in ((s_a, z_a), (s_b, z_b)))
-    return ra, rb, *output_plan(op, [np.float64(common)], (), None, scale, zero_point, dtype, da, mode, rounding, relu)
+    return ra, rb, *output_plan(op, [np.float64(common)], None, scale, zero_point, dtype, da, mode, rounding, relu)
 
 
 @on_data_device(integer_only=True)

@@ -59,7 +59,7 @@ class PackedWeight:
     keep one (``keep=True``: the backend may pack harder, e.g. into the CPU
     engine's own layout)."""
 
-    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other", "_bias")
+    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other", "_bias", "reach")
 
     def __init__(self, w: QArray, axis, keep=False):
         """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
@@ -72,8 +72,11 @@ class PackedWeight:
         self.backend, self.dtype, self.shape = w._backend, w.dtype, w.shape
         self.packed = self.backend.pack_weight(w.data, w.dtype, keep)
         self.zp = to_host(w.zero_point).astype(np.int64)
+        self.zp.setflags(write=False)  # a kept key (int_matmul's column terms), as the bias integers are
         self.scale = to_host(w.scale)
         self.codes, self.keep, self._other, self._bias = w.data, keep, None, None
+        # the widest |w - zw|: whether int32 holds a call's sums (``run``)
+        self.reach = int(np.max(np.maximum(self.zp - w.dtype.qmin, w.dtype.qmax - self.zp)))
 
     def packed_for(self, b):
         """The weights packed by backend ``b`` (in-memory weights meeting Dask
@@ -105,8 +108,7 @@ class PackedWeight:
             return acc if rq is None else b.requantize(acc, rq)
         # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
-        ww = int(np.max(np.maximum(self.zp - self.dtype.qmin, self.dtype.qmax - self.zp)))
-        wide = wide or bias is not None or k_len * wa * ww >= 2**31 - 2**30
+        wide = wide or bias is not None or k_len * wa * self.reach >= 2**31 - 2**30
         return b.int_matmul(a.data, a.dtype, za, pw, self.zp, bias, rq, np.int64 if wide else np.int32)
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
@@ -118,6 +120,8 @@ class PackedWeight:
             key = (array_key(factors[0]), mode, rounding, array_key(to_host(bias)))
             if self._bias is None or self._bias[0] != key:
                 self._bias = key, _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
+                if isinstance(self._bias[1], np.ndarray):
+                    self._bias[1].setflags(write=False)
             bias = self._bias[1]
         axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
         return finish(op, b, lambda rq: self.run(op, a, bias, rq), factors, axis, scale, zero_point, dtype,
