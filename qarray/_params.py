@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import types
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def array_key(a) -> tuple:
     return a.dtype, a.shape, a.tobytes()
 
 
-_AS_IS = (str, bool, type(None), np.dtype, np.generic, QDType, type)  # immutable: their own keys
+_AS_IS = (str, bool, type(None), np.dtype, np.generic, QDType, type, np.ufunc)  # immutable: their own keys
 
 
 def _array_key(a):
@@ -68,7 +69,16 @@ def _seq_key(a):
     return type(a), *map(_key, a)
 
 
-_KEY_OF = {np.ndarray: _array_key, list: _seq_key, tuple: _seq_key, int: _typed_key, float: _typed_key}
+def _function_key(f):
+    """A function by what it computes: its code, defaults and closure values
+    (a lambda made on each call with the same parameters is the same key).
+    Only for functions that read no changing global state."""
+    cells = tuple(c.cell_contents for c in f.__closure__ or ())
+    return f.__code__, _key(f.__defaults__), _key(cells)
+
+
+_KEY_OF = {np.ndarray: _array_key, list: _seq_key, tuple: _seq_key, int: _typed_key, float: _typed_key,
+           types.FunctionType: _function_key}
 
 
 def _key(a):
@@ -90,8 +100,10 @@ def kept(fn):
     shape, bytes), except read-only arrays that own their data, which are
     keyed by identity, the entry holding them: what ``fn`` returns should be
     read-only for that (``check_params``, ``plan``), so that one op's output
-    parameters are the next op's cheap key. Arguments of other types (device
-    arrays) are not kept: ``fn`` runs."""
+    parameters are the next op's cheap key. Functions are keyed by their code,
+    defaults and closure values (``_function_key``: only for functions that
+    read no changing state, such as the LUT activations'). Arguments of other
+    types (device arrays, objects) are not kept: ``fn`` runs."""
     cache: dict = {}
 
     @functools.wraps(fn)

@@ -86,6 +86,27 @@ def test_elu_alpha_and_leaky_slope():
     np.testing.assert_array_equal(got.int_repr(), want)
 
 
+def test_activation_tables_are_kept_per_parameter():
+    """The activations keep their tables (qarray._params.kept, keyed by the
+    function's code and closure): another slope or alpha, input scale or output
+    is another table, and a user's fn in lut() is never kept."""
+    q = all_codes("qint8", 0.05, 0)
+    for slope in (0.2, 0.5, 0.2):
+        want = reference(q.int_repr(), 0.05, 0, lambda x: x if x >= 0 else slope * x, 0.05, 0, "qint8")
+        np.testing.assert_array_equal(L.leaky_relu(q, negative_slope=slope).int_repr(), want)
+    q2 = all_codes("qint8", 0.1, 3)
+    want = reference(q2.int_repr(), 0.1, 3, lambda x: x if x >= 0 else 0.5 * x, 0.05, 0, "qint8")
+    np.testing.assert_array_equal(L.leaky_relu(q2, negative_slope=0.5, scale=0.05, zero_point=0).int_repr(), want)
+    state = [1.0]
+
+    def stateful(x):  # reads state that changes between calls: its table is made each call
+        return x * state[0]
+
+    first = L.lut(q, stateful, scale=0.05).int_repr()
+    state[0] = -1.0
+    np.testing.assert_array_equal(L.lut(q, stateful, scale=0.05).int_repr(), np.clip(-first.astype(np.int64), -128, 127))
+
+
 @pytest.mark.parametrize("din", ["qint16", "quint16"])
 def test_16_bit_input(backend, din, rng):
     d = qarray.qdtype(din)

@@ -17,7 +17,7 @@ import numpy as np
 from ..backends import on_data_device
 from .._api import quantize
 from .._dtypes import qdtype, qint8, quint8
-from .._params import check_scale, check_zero_point, to_host
+from .._params import check_scale, check_zero_point, kept, to_host
 from .._qarray import QArray
 from ._output import output_params_of
 
@@ -62,12 +62,17 @@ def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:
         raise TypeError(f"lut: fn must be callable (a function of a float64 array), got {type(fn).__name__}")
     d = qdtype(q.dtype if dtype is None else dtype)
     s_out, z_out = check_scale(scale), check_zero_point(zero_point, d)
-    sd = q.dtype
+    return _looked_up(q, _table(fn, q.dtype, to_host(q.scale), to_host(q.zero_point), q.axis, s_out, z_out, d),
+                      s_out, z_out, d)
+
+
+def _table(fn, sd, s_in, z_in, axis, s_out, z_out, d):
+    """``fn``'s quantized value for every code of ``sd`` at ``(s_in, z_in)``
+    (a row per channel along ``axis``), indexed by the code's unsigned bits."""
     n_table = 1 << (8 * sd.storage.itemsize)
     codes = np.arange(sd.qmin, sd.qmax + 1, dtype=np.int64)
-    s_in = to_host(q.scale).astype(np.float64)
-    z_in = to_host(q.zero_point).astype(np.int64)
-    if q.axis is not None:  # one row of codes per channel
+    s_in, z_in = s_in.astype(np.float64), z_in.astype(np.int64)
+    if axis is not None:  # one row of codes per channel
         s_in, z_in = s_in[:, None], z_in[:, None]
     real = (codes - z_in).astype(np.float64) * s_in
     name = getattr(fn, "__name__", repr(fn))
@@ -83,15 +88,25 @@ def lut(q: QArray, fn, *, scale, zero_point=0, dtype=None) -> QArray:
         raise ValueError(f"lut: fn {name} returned NaN (first at input {bad!r}); it must give real numbers")
     table = np.full(real.shape[:-1] + (n_table,), z_out, d.storage)
     table[..., codes & (n_table - 1)] = quantize(y, s_out, z_out, d).data
+    return table
+
+
+# The activations' functions are pure (their closures hold only their
+# parameters): their tables are kept, keyed by the function's code and
+# closure (qarray._params.kept). A user's fn in lut() may read state that
+# changes between calls, so its table is made each call.
+_activation_table = kept(_table)
+
+
+def _looked_up(q, table, s_out, z_out, d):
     b = q._backend
-    data = b.lut(q.data, b.param(table), q.axis)
-    return QArray._new(data, s_out, z_out, d, None, None, b)
+    return QArray._new(b.lut(q.data, b.param(table), q.axis), s_out, z_out, d, None, None, b)
 
 
 def _activation(op, fn, q, scale, zero_point, dtype, default=None) -> QArray:
     _check_input(op, q)
     d, s, z = output_params_of(op, q, scale, zero_point, dtype, default)
-    return lut(q, fn, scale=s, zero_point=z, dtype=d)
+    return _looked_up(q, _activation_table(fn, q.dtype, q.scale, q.zero_point, q.axis, s, z, d), s, z, d)
 
 
 def _sigmoid(x):
