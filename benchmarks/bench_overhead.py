@@ -122,6 +122,8 @@ def main(outdir: Path, quick: bool):
         say(text)
         out.append(row)
 
+    threads = next_to_torch(9 if quick else 21, say) if torch is not None else None
+
     cupy, qarray, _ = bench_gpu_host._stand_in()  # the CuPy backend's Python path, launches stubbed
     gcalls = 50 if quick else 1000
     kernel = cupy.RawModule(code="", options=()).get_function("floor")
@@ -135,8 +137,41 @@ def main(outdir: Path, quick: bool):
         say(f"{name:<36} cupy path {us:7.1f} us ({lo:.1f}-{hi:.1f})  {us / floor[0]:5.1f}x floor")
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_overhead.txt").write_text("\n".join(lines) + "\n")
-    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, cupy_stand_in=gpu, floor_us=floor[0]),
-                                                          indent=1) + "\n")
+    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, next_to_torch=threads, cupy_stand_in=gpu,
+                                                               floor_us=floor[0]), indent=1) + "\n")
+
+
+def next_to_torch(calls, say):
+    """quantize 2^24 float32 -> qint8 right after torch's (each call alternating
+    with ``torch.quantize_per_tensor``, no warm-up between them), then each alone
+    (``calls`` in a row): how much qarray's kernels lose when another library's
+    threads ran just before, the way they are used."""
+    x = np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)
+    tx = torch.from_numpy(x)
+
+    def f():
+        qa.quantize(x, 0.05, 3, "qint8")
+
+    def g():
+        torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8)
+
+    f(), g()
+    ms = {}
+    ms["qarray after torch"], ms["torch after qarray"] = alternate(f, g, calls)
+    ms["qarray alone"], _ = alternate(f, None, calls)
+    ms["torch alone"], _ = alternate(g, None, calls)
+    rows = {k: dict(median=statistics.median(v) / 1e3, lo=min(v) / 1e3, hi=max(v) / 1e3) for k, v in ms.items()}
+    say(f"quantize 2^24 float32 -> qint8, ms: median (min-max) of {calls} calls")
+    for k, r in rows.items():
+        say(f"  {k:<20} {r['median']:7.2f} ({r['lo']:.2f}-{r['hi']:.2f})")
+    med = {k: r["median"] for k, r in rows.items()}
+    rows["ratios"] = dict(after_torch_over_alone=med["qarray after torch"] / med["qarray alone"],
+                          qarray_over_torch_interleaved=med["qarray after torch"] / med["torch after qarray"],
+                          qarray_over_torch_alone=med["qarray alone"] / med["torch alone"])
+    say("  qarray after torch / alone {after_torch_over_alone:.2f}x (target <= 1.15x); qarray / torch "
+        "interleaved {qarray_over_torch_interleaved:.2f}x (target <= 0.9x), alone {qarray_over_torch_alone:.2f}x"
+        .format(**rows["ratios"]))
+    return rows
 
 
 if __name__ == "__main__":

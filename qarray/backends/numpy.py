@@ -107,14 +107,15 @@ def _plan_params(rq, pshape):
 
 @functools.lru_cache(maxsize=256)
 def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
-    """``_numba.binary``'s scalar arguments for these plans (kept: plans repeat)."""
+    """``_numba.binary``'s kernel and scalar arguments for these plans (kept: plans repeat)."""
     i64, f64 = np.int64, np.float64
 
     def operand(r, dtype):
-        return i64(r.zp_in), i64(r.m), i64(r.shift), f64(r.f), i64(r.rounding), r.narrow(dtype)
+        return i64(r.zp_in), i64(r.m), i64(r.shift), f64(r.f), r.narrow(dtype)
 
-    return (*operand(ra, a_dtype), *operand(rb, b_dtype), i64(BINARY_OPS[op]),
-            i64(rq.zp_out), i64(rq.m), i64(rq.shift), f64(rq.f), i64(rq.rounding), i64(rq.lo), i64(rq.hi))
+    kernel = _numba_kernels().binary(BINARY_OPS[op], ra.rounding, rb.rounding, rq.rounding)
+    return kernel, (*operand(ra, a_dtype), *operand(rb, b_dtype), i64(rq.zp_out), i64(rq.m), i64(rq.shift),
+                    f64(rq.f), i64(rq.lo), i64(rq.hi))
 
 
 class NumpyBackend(Backend):
@@ -238,8 +239,9 @@ class NumpyBackend(Backend):
                 or b.dtype.kind not in "iu":
             return super().binary(op, a, b, ra, rb, rq)
         out = self.empty(a.shape, rq.out_dtype)
-        k.parallel(k.binary, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1),
-                   *_binary_args(op, ra, rb, rq, a.dtype, b.dtype), out.reshape(-1), grain=k.GRAIN // k.BINARY_RUN)
+        kernel, args = _binary_args(op, ra, rb, rq, a.dtype, b.dtype)
+        k.parallel(kernel, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1), *args,
+                   out.reshape(-1), grain=k.GRAIN // k.BINARY_RUN)
         return out
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --

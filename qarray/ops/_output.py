@@ -86,7 +86,7 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
                     "pass output scale=, zero_point= and dtype= to requantize it instead"
                 )
         s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
-        return QArray._new(acc.astype(np.int32), s, np.zeros(want, np.int32), qint32, axis, None)
+        return QArray._new(acc.astype(np.int32, copy=False), s, np.zeros(want, np.int32), qint32, axis, None)
     rq, d, s_out, z_out = output_plan(op, factors, axis, scale, zero_point, dtype, default_dtype,
                                        *resolve(mode, rounding), relu)
     return QArray._new(acc(rq), s_out, z_out, d, None, None)  # the backend of the data (Dask takes NumPy along)

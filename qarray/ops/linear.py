@@ -24,7 +24,7 @@ import numpy as np
 from .. import backends as _backends
 from ..backends import on_data_device
 from .._dtypes import qint8, qint32, quint8
-from .._params import array_key, to_host
+from .._params import array_key, kept, to_host
 from .._qarray import QArray
 from . import _exact
 from ._output import finish
@@ -108,7 +108,7 @@ class PackedWeight:
             return acc if rq is None else b.requantize(acc, rq)
         # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
-        wide = wide or bias is not None or k_len * wa * self.reach >= 2**31 - 2**30
+        wide = wide or k_len * wa * self.reach + _reach(bias) >= 2**31 - 2**30
         return b.int_matmul(a.data, a.dtype, za, pw, self.zp, bias, rq, np.int64 if wide else np.int32)
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
@@ -126,6 +126,15 @@ class PackedWeight:
         axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
         return finish(op, b, lambda rq: self.run(op, a, bias, rq), factors, axis, scale, zero_point, dtype,
                       default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
+
+
+@kept
+def _reach(bias) -> int:
+    """The largest ``|bias|`` (0 for none): with the products' bound, whether
+    int32 holds the sums. A device bias counts as too large (int64 sums)."""
+    if bias is None:
+        return 0
+    return int(np.abs(bias).max(initial=0)) if isinstance(bias, np.ndarray) else 2**62
 
 
 def _bias_ints(op, b, bias, factors, n, mode, rounding):
