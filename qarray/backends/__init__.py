@@ -15,13 +15,12 @@ the Dask backend answers the one of the array's chunk type (NumPy or CuPy).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
 import numpy as np
 
-from ._base import Backend
+from ._base import NO_DEVICE, Backend
 
 __all__ = ["Backend", "register", "get", "for_array", "available", "on_data_device", "gemm_engine", "user_array"]
 
@@ -202,7 +201,7 @@ def on_data_device(op=None, *, integer_only=False):
         x = first[0] if isinstance(first, (list, tuple)) and first else first
         if integer_only:
             for q in (*(first if isinstance(first, (list, tuple)) else (first,)), *args, *kwargs.values()):
-                if getattr(getattr(q, "dtype", None), "kind", None) == "float" and hasattr(q, "_backend"):
+                if hasattr(q, "_backend") and getattr(q.dtype, "kind", None) == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
         if hasattr(x, "_backend"):  # a QArray
@@ -212,7 +211,10 @@ def on_data_device(op=None, *, integer_only=False):
                 b = for_array(x)
             except TypeError:  # numbers and lists: NumPy's, on no device
                 b = None
-        with contextlib.nullcontext() if b is None else b.on(x):
+        device = NO_DEVICE if b is None else b.on(x)
+        if device is NO_DEVICE:
+            return op(first, *args, **kwargs)
+        with device:
             return op(first, *args, **kwargs)
 
     return on_device

@@ -32,6 +32,9 @@ class FloatWeight(NamedTuple):
     bits: int
 
 
+NO_DEVICE = contextlib.nullcontext()  # Backend.on's "nothing to enter"
+
+
 def _column_terms(xp, k, za, zw, shift, colsum, bias):
     """:meth:`Backend.int_matmul`'s terms for ``a' = a + off`` (``za`` is
     ``za + off``) and ``w' = w - shift``: the host ``zw - shift``, the
@@ -156,8 +159,9 @@ class Backend:
 
     def on(self, x):
         """A context manager that makes ``x``'s device the current one (nothing to
-        do where there is one device): ops run inside it, see ``on_data_device``."""
-        return contextlib.nullcontext()
+        do where there is one device: ``NO_DEVICE``, which ``on_data_device``
+        skips): ops run inside it."""
+        return NO_DEVICE
 
     def over_batches(self, op, x, *args, **kwargs):
         """``op(x, *args, **kwargs)`` for an op whose samples (``x``'s first axis)
