@@ -52,6 +52,9 @@ os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, No
 # waiting for it costs ~50 us on the 2-core machine, where quantize float32 ->
 # int8 runs ~16 elements a ns; 2 threads beat 1 from ~2M elements (0.14 ms).
 GRAIN = 1 << 20
+# the time of an element, in quantize's: a second thread gets GRAIN // COST elements
+SOFTMAX_COST = 16  # gathers and a division a distance
+BINARY_COST = 4  # three requantizes
 PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
 
 

@@ -241,7 +241,7 @@ class NumpyBackend(Backend):
         out = self.empty(a.shape, rq.out_dtype)
         kernel, args = _binary_args(op, ra, rb, rq, a.dtype, b.dtype)
         k.parallel(kernel, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1), *args,
-                   out.reshape(-1), grain=k.GRAIN // k.BINARY_RUN)
+                   out.reshape(-1), grain=k.GRAIN // (k.BINARY_COST * k.BINARY_RUN))
         return out
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
@@ -323,11 +323,12 @@ class NumpyBackend(Backend):
             return super().softmax(x, table, s_in, s_out, z_out, lo, hi, log, out_dtype)
         x = contiguous(x)
         logs = np.zeros(x.shape[0])
+        grain = k.GRAIN // (k.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
-            k.parallel(k.softmax_sums, len(x), x, table, sums, grain=k.GRAIN // max(x.shape[1], 1))
+            k.parallel(k.softmax_sums, len(x), x, table, sums, grain=grain)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
         out = self.empty(x.shape, out_dtype)
         k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
-                   np.float64(lo), np.float64(hi), bool(log), out, grain=k.GRAIN // max(x.shape[1], 1))
+                   np.float64(lo), np.float64(hi), bool(log), out, grain=grain)
         return out
