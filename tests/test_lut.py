@@ -104,7 +104,8 @@ def test_activation_tables_are_kept_per_parameter():
 
     first = L.lut(q, stateful, scale=0.05).int_repr()
     state[0] = -1.0
-    np.testing.assert_array_equal(L.lut(q, stateful, scale=0.05).int_repr(), np.clip(-first.astype(np.int64), -128, 127))
+    want = np.clip(-first.astype(np.int64), -128, 127)
+    np.testing.assert_array_equal(L.lut(q, stateful, scale=0.05).int_repr(), want)
 
 
 @pytest.mark.parametrize("din", ["qint16", "quint16"])

@@ -18,7 +18,8 @@ def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
     """The sums alone: the IDENTITY epilogue, no bias (the ops test the rest);
     tasks (n, o) split among threads as the backend runs it."""
     z = np.zeros(wc.shape[0], np.int64)
-    parallel(_conv_grouped[IDENTITY, False], out.shape[0] * out.shape[1], xpad, za, wc, groups, sh, sw, dh, dw,
+    xflat = np.ascontiguousarray(xpad).reshape(*xpad.shape[:2], xpad.shape[2] * xpad.shape[3])
+    parallel(_conv_grouped[IDENTITY, False], out.shape[0] * out.shape[1], xpad, xflat, za, wc, groups, sh, sw, dh, dw,
              z, z, z, z, z.astype(np.float64), np.int64(-(2**63)), np.int64(2**63 - 1), out)
 
 

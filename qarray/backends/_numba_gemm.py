@@ -183,16 +183,16 @@ def _make_conv_grouped(code, narrow):
     source = _RESCALE_SOURCE
 
     @kernel
-    def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):
+    def conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):
         _ = source
-        _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
+        _conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
                       start, stop)
 
     return conv_grouped
 
 
 @njit(inline="always")
-def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
+def _conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
                   start, stop):
     """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
     its epilogue: bias and requantize (``_numba._rq``, per output channel).
@@ -200,6 +200,8 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
     - ``xpad``: (N, C, Hp, Wp) uint8 or int8, the input already padded with
       its zero point ``za`` (so padding contributes exactly 0). Rows (last
       axis) must be contiguous for speed; any strides work.
+    - ``xflat``: the same codes as (N, C, Hp * Wp), C-contiguous (a view of a
+      C-contiguous ``xpad``): strides 1 read its planes flat.
     - ``za``: int, the input zero point.
     - ``wc``: (O, C // groups, kh, kw) int16 or int32: centred weights
       ``w - zw[o]``.
@@ -220,10 +222,16 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
     the true sum fits in int32; e.g. with |x - za| <= 255 and |wc| <= 255
     (centred 8-bit weights) that holds for cg * kh * kw <= 33_025 taps.
 
-    Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``; for each output row, each tap adds
-    ``wc * x`` along the input row (contiguous for sw == 1, stride 2 as a
-    compile-time constant for sw == 2) into a thread-local int32 row that
-    starts at ``-za * sum(wc[o])`` and is then copied to ``out``.
+    Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``. Strides
+    1: each tap adds ``wc * x`` over the whole input plane at once, seen flat
+    with its row stride ``Wp``: output ``(i, j)`` is element ``i * Wp + j`` of
+    a thread-local int32 plane that starts at ``-za * sum(wc[o])``, one loop
+    of ``(OH - 1) * Wp + OW`` elements a tap (the columns ``j >= OW`` in
+    between are computed and dropped; every read stays inside the plane),
+    2.7x faster than a loop per output row of 56 (depthwise 3x3 on 56x56).
+    Other strides: for each output row, each tap adds ``wc * x`` along the
+    input row (stride 2 as a compile-time constant) into an int32 row. Then the
+    epilogue writes ``out``.
     """
     N, C, Hp, Wp = xpad.shape
     O, cg, kh, kw = wc.shape
@@ -237,6 +245,8 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
         raise ValueError("conv_grouped: out's OH, OW do not match the input, kernel, stride and dilation")
     og = O // groups
     acc = np.empty(OW, np.int32)
+    flat = max((OH - 1) * Wp + OW, 0) if sh == 1 and sw == 1 else 0
+    plane = np.empty(flat, np.int32)
     for t in range(start, stop):
         n = t // O
         o = t % O
@@ -247,6 +257,21 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
                 for q in range(kw):
                     wsum += np.int64(wc[o, c, p, q])
         base = np.int32(-np.int64(za) * wsum)  # wraps like the sum does
+        b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
+        if sh == 1 and sw == 1:
+            plane[:] = base
+            for c in range(cg):
+                for p in range(kh):
+                    for q in range(kw):
+                        wv = np.int32(wc[o, c, p, q])
+                        xr = xflat[n, c0 + c, p * dh * Wp + q * dw:]  # indexed from 0 (see _numba._span)
+                        for e in range(flat):
+                            plane[e] += np.int32(xr[e]) * wv
+            for i in range(OH):
+                orow, prow = out[n, o, i], plane[i * Wp:]
+                for j in range(OW):
+                    orow[j] = _rq(np.int64(prow[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
+            continue
         for i in range(OH):
             for j in range(OW):
                 acc[j] = base
@@ -271,7 +296,6 @@ def _conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, l
                             for j in range(OW):
                                 acc[j] += np.int32(xr[j]) * wv
             orow = out[n, o, i]
-            b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
             for j in range(OW):
                 orow[j] = _rq(np.int64(acc[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
 

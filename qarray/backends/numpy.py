@@ -321,7 +321,9 @@ class NumpyBackend(Backend):
         rq = NO_REQUANT if rq is None else rq
         out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
         cols = [np.ascontiguousarray(np.broadcast_to(0 if bias is None else bias, (o,))), *_columns(rq, o)]
-        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, np.int64(za), contiguous(wc), groups,
+        xpad = contiguous(xpad)
+        flat = xpad.reshape(n, xpad.shape[1], hp * wp)  # its planes seen flat (strides 1)
+        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(za), contiguous(wc), groups,
                    sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
