@@ -11,6 +11,7 @@ import pytest
 
 import qarray
 from qarray import QArray, qdtype
+from qarray._config import THREADS
 from qarray.backends import _gemm
 from qarray.ops import conv2d, linear, matmul
 
@@ -215,6 +216,25 @@ def test_config_gemm_is_checked():
         qarray.config.gemm = "mkl"
     assert qarray.config.gemm == "auto"
     assert "gemm='auto'" in repr(qarray.config)
+
+
+def test_small_products_run_on_a_one_thread_session(rng):
+    """Below SMALL_WORK products a layer's GEMM runs on a one-thread session,
+    made on the first such call (a pool's wake-up costs more than the work);
+    larger calls keep the layer's sessions on every thread; both exact."""
+    if _gemm.engine("auto") == "blas":
+        pytest.skip("no onnxruntime engine here")
+    k, n = 64, 48
+    wc = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    lin = qarray.nn.Linear(QArray.from_int(wc, 0.5, 0, "qint8"))
+    pw = lin._packed.packed
+    with qarray.config.using(numba=False):  # the engine, not the GEMV, for every M
+        big = _gemm.SMALL_WORK // (k * n) + 1
+        for m, made in ((big, False), (3, THREADS[0] > 1), (big, THREADS[0] > 1)):
+            x = rng.integers(0, 256, (m, k)).astype(np.uint8)
+            got = lin(QArray.from_int(x, 0.25, 7, "quint8")).int_repr()
+            np.testing.assert_array_equal(got, ref(x, 7, wc.T, np.zeros(n, np.int64)))
+            assert (pw.one_thread is not None) == made, m
 
 
 @pytest.mark.parametrize("wdt", ["qint4", "quint4"])

@@ -23,6 +23,7 @@ backend, which is always exact. ``qarray.config.gemm`` forces one.
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import uuid
 from collections import OrderedDict
@@ -68,9 +69,10 @@ def _ort():
     return onnxruntime, TensorProto, helper, numpy_helper
 
 
-def _session(w_type, k, weight=None):
+def _session(w_type, k, weight=None, threads=None):
     """A one-node ``MatMulInteger`` session: ``a`` (uint8, ``(..., M, k)``) times
-    the weights, an input of ``w_type`` or the initializer ``weight``."""
+    the weights, an input of ``w_type`` or the initializer ``weight``, on
+    ``threads`` threads (default ``qarray.set_num_threads``')."""
     ort, tp, helper, numpy_helper = _ort()
     etype = tp.INT8 if w_type == np.int8 else tp.UINT8
     inputs = [helper.make_tensor_value_info("a", tp.UINT8, None)]
@@ -84,7 +86,7 @@ def _session(w_type, k, weight=None):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = THREADS[0], 1
+    so.intra_op_num_threads, so.inter_op_num_threads = threads or THREADS[0], 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to Numba after a call
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -184,6 +186,7 @@ def _numba_gemm():
 # rows on the engine (or _numba_gemm.gemv_8bit) on the int8 codes is faster
 # (M = 16 x 4096 x 4096: 0.42 ms against 1.14, bench_ops)
 SMALL_M = 1
+SMALL_WORK = 1 << 21  # products (M * K * N) below which a session runs on one thread
 _REPACKED: OrderedDict = OrderedDict()  # Packed.token -> this process's packing of those weights
 
 
@@ -209,7 +212,7 @@ class Packed:
     session per K chunk. 4-bit weights also keep ``nibbles``, two codes to a
     byte, for small M (``packed4_kernel``). Pickled as its codes (:func:`_repack`)."""
 
-    __slots__ = ("name", "w", "shift", "colsum", "sessions", "nibbles", "signed", "qd", "keep", "token")
+    __slots__ = ("name", "w", "shift", "colsum", "sessions", "one_thread", "nibbles", "signed", "qd", "keep", "token")
 
     def __init__(self, name, codes, qd, keep, numba=True):
         self.name, self.signed, self.qd, self.keep, self.token = name, qd.signed, qd, keep, uuid.uuid4().hex
@@ -229,7 +232,7 @@ class Packed:
         if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
             kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
             self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
-        self.sessions = None
+        self.sessions = self.one_thread = None
         if keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
@@ -251,15 +254,22 @@ class Packed:
             k4.parallel(k4.gemm_packed4, len(self.nibbles), halves[0], halves[1], self.nibbles, self.signed, out)
             return out
         step = _KMAX[self.name]
+        # onnxruntime's thread pool costs ~10 us a run: below SMALL_WORK products one thread is faster
+        threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
+        sessions = self.sessions
+        if sessions is not None and threads == 1 != THREADS[0]:  # made on the first small call: small weights
+            if self.one_thread is None:
+                self.one_thread = [_session(self.w.dtype.type, k, self.w[k0:k0 + step], 1) for k0 in range(0, k, step)]
+            sessions = self.one_thread
         out = None
         for i, k0 in enumerate(range(0, max(k, 1), step)):
             ak = a[..., k0:k0 + step]
-            if self.sessions is not None:
-                part = self.sessions[i].run(None, {"a": ak})[0]
+            if sessions is not None:
+                part = sessions[i].run(None, {"a": ak})[0]
             else:
-                key = (self.w.dtype.type, THREADS[0])
+                key = (self.w.dtype.type, threads)
                 if key not in _sessions:
-                    _sessions[key] = _session(self.w.dtype.type, None)
+                    _sessions[key] = _session(self.w.dtype.type, None, threads=threads)
                 part = _sessions[key].run(None, {"a": ak, "w": self.w[..., k0:k0 + step, :]})[0]
             if k <= step:
                 return part
