@@ -186,7 +186,10 @@ def _numba_gemm():
 # rows on the engine (or _numba_gemm.gemv_8bit) on the int8 codes is faster
 # (M = 16 x 4096 x 4096: 0.42 ms against 1.14, bench_ops)
 SMALL_M = 1
-SMALL_WORK = 1 << 21  # products (M * K * N) below which a session runs on one thread
+# products (M * K * N) below which a session runs on one thread: waking the pool
+# costs ~7 us a run; 256x64x128 takes 8.6 us on one thread, 15.4 on two; the
+# two break even near 2**24 (256x256x256: 37 against 38 us)
+SMALL_WORK = 1 << 24
 _REPACKED: OrderedDict = OrderedDict()  # Packed.token -> this process's packing of those weights
 
 
@@ -254,7 +257,6 @@ class Packed:
             k4.parallel(k4.gemm_packed4, len(self.nibbles), halves[0], halves[1], self.nibbles, self.signed, out)
             return out
         step = _KMAX[self.name]
-        # onnxruntime's thread pool costs ~10 us a run: below SMALL_WORK products one thread is faster
         threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
         sessions = self.sessions
         if sessions is not None and threads == 1 != THREADS[0]:  # made on the first small call: small weights
