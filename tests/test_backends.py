@@ -328,6 +328,27 @@ def test_kernel_tasks_are_cut_into_parts_that_threads_claim(threads):
     assert sorted(parts) == ([(0, 1), (1, 2)] if numba.config.NUMBA_NUM_THREADS > 1 else [(0, 2)])
 
 
+def test_pool_threads_keep_off_the_callers_cpu(threads, monkeypatch):
+    """Linux wakes a thread on its waker's CPU, where it preempted the caller
+    while another library's threads spun on the other core: before each call
+    the pool threads are kept to the process's other CPUs."""
+    import os
+
+    k = pytest.importorskip("qarray.backends._numba")
+    import numba
+
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if len(allowed) < 2 or numba.config.NUMBA_NUM_THREADS < 2 or k._cpu_of_caller() is None:
+        pytest.skip("needs Linux and two CPUs")
+    threads(2)
+    for _ in range(3):  # the first calls start the pool's thread
+        k.parallel(lambda start, stop: None, 2)
+    for here in sorted(allowed)[:2]:
+        monkeypatch.setattr(k, "_cpu_of_caller", lambda: here)  # the caller runs on CPU `here`
+        k.parallel(lambda start, stop: None, 2)
+        assert len(k._pool[2]) == 1 and all(os.sched_getaffinity(t) == allowed - {here} for t in k._pool[2])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_parts_that_split_a_row_give_the_same_codes(threads, n):
     """Per-axis parameters along the last axis: the kernels' tasks are runs along
