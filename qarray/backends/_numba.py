@@ -86,9 +86,11 @@ def _away_from_caller():
     if here is None or not hasattr(os, "sched_setaffinity"):
         return
     others = os.sched_getaffinity(0) - {here}
-    if others:
-        for tid in _pool[2]:
+    for tid in _pool[2] if others else ():
+        try:
             os.sched_setaffinity(tid, others)
+        except OSError:  # a thread that has ended, a set the system refuses: nothing to win
+            pass
 
 
 def parallel(k, tasks, *args, grain=1):
