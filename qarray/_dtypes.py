@@ -92,6 +92,8 @@ def qdtype(spec) -> QDType:
     if isinstance(spec, QDType):
         return spec
     if isinstance(spec, str):
+        if spec in _NAMES:  # the common call: "qint8"
+            return _NAMES[spec]
         key = spec.lower()
         key = key[6:] if key.startswith("torch.") else key
         if key in _NAMES:

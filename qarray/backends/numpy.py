@@ -99,6 +99,14 @@ def _param(p, dtype, pshape):
     return c
 
 
+@functools.lru_cache(maxsize=64)
+def _bounds(qd, dtype):
+    """quantize's clamp type and bounds: <= 16-bit results clamp exactly in
+    float32; qint32 (and float64 input) needs float64."""
+    ct = np.float64 if (dtype == np.float64 or qd.bits > 16) else np.float32
+    return ct, ct(qd.qmin), ct(qd.qmax)
+
+
 @functools.lru_cache(maxsize=256)
 def _plan_params(rq, pshape):
     """``rq``'s parameters as the kernels take them (``_param``), kept per plan."""
@@ -107,15 +115,11 @@ def _plan_params(rq, pshape):
 
 @functools.lru_cache(maxsize=256)
 def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
-    """``_numba.binary``'s kernel and scalar arguments for these plans (kept: plans repeat)."""
-    i64, f64 = np.int64, np.float64
-
-    def operand(r, dtype):
-        return i64(r.zp_in), i64(r.m), i64(r.shift), f64(r.f), r.narrow(dtype)
-
+    """``_numba.binary``'s kernel and its parameter arrays for these plans (kept: plans repeat)."""
+    ints = [ra.zp_in, ra.m, ra.shift, ra.narrow(a_dtype), rb.zp_in, rb.m, rb.shift, rb.narrow(b_dtype), rq.zp_out,
+            rq.m, rq.shift, rq.lo, rq.hi]
     kernel = _numba_kernels().binary(BINARY_OPS[op], ra.rounding, rb.rounding, rq.rounding)
-    return kernel, (*operand(ra, a_dtype), *operand(rb, b_dtype), i64(rq.zp_out), i64(rq.m), i64(rq.shift),
-                    f64(rq.f), i64(rq.lo), i64(rq.hi))
+    return kernel, (np.array([int(v) for v in ints], np.int64), np.array([float(ra.f), float(rb.f), float(rq.f)]))
 
 
 class NumpyBackend(Backend):
@@ -145,9 +149,14 @@ class NumpyBackend(Backend):
         inner loops fast), its rows split among threads; returns every part's
         result. ``params(pshape)`` gives the parameter arrays of a piece."""
         k = _numba_kernels()
+        pieces = _pieces(a.shape, axis, block_size)
+        if len(pieces) == 1:  # the common call: the whole array, one view
+            _, lay, bidx = pieces[0]
+            return k.parallel(kernel, lay.outer * lay.n, contiguous(a).reshape(lay.dims), *params(lay.pshape), bidx,
+                              *args, out.reshape(lay.dims), grain=k.GRAIN // max(lay.inner, 1))
         af, of = contiguous(a).reshape(-1), out.reshape(-1)
         results = []
-        for sl, lay, bidx in _pieces(a.shape, axis, block_size):
+        for sl, lay, bidx in pieces:
             ps = params(lay.pshape)
             rows = lay.outer * lay.n  # the tasks: rows (o, l) of the (outer, n, inner) view
             results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, bidx, *args, of[sl].reshape(lay.dims),
@@ -160,14 +169,14 @@ class NumpyBackend(Backend):
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
-        # <= 16-bit results clamp exactly in float32; qint32 needs float64.
-        ct = np.float64 if (x.dtype == np.float64 or qd.bits > 16) else np.float32
+        ct, lo, hi = _bounds(qd, x.dtype)
         out = self.empty(x.shape, qd.storage)
+
         def params(pshape):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
-        bad = self._run(k.quantize, x, out, axis, block_size, params, ct(qd.qmin), ct(qd.qmax))
-        if any(v != v for v in bad) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
+        bad = sum(self._run(k.quantize, x, out, axis, block_size, params, lo, hi))
+        if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out
 
