@@ -81,10 +81,16 @@ _KEY_OF = {np.ndarray: _array_key, list: _seq_key, tuple: _seq_key, int: _typed_
            types.FunctionType: _function_key}
 
 
+_BARE = frozenset((str, bool, type(None), QDType))  # their own keys: no two of them equal across types
+# (a QDType equals its name: both mean the same dtype)
+
+
 def _key(a):
     """``a``'s part of a ``kept`` key, or TypeError where ``a`` is not a value
     that can be keyed (a CuPy array, a torch tensor: keyed by identity, they
     could change underneath)."""
+    if type(a) in _BARE:
+        return a
     f = _KEY_OF.get(type(a))
     if f is None:
         if not isinstance(a, _AS_IS):

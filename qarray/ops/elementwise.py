@@ -71,7 +71,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
     backend, _ = _operands(op, a, b)
     xp = backend.xp
     mode, rounding = resolve(mode, rounding)
-    s_a, s_b = (to_host(q.scale) for q in (a, b))
+    s_a, s_b = to_host(a.scale), to_host(b.scale)
     if not wants_output(scale, zero_point, dtype):
         if s_a != s_b:
             raise ValueError(
