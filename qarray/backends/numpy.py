@@ -9,6 +9,7 @@ the same integers and the same float bits.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -54,13 +55,13 @@ def _aligned_empty(shape, dtype):
     (``madvise``), but a mapping that starts mid-page takes 4 KiB pages up to
     the first boundary: a 16 MiB array faulted ~2 MiB in 4 KiB pages, and
     16 such chunks took 1.5x as long to fill as one array of their size."""
-    out = np.empty(shape, dtype)
-    size = out.nbytes
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
     if size < 1 << 22:
-        return out
+        return np.empty(shape, dtype)
     raw = np.empty(size + _PAGE, np.uint8)
     start = -raw.ctypes.data % _PAGE
-    return raw[start:start + size].view(out.dtype).reshape(shape)
+    return raw[start:start + size].view(dtype).reshape(shape)
 
 
 @functools.lru_cache(maxsize=512)
