@@ -66,6 +66,8 @@ def _typed_key(a):
 
 
 def _seq_key(a):
+    if all(type(v) is int for v in a):  # a shape
+        return "ints", *a
     return type(a), *map(_key, a)
 
 

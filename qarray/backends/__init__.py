@@ -208,6 +208,8 @@ def on_data_device(op=None, *, integer_only=False):
                 if hasattr(q, "_backend") and getattr(q.dtype, "kind", None) == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
+        if type(x) is np.ndarray and _by_type.get(np.ndarray) is _by_name.get("numpy"):
+            return op(first, *args, **kwargs)  # the common call: NumPy's, on no device
         if hasattr(x, "_backend"):  # a QArray
             b, x = x._backend, x.data
         else:
