@@ -14,6 +14,7 @@ from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
 from ._params import check_params, check_scale, expand, float_values, kept, param_shape, to_host
+from . import _qarray
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
 
@@ -374,3 +375,6 @@ def unpack(packed, dtype, shape):
     else:
         codes = packed.reshape(-1).copy()
     return codes.reshape(shape).view(d.storage)
+
+
+_qarray.API.update(dequantize=dequantize, requantize=requantize)  # QArray.dequantize / .requantize
