@@ -158,7 +158,10 @@ def dask_rows(quick):
     ratio_row("dask (CuPy chunks) quantize+dequantize vs in memory",
               gpu_ms(lambda: qarray.quantize(dx, 0.02, 3, "qint8").dequantize().persist(**persist)),
               gpu_ms(lambda: qarray.quantize(x, 0.02, 3, "qint8").dequantize()), 1.5, f"{n} in 16 chunks")
-    lin = qarray.nn.Linear.from_float(cupy.random.standard_normal((1024, 1024), dtype=cupy.float32))  # per channel
+    # per-channel weights at given scales: no parameters from the data (on the stand-in, whose launches
+    # are stubbed, a minmax would read an uninitialized array, sometimes inf)
+    w = cupy.random.standard_normal((1024, 1024), dtype=cupy.float32)
+    lin = qarray.nn.Linear(qarray.quantize(w, np.full(1024, 0.03, np.float32), 0, "qint8", axis=0))
     xa = cupy.random.standard_normal((rows, 1024), dtype=cupy.float32)
     a = qarray.quantize(xa, 0.05, 0, "qint8")
     a_chunks = qarray.quantize(da.from_array(xa, chunks=(rows // 16, 1024), asarray=False), 0.05, 0, "qint8").persist()
