@@ -52,7 +52,7 @@ def array_key(a) -> tuple:
     return a.dtype, a.shape, a.tobytes()
 
 
-_AS_IS = (str, bool, type(None), np.dtype, np.generic, QDType, type, np.ufunc)  # immutable: their own keys
+_AS_IS = (np.dtype, np.generic, type, np.ufunc)  # immutable, keyed with their type
 
 
 def _array_key(a):
@@ -102,8 +102,8 @@ def _key(a):
 
 
 def kept(fn):
-    """``fn`` of host parameters, computed once per value of its (positional)
-    arguments and kept: parameters repeat call after call, and working them out
+    """``fn`` of host parameters, computed once per value of its arguments and
+    kept: parameters repeat call after call, and working them out
     took most of a small call's host time. Arrays are keyed by value (dtype,
     shape, bytes), except read-only arrays that own their data, which are
     keyed by identity, the entry holding them: what ``fn`` returns should be

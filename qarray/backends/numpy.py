@@ -199,6 +199,7 @@ class NumpyBackend(Backend):
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
         ft = np.float64 if dtype == np.float64 else np.float32
         out = self.empty(q.shape, ft)
+
         def params(pshape):
             return _param(scale, ft, pshape), _param(zero_point, np.int64, pshape)
 
