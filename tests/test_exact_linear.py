@@ -60,6 +60,33 @@ def test_linear_and_matmul(dx, dw, dout, kernels, data):
         np.testing.assert_array_equal(qa.matmul(xq, bq, **kw).int_repr(), want, err_msg=f"matmul {rule}")
 
 
+def test_a_bias_beyond_int32_keeps_int64_sums(kernels):
+    """A bias whose integers with the products pass int32 (the layer keeps
+    int32 sums only where |products| + |bias| fit): exact, requantized to qint32
+    without clamping, through nn.Linear and linear; as the accumulator alone,
+    the ValueError that names the reach."""
+    check_path(kernels)
+    k = 8
+    xc = np.full((2, k), 255, np.uint8)
+    xc[1] = 0
+    x = QArray.from_int(xc, 1.0, 0, "quint8")
+    codes = np.array([[127] * k, [-128] * k, [127] * k, [-128] * k], np.int8)
+    w = QArray.from_int(codes, 1.0, 0, "qint8")
+    bias = np.array([2**31 - 256, -(2**31) + 256, 2**30, -(2**30)], np.float32)  # exact in float32
+    acc = xc.astype(object) @ codes.astype(object).T + bias_ints(bias, 1.0, 1.0)
+    assert acc.max() > 2**31 and acc.min() < -(2**31)  # beyond int32 both ways
+    s_out = np.float32(4.0)
+    for rule in RULES:
+        want = ref_acc_out(acc, np.float32(1), np.ones(4, np.float32), (s_out, 0), qdtype("qint32"), rule, False, 1)
+        kw = dict(scale=s_out, zero_point=0, dtype="qint32", **rounding_kw(rule))
+        np.testing.assert_array_equal(qa.linear(x, w, bias, **kw).int_repr(), want, err_msg=rule)
+        layer = qa.nn.Linear(w, bias)
+        for _ in range(2):  # the layer's kept bias integers the second time
+            np.testing.assert_array_equal(layer(x, **kw).int_repr(), want, err_msg=rule)
+    with pytest.raises(ValueError, match="beyond qint32"):
+        qa.linear(x, w, bias)
+
+
 def test_linear_long_k_extreme_codes(kernels):
     """K = 2**18 products of extreme codes: accumulators near 2**34, per-channel
     weights, an output scale that makes row 0's accumulators exact ties."""
