@@ -92,7 +92,7 @@ def common(*arrays) -> Backend:
     """The one backend of all ``arrays``; TypeError naming both when they differ.
     Dask arrays take in-memory arrays of their chunks' type along (each joins as
     one chunk)."""
-    if all(type(a) is np.ndarray for a in arrays) and arrays:  # the common call: one backend for all
+    if arrays and all(type(a) is np.ndarray for a in arrays):  # the common call: one backend for all
         found = for_array(arrays[0])
         found.check_together(arrays)
         return found

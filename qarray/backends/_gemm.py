@@ -259,7 +259,7 @@ class Packed:
         step = _KMAX[self.name]
         threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
         sessions = self.sessions
-        if sessions is not None and threads == 1 != THREADS[0]:  # made on the first small call: small weights
+        if sessions is not None and threads == 1 and THREADS[0] > 1:  # made on the first small call: small weights
             if self.one_thread is None:
                 self.one_thread = [_session(self.w.dtype.type, k, self.w[k0:k0 + step], 1) for k0 in range(0, k, step)]
             sessions = self.one_thread

@@ -25,6 +25,7 @@ its branches fold away; Numba's cache key includes it).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import itertools
@@ -59,20 +60,20 @@ BINARY_COST = 4  # three requantizes
 PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
 
 
-def _cpu_of_caller():
-    """The CPU the calling thread runs on (Linux's ``sched_getcpu``), or None."""
-    try:
-        return _libc.sched_getcpu()
-    except AttributeError:
-        return None
-
-
 try:
     import ctypes
 
     _libc = ctypes.CDLL(None)
 except OSError:  # no C library to ask (not Linux)
     _libc = None
+
+
+def _cpu_of_caller():
+    """The CPU the calling thread runs on (Linux's ``sched_getcpu``), or None."""
+    try:
+        return _libc.sched_getcpu()
+    except AttributeError:  # no C library, or one without sched_getcpu
+        return None
 
 
 def _away_from_caller():
@@ -374,15 +375,10 @@ def _make_binary(op, ca, cb, code):
     return binary
 
 
-_BINARY = {}
-
-
+@functools.cache
 def binary(op, ca, cb, code):
-    """The kernel of :func:`_make_binary` for these codes, made once each."""
-    key = (int(op), int(ca), int(cb), int(code))
-    if key not in _BINARY:
-        _BINARY[key] = _make_binary(*key)
-    return _BINARY[key]
+    """The kernel of :func:`_make_binary` for these (int) codes, made once each."""
+    return _make_binary(op, ca, cb, code)
 
 
 def _make_gemm_epilogue(code, narrow):

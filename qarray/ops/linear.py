@@ -24,7 +24,7 @@ import numpy as np
 from .. import backends as _backends
 from ..backends import on_data_device
 from .._dtypes import qint8, qint32, quint8
-from .._params import array_key, kept, to_host
+from .._params import kept, to_host
 from .._qarray import QArray
 from . import _exact
 from ._output import finish
@@ -59,7 +59,7 @@ class PackedWeight:
     keep one (``keep=True``: the backend may pack harder, e.g. into the CPU
     engine's own layout)."""
 
-    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other", "_bias", "reach")
+    __slots__ = ("backend", "packed", "zp", "scale", "dtype", "shape", "codes", "keep", "_other", "reach")
 
     def __init__(self, w: QArray, axis, keep=False):
         """``w`` holds ``(..., K, N)`` weights; ``axis`` is where its per-channel
@@ -74,7 +74,7 @@ class PackedWeight:
         self.zp = to_host(w.zero_point).astype(np.int64)
         self.zp.setflags(write=False)  # a kept key (int_matmul's column terms), as the bias integers are
         self.scale = to_host(w.scale)
-        self.codes, self.keep, self._other, self._bias = w.data, keep, None, None
+        self.codes, self.keep, self._other = w.data, keep, None
         # the widest |w - zw|: whether int32 holds a call's sums (``run``)
         self.reach = int(np.max(np.maximum(self.zp - w.dtype.qmin, w.dtype.qmax - self.zp)))
 
@@ -114,15 +114,8 @@ class PackedWeight:
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         b = self.backend
         factors = [to_host(a.scale), self.scale]
-        if isinstance(bias, QArray):
+        if bias is not None:
             bias = _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
-        elif bias is not None:  # a float bias: the last call's integers again where it and a.scale are the same
-            key = (array_key(factors[0]), mode, rounding, array_key(to_host(bias)))
-            if self._bias is None or self._bias[0] != key:
-                self._bias = key, _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
-                if isinstance(self._bias[1], np.ndarray):
-                    self._bias[1].setflags(write=False)
-            bias = self._bias[1]
         axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
         return finish(op, b, lambda rq: self.run(op, a, bias, rq), factors, axis, scale, zero_point, dtype,
                       default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
@@ -139,8 +132,8 @@ def _reach(bias) -> int:
 
 def _bias_ints(op, b, bias, factors, n, mode, rounding):
     """The bias as int64 at the accumulator's scale ``a.scale * w.scale``."""
-    acc_scale = np.broadcast_to(np.float32(factors[0]) * np.asarray(factors[1], np.float32), (n,))
     if isinstance(bias, QArray):
+        acc_scale = _acc_scale(*factors, n)
         if bias.dtype is not qint32 or bias.shape != (n,):
             raise ValueError(f"{op}: a quantized bias must be qint32 of shape ({n},), got {bias.dtype.name} {bias.shape}")
         if bias.axis is None and np.all(to_host(bias.scale) == acc_scale) and not np.any(to_host(bias.zero_point)):
@@ -148,9 +141,21 @@ def _bias_ints(op, b, bias, factors, n, mode, rounding):
         axis = 0 if acc_scale.ndim and np.ptp(acc_scale) else None
         target = acc_scale if axis is not None else acc_scale[0]
         return bias.requantize(target, 0, qint32, axis=axis, mode=mode, rounding=rounding).data.astype(np.int64)
-    bias_h = np.asarray(to_host(bias))
+    return b.param(_float_bias_ints(op, np.asarray(to_host(bias)), *factors, n))
+
+
+def _acc_scale(s_a, s_w, n):
+    """The accumulator's float32 scale per output channel, ``(n,)``."""
+    return np.broadcast_to(np.float32(s_a) * np.asarray(s_w, np.float32), (n,))
+
+
+@kept
+def _float_bias_ints(op, bias_h, s_a, s_w, n):
+    """A float bias as int64 at the accumulator's scale; kept (read-only): a
+    layer's bias and its input scale repeat call after call."""
     if bias_h.dtype.kind != "f" or bias_h.shape != (n,):
         raise ValueError(f"{op}: bias must be a float array of shape ({n},) or a qint32 QArray, got {bias_h.dtype} {bias_h.shape}")
+    acc_scale = _acc_scale(s_a, s_w, n)
     with np.errstate(over="ignore"):
         q = np.rint(bias_h.astype(np.float32) / acc_scale)
     bad = np.flatnonzero(~(np.abs(q) < 2**31))
@@ -162,7 +167,9 @@ def _bias_ints(op, b, bias, factors, n, mode, rounding):
             f"{bad[:3].tolist()}{more} (channel {c}: bias {bias_h[c]!s}, input scale * weight scale "
             f"{acc_scale[c]!s}); quantize x, or that channel's weights, with a larger scale"
         )
-    return b.param(q.astype(np.int64))
+    ints = q.astype(np.int64)
+    ints.setflags(write=False)
+    return ints
 
 
 @on_data_device
