@@ -30,7 +30,7 @@ qa.mul(q, q, scale=0.1, zero_point=0, dtype="qint8", relu=True)
 qa.sigmoid(q)
 rng = np.random.default_rng(0)
 xs = qa.QArray.from_int(rng.integers(0, 256, (64, 128)), 0.02, 128, "quint8")
-for wdt in ("qint8", "qint4"):  # the engine's epilogue; M = 1: the GEMV, or on 4-bit weights the packed kernel
+for wdt in ("qint8", "qint4"):  # the engine's epilogue; M = 1 on 4-bit weights: the packed kernel
     lin = qa.nn.Linear.from_float(rng.standard_normal((256, 128)).astype(np.float32), weight_dtype=wdt)
     lin(xs, scale=0.5, zero_point=0, dtype="qint8")
     lin(xs[:1])

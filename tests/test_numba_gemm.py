@@ -9,8 +9,7 @@ pytest.importorskip("numba")
 from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 
 from qarray._fixed_point import IDENTITY  # noqa: E402
-from qarray.backends import _numba_gemm  # noqa: E402
-from qarray.backends._numba_gemm import GEMV_COLS, gemm_packed4, gemv_8bit, im2col, pack4, parallel  # noqa: E402
+from qarray.backends._numba_gemm import gemm_packed4, im2col, pack4, parallel  # noqa: E402
 from qarray.backends._numba_gemm import conv_grouped as _conv_grouped  # noqa: E402
 
 
@@ -118,68 +117,6 @@ def test_gemm_packed4_largest_exact_k():
     w[1] = 0
     got = _gemm(a, w, False)
     assert got[0, 0] == 255 * 15 * k > 2**30 and got[0, 1] == 0
-
-
-# ---------------------------------------------------------------- gemv_8bit
-
-def _gemv(a, w):
-    out = np.full((a.shape[0], w.shape[1]), 7, np.int32)  # every element written
-    parallel(gemv_8bit, -(-w.shape[1] // GEMV_COLS), a, w, out, grain=1)  # tasks shared by the threads
-    return out
-
-
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("wdtype", [np.int8, np.uint8])
-def test_gemv_8bit_random_and_extremes(m, wdtype, rng):
-    k, n = 1000, 2 * GEMV_COLS + 3  # a short last block of columns
-    info = np.iinfo(wdtype)
-    w = rng.integers(info.min, info.max + 1, (k, n)).astype(wdtype)
-    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
-    assert (_gemv(a, w) == a.astype(np.int64) @ w.astype(np.int64)).all()
-    a[:] = 255
-    for v in (info.min, info.max):
-        w[:] = v
-        assert (_gemv(a, w) == 255 * int(v) * k).all(), v
-
-
-def test_gemv_8bit_largest_exact_k():
-    """K * 255 * 255 just below 2**31: the int32 sums hold the exact result; and
-    255 * -128 * K far below -2**30."""
-    k = (2**31 - 1) // (255 * 255)
-    a = np.full((1, k), 255, np.uint8)
-    w = np.zeros((k, 3), np.uint8)
-    w[:, 0] = 255
-    got = _gemv(a, w)
-    assert got[0, 0] == 255 * 255 * k > 2**30 and (got[0, 1:] == 0).all()
-    ws = np.full((k, 2), -128, np.int8)
-    assert (_gemv(a, ws) == -128 * 255 * k).all()
-
-
-def test_linear_at_small_m_takes_the_gemv_exactly(monkeypatch, kernels_for_small_arrays):
-    """nn.Linear and matmul with one or two activation rows run gemv_8bit, not
-    a session of the int8 engine, and give the engine's exact integers: zero
-    points at both ends, per-channel weights, every code."""
-    import qarray as qa
-
-    pytest.importorskip("onnxruntime")
-    ran = []
-    monkeypatch.setattr(_numba_gemm, "gemv_8bit", lambda *a: ran.append(1) or gemv_8bit(*a))
-    rng = np.random.default_rng(1)
-    k, n = 300, 700
-    wq = qa.QArray.from_int(rng.integers(-128, 128, (n, k)), rng.uniform(0.01, 0.1, n).astype(np.float32),
-                            0, "qint8", axis=0)
-    layer = qa.nn.Linear(wq)
-    for m in (1, 2):
-        for dt, z in (("quint8", 0), ("quint8", 255), ("qint8", -128), ("qint8", 127)):
-            codes = rng.integers(qa.qdtype(dt).qmin, qa.qdtype(dt).qmax + 1, (m, k))
-            codes[0, :3] = (qa.qdtype(dt).qmin, qa.qdtype(dt).qmax, z)
-            x = qa.QArray.from_int(codes, 0.02, z, dt)
-            want = (codes.astype(np.int64) - z) @ wq.int_repr().astype(np.int64).T
-            ran.clear()
-            got = layer(x)
-            assert ran and got.dtype.name == "qint32", (m, dt, z)
-            np.testing.assert_array_equal(got.int_repr(), want)
-            np.testing.assert_array_equal(qa.matmul(x, wq.T).int_repr(), want)
 
 
 # ---------------------------------------------------------------- conv_grouped

@@ -183,7 +183,7 @@ def _numba_gemm():
 
 # at most this many activation rows read packed 4-bit weights directly: one row
 # reads half the bytes of the int8 codes, which bounds a decoder's step; from two
-# rows on the engine (or _numba_gemm.gemv_8bit) on the int8 codes is faster
+# rows on the engine on the int8 codes is faster
 # (M = 16 x 4096 x 4096: 0.42 ms against 1.14, bench_ops)
 SMALL_M = 1
 # products (M * K * N) below which a session runs on one thread: waking the pool

@@ -1,6 +1,5 @@
 """Numba CPU kernels for int8 inference: small-M GEMM on packed 4-bit weights,
-a GEMV on 8-bit weights, direct grouped / depthwise conv2d, and im2col for
-8-bit codes.
+direct grouped / depthwise conv2d, and im2col for 8-bit codes.
 
 Every kernel computes exact integers and writes into an ``out`` array the
 caller allocates; none applies zero points of the weights, scales or
@@ -25,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
-from ._numba import GRAIN, _RESCALE_SOURCE, _rq, kernel, parallel  # noqa: F401 (GRAIN, parallel: for callers)
+from ._numba import _RESCALE_SOURCE, _rq, kernel, parallel  # noqa: F401 (parallel: for callers)
 
 def pack4(w):
     """Pack 4-bit weight codes two to a byte.
@@ -143,38 +142,6 @@ def gemm_packed4(ae, ao, wp, signed, out, start, stop):
                 _dot1_u(ae, ao, m0, row, chunks, r)
             out[m0, n] = r[0]
             m0 += 1
-
-
-# -- one or two activation rows against 8-bit weights: a GEMV --------------------
-GEMV_M = 2  # at most this many activation rows take gemv_8bit (each reads the weights once)
-GEMV_COLS = 512  # output columns a task: a task's int32 sums stay in L1
-
-
-@kernel
-def gemv_8bit(a, w, out, start, stop):
-    """``out[m, n] = sum_k a[m, k] * w[k, n]`` for a few activation rows (a
-    decoder's token-by-token shape), the weights as the int8 GEMM engine keeps
-    them: ``(K, N)``, int8 or uint8.
-
-    - ``a``: (M, K) uint8, C-contiguous; ``w``: (K, N) 8-bit, C-contiguous;
-      ``out``: (M, N) int32.
-
-    Each weight row is read once per activation row, ``GEMV_COLS`` columns at
-    a time, and multiply-added into int32 sums that LLVM vectorizes (the
-    engine's GEMM reads the whole of ``w`` through a session run: 2.1 ms for
-    4096 x 4096 against 0.33 here). Exact for ``K * 255 * 255 < 2**31``
-    (K up to 33,000). Tasks: blocks of ``GEMV_COLS`` output columns.
-    """
-    n0, n1 = start * GEMV_COLS, min(stop * GEMV_COLS, w.shape[1])
-    acc = np.empty(n1 - n0, np.int32)
-    for m in range(a.shape[0]):
-        acc[:] = 0
-        for k in range(a.shape[1]):
-            am = np.int32(a[m, k])
-            wr = w[k, n0:n1]  # indexed from 0 (see _numba._span)
-            for j in range(n1 - n0):
-                acc[j] += am * np.int32(wr[j])
-        out[m, n0:n1] = acc
 
 
 def _make_conv_grouped(code, narrow):

@@ -272,14 +272,6 @@ class NumpyBackend(Backend):
         au, off = _gemm.to_unsigned(a, qd.signed)
         if au.size == 0:  # M = 0 or batch 0 (K = 0 and N = 0 never pack)
             return np.zeros(np.broadcast_shapes(a.shape[:-1], pw.w.shape[:-2] + (1,)) + pw.w.shape[-1:], np.int32), off
-        k = self._gemm_kernels(au)
-        (m, kl), n = au.shape[-2:], pw.w.shape[-1]
-        if k is not None and au.ndim == 2 == pw.w.ndim and m <= k.GEMV_M and pw.nibbles is None \
-                and pw.w.dtype.itemsize == 1 and kl * 255 * 255 < 2**31:  # a GEMV: no session run
-            out = self.empty((m, n), np.int32)
-            k.parallel(k.gemv_8bit, -(-n // k.GEMV_COLS), contiguous(au), pw.w, out,
-                       grain=max(1, k.GRAIN // (kl * k.GEMV_COLS // 16)))
-            return out, off
         return pw.raw(np.ascontiguousarray(au)), off
 
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
