@@ -145,3 +145,33 @@ def test_requantize_primitive_int64(d_out, kernels, data):
         got = get("numpy").requantize(d, rq)
         assert got.dtype == qo.storage
         np.testing.assert_array_equal(got, ref_int64(d, axis, M, zo, qo, rule), err_msg=rule)
+
+
+# -- the narrow path: |d| < 2**31 and shifts >= 32, one 64-bit product -------------
+NARROW_D = [-(2**31), -(2**31) + 1, -3 * 2**30 // 2, -(2**30), -6, -2, -1, 0, 1, 2, 6, 2**30, 3 * 2**29, 2**31 - 1]
+# shifts 32 (M = 1/4: ties at d = +-2, +-6), 61 and 62 (ties at d = +-2**30, -2**31),
+# 63 and beyond (capped at 63; everything rounds to 0), m at 2**31 - 1 and 2**30
+NARROW_M = [0.25, 0.75 * 2.0**-2, (2**31 - 1) * 2.0**-63, 2.0**-31, 2.0**-32, 2.0**-33, 2.0**-34, 2.0**-60,
+            2.0**-100]
+
+
+@pytest.mark.parametrize(**paths("d_out", ["qint32", "qint8"], ["qint32"]))
+@pytest.mark.parametrize("M", NARROW_M, ids=str)
+def test_requantize_narrow_path_at_the_extremes(d_out, M, kernels):
+    """int32 accumulators with zero point 0 take ``rescale(narrow=True)`` (one
+    64-bit product, rounded at once): int32's ends, ties of every rule and
+    shifts from 32 to 94, against the exact reference, output zero points at
+    both ends of qint8."""
+    from qarray._fixed_point import plan
+    from qarray.backends import get
+
+    check_path(kernels)
+    qo = qdtype(d_out)
+    d = np.array(NARROW_D, np.int32)
+    for zo in ([0, qo.qmin, qo.qmax] if qo.bits == 8 else [0]):
+        for rule in ("half_even", "half_away", "half_up"):  # tflite and float keep their own paths
+            rq = plan([M], np.float32(1.0), 0, zo, qo, "fixed", rule)
+            assert rq.narrow(np.int32), "the case must take the narrow path"
+            got = get("numpy").requantize(d, rq)
+            want = ref_int64(d.astype(np.int64), None, np.array([M]), np.array([zo]), qo, rule)
+            np.testing.assert_array_equal(got, want, err_msg=f"{rule} zo={zo}")

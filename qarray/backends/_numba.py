@@ -381,6 +381,13 @@ def binary(op, ca, cb, code):
     return _make_binary(op, ca, cb, code)
 
 
+@njit(inline="always")
+def _row_term(rowsum, r):
+    if rowsum is None:  # pruned as Numba compiles for None: the term folds away
+        return np.int64(0)
+    return rowsum[r]
+
+
 def _make_gemm_epilogue(code, narrow):
     """The integer GEMM's epilogue for one rounding code: zero-point terms, bias
     and requantize (or none: ``IDENTITY``) in one pass over the accumulator.
@@ -391,10 +398,10 @@ def _make_gemm_epilogue(code, narrow):
     def gemm_epilogue(raw, rowsum, c, zw, zo, m, sh, f, lo, hi, out, start, stop):
         """``out[r, n] = R(raw[r, n] + c[n] - zw[n] * rowsum[r])`` (``R``: the
         requantize of ``Requant`` with zp_in 0, per-column parameters), rows
-        ``start..stop``."""
+        ``start..stop``; ``rowsum`` None: no row term (compiled without it)."""
         _ = source
         for r in range(start, stop):
-            rs = rowsum[r]
+            rs = _row_term(rowsum, r)
             for n in range(raw.shape[1]):
                 d = np.int64(raw[r, n]) + c[n] - zw[n] * rs
                 out[r, n] = _rq(d, zo[n], m[n], sh[n], f[n], lo, hi, code, narrow)

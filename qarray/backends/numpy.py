@@ -284,8 +284,7 @@ class NumpyBackend(Backend):
         out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [p if p.shape == (n,) and p.flags.c_contiguous else np.ascontiguousarray(np.broadcast_to(p, (n,)))
                 for p in (c, np.asarray(zw))] + list(_columns(rq, n))
-        rows = np.zeros(m, np.int64) if rowsum is None else rowsum
-        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, contiguous(raw), rows, *cols, np.int64(rq.lo),
+        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, contiguous(raw), rowsum, *cols, np.int64(rq.lo),
                    np.int64(rq.hi), out, grain=k.GRAIN // max(n, 1))
         return out
 
