@@ -231,7 +231,7 @@ class Requant:
     def _shifts_32(self) -> bool:
         return bool((self.shift >= 32).all())
 
-    @property
+    @functools.cached_property
     def out_dtype(self) -> np.dtype:
         return np.dtype(np.int64) if self.qd is None else np.dtype(self.qd.storage)
 

@@ -190,6 +190,9 @@ def gemm_engine() -> str:
     return f"{name}: {_gemm.status(name)[1]}"
 
 
+_PLAIN = frozenset((int, float, str, bool, type(None)))  # the arguments that are never QArrays, told cheaply
+
+
 def on_data_device(op=None, *, integer_only=False):
     """Run ``op`` on the device of its first argument's data (a QArray, an array,
     or a sequence of QArrays): CuPy allocates and launches on the current
@@ -205,7 +208,7 @@ def on_data_device(op=None, *, integer_only=False):
         x = first[0] if isinstance(first, (list, tuple)) and first else first
         if integer_only:
             for q in (*(first if isinstance(first, (list, tuple)) else (first,)), *args, *kwargs.values()):
-                if hasattr(q, "_backend") and getattr(q.dtype, "kind", None) == "float":
+                if type(q) not in _PLAIN and hasattr(q, "_backend") and getattr(q.dtype, "kind", None) == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
         if type(x) is np.ndarray and _by_type.get(np.ndarray) is _by_name.get("numpy"):

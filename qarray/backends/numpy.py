@@ -55,8 +55,11 @@ def _aligned_empty(shape, dtype):
     (``madvise``), but a mapping that starts mid-page takes 4 KiB pages up to
     the first boundary: a 16 MiB array faulted ~2 MiB in 4 KiB pages, and
     16 such chunks took 1.5x as long to fill as one array of their size."""
+    n = math.prod(shape)
+    if n < 1 << 19:  # below 4 MiB whatever the dtype (8 bytes at most)
+        return np.empty(shape, dtype)
     dtype = np.dtype(dtype)
-    size = math.prod(shape) * dtype.itemsize
+    size = n * dtype.itemsize
     if size < 1 << 22:
         return np.empty(shape, dtype)
     raw = np.empty(size + _PAGE, np.uint8)
@@ -66,9 +69,11 @@ def _aligned_empty(shape, dtype):
 
 @functools.lru_cache(maxsize=512)
 def _pieces(shape, axis, block_size):
-    """``Layout(shape, axis, block_size).pieces(_COLS)`` with each piece's ``bidx``
+    """``Layout(shape, axis, block_size).pieces(_COLS)``, each piece as ``(slice,
+    data dims, parameter shape, bidx, rows, row length)``: what ``_run`` passes
     (shapes and layouts repeat call after call)."""
-    return [(sl, lay, lay.bidx()) for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
+    return [(sl, lay.dims, lay.pshape, lay.bidx(), lay.outer * lay.n, max(lay.inner, 1))
+            for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,16 +156,14 @@ class NumpyBackend(Backend):
         k = _numba_kernels()
         pieces = _pieces(a.shape, axis, block_size)
         if len(pieces) == 1:  # the common call: the whole array, one view
-            _, lay, bidx = pieces[0]
-            return k.parallel(kernel, lay.outer * lay.n, contiguous(a).reshape(lay.dims), *params(lay.pshape), bidx,
-                              *args, out.reshape(lay.dims), grain=k.GRAIN // max(lay.inner, 1))
-        af, of = contiguous(a).reshape(-1), out.reshape(-1)
+            _, dims, pshape, bidx, rows, inner = pieces[0]
+            return k.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args,
+                              out.reshape(dims), grain=k.GRAIN // inner)
+        af, of = a.ravel(), out.reshape(-1)  # ravel: a view of C-contiguous data, else a copy
         results = []
-        for sl, lay, bidx in pieces:
-            ps = params(lay.pshape)
-            rows = lay.outer * lay.n  # the tasks: rows (o, l) of the (outer, n, inner) view
-            results += k.parallel(kernel, rows, af[sl].reshape(lay.dims), *ps, bidx, *args, of[sl].reshape(lay.dims),
-                                  grain=k.GRAIN // max(lay.inner, 1))
+        for sl, dims, pshape, bidx, rows, inner in pieces:  # the tasks: rows (o, l) of the (outer, n, inner) view
+            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args,
+                                  of[sl].reshape(dims), grain=k.GRAIN // inner)
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
@@ -250,8 +253,8 @@ class NumpyBackend(Backend):
             return super().binary(op, a, b, ra, rb, rq)
         out = self.empty(a.shape, rq.out_dtype)
         kernel, args = _binary_args(op, ra, rb, rq, a.dtype, b.dtype)
-        k.parallel(kernel, -(-a.size // k.BINARY_RUN), contiguous(a).reshape(-1), contiguous(b).reshape(-1), *args,
-                   out.reshape(-1), grain=k.GRAIN // (k.BINARY_COST * k.BINARY_RUN))
+        k.parallel(kernel, -(-a.size // k.BINARY_RUN), a.ravel(), b.ravel(), *args, out.reshape(-1),
+                   grain=k.GRAIN // (k.BINARY_COST * k.BINARY_RUN))
         return out
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
