@@ -194,7 +194,23 @@ def main(outdir, quick):
             row(f"requantize i32->i8 {k}", t[k], "qarray quantize per-tensor", t["quantize"], 1.5,
                 f"{SIDE}x{SIDE}" if "axis" in k else None)
 
-    # 5: cold start (fresh subprocess, twice)
+    # 5: fake quantize in one pass, against quantize (target: no slower) and torch's
+    fns = {"quantize": lambda: qarray.quantize(x, SCALE, ZP, "qint8"),
+           "fake": lambda: qarray.fake_quantize(x, SCALE, ZP, "qint8"),
+           "fake + mask": lambda: qarray.fake_quantize(x, SCALE, ZP, "qint8", return_mask=True),
+           "two passes": lambda: qarray.quantize(x, SCALE, ZP, "qint8").dequantize()}
+    if torch is not None:
+        fns["torch"] = lambda: torch.fake_quantize_per_tensor_affine(xt, SCALE, ZP, -128, 127)
+        fns["torch + mask"] = lambda: torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(xt, SCALE, ZP, -128, 127)
+    t = timeit(REPEATS, **fns)
+    row("fake_quantize", t["fake"], "qarray quantize per-tensor", t["quantize"], 1.0)
+    row("fake_quantize", t["fake"], "qarray quantize + dequantize", t["two passes"])
+    row("fake_quantize, return_mask", t["fake + mask"], "qarray quantize per-tensor", t["quantize"])
+    if torch is not None:
+        row("fake_quantize", t["fake"], "torch fake_quantize_per_tensor_affine", t["torch"])
+        row("fake_quantize, return_mask", t["fake + mask"], "torch ..._affine_cachemask", t["torch + mask"])
+
+    # 6: cold start (fresh subprocess, twice)
     for i, (imp, first, large, requant) in enumerate(cold):
         label = "warm cache" if i else "first run, may compile"
         row(f"cold: import qarray ({label})", (imp, imp), shape="")
@@ -205,7 +221,7 @@ def main(outdir, quick):
         row(f"cold: first op 2^20-element requantize ({label})", (requant, requant), "0.5 s budget",
             (500.0, 500.0), 1.0 if i else None, str(1 << 20))
 
-    # 6: the generic NumPy path, for reference
+    # 7: the generic NumPy path, for reference
     def generic(f):
         def g():
             with qarray.config.using(numba=False):
@@ -224,6 +240,10 @@ def main(outdir, quick):
         same = torch._make_per_tensor_quantized_tensor(torch.from_numpy(ours), SCALE, ZP)
         deq = q.dequantize() != same.dequantize().numpy()
         agree["torch dequantize (same ints)"] = dict(differ=int(deq.sum()))
+        fake, inside = qarray.fake_quantize(x, SCALE, ZP, "qint8", return_mask=True)
+        tfake, tmask = torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(xt, SCALE, ZP, -128, 127)
+        agree["torch fake_quantize (its reciprocal's ties)"] = dict(differ=int((fake != tfake.numpy()).sum()),
+                                                                   mask_differ=int((inside != tmask.numpy()).sum()))
     if ort is not None:
         agree["onnxruntime QuantizeLinear"] = dict(differ=int((sq.run(None, {"x": x})[0] != ours).sum()))
         agree["onnxruntime DequantizeLinear"] = dict(differ=int((sd.run(None, {"x": qi})[0] != q.dequantize()).sum()))

@@ -13,7 +13,7 @@ from . import nn
 from . import observers
 from . import ops
 from ._api import choose_qparams
-from ._api import dequantize
+from ._api import dequantize, fake_quantize
 from ._api import quantize
 from ._api import quantize_dynamic, quantize_mx, quantize_nvfp4
 from ._api import requantize
@@ -50,6 +50,7 @@ __all__ = [
     "choose_qparams",
     "config",
     "dequantize",
+    "fake_quantize",
     "finfo",
     "from_torch",
     "from_zarr",

@@ -82,6 +82,49 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
 
 
 @on_data_device
+def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, return_mask=False):
+    """``quantize(x, ...).dequantize(x.dtype)`` bit for bit, in one pass: float in,
+    float out of ``x``'s dtype (float16 and ml_dtypes' bfloat16/float8 input:
+    the float32 result rounded once more, as ``dequantize`` rounds float16).
+
+    On the CPU (Numba) and CUDA, integer formats go through quantize's kernel,
+    which writes the dequantized value instead of the code: no integer array in
+    between. Floating formats (float8, float6, float4 at a given scale) are
+    ``quantize`` then ``dequantize``.
+
+    ``return_mask=True`` also returns the straight-through estimator's mask
+    (bool, ``x``'s shape), as PyTorch's ``fake_quantize_per_tensor_affine``
+    backward uses it: True where ``rint(x / scale) + zero_point`` lies inside
+    ``[qmin, qmax]`` before the clamp (False for +-inf); for a floating format,
+    where ``|x / scale|`` is at most its largest value. PyTorch multiplies by
+    ``1 / scale`` where qarray divides: the two differ where ``x / scale`` is
+    at or next to a tie (README, Quirks).
+
+    >>> fake_quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8", return_mask=True)
+    (array([0.01, 0.02, 1.27], dtype=float32), array([ True,  True, False]))
+    """
+    want = getattr(x, "dtype", None)
+    x, b = _float_input(x, "fake_quantize")
+    d = qdtype(dtype)
+    s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
+    ft = x.dtype.type
+    if d.kind == "float":
+        codes = b.quantize_float(x, s, d, axis, block_size, _formats.check_saturate(None))
+        out = b.dequantize_float(codes, s, d, axis, block_size, ft)
+        inside = None
+        if return_mask:
+            with np.errstate(over="ignore", invalid="ignore"):
+                ratio = x.astype(np.float32, copy=False) / b.asarray(expand(s, x.shape, axis, block_size))
+            inside = b.xp.abs(ratio) <= np.float32(d.qmax)
+    else:
+        out, inside = b.fake_quantize(x, s, z, d, axis, block_size, ft, return_mask)
+    if want is not None and out.dtype != want:
+        with np.errstate(over="ignore"):  # beyond float16's range: inf, as dequantize rounds it
+            out = out.astype(want)
+    return (out, inside) if return_mask else out
+
+
+@on_data_device
 def dequantize(q: QArray, dtype="float32"):
     """Real values ``(q - zero_point) * scale``, computed in float32 (float64 when
     ``dtype`` is float64); float16 is the float32 result rounded once."""
@@ -178,7 +221,7 @@ def choose_qparams(min_val, max_val, dtype="quint8", symmetric=False):
     Works elementwise on arrays (per-axis and blocked ranges).
 
     >>> choose_qparams(-1.0, 3.0, "quint8")
-    (array(0.01568628, dtype=float32), array(64, dtype=int32))
+    (np.float32(0.015686275), np.int32(64))
     """
     d = qdtype(dtype)
     lo, hi = (np.asarray(to_host(v)) for v in (min_val, max_val))

@@ -49,22 +49,40 @@ def test_seed_use_case():
     np.testing.assert_array_equal(d.get(), qarray.quantize(x.get(), 0.01, 0, qarray.qint8).dequantize())
 
 
+def _case(rng, dtype, in_dtype, shape, axis, block_size, spread):
+    """Normal data times ``spread``, and random parameters of the layout (zero points near qmin)."""
+    from qarray._params import param_shape
+
+    d = qarray.qdtype(dtype)
+    ps = param_shape(shape, axis, block_size)
+    return ((rng.standard_normal(shape) * spread).astype(in_dtype), rng.uniform(0.05, 0.5, ps).astype(np.float32),
+            rng.integers(d.qmin, min(d.qmax, d.qmin + 100), ps, endpoint=True))
+
+
 @pytest.mark.parametrize("dtype", ["qint2", "quint4", "qint8", "quint8", "qint16", "quint16", "qint32"])
 @pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("shape,axis,block_size", [
     ((1,), None, None), (((1 << 20) + 3,), None, None), ((33, 65), 0, None), ((33, 65), 1, None), ((40, 129), 1, 32)])
 def test_quantize_dequantize(dtype, in_dtype, shape, axis, block_size, rng):
-    from qarray._params import param_shape
-
-    d = qarray.qdtype(dtype)
-    x = (rng.standard_normal(shape) * 50).astype(in_dtype)
-    ps = param_shape(shape, axis, block_size)
-    scale = rng.uniform(0.05, 0.5, ps).astype(np.float32)
-    zp = rng.integers(d.qmin, min(d.qmax, d.qmin + 100), ps, endpoint=True)
+    x, scale, zp = _case(rng, dtype, in_dtype, shape, axis, block_size, 50)
     want, got = both(lambda a: qarray.quantize(a, scale, zp, dtype, axis=axis, block_size=block_size), x)
     np.testing.assert_array_equal(ints(got), ints(want))
     for ft in ("float16", "float32", "float64"):
         np.testing.assert_array_equal(got.dequantize(ft).get(), want.dequantize(ft))
+
+
+@pytest.mark.parametrize("dtype", ["qint4", "quint8", "qint8", "qint16", "qint32"])
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape,axis,block_size", [(((1 << 20) + 3,), None, None), ((33, 65), 1, None),
+                                                   ((40, 129), 1, 32)])
+def test_fake_quantize(dtype, in_dtype, shape, axis, block_size, rng):
+    """The fused fake_quantize and mask kernels: the CPU's values and mask, bit for bit."""
+    x, scale, zp = _case(rng, dtype, in_dtype, shape, axis, block_size, 80)
+    (want, wmask), (got, gmask) = both(lambda a: qarray.fake_quantize(a, scale, zp, dtype, axis=axis,
+                                                                      block_size=block_size, return_mask=True), x)
+    assert isinstance(got, cupy.ndarray) and got.dtype == in_dtype
+    np.testing.assert_array_equal(got.get().view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(gmask.get(), wmask)
 
 
 @pytest.mark.parametrize("rounding", ["half_even", "half_away", "half_up", "tflite"])

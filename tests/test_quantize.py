@@ -14,19 +14,24 @@ SMALL = ["qint2", "quint2", "qint4", "quint4", "qint8", "quint8"]
 ALL = SMALL + ["qint16", "quint16", "qint32"]
 
 
-def ref_quantize(x, scale, zp, dtype):
-    """Independent reference: float64 division rounded once to float32 is the
-    correctly rounded float32 quotient; Python's round() is half-even."""
-    d = qdtype(dtype)
+def ref_rounded(x, scale, zp):
+    """Independent reference of ``rint(x / scale) + zp`` before any clamp (Python
+    ints, +-inf): float64 division rounded once to float32 is the correctly
+    rounded float32 quotient; Python's round() is half-even."""
     out = []
     for v, s, z in zip(np.ravel(x), np.ravel(np.broadcast_to(scale, np.shape(x))), np.ravel(np.broadcast_to(zp, np.shape(x)))):
         if np.asarray(x).dtype == np.float64:
             t = float(v) / float(np.float32(s))
         else:
             t = float(np.float32(float(np.float32(v)) / float(np.float32(s))))
-        r = round(t) + int(z) if math.isfinite(t) else math.copysign(math.inf, t)
-        out.append(min(max(r, d.qmin), d.qmax))
-    return np.array(out, dtype=np.int64).reshape(np.shape(x))
+        out.append(round(t) + int(z) if math.isfinite(t) else math.copysign(math.inf, t))
+    return np.array(out, dtype=object).reshape(np.shape(x))
+
+
+def ref_quantize(x, scale, zp, dtype):
+    d = qdtype(dtype)
+    return np.array([min(max(r, d.qmin), d.qmax) for r in ref_rounded(x, scale, zp).ravel()],
+                    np.int64).reshape(np.shape(x))
 
 
 @pytest.mark.parametrize("dtype", SMALL + ["qint16", "quint16"])
@@ -474,3 +479,139 @@ def test_quotients_beyond_the_float_range_saturate_quietly(kernels):
     x = np.array([1.0, -1.0, 2.0**-149, 0.0], np.float32)
     got = qarray.quantize(x, 2.0**-149, 1, "qint16").int_repr()
     np.testing.assert_array_equal(got, [32767, -32768, 2, 1])
+
+
+# -- fake_quantize: quantize then dequantize, fused --------------------------------
+def _input_on(backend, x):
+    """``x`` as the backend's float input (Dask: chunks of 4 rows; elsewhere as it is)."""
+    if backend.name != "dask":
+        return x
+    import dask.array as da
+
+    return da.from_array(x, chunks=(4,) + x.shape[1:])
+
+
+def _bits(a):
+    """Float values as their bit patterns: equal means equal to the bit (signed zeros too)."""
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def ref_inside(x, scale, zp, dtype):
+    """Independent reference of the straight-through mask: ``ref_rounded`` inside ``[qmin, qmax]``."""
+    d = qdtype(dtype)
+    return np.array([d.qmin <= r <= d.qmax for r in ref_rounded(x, scale, zp).ravel()]).reshape(np.shape(x))
+
+
+LAYOUTS = [dict(), dict(axis=0), dict(axis=1), dict(axis=1, block_size=3)]
+
+
+def _fq_case(rng, dtype, in_dtype, layout):
+    """Data at every code's edge (qmin/qmax codes, just beyond, ties, +-inf) and
+    random values, with zero points at both ends of the dtype."""
+    d = qdtype(dtype)
+    shape = (8, 7)
+    pshape = {(): (), (0,): (8,), (1,): (7,)}.get(tuple(layout.values()), (8, 3))
+    scale = rng.choice(np.float32([0.25, 0.37, 1.5, 3.0]), pshape).astype(np.float32)
+    zp = rng.choice([d.qmin, d.qmax, (d.qmin + d.qmax) // 2], pshape)
+    from qarray._params import expand
+
+    axis, block = layout.get("axis"), layout.get("block_size")
+    S, Z = expand(scale, shape, axis, block), expand(zp, shape, axis, block)
+    codes = rng.choice([d.qmin, d.qmax, d.qmin - 1, d.qmax + 1, 0], shape) + rng.choice([0, 0.5, -0.5, 0.49, 7.3], shape)
+    with np.errstate(over="ignore"):  # float16 holds no qint16 extremes at these scales: inf, saturated
+        x = ((codes - Z) * S.astype(np.float64)).astype(in_dtype)
+    x[0, :3] = [np.inf, -np.inf, 0]
+    return x, scale, zp
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", ALL)
+def test_fake_quantize_is_quantize_then_dequantize(backend, dtype, in_dtype, layout, rng):
+    """Bit for bit ``quantize(x).dequantize(x.dtype)`` on every backend (the fused
+    kernels on Numba and CUDA), every dtype's extreme codes with zero points at
+    both ends, per tensor, per axis and blocked; the mask against an independent
+    reference."""
+    x, scale, zp = _fq_case(rng, dtype, in_dtype, layout)
+    want = qarray.quantize(x, scale, zp, dtype, **layout).dequantize(in_dtype)
+    with backend.context():
+        got, inside = qarray.fake_quantize(_input_on(backend, x), scale, zp, dtype, **layout, return_mask=True)
+        plain = qarray.fake_quantize(_input_on(backend, x), scale, zp, dtype, **layout)
+    got, inside, plain = (backend.get(a) for a in (got, inside, plain))
+    assert got.dtype == plain.dtype == in_dtype and inside.dtype == np.bool_
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(plain), _bits(want))
+    from qarray._params import expand
+
+    S = expand(scale, x.shape, layout.get("axis"), layout.get("block_size"))
+    Z = expand(zp, x.shape, layout.get("axis"), layout.get("block_size"))
+    np.testing.assert_array_equal(inside, ref_inside(x, S, Z, dtype))
+    # on CUDA the fused kernels alone: no codes in between
+    assert backend.ran("fake_quantize") and {n.split("_float")[0] for n in backend.launched} <= {
+        "fake_quantize", "quantize_mask"}
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"])
+def test_fake_quantize_floating_formats(dtype, rng, kernels):
+    """A floating format: quantize then dequantize at the given scale, bit for
+    bit; the mask says where ``|x / scale|`` is at most the format's largest value."""
+    pytest.importorskip("ml_dtypes")
+    d = qdtype(dtype)
+    x = (rng.standard_normal((6, 40)) * 2 * d.qmax).astype(np.float32)
+    x[0, :4] = [d.qmax, -d.qmax, np.nextafter(np.float32(d.qmax), np.float32(np.inf)), np.inf]
+    scale = rng.uniform(0.5, 2, 6).astype(np.float32)
+    got, inside = qarray.fake_quantize(x, scale, 0, dtype, axis=0, return_mask=True)
+    want = qarray.quantize(x, scale, 0, dtype, axis=0).dequantize()
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    ratio = x.astype(np.float64) / scale[:, None].astype(np.float64)  # exact enough away from the edge
+    edge = np.abs(np.abs(ratio) - d.qmax) < 1e-6 * d.qmax
+    np.testing.assert_array_equal(inside[~edge], (np.abs(ratio) <= d.qmax)[~edge])
+    assert inside[0, 0] and inside[0, 1] and not inside[0, 3]
+
+
+def test_fake_quantize_input_types_and_errors(kernels):
+    x = np.zeros((3, 5000), np.float32)
+    x[1, 7] = np.nan
+    with pytest.raises(ValueError, match=r"1 NaN value\(s\), the first at index \(1, 7\)"):
+        qarray.fake_quantize(x, 0.1)
+    with pytest.raises(TypeError, match="fake_quantize takes float16, float32 or float64 input, got int32"):
+        qarray.fake_quantize(np.arange(4, dtype=np.int32), 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        qarray.fake_quantize(np.ones(4, np.float32), -1.0)
+    y = qarray.fake_quantize([0.26, -0.3], 0.25)  # a list: float64, as quantize takes it
+    assert y.dtype == np.float64
+    np.testing.assert_array_equal(y, [0.25, -0.25])
+
+
+def test_fake_quantize_bfloat16_keeps_its_dtype(rng, kernels):
+    """ml_dtypes' bfloat16 in, bfloat16 out: the float32 result rounded once more."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = rng.standard_normal(300).astype(ml_dtypes.bfloat16)
+    got, inside = qarray.fake_quantize(x, 0.02, 3, "qint8", return_mask=True)
+    assert got.dtype == ml_dtypes.bfloat16
+    want = qarray.quantize(x.astype(np.float32), 0.02, 3, "qint8").dequantize().astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(inside, ref_inside(x.astype(np.float32), np.float32(0.02), 3, "qint8"))
+
+
+def test_fake_quantize_against_torch(rng, kernels):
+    """PyTorch's fake_quantize_per_tensor_affine multiplies by 1 / scale: equal to
+    ``quantize(reciprocal=True).dequantize()`` everywhere, and to qarray's own
+    (division) everywhere but where the two roundings of ``x / scale`` differ,
+    which are at or next to ties (``_ties``: each tie of the range and its
+    neighbours; random data has none)."""
+    torch = pytest.importorskip("torch")
+    s = np.float32(1 / 127.5)
+    ties = _ties(rng, np.array([s]), range(-131, 130))[0]
+    x = np.concatenate([rng.standard_normal(100000).astype(np.float32), ties])
+    for zp, lo, hi in ((0, -128, 127), (-128, -128, 127)):
+        tout, tmask = torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(torch.from_numpy(x), float(s), zp, lo, hi)
+        got, inside = qarray.fake_quantize(x, s, zp, "qint8", return_mask=True)
+        recip = qarray.quantize(x, s, zp, "qint8", reciprocal=True).dequantize()
+        np.testing.assert_array_equal(_bits(tout.numpy()), _bits(recip))
+        differ = got != tout.numpy()
+        codes, tcodes = qarray.quantize(x, s, zp, "qint8"), qarray.quantize(x, s, zp, "qint8", reciprocal=True)
+        np.testing.assert_array_equal(differ, codes.int_repr() != tcodes.int_repr())
+        assert not differ[:100000].any() and differ[100000:].any()
+        np.testing.assert_array_equal(inside[~differ], tmask.numpy()[~differ])

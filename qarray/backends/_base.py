@@ -226,18 +226,43 @@ class Backend:
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         """``clamp(rint(x / scale) + zero_point)`` in ``qd``'s storage dtype."""
         xp = self.xp
-        ft = xp.float64 if x.dtype == xp.float64 else xp.float32
 
         def fn(c, s, z):
             if bool(xp.isnan(c).any()):
                 raise nan_error(x)
-            with np.errstate(over="ignore"):  # x / scale beyond the float range is inf, which saturates
-                q = xp.rint(c.astype(ft, copy=False) / s).astype(xp.float64) + z
-            return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
+            return xp.clip(self._rounded(c, s, z), qd.qmin, qd.qmax).astype(qd.storage)
 
-        out = self.empty(x.shape, qd.storage)
-        params = (scale.astype(ft), zero_point.astype(xp.float64))
-        return self._chunked(fn, x, out, Layout(x.shape, axis, block_size), params)
+        return self._chunked(fn, x, self.empty(x.shape, qd.storage), Layout(x.shape, axis, block_size),
+                             self._quantize_params(x, scale, zero_point))
+
+    def _quantize_params(self, x, scale, zero_point):
+        ft = self.xp.float64 if x.dtype == self.xp.float64 else self.xp.float32
+        return scale.astype(ft), zero_point.astype(self.xp.float64)
+
+    def _rounded(self, c, s, z):
+        """``rint(c / s) + z`` before the clamp, in float64 (``s`` in ``c``'s float type)."""
+        xp = self.xp
+        with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
+            return xp.rint(c.astype(s.dtype, copy=False) / s).astype(xp.float64) + z
+
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+        """``(out, inside)``: :meth:`quantize`'s codes dequantized to ``dtype`` as
+        :meth:`dequantize` computes them, and (``mask`` True, else None) whether
+        ``rint(x / scale) + zero_point`` was inside ``[qmin, qmax]`` before the
+        clamp (the straight-through estimator's mask; False for inf). Here the
+        two primitives and a pass of its own for the mask; backends that can
+        do it in one pass over ``x``."""
+        q = self.quantize(x, scale, zero_point, qd, axis, block_size)
+        out = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
+        if not mask:
+            return out, None
+
+        def fn(c, s, z):
+            w = self._rounded(c, s, z)
+            return (w >= qd.qmin) & (w <= qd.qmax)
+
+        return out, self._chunked(fn, x, self.empty(x.shape, self.xp.bool_), Layout(x.shape, axis, block_size),
+                                  self._quantize_params(x, scale, zero_point))
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         """``(q - zero_point) * scale`` in float32, or float64 when ``dtype`` is float64."""

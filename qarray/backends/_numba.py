@@ -136,26 +136,49 @@ _RESCALE_SOURCE = hashlib.sha256(inspect.getsource(_fixed_point).encode()).hexdi
 
 
 @njit(inline="always")
-def _q(v, s, z, lo, hi):
-    return min(max(np.rint(v / s) + z, lo), hi)
+def _q(mask, v, s, z, lo, hi):
+    """``v``'s code ``clamp(rint(v / s) + z, lo, hi)`` and, with ``mask`` (not
+    None), whether ``rint(v / s) + z`` was inside ``[lo, hi]`` before the clamp."""
+    w = np.rint(v / s) + z
+    return min(max(w, lo), hi), mask is not None and (w >= lo) & (w <= hi)
 
 
 @njit(inline="always")
-def _q_row(x, s, z, o, l, po, b, lo, hi, out):
-    """Quantize row ``x[o, l, :]``; returns the sum of ``v - v`` (NaN flags NaN/inf)."""
+def _put(out, k, c, z, s, fake):
+    """Store code ``c`` at ``out[k]``, or (``fake`` not None) the code dequantized
+    as ``dequantize`` computes it: ``c - z`` (exact: below 2**17 in float32,
+    2**33 in float64) in ``out``'s float type, times ``s`` there. A None
+    argument prunes its branch as Numba compiles."""
+    if fake is None:
+        out[k] = c
+    else:
+        out[k] = c - z
+        out[k] *= s
+
+
+@njit(inline="always")
+def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
+    """Quantize row ``x[o, l, :]`` (``_q``, ``_put``); returns the sum of ``v - v``
+    (NaN flags NaN/inf)."""
     acc = x.dtype.type(0)
     if s.shape[2] > 1:
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            out[o, l, i] = _q(v, s[po, b, i], z[po, b, i], lo, hi)
+            c, inside = _q(mask, v, s[po, b, i], z[po, b, i], lo, hi)
+            _put(out, (o, l, i), c, z[po, b, i], s[po, b, i], fake)
+            if mask is not None:
+                mask[o, l, i] = inside
     else:
         sr = s[po, b, 0]
         zr = z[po, b, 0]
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            out[o, l, i] = _q(v, sr, zr, lo, hi)
+            c, inside = _q(mask, v, sr, zr, lo, hi)
+            _put(out, (o, l, i), c, zr, sr, fake)
+            if mask is not None:
+                mask[o, l, i] = inside
     return acc
 
 
@@ -168,22 +191,36 @@ def _span(a, o, l0, l1):
 
 
 @njit(inline="always")
-def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out):
-    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it."""
+def _span_or_none(a, o, l0, l1):
+    if a is None:
+        return None
+    return _span(a, o, l0, l1)
+
+
+@njit(inline="always")
+def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
+    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it (``_q``)."""
     acc = x.dtype.type(0)
-    xr, orow = _span(x, o, l0, l1), _span(out, o, l0, l1)
+    xr, orow, mrow = _span(x, o, l0, l1), _span(out, o, l0, l1), _span_or_none(mask, o, l0, l1)
     if s.shape[1] == x.shape[1]:  # per-axis: parameter l for element l
         sr, zr = _span(s, po, l0, l1), _span(z, po, l0, l1)
         for j in range(l1 - l0):
             v = xr[j]
             acc += v - v
-            orow[j] = _q(v, sr[j], zr[j], lo, hi)
+            c, inside = _q(mrow, v, sr[j], zr[j], lo, hi)
+            _put(orow, j, c, zr[j], sr[j], fake)
+            if mrow is not None:
+                mrow[j] = inside
     else:
         br = bidx[l0:l1]
         for j in range(l1 - l0):
             v = xr[j]
             acc += v - v
-            orow[j] = _q(v, s[po, br[j], 0], z[po, br[j], 0], lo, hi)
+            sj, zj = s[po, br[j], 0], z[po, br[j], 0]
+            c, inside = _q(mrow, v, sj, zj, lo, hi)
+            _put(orow, j, c, zj, sj, fake)
+            if mrow is not None:
+                mrow[j] = inside
     return acc
 
 
@@ -198,8 +235,11 @@ def _outer(n, start, stop):
 # fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
 # input) vectorize; it allows no other change of the arithmetic.
 @njit(**_KERNEL, fastmath={"reassoc"})
-def quantize(x, s, z, bidx, lo, hi, out, start, stop):
-    """``out = clamp(rint(x / s) + z, lo, hi)``; returns NaN if ``x`` had NaN or inf."""
+def quantize(x, s, z, bidx, lo, hi, fake, out, mask, start, stop):
+    """``out = clamp(rint(x / s) + z, lo, hi)``; with ``fake`` (not None) that
+    code dequantized into float ``out``, and with ``mask`` whether each value
+    was inside ``[lo, hi]`` before the clamp (``_q``). Returns NaN if ``x`` had
+    NaN or inf."""
     o_n, n, i_n = x.shape
     pos = np.int64(s.shape[0] > 1)
     bad = x.dtype.type(0)
@@ -207,11 +247,11 @@ def quantize(x, s, z, bidx, lo, hi, out, start, stop):
         o0, o1 = _outer(n, start, stop)
         for o in range(o0, o1):
             l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
-            bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, out)
+            bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, out, mask, fake)
     else:
         for t in range(start, stop):
             o = t // n
-            bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, out)
+            bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, out, mask, fake)
     return bad
 
 

@@ -216,19 +216,38 @@ class CupyBackend(Backend):
         return super().to_host(a)
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
+        with self.on(x):
+            x = contiguous(x)
+            total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
+            out = self.xp.empty(x.shape, qd.storage)
+            if total:
+                self._elementwise(kernel_name("quantize", x.dtype, qd.storage), total,
+                                  (*args, out, self._nan_flag(x, nan_error)))
+            return out
+
+    def _quantize_args(self, x, scale, zero_point, qd, axis, block_size):
+        """``(total, args)``: the elements and the leading arguments of the quantize
+        kernels (``x``, scale, zero point, layout, bounds)."""
+        ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
+        ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
+        s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
+        total, layout, (s, z) = plan(self, x.shape, axis, block_size, s, z)
+        return total, (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax))
+
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+        if dtype != x.dtype:  # the kernels give the input's float type
+            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask)
         xp = self.xp
         with self.on(x):
             x = contiguous(x)
-            ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
-            ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
-            s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
-            total, layout, (s, z) = plan(self, x.shape, axis, block_size, s, z)
-            out = xp.empty(x.shape, qd.storage)
+            total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
+            out, inside = xp.empty(x.shape, x.dtype), xp.empty(x.shape, np.bool_) if mask else None
             if total:
-                nan = self._nan_flag(x, nan_error)
-                self._elementwise(kernel_name("quantize", x.dtype, qd.storage), total,
-                                  (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax), out, nan))
-            return out
+                self._elementwise(kernel_name("fake_quantize", x.dtype, qd.storage), total,
+                                  (*args, out, self._nan_flag(x, nan_error)))
+                if mask:  # a second pass over x: the vector map has one output
+                    self._elementwise(kernel_name("quantize_mask", x.dtype, qd.storage), total, (*args, inside))
+            return out, inside
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp

@@ -170,6 +170,16 @@ class DaskBackend(Backend):
         return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, s, z, qd, axis, block_size)),
                                x, axis, block_size, (scale, zero_point), qd.storage)
 
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+        # one task a chunk for the values; the mask (on request) is a second one,
+        # which runs the chunk's fused kernel again: dask's blocks have one output
+        def part(i):
+            return lambda b, c, s, z: _checked(b, b.fake_quantize(c, s, z, qd, axis, block_size, dtype, i == 1)[i])
+
+        out = self.map_chunks(part(0), x, axis, block_size, (scale, zero_point), np.dtype(dtype))
+        return out, (self.map_chunks(part(1), x, axis, block_size, (scale, zero_point), np.dtype(bool))
+                     if mask else None)
+
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         return self.map_chunks(lambda b, c, s, z: b.dequantize(c, s, z, axis, block_size, dtype),
                                q, axis, block_size, (scale, zero_point), np.dtype(dtype))

@@ -104,6 +104,11 @@ def _param(p, dtype, pshape):
     return c
 
 
+def _viewed(a, dims, sl=slice(None)):
+    """``a[sl].reshape(dims)``, or None for None (an output a kernel may skip)."""
+    return None if a is None else a[sl].reshape(dims)
+
+
 @functools.lru_cache(maxsize=64)
 def _bounds(qd, dtype):
     """quantize's clamp type and bounds: <= 16-bit results clamp exactly in
@@ -148,37 +153,58 @@ class NumpyBackend(Backend):
         return _numba_kernels()
 
     @staticmethod
-    def _run(kernel, a, out, axis, block_size, params, *args):
+    def _run(kernel, a, out, axis, block_size, params, *args, mask=False):
         """Run ``kernel(a3, *params3, bidx, *args, out3, start, stop)`` over every
         piece of the layout (``Layout.pieces``: shapes that keep the kernels'
         inner loops fast), its rows split among threads; returns every part's
-        result. ``params(pshape)`` gives the parameter arrays of a piece."""
+        result. ``params(pshape)`` gives the parameter arrays of a piece.
+        ``mask`` (quantize's kernel): None or a second output like ``out``,
+        passed after it."""
         k = _numba_kernels()
         pieces = _pieces(a.shape, axis, block_size)
         if len(pieces) == 1:  # the common call: the whole array, one view
             _, dims, pshape, bidx, rows, inner = pieces[0]
-            return k.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args,
-                              out.reshape(dims), grain=k.GRAIN // inner)
+            outs = (out.reshape(dims),) if mask is False else (out.reshape(dims), _viewed(mask, dims))
+            return k.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args, *outs,
+                              grain=k.GRAIN // inner)
         af, of = a.ravel(), out.reshape(-1)  # ravel: a view of C-contiguous data, else a copy
+        mf = _viewed(mask, -1) if mask is not False else False
         results = []
         for sl, dims, pshape, bidx, rows, inner in pieces:  # the tasks: rows (o, l) of the (outer, n, inner) view
-            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args,
-                                  of[sl].reshape(dims), grain=k.GRAIN // inner)
+            outs = (of[sl].reshape(dims),) if mf is False else (of[sl].reshape(dims), _viewed(mf, dims, sl))
+            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args, *outs,
+                                  grain=k.GRAIN // inner)
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         k = self._fast(x)
         if k is None:
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
+        return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None)
+
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+        k = self._fast(x)
+        if k is None:
+            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask)
+        inside = self.empty(x.shape, np.bool_) if mask else None
+        ft = np.float64 if dtype == np.float64 else np.float32
+        out = self._quantize(k, x, scale, zero_point, qd, axis, block_size, self.empty(x.shape, ft), inside)
+        with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as dequantize rounds it
+            return out if out.dtype == dtype else out.astype(dtype), inside
+
+    def _quantize(self, k, x, scale, zero_point, qd, axis, block_size, fake, mask):
+        """quantize's kernel: the codes, or (``fake``: the float output) the codes
+        dequantized into ``fake``, and ``mask`` (None or bool) filled."""
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         ct, lo, hi = _bounds(qd, x.dtype)
-        out = self.empty(x.shape, qd.storage)
+        out = self.empty(x.shape, qd.storage) if fake is None else fake
 
         def params(pshape):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
-        bad = sum(self._run(k.quantize, x, out, axis, block_size, params, lo, hi))
+        bad = sum(self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
+                            mask=mask))
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out

@@ -6,14 +6,34 @@
 // q = clamp(rint(x / s) + z, lo, hi): x and s in TF (float for float16 and
 // float32 input, as NumPy computes), the sum and clamp in TC (float for <= 16-bit
 // outputs from float input, double otherwise: exact either way).
-template <typename TIn, typename TF, typename TC, typename TOut>
+// rint(v / s) + z before the clamp: quantize's, fake_quantize's and the mask's.
+template <typename TF, typename TC>
+__device__ __forceinline__ TC qa_rounded(TF v, TF s, int z) { return (TC)qa_rint(qa_div(v, s)) + (TC)z; }
+
+// Fake false: the code. Fake true (fake_quantize, TOut the input's type): that
+// code dequantized as dequantize_body computes it (c - z is exact in TC; one
+// rounding to TF, one in the multiply), in one pass.
+template <bool Fake, typename TIn, typename TF, typename TC, typename TOut>
 __device__ void quantize_body(const TIn* x, const TF* s, const int* z, const i64* bidx, i64 total,
                               Layout lay, TC lo, TC hi, TOut* out, int* nan_seen) {
     qa_map(x, out, total, lay, bidx, [=](TIn in, i64 p) -> TOut {
         TF v = qa_float(in);
         if (v != v) *nan_seen = 1;
-        TC w = (TC)qa_rint(qa_div(v, s[p])) + (TC)z[p];
-        return (TOut)(w < lo ? lo : (w > hi ? hi : w));
+        TC w = qa_rounded<TF, TC>(v, s[p], z[p]);
+        TC c = w < lo ? lo : (w > hi ? hi : w);
+        if constexpr (Fake) return qa_cast<TOut>(qa_mul((TF)(c - (TC)z[p]), s[p]));
+        else return (TOut)c;
+    });
+}
+
+// the straight-through mask: rint(v / s) + z inside [lo, hi] before the clamp
+// (false for NaN and +-inf)
+template <typename TIn, typename TF, typename TC>
+__device__ void quantize_mask_body(const TIn* x, const TF* s, const int* z, const i64* bidx, i64 total,
+                                   Layout lay, TC lo, TC hi, bool* mask) {
+    qa_map(x, mask, total, lay, bidx, [=](TIn in, i64 p) -> bool {
+        TC w = qa_rounded<TF, TC>(qa_float(in), s[p], z[p]);
+        return w >= lo && w <= hi;
     });
 }
 
@@ -38,7 +58,7 @@ __device__ void requantize_body(const TIn* q, Requant rq, const i64* bidx, i64 t
     extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TF* s, const int* z,      \
                                                      const i64* bidx, i64 total, LAYOUT_ARGS,      \
                                                      TC lo, TC hi, TOUT* out, int* nan_seen) {     \
-        quantize_body<TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);     \
+        quantize_body<false, TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);     \
     }
 #define QUANTIZE_ALL(IN, TIN, TF)                                 \
     QUANTIZE(IN, TIN, TF, TF, int8, signed char)                  \
@@ -49,6 +69,29 @@ __device__ void requantize_body(const TIn* q, Requant rq, const i64* bidx, i64 t
 QUANTIZE_ALL(float16, qa_half, float)
 QUANTIZE_ALL(float32, float, float)
 QUANTIZE_ALL(float64, double, double)
+
+// fake_quantize_<in>_<codes> and quantize_mask_<in>_<codes>: the codes' type
+// picks the clamp's (TC) and the bounds; the output is the input's float type
+#define FAKE_QUANTIZE(IN, TIN, TF, TC, OUT)                                                                \
+    extern "C" __global__ void fake_quantize_##IN##_##OUT(const TIN* x, const TF* s, const int* z,          \
+                                                          const i64* bidx, i64 total, LAYOUT_ARGS,          \
+                                                          TC lo, TC hi, TIN* out, int* nan_seen) {          \
+        quantize_body<true, TIN, TF, TC, TIN>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);            \
+    }                                                                                                        \
+    extern "C" __global__ void quantize_mask_##IN##_##OUT(const TIN* x, const TF* s, const int* z,          \
+                                                          const i64* bidx, i64 total, LAYOUT_ARGS,          \
+                                                          TC lo, TC hi, bool* mask) {                       \
+        quantize_mask_body<TIN, TF, TC>(x, s, z, bidx, total, LAYOUT, lo, hi, mask);                        \
+    }
+#define FAKE_QUANTIZE_ALL(IN, TIN, TF)            \
+    FAKE_QUANTIZE(IN, TIN, TF, TF, int8)          \
+    FAKE_QUANTIZE(IN, TIN, TF, TF, uint8)         \
+    FAKE_QUANTIZE(IN, TIN, TF, TF, int16)         \
+    FAKE_QUANTIZE(IN, TIN, TF, TF, uint16)        \
+    FAKE_QUANTIZE(IN, TIN, TF, double, int32)
+FAKE_QUANTIZE_ALL(float16, qa_half, float)
+FAKE_QUANTIZE_ALL(float32, float, float)
+FAKE_QUANTIZE_ALL(float64, double, double)
 
 #define DEQUANTIZE(IN, TIN, OUT, TF, TOUT)                                                         \
     extern "C" __global__ void dequantize_##IN##_##OUT(const TIN* q, const TF* s, const int* z,    \
