@@ -136,11 +136,11 @@ _RESCALE_SOURCE = hashlib.sha256(inspect.getsource(_fixed_point).encode()).hexdi
 
 
 @njit(inline="always")
-def _q(mask, v, s, z, lo, hi):
-    """``v``'s code ``clamp(rint(v / s) + z, lo, hi)`` and, with ``mask`` (not
-    None), whether ``rint(v / s) + z`` was inside ``[lo, hi]`` before the clamp."""
+def _q(v, s, z, lo, hi):
+    """``v``'s code ``clamp(rint(v / s) + z, lo, hi)`` and ``rint(v / s) + z``
+    before the clamp (the straight-through mask's)."""
     w = np.rint(v / s) + z
-    return min(max(w, lo), hi), mask is not None and (w >= lo) & (w <= hi)
+    return min(max(w, lo), hi), w
 
 
 @njit(inline="always")
@@ -165,20 +165,20 @@ def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            c, inside = _q(mask, v, s[po, b, i], z[po, b, i], lo, hi)
+            c, w = _q(v, s[po, b, i], z[po, b, i], lo, hi)
             _put(out, (o, l, i), c, z[po, b, i], s[po, b, i], fake)
             if mask is not None:
-                mask[o, l, i] = inside
+                mask[o, l, i] = (w >= lo) & (w <= hi)
     else:
         sr = s[po, b, 0]
         zr = z[po, b, 0]
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            c, inside = _q(mask, v, sr, zr, lo, hi)
+            c, w = _q(v, sr, zr, lo, hi)
             _put(out, (o, l, i), c, zr, sr, fake)
             if mask is not None:
-                mask[o, l, i] = inside
+                mask[o, l, i] = (w >= lo) & (w <= hi)
     return acc
 
 
@@ -207,20 +207,20 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
         for j in range(l1 - l0):
             v = xr[j]
             acc += v - v
-            c, inside = _q(mrow, v, sr[j], zr[j], lo, hi)
+            c, w = _q(v, sr[j], zr[j], lo, hi)
             _put(orow, j, c, zr[j], sr[j], fake)
             if mrow is not None:
-                mrow[j] = inside
+                mrow[j] = (w >= lo) & (w <= hi)
     else:
         br = bidx[l0:l1]
         for j in range(l1 - l0):
             v = xr[j]
             acc += v - v
             sj, zj = s[po, br[j], 0], z[po, br[j], 0]
-            c, inside = _q(mrow, v, sj, zj, lo, hi)
+            c, w = _q(v, sj, zj, lo, hi)
             _put(orow, j, c, zj, sj, fake)
             if mrow is not None:
-                mrow[j] = inside
+                mrow[j] = (w >= lo) & (w <= hi)
     return acc
 
 
