@@ -198,7 +198,8 @@ def main(outdir, quick):
     fns = {"quantize": lambda: qarray.quantize(x, SCALE, ZP, "qint8"),
            "fake": lambda: qarray.fake_quantize(x, SCALE, ZP, "qint8"),
            "fake + mask": lambda: qarray.fake_quantize(x, SCALE, ZP, "qint8", return_mask=True),
-           "two passes": lambda: qarray.quantize(x, SCALE, ZP, "qint8").dequantize()}
+           "two passes": lambda: qarray.quantize(x, SCALE, ZP, "qint8").dequantize(),
+           "stochastic": lambda: qarray.quantize(x, SCALE, ZP, "qint8", rounding="stochastic", seed=1)}
     if torch is not None:
         fns["torch"] = lambda: torch.fake_quantize_per_tensor_affine(xt, SCALE, ZP, -128, 127)
         fns["torch + mask"] = lambda: torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(xt, SCALE, ZP, -128, 127)
@@ -206,6 +207,7 @@ def main(outdir, quick):
     row("fake_quantize", t["fake"], "qarray quantize per-tensor", t["quantize"], 1.0)
     row("fake_quantize", t["fake"], "qarray quantize + dequantize", t["two passes"])
     row("fake_quantize, return_mask", t["fake + mask"], "qarray quantize per-tensor", t["quantize"])
+    row("quantize, rounding='stochastic'", t["stochastic"], "qarray quantize per-tensor", t["quantize"])
     if torch is not None:
         row("fake_quantize", t["fake"], "torch fake_quantize_per_tensor_affine", t["torch"])
         row("fake_quantize, return_mask", t["fake + mask"], "torch ..._affine_cachemask", t["torch + mask"])

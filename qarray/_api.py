@@ -7,7 +7,7 @@ import operator
 
 import numpy as np
 
-from . import _formats
+from . import _formats, _philox
 from . import backends as _backends
 from .backends import on_data_device, user_array
 from ._config import resolve
@@ -40,7 +40,7 @@ def _float_input(x, what):
 
 @on_data_device
 def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None,
-             reciprocal=False) -> QArray:
+             reciprocal=False, rounding=None, seed=None) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
     The division is IEEE float32 for float16/float32 input, float64 for float64
@@ -56,6 +56,14 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     is at or next to a tie: at ``+-127.5`` on symmetric ranges, every channel's
     extreme value (README, Quirks).
 
+    ``rounding="stochastic"`` (with ``seed=``, an int in ``[0, 2**64)``) rounds
+    ``x / scale`` down or up, up with probability its fraction, so that the
+    expected code is exact (quantized gradients): the random bits of each
+    element are Philox4x32-10's (``qarray._philox``) of its flat index in the
+    array, keyed by the seed, so the same seed gives the same codes on every
+    backend and every Dask chunking. Integer formats; the default
+    ``"half_even"`` is the rounding described above.
+
     >>> quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8").int_repr()
     array([  1,   2, 127], dtype=int8)
     """
@@ -63,6 +71,8 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
     if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
+        if rounding not in (None, "half_even"):
+            raise TypeError(f"quantize: rounding={rounding!r} is for integer formats; {d.name} rounds to nearest even")
         if reciprocal:
             raise TypeError(f"quantize: reciprocal=True is PyTorch's arithmetic for integer formats; {d.name} is a "
                             "floating format")
@@ -71,6 +81,9 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     if saturate is not None:
         raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
                         "saturates")
+    key = _stochastic(rounding, seed, reciprocal, "quantize")
+    if key is not None:
+        return QArray._new(b.quantize_stochastic(x, s, z, d, axis, block_size, key), s, z, d, axis, block_size, b)
     if reciprocal:  # PyTorch's (fbgemm's) x * (1 / scale), rounded to float32; then divided by 1, exactly
         if x.dtype == np.float64:
             raise TypeError("quantize: reciprocal=True is PyTorch's float32 arithmetic, and PyTorch takes no float64: "
@@ -81,8 +94,23 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
 
 
+def _stochastic(rounding, seed, reciprocal, what):
+    """The Philox key for ``rounding="stochastic"``, None for the default rounding;
+    clear errors for anything else."""
+    if rounding in (None, "half_even"):
+        if seed is not None:
+            raise TypeError(f"{what}: seed= is for rounding='stochastic'")
+        return None
+    if rounding != "stochastic":
+        raise ValueError(f"{what}: rounding must be 'half_even' or 'stochastic', got {rounding!r}")
+    if reciprocal:
+        raise TypeError(f"{what}: reciprocal=True is PyTorch's round to nearest; stochastic rounding divides")
+    return _philox.key(seed)
+
+
 @on_data_device
-def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, return_mask=False):
+def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, return_mask=False,
+                  rounding=None, seed=None):
     """``quantize(x, ...).dequantize(x.dtype)`` bit for bit, in one pass: float in,
     float out of ``x``'s dtype (float16 and ml_dtypes' bfloat16/float8 input:
     the float32 result rounded once more, as ``dequantize`` rounds float16).
@@ -100,6 +128,9 @@ def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=N
     ``1 / scale`` where qarray divides: the two differ where ``x / scale`` is
     at or next to a tie (README, Quirks).
 
+    ``rounding="stochastic"`` with ``seed=`` rounds as :func:`quantize` does
+    (integer formats; quantize then dequantize, two passes; no mask).
+
     >>> fake_quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8", return_mask=True)
     (array([0.01, 0.02, 1.27], dtype=float32), array([ True,  True, False]))
     """
@@ -108,7 +139,17 @@ def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=N
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
     ft = x.dtype.type
-    if d.kind == "float":
+    key = _stochastic(rounding, seed, False, "fake_quantize")
+    if key is not None:
+        if return_mask:
+            raise TypeError("fake_quantize: return_mask=True is for the default rounding; stochastic rounding "
+                            "gives no mask")
+        if d.kind == "float":
+            raise TypeError(f"fake_quantize: rounding='stochastic' is for integer formats; {d.name} rounds to "
+                            "nearest even")
+        out, inside = b.dequantize(b.quantize_stochastic(x, s, z, d, axis, block_size, key), s, z, axis, block_size,
+                                   ft), None
+    elif d.kind == "float":
         codes = b.quantize_float(x, s, d, axis, block_size, _formats.check_saturate(None))
         out = b.dequantize_float(codes, s, d, axis, block_size, ft)
         inside = None

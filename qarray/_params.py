@@ -174,13 +174,25 @@ def normalize_block_size(block_size, axis):
         return None
     if axis is None:
         raise ValueError("block_size needs an axis: pass axis=k to quantize in blocks along axis k")
+    return int_in(block_size, "block_size", 1)
+
+
+def int_in(v, name, lo, hi=None):
+    """``v`` as an int in ``[lo, hi)`` (``hi`` None: no top); TypeError or
+    ValueError naming ``name`` otherwise."""
     try:
-        block_size = operator.index(block_size)
+        v = operator.index(v)
     except TypeError:
-        raise TypeError(f"block_size must be an integer, got {type(block_size).__name__}") from None
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return block_size
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__}") from None
+    if v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{name} must be >= {lo}, got {v}" if hi is None else
+                         f"{name} must be in [{lo}, {_bound_text(hi)}), got {v}")
+    return v
+
+
+def _bound_text(n):
+    """A large power of 2 as ``2**k``, other ints as they are."""
+    return f"2**{n.bit_length() - 1}" if n > 2**16 and n & (n - 1) == 0 else str(n)
 
 
 def param_shape(shape, axis, block_size) -> tuple:

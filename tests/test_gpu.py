@@ -85,6 +85,18 @@ def test_fake_quantize(dtype, in_dtype, shape, axis, block_size, rng):
     np.testing.assert_array_equal(gmask.get(), wmask)
 
 
+@pytest.mark.parametrize("dtype", ["qint4", "qint8", "quint16", "qint32"])
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape,axis,block_size", [(((1 << 20) + 3,), None, None), ((33, 65), 1, None),
+                                                   ((40, 129), 1, 32)])
+def test_quantize_stochastic(dtype, in_dtype, shape, axis, block_size, rng):
+    """The stochastic quantize kernel: the CPU's codes for the same seed, bit for bit."""
+    x, scale, zp = _case(rng, dtype, in_dtype, shape, axis, block_size, 30)
+    want, got = both(lambda a: qarray.quantize(a, scale, zp, dtype, axis=axis, block_size=block_size,
+                                               rounding="stochastic", seed=2**40 + 3), x)
+    np.testing.assert_array_equal(ints(got), ints(want))
+
+
 @pytest.mark.parametrize("rounding", ["half_even", "half_away", "half_up", "tflite"])
 @pytest.mark.parametrize("mode", ["fixed", "float"])
 def test_requantize(rounding, mode, rng):

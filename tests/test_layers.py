@@ -3,7 +3,7 @@ downward, module-level imports make no cycle, and the imports inside functions
 (each with a reason: optional packages, a lazy backend, unpickling in a worker)
 are counted, so that new ones are a decision, not an accident.
 
-Layers, bottom up (DEVELOPERS.md): formats and dtypes; parameters, fixed point
+Layers, bottom up (DEVELOPERS.md): formats and dtypes; parameters, fixed point, Philox
 and config; backends; the QArray and its API; ops; everything users call on
 top (nn, observers, io, zarr, onnx, the CLI and the examples).
 """
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qarray"
 
 LAYERS = [
     ("qarray._dtypes", "qarray._formats"),
-    ("qarray._params", "qarray._fixed_point", "qarray._config"),
+    ("qarray._params", "qarray._fixed_point", "qarray._philox", "qarray._config"),
     ("qarray.backends",),
     ("qarray._qarray", "qarray._api", "qarray._protocols", "qarray.interop"),
     ("qarray.ops",),

@@ -615,3 +615,126 @@ def test_fake_quantize_against_torch(rng, kernels):
         np.testing.assert_array_equal(differ, codes.int_repr() != tcodes.int_repr())
         assert not differ[:100000].any() and differ[100000:].any()
         np.testing.assert_array_equal(inside[~differ], tmask.numpy()[~differ])
+
+
+# -- stochastic rounding: Philox4x32-10 keyed by the seed, counted by element index --------
+# Random123's kat_vectors for Philox4x32-10 (also TensorFlow's philox tests):
+# (counter, key, output)
+PHILOX_KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+              ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+              ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+               (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+
+
+def ref_philox(c, k):
+    """Philox4x32-10 in Python ints (Salmon et al., SC'11), independent of qarray's."""
+    c, (k0, k1) = list(c), k
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return tuple(c)
+
+
+@pytest.mark.parametrize("counter,key,want", PHILOX_KAT)
+def test_philox_known_answers(counter, key, want):
+    from qarray import _philox
+
+    assert ref_philox(counter, key) == want
+    got = _philox.philox4x32(*(np.uint64(v) for v in counter), *(np.uint64(v) for v in key))
+    assert tuple(int(v) for v in got) == want
+
+
+def ref_stochastic(x, scale, zp, dtype, seed):
+    """Independent reference: ``ref_rounded``'s quotient, its floor plus one where
+    the element's Philox word (counter: flat index) is below frac * 2**32, in
+    Fractions; then the zero point and the clamp."""
+    d = qdtype(dtype)
+    k = (seed & 0xFFFFFFFF, seed >> 32)
+    out = []
+    flat = zip(np.ravel(x), np.ravel(np.broadcast_to(scale, np.shape(x))), np.ravel(np.broadcast_to(zp, np.shape(x))))
+    for i, (v, s, z) in enumerate(flat):
+        if np.asarray(x).dtype == np.float64:
+            t = float(v) / float(np.float32(s))
+        else:
+            t = float(np.float32(float(np.float32(v)) / float(np.float32(s))))
+        if math.isfinite(t):
+            f = math.floor(t)
+            r = ref_philox((i & 0xFFFFFFFF, i >> 32, 0, 0), k)[0]
+            q = f + (r < (Fraction(t) - f) * 2**32) + int(z)
+        else:
+            q = math.copysign(math.inf, t)
+        out.append(min(max(q, d.qmin), d.qmax))
+    return np.array(out, np.int64).reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", ["qint2", "quint4", "qint8", "quint8", "qint16", "qint32"])
+def test_stochastic_rounding_is_the_reference(backend, dtype, in_dtype, layout, rng):
+    """The same seed gives the same codes on every backend (the Numba and CUDA
+    kernels, the generic code, Dask in chunks of 4 rows) and the independent
+    reference's, at every dtype's extreme codes with zero points at both ends."""
+    x, scale, zp = _fq_case(rng, dtype, in_dtype, layout)
+    x[1] = rng.standard_normal(x.shape[1]) * 3  # fractions of every size
+    seed = 2**63 + 12345
+    with backend.context():
+        got = backend.get(qarray.quantize(_input_on(backend, x), scale, zp, dtype, **layout, rounding="stochastic",
+                                          seed=seed))
+    from qarray._params import expand
+
+    S = expand(scale, x.shape, layout.get("axis"), layout.get("block_size"))
+    Z = expand(zp, x.shape, layout.get("axis"), layout.get("block_size"))
+    np.testing.assert_array_equal(got.int_repr(), ref_stochastic(x, S, Z, dtype, seed))
+    assert backend.ran("quantize_stochastic")
+
+
+def test_stochastic_rounding_is_unbiased(kernels):
+    """10^6 values: only the floor or the ceiling of x / scale; the mean of the
+    rounding error within 5 standard deviations of 0 (each value's error has
+    variance frac * (1 - frac)); seeds 1 and 2 differ, the same seed repeats."""
+    x = np.random.default_rng(5).uniform(-40, 40, 10**6).astype(np.float32)
+    t = (x / np.float32(0.37)).astype(np.float64)  # the float32 quotient that is rounded, within qint8
+    q = qarray.quantize(x, 0.37, 0, "qint8", rounding="stochastic", seed=1).int_repr().astype(np.float64)
+    assert np.all((q == np.floor(t)) | (q == np.ceil(t)))
+    frac = t - np.floor(t)
+    sigma = math.sqrt(np.sum(frac * (1 - frac))) / x.size
+    assert abs(np.mean(q - t)) < 5 * sigma
+    nearest = qarray.quantize(x, 0.37, 0, "qint8").int_repr().astype(np.float64)
+    assert abs(np.mean(nearest - t)) < 5 * sigma
+    other = qarray.quantize(x, 0.37, 0, "qint8", rounding="stochastic", seed=2).int_repr()
+    assert 0.2 < np.mean(other != q) < 0.5
+    again = qarray.quantize(x, 0.37, 0, "qint8", rounding="stochastic", seed=1).int_repr()
+    np.testing.assert_array_equal(again, q)
+
+
+def test_stochastic_rounding_errors():
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="rounding='stochastic' needs a seed"):
+        qarray.quantize(x, 0.1, rounding="stochastic")
+    with pytest.raises(TypeError, match="seed must be an integer, got float"):
+        qarray.quantize(x, 0.1, rounding="stochastic", seed=1.5)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\), got -1"):
+        qarray.quantize(x, 0.1, rounding="stochastic", seed=-1)
+    with pytest.raises(ValueError, match="rounding must be 'half_even' or 'stochastic', got 'half_up'"):
+        qarray.quantize(x, 0.1, rounding="half_up")
+    with pytest.raises(TypeError, match="seed= is for rounding='stochastic'"):
+        qarray.quantize(x, 0.1, seed=3)
+    with pytest.raises(TypeError, match="stochastic rounding divides"):
+        qarray.quantize(x, 0.1, rounding="stochastic", seed=3, reciprocal=True)
+    pytest.importorskip("ml_dtypes")
+    with pytest.raises(TypeError, match="rounding='stochastic' is for integer formats"):
+        qarray.quantize(x, 0.1, 0, "float8_e4m3fn", rounding="stochastic", seed=3)
+
+
+def test_fake_quantize_stochastic(backend, rng):
+    """fake_quantize's stochastic rounding is quantize's, dequantized, on every backend."""
+    x, scale, zp = _fq_case(rng, "qint8", np.float32, dict(axis=0))
+    x[1] = rng.standard_normal(x.shape[1])
+    want = qarray.quantize(x, scale, zp, "qint8", axis=0, rounding="stochastic", seed=9).dequantize()
+    with backend.context():
+        got = backend.get(qarray.fake_quantize(_input_on(backend, x), scale, zp, "qint8", axis=0,
+                                               rounding="stochastic", seed=9))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    with pytest.raises(TypeError, match="stochastic rounding gives no mask"):
+        qarray.fake_quantize(x, scale, zp, "qint8", axis=0, rounding="stochastic", seed=9, return_mask=True)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _formats
+from .. import _formats, _philox
 from .._dtypes import qdtype
 from .._fixed_point import FLOAT, IDENTITY, rescale
 from .._params import Layout, expand, kept, to_host
@@ -244,6 +244,24 @@ class Backend:
         xp = self.xp
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
             return xp.rint(c.astype(s.dtype, copy=False) / s).astype(xp.float64) + z
+
+    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+        """:meth:`quantize` rounding ``x / scale`` down or up, up with probability
+        its fraction (``qarray._philox.round_stochastic``), the random word of each
+        element Philox4x32-10's of its flat index in the whole array under
+        ``key``. ``index``: those indices (uint64, ``x``'s shape), default ``x``'s
+        own C-order ones (a Dask chunk passes its place in the whole). Here in
+        whole-array operations."""
+        xp = self.xp
+        if bool(xp.isnan(x).any()):
+            raise nan_error(x)
+        s, z = self._quantize_params(x, scale, zero_point)
+        s, z = (self.asarray(expand(p, x.shape, axis, block_size)) for p in (s, z))
+        if index is None:
+            index = xp.arange(x.size, dtype=xp.uint64).reshape(x.shape)
+        with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
+            q = _philox.round_stochastic(x.astype(s.dtype, copy=False) / s, _philox.bits(index, *key)) + z
+        return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
         """``(out, inside)``: :meth:`quantize`'s codes dequantized to ``dtype`` as

@@ -36,8 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 from numba import njit
+from numba.extending import register_jitable
 
-from .. import _fixed_point
+from .. import _fixed_point, _philox
 from .._config import THREADS
 from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
@@ -57,6 +58,7 @@ GRAIN = 1 << 20
 # the time of an element, in quantize's: a second thread gets GRAIN // COST elements
 SOFTMAX_COST = 16  # gathers and a division a distance
 BINARY_COST = 4  # three requantizes
+STOCHASTIC_COST = 16  # ten Philox rounds
 PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
 
 
@@ -252,6 +254,47 @@ def quantize(x, s, z, bidx, lo, hi, fake, out, mask, start, stop):
         for t in range(start, stop):
             o = t // n
             bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, out, mask, fake)
+    return bad
+
+
+for _f in (_philox._round, _philox.philox4x32):  # what _philox.bits calls, compiled where a kernel calls it
+    register_jitable(inline="always")(_f)
+_bits = njit(inline="always")(_philox.bits)
+_round_stochastic = njit(inline="always")(_philox.round_stochastic)
+_PHILOX_SOURCE = hashlib.sha256(inspect.getsource(_philox).encode()).hexdigest()  # a cache key, as _RESCALE_SOURCE
+
+
+@njit(inline="always")
+def _qs(v, s, z, lo, hi, index, k0, k1):
+    return min(max(_round_stochastic(v / s, _bits(index, k0, k1)) + z, lo), hi)
+
+
+@njit(**_KERNEL, fastmath={"reassoc"})  # as quantize: the sum of v - v vectorizes
+def quantize_stochastic(x, s, z, bidx, lo, hi, k0, k1, first, out, start, stop):
+    """``out = clamp(round_stochastic(x / s, bits) + z, lo, hi)``, the random word of
+    each element Philox's of its flat index in the whole array (``first`` plus
+    its C-order index in ``x``: ``qarray._philox``), rows ``(o, l)``
+    ``start..stop``. Returns NaN if ``x`` had NaN or inf."""
+    _ = _PHILOX_SOURCE
+    o_n, n, i_n = x.shape
+    pos = np.int64(s.shape[0] > 1)
+    bad = x.dtype.type(0)
+    for t in range(start, stop):
+        o = t // n
+        l = t - o * n
+        po, b = np.int64(o) * pos, bidx[l]
+        base = first + np.uint64(t) * np.uint64(i_n)
+        if s.shape[2] > 1:
+            for i in range(i_n):
+                v = x[o, l, i]
+                bad += v - v
+                out[o, l, i] = _qs(v, s[po, b, i], z[po, b, i], lo, hi, base + np.uint64(i), k0, k1)
+        else:
+            sr, zr = s[po, b, 0], z[po, b, 0]
+            for i in range(i_n):
+                v = x[o, l, i]
+                bad += v - v
+                out[o, l, i] = _qs(v, sr, zr, lo, hi, base + np.uint64(i), k0, k1)
     return bad
 
 

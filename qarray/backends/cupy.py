@@ -216,13 +216,24 @@ class CupyBackend(Backend):
         return super().to_host(a)
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
+        return self._quantize_with("quantize", x, scale, zero_point, qd, axis, block_size)
+
+    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+        if index is not None:  # a Dask chunk's elements, numbered in the whole array
+            return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
+        return self._quantize_with("quantize_stochastic", x, scale, zero_point, qd, axis, block_size,
+                                   tuple(np.uint32(k) for k in key))
+
+    def _quantize_with(self, base, x, scale, zero_point, qd, axis, block_size, extra=()):
+        """Codes from kernel ``base``: quantize's arguments, then ``extra``, the
+        output and the NaN flag."""
         with self.on(x):
             x = contiguous(x)
             total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
             out = self.xp.empty(x.shape, qd.storage)
             if total:
-                self._elementwise(kernel_name("quantize", x.dtype, qd.storage), total,
-                                  (*args, out, self._nan_flag(x, nan_error)))
+                self._elementwise(kernel_name(base, x.dtype, qd.storage), total,
+                                  (*args, *extra, out, self._nan_flag(x, nan_error)))
             return out
 
     def _quantize_args(self, x, scale, zero_point, qd, axis, block_size):

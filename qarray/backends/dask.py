@@ -45,17 +45,18 @@ def chunk_params(params, loc, axis, block_size):
     return tuple(p if np.ndim(p) == 0 else p[key] for p in params)
 
 
-def _on_chunk(fn, inner, params, chunk):
-    """``fn(backend, chunk, *params)`` for one chunk; the inner backend is looked
-    up by name on the worker (a backend object holds a module)."""
+def _on_chunk(fn, inner, params, *chunks):
+    """``fn(backend, *chunks, *params)`` for one chunk (and the matching chunks of
+    further arrays); the inner backend is looked up by name on the worker (a
+    backend object holds a module)."""
     from . import get
 
-    return fn(get(inner), chunk, *params)
+    return fn(get(inner), *chunks, *params)
 
 
-def _on_chunk_sliced(fn, inner, axis, block_size, params, chunk, block_info=None):
+def _on_chunk_sliced(fn, inner, axis, block_size, params, *chunks, block_info=None):
     """:func:`_on_chunk` with ``params`` sliced to the chunk (``block_info``: where it is)."""
-    return _on_chunk(fn, inner, chunk_params(params, block_info[0]["array-location"], axis, block_size), chunk)
+    return _on_chunk(fn, inner, chunk_params(params, block_info[0]["array-location"], axis, block_size), *chunks)
 
 
 def _chunk_minmax(inner, axis, block_size, chunk):
@@ -153,15 +154,17 @@ class DaskBackend(Backend):
         step = max(block_size, round(sizes[0] / block_size) * block_size)
         return x.rechunk({axis: step})
 
-    def map_chunks(self, fn, x, axis, block_size, params, dtype):
-        """``fn(inner_backend, chunk, *params_of_chunk)`` over ``x``'s chunks, each
-        returning that chunk's result (same shape, ``dtype``); lazy."""
+    def map_chunks(self, fn, x, axis, block_size, params, dtype, *others):
+        """``fn(inner_backend, chunk, *other_chunks, *params_of_chunk)`` over ``x``'s
+        chunks (``others``: arrays of ``x``'s shape, taken in the same chunks),
+        each returning that chunk's result (same shape, ``dtype``); lazy."""
         x = self.aligned(da.asarray(x), axis, block_size)  # an in-memory operand joins as one chunk
+        others = [o.rechunk(x.chunks) for o in others]
         params = tuple(to_host(p) for p in params)  # sliced per chunk on the host; primitives take host params
         # per tensor, no block_info: dask builds it as one more input per chunk, ~0.5 ms a chunk
         per_chunk = (functools.partial(_on_chunk, fn, self.inner, params) if axis is None else
                      functools.partial(_on_chunk_sliced, fn, self.inner, axis, block_size, params))
-        return x.map_blocks(per_chunk, dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
+        return x.map_blocks(per_chunk, *others, dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
 
     # -- the primitives: the inner backend's, chunk by chunk ----------------
     # quantize's NaN error is raised at compute(): a chunk backend that reports it
@@ -169,6 +172,19 @@ class DaskBackend(Backend):
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
         return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, s, z, qd, axis, block_size)),
                                x, axis, block_size, (scale, zero_point), qd.storage)
+
+    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+        # each chunk with its elements' flat indices in the whole array: the sum of
+        # per-axis ranges times the strides, chunked as x is (made lazily, chunk by chunk)
+        x = da.asarray(x)
+        if index is None:
+            strides = np.cumprod((x.shape[1:] + (1,))[::-1])[::-1]
+            index = sum(da.arange(n, dtype=np.uint64, chunks=c).reshape((1,) * d + (n,) + (1,) * (x.ndim - d - 1))
+                        * np.uint64(st) for d, (n, c, st) in enumerate(zip(x.shape, x.chunks, strides)))
+            index = da.broadcast_to(index, x.shape) if x.ndim else da.zeros((), np.uint64)
+        return self.map_chunks(
+            lambda b, c, i, s, z: _checked(b, b.quantize_stochastic(c, s, z, qd, axis, block_size, key, i)),
+            x, axis, block_size, (scale, zero_point), qd.storage, index)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
         # one task a chunk for the values; the mask (on request) is a second one,

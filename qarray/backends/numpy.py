@@ -182,6 +182,24 @@ class NumpyBackend(Backend):
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
         return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None)
 
+    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+        k = self._fast(x)
+        if k is None or index is not None:
+            return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
+        if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
+            x = x.astype(np.float32)
+        ct, lo, hi = _bounds(qd, x.dtype)
+        out = self.empty(x.shape, qd.storage)
+        af, of = x.ravel(), out.reshape(-1)
+        bad = 0.0
+        for sl, dims, pshape, bidx, rows, inner in _pieces(x.shape, axis, block_size):  # each from its flat index
+            bad += sum(k.parallel(k.quantize_stochastic, rows, af[sl].reshape(dims), _param(scale, x.dtype, pshape),
+                                  _param(zero_point, ct, pshape), bidx, lo, hi, *key, np.uint64(sl.start or 0),
+                                  of[sl].reshape(dims), grain=k.GRAIN // (k.STOCHASTIC_COST * inner)))
+        if bad != bad and np.isnan(x).any():
+            raise nan_error(x)
+        return out
+
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
         k = self._fast(x)
         if k is None:

@@ -92,9 +92,10 @@ def build(out: Path, sources=SOURCES, defines=()) -> ctypes.CDLL:
 
 HOST_GRID = 8  # the host's "SMs x occupancy": small, so grid-stride loops run several rounds
 
-_CTYPES = {np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.int32): ctypes.c_int,
+_CTYPES = {np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.int32): ctypes.c_int, np.dtype(np.uint32): ctypes.c_uint,
            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
-_CODES = {np.dtype(np.int64): "i8", np.dtype(np.int32): "i4", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8"}
+_CODES = {np.dtype(np.int64): "i8", np.dtype(np.int32): "i4", np.dtype(np.uint32): "u4", np.dtype(np.float32): "f4",
+          np.dtype(np.float64): "f8"}
 
 
 class HostCupyBackend(CupyBackend):

@@ -180,6 +180,31 @@ __device__ __forceinline__ double qa_mul(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ bool qa_lt(double a, double b) { return a < b; }
 __device__ __forceinline__ float qa_rint(float a) { return rintf(a); }
 __device__ __forceinline__ double qa_rint(double a) { return rint(a); }
+__device__ __forceinline__ float qa_floor(float a) { return floorf(a); }
+__device__ __forceinline__ double qa_floor(double a) { return floor(a); }
+
+// qarray/_philox.py line for line: Philox4x32-10's word 0 of counter (idx mod
+// 2**32, idx >> 32, 0, 0) under key (k0, k1), and the stochastic rounding it
+// drives (frac(t) exact in T, the comparison exact in double).
+__device__ __forceinline__ unsigned qa_philox_bits(unsigned long long idx, unsigned k0, unsigned k1) {
+    unsigned c0 = (unsigned)idx, c1 = (unsigned)(idx >> 32), c2 = 0, c3 = 0;
+    for (int round = 0; round < 10; ++round) {
+        const unsigned long long p0 = 0xD2511F53ull * c0, p1 = 0xCD9E8D57ull * c2;
+        const unsigned n0 = (unsigned)(p1 >> 32) ^ c1 ^ k0, n2 = (unsigned)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (unsigned)p1;
+        c3 = (unsigned)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+template <typename T>
+__device__ __forceinline__ T qa_round_stochastic(T t, unsigned r) {
+    const T f = qa_floor(t);
+    return f + (T)((double)r < __dmul_rn((double)t - (double)f, 4294967296.0));
+}
 
 // Store v as the storage type numbered `kind` (CupyBackend's OUT_KINDS; for kernels whose
 // stores are few (binary's, gemv's), one kernel serves every output dtype).

@@ -26,6 +26,22 @@ __device__ void quantize_body(const TIn* x, const TF* s, const int* z, const i64
     });
 }
 
+// quantize with stochastic rounding: the random word of each element Philox's of
+// its flat index (qarray/_philox.py), so every grid and device gives the same codes
+template <typename TIn, typename TF, typename TC, typename TOut>
+__device__ void quantize_stochastic_body(const TIn* x, const TF* s, const int* z, const i64* bidx, i64 total,
+                                         Layout lay, TC lo, TC hi, unsigned k0, unsigned k1, TOut* out,
+                                         int* nan_seen) {
+    const QaRows<i64> rows(lay, total);
+    QA_GRID_STRIDE(idx, total) {
+        const i64 row = idx / rows.cols, p = rows.rowbase(row, bidx) + rows.colterm(idx - row * rows.cols, bidx);
+        const TF v = qa_float(x[idx]);
+        if (v != v) *nan_seen = 1;
+        const TC w = (TC)qa_round_stochastic(qa_div(v, s[p]), qa_philox_bits(idx, k0, k1)) + (TC)z[p];
+        out[idx] = (TOut)(w < lo ? lo : (w > hi ? hi : w));
+    }
+}
+
 // the straight-through mask: rint(v / s) + z inside [lo, hi] before the clamp
 // (false for NaN and +-inf)
 template <typename TIn, typename TF, typename TC>
@@ -60,12 +76,24 @@ __device__ void requantize_body(const TIn* q, Requant rq, const i64* bidx, i64 t
                                                      TC lo, TC hi, TOUT* out, int* nan_seen) {     \
         quantize_body<false, TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, out, nan_seen);     \
     }
+#define QUANTIZE_STOCHASTIC(IN, TIN, TF, TC, OUT, TOUT)                                                 \
+    extern "C" __global__ void quantize_stochastic_##IN##_##OUT(                                          \
+        const TIN* x, const TF* s, const int* z, const i64* bidx, i64 total, LAYOUT_ARGS, TC lo, TC hi,    \
+        unsigned k0, unsigned k1, TOUT* out, int* nan_seen) {                                              \
+        quantize_stochastic_body<TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, k0, k1, out,     \
+                                                    nan_seen);                                             \
+    }
 #define QUANTIZE_ALL(IN, TIN, TF)                                 \
     QUANTIZE(IN, TIN, TF, TF, int8, signed char)                  \
     QUANTIZE(IN, TIN, TF, TF, uint8, unsigned char)               \
     QUANTIZE(IN, TIN, TF, TF, int16, short)                       \
     QUANTIZE(IN, TIN, TF, TF, uint16, unsigned short)             \
-    QUANTIZE(IN, TIN, TF, double, int32, int)
+    QUANTIZE(IN, TIN, TF, double, int32, int)                    \
+    QUANTIZE_STOCHASTIC(IN, TIN, TF, TF, int8, signed char)      \
+    QUANTIZE_STOCHASTIC(IN, TIN, TF, TF, uint8, unsigned char)   \
+    QUANTIZE_STOCHASTIC(IN, TIN, TF, TF, int16, short)           \
+    QUANTIZE_STOCHASTIC(IN, TIN, TF, TF, uint16, unsigned short) \
+    QUANTIZE_STOCHASTIC(IN, TIN, TF, double, int32, int)
 QUANTIZE_ALL(float16, qa_half, float)
 QUANTIZE_ALL(float32, float, float)
 QUANTIZE_ALL(float64, double, double)
