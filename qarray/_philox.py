@@ -49,15 +49,15 @@ def bits(index, k0, k1):
     return philox4x32(index & _MASK, index >> _32, zero, zero, k0, k1)[0]
 
 
-def round_stochastic(t, r):
+def round_stochastic(t, f, r):
     """``t`` rounded down or up, up with probability ``frac(t)`` given the random
-    32-bit word ``r``: ``floor(t) + (r < frac(t) * 2**32)``. ``t - floor(t)``
-    is exact in ``t``'s float type and the comparison exact in float64, so the
-    probability is ``frac(t)`` to the 2**-32 (exactly, where ``frac(t)`` is a
-    multiple of 2**-32: every float32 ``t`` of magnitude 2**-8 or more).
-    Infinities stay as they are."""
-    f = np.floor(t)
-    return f + (np.float64(np.int64(r)) < (np.float64(t) - np.float64(f)) * _TWO32)  # r < 2**32: exact as int64
+    32-bit word ``r`` and ``f = floor(t)`` (the caller's floor: ``xp.floor``,
+    Numba's ``np.floor``): ``f + (r < (t - f) * 2**32)``. ``t - f`` is exact in
+    ``t``'s float type, its scaling by 2**32 too, and ``r * 1.0`` (below 2**32)
+    in float64, so the comparison is exact and the probability is ``frac(t)``
+    to the 2**-32 (exactly, where ``frac(t)`` is a multiple of 2**-32: every
+    float32 ``t`` of magnitude 2**-8 or more). Infinities stay as they are."""
+    return f + (r * 1.0 < (t - f) * _TWO32)
 
 
 def key(seed):

@@ -275,3 +275,108 @@ def test_extreme_codes_and_zero_points(pair, cfg, kernels):
         want = np.clip(np.floor(ref / 2.0**shift + 0.5), -32768, 32767)
         assert np.abs(want).max() > 8  # rounding at work, far from 0
         np.testing.assert_array_equal(out.int_repr(), want.astype(np.int64))
+
+
+# -- conv_transpose2d: conv2d of the input spread out by the stride --------------------
+# (N, C, H, W), (O / groups, kh, kw), stride, padding, output_padding, dilation, groups, per_channel
+T_CONFIGS = [
+    ((2, 3, 4, 5), (2, 3, 3), 1, 0, 0, 1, 1, False),
+    ((1, 4, 5, 4), (3, 3, 2), 2, 1, 1, 1, 1, True),
+    ((2, 4, 3, 5), (2, 2, 3), (2, 3), (0, 1), (1, 2), (2, 1), 2, True),
+    ((1, 6, 4, 4), (1, 3, 3), 2, 1, 0, 1, 6, True),  # depthwise
+    ((2, 2, 10, 9), (2, 2, 2), 1, 3, 0, 2, 1, False),  # padding beyond the kernel: the edges are cropped
+]
+
+
+def reference_transpose_acc(x, w, stride, padding, output_padding, dilation, groups):
+    """``out[n, g*Og + j, y, x] += (x - zx)[n, c, iy, ix] * (w - zw)[c, j, a, b]`` at
+    ``y = iy*sh - ph + a*dh``: the scatter that defines the transposed conv, in int64."""
+    (sh, sw), (ph, pw), (oph, opw), (dh, dw) = (_pair(v) for v in (stride, padding, output_padding, dilation))
+    xi = x.data.astype(np.int64) - int(x.zero_point)
+    zw = np.asarray(w.zero_point, np.int64)
+    wi = w.data.astype(np.int64) - (zw.reshape(1, -1, 1, 1) if w.axis is not None else zw)
+    n, c, h, wd = xi.shape
+    _, og, kh, kw = wi.shape
+    oh, ow = (h - 1) * sh - 2 * ph + dh * (kh - 1) + oph + 1, (wd - 1) * sw - 2 * pw + dw * (kw - 1) + opw + 1
+    out = np.zeros((n, og * groups, oh, ow), np.int64)
+    cg = c // groups
+    for ci in range(c):
+        g = ci // cg
+        for a in range(kh):
+            for b in range(kw):
+                for iy in range(h):
+                    y = iy * sh - ph + a * dh
+                    xs = np.arange(wd) * sw - pw + b * dw
+                    ok = (xs >= 0) & (xs < ow)
+                    if 0 <= y < oh and ok.any():
+                        out[:, g * og:(g + 1) * og, y, xs[ok]] += (xi[:, ci, iy, ok][:, None, :]
+                                                                   * wi[ci, :, a, b][None, :, None])
+    return out
+
+
+def make_transpose_operands(rng, pair, cfg):
+    (n, c, h, wd), (og, kh, kw), stride, padding, out_pad, dilation, groups, per_channel = cfg
+    xd, wdt = (qarray.qdtype(d) for d in pair)
+    x = QArray.from_int(rng.choice([xd.qmin, xd.qmax, (xd.qmin + xd.qmax) // 2], (n, c, h, wd)),
+                        rng.choice(X_SCALES), int(rng.choice([xd.qmin, xd.qmax])), xd)
+    ints = rng.choice([wdt.qmin, wdt.qmax, 0, 1], (c, og, kh, kw))
+    if per_channel:
+        w = QArray.from_int(ints, rng.choice(W_SCALES, og), rng.choice([wdt.qmin, wdt.qmax], og), wdt, axis=1)
+    else:
+        w = QArray.from_int(ints, rng.choice(W_SCALES), int(rng.choice([wdt.qmin, wdt.qmax])), wdt)
+    return x, w, dict(stride=stride, padding=padding, output_padding=out_pad, dilation=dilation, groups=groups)
+
+
+@pytest.mark.parametrize("cfg", T_CONFIGS, ids=range(len(T_CONFIGS)))
+@pytest.mark.parametrize("pair", [("quint8", "qint8"), ("qint8", "quint8"), ("qint4", "qint8")], ids="-".join)
+def test_conv_transpose2d_accumulator_is_exact(pair, cfg, backend):
+    """The exact accumulator against the scatter reference on every backend, with
+    codes and zero points at both ends of both dtypes, per-channel weights along
+    axis 1, groups and depthwise; requantized, it is the accumulator requantized."""
+    from qarray.ops.conv import conv_transpose2d
+
+    rng = np.random.default_rng(T_CONFIGS.index(cfg))
+    x, w, kw = make_transpose_operands(rng, pair, cfg)
+    out = backend.run(conv_transpose2d, x, w, **kw)
+    ref = reference_transpose_acc(x, w, **kw)
+    assert out.dtype is qint32 and out.axis == (1 if w.axis is not None else None)
+    np.testing.assert_array_equal(out.int_repr(), ref)
+    assert ran_conv_kernels(backend, kw["groups"]), backend.launched
+    s_acc = np.float32(x.scale) * np.tile(np.asarray(w.scale, np.float32), kw["groups"] if w.axis is not None else 1)
+    np.testing.assert_array_equal(out.scale, s_acc if w.axis is not None else s_acc[0])
+    got = backend.run(conv_transpose2d, x, w, **kw, scale=0.5, zero_point=3, dtype="qint8")
+    want = QArray.from_int(ref, out.scale, 0, qint32, axis=out.axis).requantize(0.5, 3, "qint8").int_repr()
+    np.testing.assert_array_equal(got.int_repr(), want)
+
+
+def test_conv_transpose2d_matches_torch(rng):
+    """PyTorch's float64 conv_transpose2d on the integer values (exact at these sizes)."""
+    torch = pytest.importorskip("torch")
+    from qarray.ops.conv import conv_transpose2d
+
+    for cfg in T_CONFIGS:
+        x, w, kw = make_transpose_operands(rng, ("quint8", "qint8"), cfg)
+        zw = np.asarray(w.zero_point, np.int64).reshape(1, -1, 1, 1) if w.axis is not None else int(w.zero_point)
+        want = torch.nn.functional.conv_transpose2d(
+            torch.tensor(x.int_repr().astype(np.float64) - int(x.zero_point)),
+            torch.tensor(w.int_repr().astype(np.float64) - zw), **kw).numpy()
+        np.testing.assert_array_equal(conv_transpose2d(x, w, **kw).int_repr(), want)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(output_padding=2, stride=2), ValueError, "output_padding must be smaller than stride or dilation"),
+    (dict(stride=0), ValueError, "stride must be >= 1"),
+    (dict(groups=3), ValueError, "groups=3 does not divide"),
+])
+def test_conv_transpose2d_errors(kwargs, exc, match):
+    from qarray.ops.conv import conv_transpose2d
+
+    x = QArray.from_int(np.zeros((1, 4, 3, 3), np.int64), 0.5, 0, "qint8")
+    w = QArray.from_int(np.zeros((4, 2, 2, 2), np.int64), 0.5, 0, "qint8")
+    with pytest.raises(exc, match=match):
+        conv_transpose2d(x, w, **kwargs)
+    with pytest.raises(ValueError, match="x has 3 channels but w has 4 input channels"):
+        conv_transpose2d(QArray.from_int(np.zeros((1, 3, 3, 3), np.int64), 0.5, 0, "qint8"), w)
+    wc = QArray.from_int(np.zeros((4, 2, 2, 2), np.int64), np.full(4, 0.5, np.float32), 0, "qint8", axis=0)
+    with pytest.raises(ValueError, match="parameters along axis 1"):
+        conv_transpose2d(x, wc)

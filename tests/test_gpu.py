@@ -120,6 +120,19 @@ def test_ops_match(rng):
         np.testing.assert_array_equal(ints(qarray.matmul(a16.to("cupy"), gb, **kw)), ints(qarray.matmul(a16, b, **kw)))
 
 
+@pytest.mark.parametrize("groups", [1, 8])
+def test_conv_transpose2d(groups, rng):
+    """conv_transpose2d (conv2d of the spread input) on the device: the CPU's accumulator and requantized codes."""
+    x = qarray.QArray.from_int(rng.integers(0, 256, (2, 8, 9, 7)), 0.02, 128, "quint8")
+    w = qarray.QArray.from_int(rng.integers(-128, 128, (8, 3, 3, 3)), np.full(3, 0.01, np.float32), 0, "qint8",
+                               axis=1)
+    for kw in ({}, dict(scale=0.5, zero_point=1, dtype="qint8")):
+        want = qarray.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1, groups=groups, **kw)
+        got = qarray.conv_transpose2d(x.to("cupy"), w.to("cupy"), stride=2, padding=1, output_padding=1,
+                                      groups=groups, **kw)
+        np.testing.assert_array_equal(ints(got), ints(want))
+
+
 def test_quantize_dynamic_and_minmax(rng):
     x = rng.standard_normal((128, 33)).astype(np.float32)
     want = qarray.quantize_dynamic(x, "quint8", axis=1)

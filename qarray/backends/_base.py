@@ -260,7 +260,8 @@ class Backend:
         if index is None:
             index = xp.arange(x.size, dtype=xp.uint64).reshape(x.shape)
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
-            q = _philox.round_stochastic(x.astype(s.dtype, copy=False) / s, _philox.bits(index, *key)) + z
+            t = x.astype(s.dtype, copy=False) / s
+            q = _philox.round_stochastic(t, xp.floor(t), _philox.bits(index, *key)) + z
         return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):

@@ -266,7 +266,8 @@ _PHILOX_SOURCE = hashlib.sha256(inspect.getsource(_philox).encode()).hexdigest()
 
 @njit(inline="always")
 def _qs(v, s, z, lo, hi, index, k0, k1):
-    return min(max(_round_stochastic(v / s, _bits(index, k0, k1)) + z, lo), hi)
+    t = v / s
+    return min(max(_round_stochastic(t, np.floor(t), _bits(index, k0, k1)) + z, lo), hi)
 
 
 @njit(**_KERNEL, fastmath={"reassoc"})  # as quantize: the sum of v - v vectorizes

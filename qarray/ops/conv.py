@@ -1,5 +1,6 @@
 """conv2d: exact integer convolution as im2col plus the integer GEMM of ``linear``
-(``groups == 1``), or one direct pass for grouped and depthwise conv.
+(``groups == 1``), or one direct pass for grouped and depthwise conv;
+conv_transpose2d: conv2d of the input spread out by the stride.
 
 ``conv2d(x, w)`` with no output parameters is ONNX ConvInteger (the exact qint32
 accumulator, scale ``x.scale * w.scale``); with ``scale``, ``zero_point`` and
@@ -18,7 +19,7 @@ from .._qarray import QArray
 from ._output import finish
 from .linear import PackedWeight, _bias_ints, _check_operand
 
-__all__ = ["conv2d"]
+__all__ = ["conv2d", "conv_transpose2d"]
 
 
 def _pair(op, name, v, least):
@@ -130,3 +131,83 @@ def conv2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, dilation=1, gro
     packed = pack_conv_weight("conv2d", w, groups)
     return conv_packed("conv2d", x, packed, w.shape, bias, stride, padding, dilation, groups,
                        scale, zero_point, dtype, relu, mode, rounding)
+
+
+def _spread(xp, a, axis, step, fill):
+    """``a`` with ``step - 1`` elements of value ``fill`` between neighbours along
+    ``axis`` (no item assignment: backends with immutable arrays too)."""
+    if step == 1 or a.shape[axis] == 0:
+        return a
+    pads = [(0, 0)] * (a.ndim + 1)
+    pads[axis + 1] = (0, step - 1)  # each element followed by its gap, on an axis of its own
+    both = xp.pad(a.reshape(a.shape[:axis + 1] + (1,) + a.shape[axis + 1:]), pads, constant_values=fill)
+    merged = both.reshape(a.shape[:axis] + (a.shape[axis] * step,) + a.shape[axis + 1:])
+    return merged[(slice(None),) * axis + (slice(0, (a.shape[axis] - 1) * step + 1),)]
+
+
+def _edges(xp, a, axis, before, after, fill):
+    """``a`` padded with ``fill`` (a negative count crops) before and after along ``axis``."""
+    lo, hi = max(-before, 0), a.shape[axis] - max(-after, 0)
+    a = a[(slice(None),) * axis + (slice(lo, hi),)]
+    pads = [(0, 0)] * a.ndim
+    pads[axis] = (max(before, 0), max(after, 0))
+    return xp.pad(a, pads, constant_values=fill) if max(before, after) > 0 else a
+
+
+@on_data_device(integer_only=True)
+@per_sample
+def conv_transpose2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *,
+                     scale=None, zero_point=None, dtype=None, relu=False, mode=None, rounding=None) -> QArray:
+    """Quantized transposed 2-D convolution, NCHW, in PyTorch's argument order
+    (``torch.nn.functional.conv_transpose2d``; ONNX ConvTranspose; what decoders
+    and upsampling use, and conv2d's gradient with respect to its input).
+
+    ``x`` is ``(N, C, H, W)``, per-tensor; ``w`` is ``(C, O / groups, kh, kw)``,
+    per-tensor or per-channel along axis 1 (the output channels). The output is
+    ``(N, O, (H - 1) * stride - 2 * padding + dilation * (kh - 1) +
+    output_padding + 1, ...)``. Exactly :func:`conv2d` of ``x`` spread out by
+    the stride (the gaps and the edges hold ``x``'s zero point, so they add
+    exactly 0) with the flipped, transposed weights: the same engines, the
+    same exact accumulator (no output parameters: qint32 at ``x.scale *
+    w.scale``), bias and requantize.
+
+    >>> x = QArray.from_int(numpy.array([[[[1, 2], [3, 4]]]]), 0.5, 0, "qint8")
+    >>> w = QArray.from_int(numpy.ones((1, 1, 2, 2), numpy.int8), 0.25, 0, "qint8")
+    >>> conv_transpose2d(x, w, stride=2).int_repr()[0, 0]
+    array([[1, 1, 2, 2],
+           [1, 1, 2, 2],
+           [3, 3, 4, 4],
+           [3, 3, 4, 4]], dtype=int32)
+    """
+    op = "conv_transpose2d"
+    _check_operand(op, "x", x, weight=False)
+    _check_operand(op, "w", w, weight=True)
+    if x.ndim != 4 or w.ndim != 4:
+        raise ValueError(f"{op}: x must be (N, C, H, W) and w (in_channels, out_channels / groups, kh, kw), "
+                         f"got {x.shape} and {w.shape}")
+    stride, padding, dilation, groups = check_conv_args(op, w.shape, stride, padding, dilation, groups)
+    out_pad = _pair(op, "output_padding", output_padding, 0)
+    if any(o >= max(s, d) for o, s, d in zip(out_pad, stride, dilation)):
+        raise ValueError(f"{op}: output_padding must be smaller than stride or dilation, got {output_padding!r}")
+    if w.axis not in (None, 1):
+        raise ValueError(f"{op}: per-channel weights must have their parameters along axis 1 (output channels), "
+                         f"got axis {w.axis}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"{op}: x has {x.shape[1]} channels but w has {w.shape[0]} input channels")
+    b = _backends.common(x.data, w.data)
+    xp = b.xp
+    c, og, kh, kw = w.shape
+    # w' (O, C / groups, kh, kw): group g's block transposed, the taps flipped
+    wd = w.data.reshape(groups, c // groups, og, kh, kw).transpose(0, 2, 1, 3, 4).reshape(og * groups, c // groups,
+                                                                                         kh, kw)[:, :, ::-1, ::-1]
+    ws = w.scale if w.axis is None else np.tile(to_host(w.scale), groups)
+    wz = w.zero_point if w.axis is None else np.tile(to_host(w.zero_point), groups)
+    wt = QArray._new(xp.ascontiguousarray(wd), ws, wz, w.dtype, None if w.axis is None else 0, None, b)
+    fill = x.data.dtype.type(int(to_host(x.zero_point)))
+    data = x.data
+    for axis, s, p, d, k, o in zip((2, 3), stride, padding, dilation, (kh, kw), out_pad):
+        edge = d * (k - 1) - p
+        data = _edges(xp, _spread(xp, data, axis, s, fill), axis, edge, edge + o, fill)
+    xs = QArray._new(data, x.scale, x.zero_point, x.dtype, None, None, b)
+    return conv2d(xs, wt, bias, 1, 0, dilation, groups, scale=scale, zero_point=zero_point, dtype=dtype,
+                  relu=relu, mode=mode, rounding=rounding)
