@@ -380,3 +380,82 @@ def test_conv_transpose2d_errors(kwargs, exc, match):
     wc = QArray.from_int(np.zeros((4, 2, 2, 2), np.int64), np.full(4, 0.5, np.float32), 0, "qint8", axis=0)
     with pytest.raises(ValueError, match="parameters along axis 1"):
         conv_transpose2d(x, wc)
+
+
+# -- conv2d_weight_grad: conv2d of x and grad_out with batch and channels swapped -------
+# (N, C, H, W), (O, kh, kw), stride, padding, dilation, groups
+G_CONFIGS = [
+    ((2, 3, 6, 5), (4, 3, 2), 1, 0, 1, 1),
+    ((3, 4, 9, 8), (6, 3, 3), 2, 1, 1, 2),
+    ((2, 4, 9, 9), (4, 3, 2), (2, 3), (1, 0), (2, 1), 4),  # depthwise; OH's floor leaves rows over
+    ((4, 2, 7, 7), (3, 2, 2), 3, 2, 2, 1),
+]
+
+
+def reference_weight_grad(x, w_shape, g, stride, padding, dilation, groups):
+    """``dw[o, c, a, b] = sum (g - zg)[n, o, oy, ox] * (x - zx)[n, group c, oy*sh - ph + a*dh, ...]`` in int64."""
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    xi = np.pad(x.data.astype(np.int64) - int(x.zero_point), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    gi = g.data.astype(np.int64) - int(g.zero_point)
+    o, cg, kh, kw = w_shape
+    _, _, oh, ow = gi.shape
+    og = o // groups
+    out = np.zeros(w_shape, np.int64)
+    for oc in range(o):
+        grp = oc // og
+        for a in range(kh):
+            for b in range(kw):
+                patch = xi[:, grp * cg:(grp + 1) * cg, a * dh:a * dh + sh * (oh - 1) + 1:sh,
+                           b * dw:b * dw + sw * (ow - 1) + 1:sw]
+                out[oc, :, a, b] = np.einsum("nchw,nhw->c", patch, gi[:, oc])
+    return out
+
+
+def make_grad_operands(rng, cfg):
+    (n, c, h, wd), (o, kh, kw), stride, padding, dilation, groups = cfg
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    x = QArray.from_int(rng.choice([0, 255, 128], (n, c, h, wd)), 0.375, int(rng.choice([0, 255])), "quint8")
+    g = QArray.from_int(rng.choice([-128, 127, 0, 1], (n, o, oh, ow)), 0.25, int(rng.choice([-128, 127])), "qint8")
+    return x, (o, c // groups, kh, kw), g, dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
+@pytest.mark.parametrize("cfg", G_CONFIGS, ids=range(len(G_CONFIGS)))
+def test_conv2d_weight_grad_is_exact(cfg, backend):
+    """Against the int64 definition on every backend, codes and zero points at both
+    ends; requantized, the accumulator requantized."""
+    from qarray.ops.conv import conv2d_weight_grad
+
+    x, ws, g, kw = make_grad_operands(np.random.default_rng(G_CONFIGS.index(cfg)), cfg)
+    out = backend.run(conv2d_weight_grad, x, ws, g, **kw)
+    ref = reference_weight_grad(x, ws, g, **kw)
+    assert out.shape == ws and out.dtype is qint32 and out.scale == np.float32(0.375 * 0.25)
+    np.testing.assert_array_equal(out.int_repr(), ref)
+    got = backend.run(conv2d_weight_grad, x, ws, g, **kw, scale=64.0, zero_point=-3, dtype="qint8")
+    want = QArray.from_int(ref, out.scale, 0, qint32).requantize(64.0, -3, "qint8").int_repr()
+    np.testing.assert_array_equal(got.int_repr(), want)
+
+
+def test_conv2d_weight_grad_matches_torch(rng):
+    """``torch.nn.grad.conv2d_weight`` in float64 on the integer values (exact at these sizes)."""
+    torch = pytest.importorskip("torch")
+    from qarray.ops.conv import conv2d_weight_grad
+
+    for cfg in G_CONFIGS:
+        x, ws, g, kw = make_grad_operands(rng, cfg)
+        want = torch.nn.grad.conv2d_weight(torch.tensor(x.int_repr() - float(x.zero_point)), ws,
+                                           torch.tensor(g.int_repr() - float(g.zero_point)), **kw).numpy()
+        np.testing.assert_array_equal(conv2d_weight_grad(x, ws, g, **kw).int_repr(), want)
+
+
+def test_conv2d_weight_grad_errors():
+    from qarray.ops.conv import conv2d_weight_grad
+
+    x = QArray.from_int(np.zeros((2, 4, 5, 5), np.int64), 0.5, 0, "qint8")
+    g = QArray.from_int(np.zeros((2, 6, 3, 3), np.int64), 0.5, 0, "qint8")
+    with pytest.raises(ValueError, match=r"grad_out must be \(2, 6, 4, 4\)"):
+        conv2d_weight_grad(x, (6, 4, 2, 2), g)
+    with pytest.raises(ValueError, match="groups=4 does not divide the 6 output channels"):
+        conv2d_weight_grad(x, (6, 1, 3, 3), g, groups=4)
+    with pytest.raises(ValueError, match="weight_shape"):
+        conv2d_weight_grad(x, (6, 4, 3), g)

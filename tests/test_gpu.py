@@ -133,6 +133,18 @@ def test_conv_transpose2d(groups, rng):
         np.testing.assert_array_equal(ints(got), ints(want))
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_conv2d_weight_grad(groups, rng):
+    """conv2d_weight_grad (conv2d with batch and channels swapped) on the device: the CPU's integers."""
+    x = qarray.QArray.from_int(rng.integers(0, 256, (4, 8, 9, 9)), 0.02, 128, "quint8")
+    g = qarray.QArray.from_int(rng.integers(-128, 128, (4, 12, 5, 5)), 0.01, 0, "qint8")
+    for kw in ({}, dict(scale=4.0, zero_point=1, dtype="qint8")):
+        want = qarray.conv2d_weight_grad(x, (12, 8 // groups, 3, 3), g, stride=2, padding=1, groups=groups, **kw)
+        got = qarray.conv2d_weight_grad(x.to("cupy"), (12, 8 // groups, 3, 3), g.to("cupy"), stride=2, padding=1,
+                                        groups=groups, **kw)
+        np.testing.assert_array_equal(ints(got), ints(want))
+
+
 def test_quantize_dynamic_and_minmax(rng):
     x = rng.standard_normal((128, 33)).astype(np.float32)
     want = qarray.quantize_dynamic(x, "quint8", axis=1)

@@ -2,13 +2,15 @@
 
 concat: cat, stack. elementwise: add, sub, mul, add_scalar, mul_scalar, prelu,
 relu, relu6, clamp, hardtanh. lut: lut and the activations built on it. linear:
-matmul, linear. conv: conv2d, conv_transpose2d. pool: max_pool2d, avg_pool2d,
+matmul, linear. conv: conv2d, conv_transpose2d,
+conv2d_weight_grad. pool: max_pool2d, avg_pool2d,
 adaptive_avg_pool2d, mean, sum. softmax: softmax, log_softmax.
 """
 
 from .concat import cat
 from .concat import stack
 from .conv import conv2d
+from .conv import conv2d_weight_grad
 from .conv import conv_transpose2d
 from .elementwise import add
 from .elementwise import add_scalar
@@ -47,6 +49,7 @@ __all__ = [
     "cat",
     "clamp",
     "conv2d",
+    "conv2d_weight_grad",
     "conv_transpose2d",
     "elu",
     "exp",

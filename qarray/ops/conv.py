@@ -1,6 +1,7 @@
 """conv2d: exact integer convolution as im2col plus the integer GEMM of ``linear``
 (``groups == 1``), or one direct pass for grouped and depthwise conv;
-conv_transpose2d: conv2d of the input spread out by the stride.
+conv_transpose2d: conv2d of the input spread out by the stride;
+conv2d_weight_grad: conv2d of the input and the gradient, batch and channels swapped.
 
 ``conv2d(x, w)`` with no output parameters is ONNX ConvInteger (the exact qint32
 accumulator, scale ``x.scale * w.scale``); with ``scale``, ``zero_point`` and
@@ -19,7 +20,7 @@ from .._qarray import QArray
 from ._output import finish
 from .linear import PackedWeight, _bias_ints, _check_operand
 
-__all__ = ["conv2d", "conv_transpose2d"]
+__all__ = ["conv2d", "conv2d_weight_grad", "conv_transpose2d"]
 
 
 def _pair(op, name, v, least):
@@ -211,3 +212,56 @@ def conv_transpose2d(x: QArray, w: QArray, bias=None, stride=1, padding=0, outpu
     xs = QArray._new(data, x.scale, x.zero_point, x.dtype, None, None, b)
     return conv2d(xs, wt, bias, 1, 0, dilation, groups, scale=scale, zero_point=zero_point, dtype=dtype,
                   relu=relu, mode=mode, rounding=rounding)
+
+
+@on_data_device(integer_only=True)
+def conv2d_weight_grad(x: QArray, weight_shape, grad_out: QArray, stride=1, padding=0, dilation=1, groups=1, *,
+                       scale=None, zero_point=None, dtype=None, mode=None, rounding=None) -> QArray:
+    """The gradient of :func:`conv2d` with respect to its weights, in
+    ``torch.nn.grad.conv2d_weight``'s argument order: ``sum over n, oy, ox of
+    (grad_out - zg)[n, o, oy, ox] * (x - zx)[n, c, oy * sh - ph + a * dh, ...]``,
+    shape ``weight_shape`` ``(O, C / groups, kh, kw)``.
+
+    ``x`` ``(N, C, H, W)`` and ``grad_out`` ``(N, O, OH, OW)`` are per-tensor;
+    ``grad_out`` takes conv2d's weight dtypes (8 bits or fewer). Exactly
+    :func:`conv2d` of ``x`` and ``grad_out`` with batch and channels swapped
+    (stride and dilation trade places), group by group: the same engines and
+    exact accumulator (qint32 at ``x.scale * grad_out.scale`` without output
+    parameters, else requantized).
+
+    >>> x = QArray.from_int(numpy.arange(9).reshape(1, 1, 3, 3), 0.5, 0, "quint8")
+    >>> g = QArray.from_int(numpy.ones((1, 1, 2, 2), numpy.int8), 0.25, 0, "qint8")
+    >>> conv2d_weight_grad(x, (1, 1, 2, 2), g).int_repr()[0, 0]
+    array([[ 8, 12],
+           [20, 24]], dtype=int32)
+    """
+    op = "conv2d_weight_grad"
+    _check_operand(op, "x", x, weight=False)
+    _check_operand(op, "grad_out", grad_out, weight=True)
+    if grad_out.axis is not None:
+        raise ValueError(f"{op}: grad_out must be per-tensor (requantize it first), got axis {grad_out.axis}")
+    shape = tuple(int(v) for v in weight_shape) if isinstance(weight_shape, (tuple, list)) else ()
+    if len(shape) != 4 or x.ndim != 4 or grad_out.ndim != 4:
+        raise ValueError(f"{op}: x (N, C, H, W), weight_shape (O, C / groups, kh, kw) and grad_out (N, O, OH, OW) "
+                         f"expected, got {x.shape}, {weight_shape!r} and {grad_out.shape}")
+    stride, padding, dilation, groups = check_conv_args(op, shape, stride, padding, dilation, groups)
+    o, cg, kh, kw = shape
+    n, c, h, wd = x.shape
+    oh, ow = ((size + 2 * p - d * (k - 1) - 1) // s + 1
+              for size, p, d, k, s in zip((h, wd), padding, dilation, (kh, kw), stride))
+    if c != cg * groups or grad_out.shape != (n, o, oh, ow):
+        raise ValueError(f"{op}: for x {x.shape} and weights {shape} with groups={groups}, grad_out must be "
+                         f"{(n, o, oh, ow)} (x needs {cg * groups} channels), got {grad_out.shape}")
+    b = _backends.common(x.data, grad_out.data)
+    og = o // groups
+    parts = []
+    for g in range(groups):  # channels of the group as the batch, the samples as channels
+        xs = QArray._new(x.data[:, g * cg:(g + 1) * cg].transpose(1, 0, 2, 3), x.scale, x.zero_point, x.dtype,
+                         None, None, b)
+        gs = QArray._new(grad_out.data[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3), grad_out.scale,
+                         grad_out.zero_point, grad_out.dtype, None, None, b)
+        r = conv2d(xs, gs, None, dilation, padding, stride, scale=scale, zero_point=zero_point, dtype=dtype,
+                   mode=mode, rounding=rounding)  # (cg, og, >= kh, >= kw): the floor of OH leaves extra rows
+        parts.append(r.data[:, :, :kh, :kw].transpose(1, 0, 2, 3))
+    data = parts[0] if groups == 1 else b.xp.concatenate(parts, axis=0)
+    return QArray._new(data, r.scale, r.zero_point, r.dtype, None, None, b)
