@@ -70,9 +70,10 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
+    key = _stochastic(rounding, seed, reciprocal, "quantize")
     if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
-        if rounding not in (None, "half_even"):
-            raise TypeError(f"quantize: rounding={rounding!r} is for integer formats; {d.name} rounds to nearest even")
+        if key is not None:
+            raise TypeError(f"quantize: rounding='stochastic' is for integer formats; {d.name} rounds to nearest even")
         if reciprocal:
             raise TypeError(f"quantize: reciprocal=True is PyTorch's arithmetic for integer formats; {d.name} is a "
                             "floating format")
@@ -81,7 +82,6 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
     if saturate is not None:
         raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
                         "saturates")
-    key = _stochastic(rounding, seed, reciprocal, "quantize")
     if key is not None:
         return QArray._new(b.quantize_stochastic(x, s, z, d, axis, block_size, key), s, z, d, axis, block_size, b)
     if reciprocal:  # PyTorch's (fbgemm's) x * (1 / scale), rounded to float32; then divided by 1, exactly

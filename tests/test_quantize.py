@@ -725,6 +725,8 @@ def test_stochastic_rounding_errors():
     pytest.importorskip("ml_dtypes")
     with pytest.raises(TypeError, match="rounding='stochastic' is for integer formats"):
         qarray.quantize(x, 0.1, 0, "float8_e4m3fn", rounding="stochastic", seed=3)
+    with pytest.raises(TypeError, match="seed= is for rounding='stochastic'"):
+        qarray.quantize(x, 0.1, 0, "float8_e4m3fn", seed=3)
 
 
 def test_fake_quantize_stochastic(backend, rng):
