@@ -100,7 +100,7 @@ def test_train_int8_gradients_follow_the_float_ones():
     from qarray.examples import digits, train
 
     x_train, _, y_train, _ = train._common.load_digits()
-    params, xb, yb = train._init(), x_train[:64], y_train[:64]
+    params, xb, yb = digits.init(), x_train[:64], y_train[:64]
     g1, g2, g3 = (train._int8_grads(params, xb, yb, step) for step in (5, 5, 6))
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(a, b)

@@ -49,13 +49,20 @@ def _grads(params, x, y):
     return grads
 
 
-def train(x, y, epochs: int, seed: int = 0) -> list:
-    """The float MLP (He-initialised, fixed seed) trained on ``x``, ``y``."""
+def init(seed: int = 0) -> list:
+    """The MLP's starting ``[w1, b1, w2, b2, w3, b3]``: He-initialised weights
+    (fixed seed), zero biases, float32."""
     rng = np.random.default_rng(seed)
     params = []
     for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
         params += [(rng.standard_normal((n_out, n_in)) * np.sqrt(2 / n_in)).astype(np.float32),
                    np.zeros(n_out, np.float32)]
+    return params
+
+
+def train(x, y, epochs: int, seed: int = 0) -> list:
+    """The float MLP (``init(seed)``) trained on ``x``, ``y``."""
+    params = init(seed)
     _common.fit(params, _grads, x, y, epochs, seed=seed)
     return params
 

@@ -26,7 +26,7 @@ import qarray as qa
 from qarray._params import to_host
 
 from . import _common
-from .digits import SIZES, forward
+from .digits import SIZES, forward, init
 from .digits import _grads as float_grads
 
 NAME = "train"
@@ -70,15 +70,6 @@ def _int8_grads(params, x, y, step):
     return grads
 
 
-def _init(seed=0):
-    rng = np.random.default_rng(seed)
-    params = []
-    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
-        params += [(rng.standard_normal((n_out, n_in)) * np.sqrt(2 / n_in)).astype(np.float32),
-                   np.zeros(n_out, np.float32)]
-    return params
-
-
 def run(quick: bool = False, xp=np) -> dict:
     """Train the float32 and the int8 MLP from the same start; returns ``{"epochs",
     "test_size", "variants": {key: {"label", "accuracy" (percent), "s_per_epoch"}}}``
@@ -88,7 +79,7 @@ def run(quick: bool = False, xp=np) -> dict:
     variants = {}
     for key, label, grads in (("float32", "float32", float_grads),
                               ("int8", "int8 forward and backward, stochastic rounding", int8_grads())):
-        params = _init()
+        params = init()
         t = time.perf_counter()
         _common.fit(params, grads, x_train, y_train, epochs)
         seconds = (time.perf_counter() - t) / epochs
