@@ -740,3 +740,21 @@ def test_fake_quantize_stochastic(backend, rng):
     np.testing.assert_array_equal(_bits(got), _bits(want))
     with pytest.raises(TypeError, match="stochastic rounding gives no mask"):
         qarray.fake_quantize(x, scale, zp, "qint8", axis=0, rounding="stochastic", seed=9, return_mask=True)
+
+
+@pytest.mark.parametrize("shape,axis,block_size", [((3, 100003), None, None), ((3, 100003), 1, None),
+                                                   ((3, 100003), 1, 1000), ((300, 2001), 0, None)])
+def test_stochastic_rounding_kernel_pieces(shape, axis, block_size):
+    """Large arrays: the Numba kernel runs over several pieces (per tensor: rows of
+    4096 and a short last one) and threads, each element still numbered by its
+    flat index: the generic whole-array code's codes."""
+    pytest.importorskip("numba")
+    from qarray._params import param_shape
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32) * 20
+    scale = rng.uniform(0.05, 0.5, param_shape(shape, axis, block_size)).astype(np.float32)
+    got = qarray.quantize(x, scale, 0, "qint8", axis, block_size, rounding="stochastic", seed=11)
+    with qarray.config.using(numba=False):
+        want = qarray.quantize(x, scale, 0, "qint8", axis, block_size, rounding="stochastic", seed=11)
+    np.testing.assert_array_equal(got.int_repr(), want.int_repr())

@@ -280,6 +280,25 @@ def quantize_stochastic(x, s, z, bidx, lo, hi, k0, k1, first, out, start, stop):
     o_n, n, i_n = x.shape
     pos = np.int64(s.shape[0] > 1)
     bad = x.dtype.type(0)
+    if i_n == 1:  # parameters change along the contiguous axis: runs along it (as quantize's _q_col)
+        o0, o1 = _outer(n, start, stop)
+        for o in range(o0, o1):
+            l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
+            po, base = np.int64(o) * pos, first + np.uint64(o * n + l0)
+            xr, orow = _span(x, o, l0, l1), _span(out, o, l0, l1)
+            if s.shape[1] == n:  # per-axis: parameter l for element l
+                sr, zr = _span(s, po, l0, l1), _span(z, po, l0, l1)
+                for j in range(l1 - l0):
+                    v = xr[j]
+                    bad += v - v
+                    orow[j] = _qs(v, sr[j], zr[j], lo, hi, base + np.uint64(j), k0, k1)
+            else:
+                br = bidx[l0:l1]
+                for j in range(l1 - l0):
+                    v = xr[j]
+                    bad += v - v
+                    orow[j] = _qs(v, s[po, br[j], 0], z[po, br[j], 0], lo, hi, base + np.uint64(j), k0, k1)
+        return bad
     for t in range(start, stop):
         o = t // n
         l = t - o * n
