@@ -197,6 +197,12 @@ def main(outdir: Path, quick: bool):
         td = gpu_ms(lambda: qt.dequantize())
     row("quantize float32 -> qint8", gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8")), 5 * N, copy_gbs, 0.85, tq)
     row("dequantize qint8 -> float32", gpu_ms(lambda: q.dequantize()), 5 * N, copy_gbs, 0.85, td)
+    # training's quantizers (no target yet): float32 in and out in one pass; Philox per element
+    tf = None if torch is None else gpu_ms(lambda: torch.fake_quantize_per_tensor_affine(xt, 0.01, 3, -128, 127))
+    row("fake_quantize float32 -> float32 (qint8 codes)", gpu_ms(lambda: qarray.fake_quantize(x, 0.01, 3, "qint8")),
+        8 * N, copy_gbs, None, tf)
+    row("quantize float32 -> qint8, rounding='stochastic'",
+        gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8", rounding="stochastic", seed=1)), 5 * N, copy_gbs)
     # per-axis: channels along the last axis (a slot per column) and the first (a slot per row)
     for axis, shape in ((1, (N // 4096, 4096)), (0, (4096, N // 4096))):
         xs = x.reshape(shape)
