@@ -146,16 +146,19 @@ def _q(v, s, z, lo, hi):
 
 
 @njit(inline="always")
-def _put(out, k, c, z, s, fake):
+def _put(out, mask, k, c, w, z, s, lo, hi, fake):
     """Store code ``c`` at ``out[k]``, or (``fake`` not None) the code dequantized
     as ``dequantize`` computes it: ``c - z`` (exact: below 2**17 in float32,
-    2**33 in float64) in ``out``'s float type, times ``s`` there. A None
-    argument prunes its branch as Numba compiles."""
+    2**33 in float64) in ``out``'s float type, times ``s`` there; with ``mask``,
+    whether the unclamped ``w`` was inside ``[lo, hi]``. A None argument prunes
+    its branch as Numba compiles."""
     if fake is None:
         out[k] = c
     else:
         out[k] = c - z
         out[k] *= s
+    if mask is not None:
+        mask[k] = (w >= lo) & (w <= hi)
 
 
 @njit(inline="always")
@@ -168,9 +171,7 @@ def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
             v = x[o, l, i]
             acc += v - v
             c, w = _q(v, s[po, b, i], z[po, b, i], lo, hi)
-            _put(out, (o, l, i), c, z[po, b, i], s[po, b, i], fake)
-            if mask is not None:
-                mask[o, l, i] = (w >= lo) & (w <= hi)
+            _put(out, mask, (o, l, i), c, w, z[po, b, i], s[po, b, i], lo, hi, fake)
     else:
         sr = s[po, b, 0]
         zr = z[po, b, 0]
@@ -178,9 +179,7 @@ def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
             v = x[o, l, i]
             acc += v - v
             c, w = _q(v, sr, zr, lo, hi)
-            _put(out, (o, l, i), c, zr, sr, fake)
-            if mask is not None:
-                mask[o, l, i] = (w >= lo) & (w <= hi)
+            _put(out, mask, (o, l, i), c, w, zr, sr, lo, hi, fake)
     return acc
 
 
@@ -210,9 +209,7 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
             v = xr[j]
             acc += v - v
             c, w = _q(v, sr[j], zr[j], lo, hi)
-            _put(orow, j, c, zr[j], sr[j], fake)
-            if mrow is not None:
-                mrow[j] = (w >= lo) & (w <= hi)
+            _put(orow, mrow, j, c, w, zr[j], sr[j], lo, hi, fake)
     else:
         br = bidx[l0:l1]
         for j in range(l1 - l0):
@@ -220,9 +217,7 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
             acc += v - v
             sj, zj = s[po, br[j], 0], z[po, br[j], 0]
             c, w = _q(v, sj, zj, lo, hi)
-            _put(orow, j, c, zj, sj, fake)
-            if mrow is not None:
-                mrow[j] = (w >= lo) & (w <= hi)
+            _put(orow, mrow, j, c, w, zj, sj, lo, hi, fake)
     return acc
 
 

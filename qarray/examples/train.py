@@ -38,11 +38,6 @@ def _q(a, **kw):
     return qa.quantize(a, np.float32(amax / 127 if amax > 0 else 1.0), 0, "qint8", **kw)
 
 
-def _f(q):
-    """The exact int32 accumulator of a ``matmul`` as float32 values."""
-    return q.dequantize()
-
-
 def int8_grads():
     """``grads(params, x, y)``: the gradients of the mean cross-entropy with every
     matmul in integers, ``x @ w.T`` forward, ``grad.T @ x`` and ``grad @ w``
@@ -57,16 +52,16 @@ def _int8_grads(params, x, y, step):
     for i in range(0, len(params), 2):
         qx, qw = _q(acts[-1]), _q(params[i])
         qs.append((qx, qw))
-        z = _f(qa.matmul(qx, qw.T)) + params[i + 1]
+        z = qa.matmul(qx, qw.T).dequantize() + params[i + 1]
         acts.append(z if i + 2 == len(params) else z * (z > 0))
     d = _common.xent_grad(acts[-1], y).astype(np.float32)
     grads = [None] * len(params)
     for i in range(len(params) - 2, -1, -2):
         qx, qw = qs[i // 2]
         qd = _q(d, rounding="stochastic", seed=step * 16 + i)
-        grads[i], grads[i + 1] = _f(qa.matmul(qd.T, qx)), d.sum(axis=0)
+        grads[i], grads[i + 1] = qa.matmul(qd.T, qx).dequantize(), d.sum(axis=0)
         if i:
-            d = _f(qa.matmul(qd, qw)) * (acts[i // 2] > 0)
+            d = qa.matmul(qd, qw).dequantize() * (acts[i // 2] > 0)
     return grads
 
 
