@@ -209,7 +209,7 @@ def _requantize_plan(s_in, z_in, shape, axis_in, block_in, scale, zero_point, d,
 
 @on_data_device
 def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size=None, *,
-               mode=None, rounding=None, out=None) -> QArray:
+               mode=None, rounding=None, out=None, seed=None) -> QArray:
     """The values of ``q`` at new parameters and dtype, without going through float.
 
     ``mode="fixed"`` (default): ``M = scale_in / scale_out`` becomes an integer
@@ -217,7 +217,10 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
     int64; ``rounding`` breaks ties ("half_even", "half_away", "half_up") or
     reproduces gemmlowp ("tflite"). ``mode="float"``: ONNX's
     ``rint(float64(q - zp_in) * float32(scale_in / scale_out) + zp_out)``.
-    Defaults come from ``qarray.config``. ``dtype`` defaults to ``q.dtype``.
+    Defaults come from ``qarray.config``. ``rounding="stochastic"`` (with
+    ``seed=``) rounds the exact quotient down or up, up with probability its
+    fraction, the random bits drawn as :func:`quantize`'s (``mode="fixed"``).
+    ``dtype`` defaults to ``q.dtype``.
     ``out``, as in NumPy, is an array (``dtype``'s storage, ``q``'s shape, ``q``'s
     backend) to write the integers into; the result's ``data`` is then ``out``.
 
@@ -229,10 +232,18 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
         raise TypeError(f"requantize takes a QArray, got {type(q).__name__}")
     d = q.dtype if dtype is None else qdtype(dtype)
     if "float" in (q.dtype.kind, d.kind):  # through the real values: dequantize, then quantize
-        if mode is not None or rounding is not None or out is not None:
+        if mode is not None or rounding is not None or out is not None or seed is not None:
             raise TypeError("requantize to or from a floating format dequantizes to float32 and quantizes again: "
-                            "mode=, rounding= and out= do not apply")
+                            "mode=, rounding=, out= and seed= do not apply")
         return quantize(dequantize(q), scale, zero_point, d, axis, block_size)
+    key = None
+    if rounding == "stochastic":
+        if mode not in (None, "fixed"):
+            raise TypeError("requantize: rounding='stochastic' rounds the exact fixed-point quotient; "
+                            f"pass mode='fixed' (or leave mode out), not {mode!r}")
+        key, mode, rounding = _philox.key(seed), "fixed", "half_even"  # the plan's multiplier and shift
+    elif seed is not None:
+        raise TypeError("requantize: seed= is for rounding='stochastic'")
     mode, rounding = resolve(mode, rounding)
     rq, s_out, z_out, axis, block_size = _requantize_plan(q.scale, q.zero_point, q.shape, q.axis, q.block_size,
                                                           scale, zero_point, d, axis, block_size, mode, rounding)
@@ -246,7 +257,13 @@ def requantize(q: QArray, scale, zero_point=0, dtype=None, axis=None, block_size
             )
         if not getattr(out.flags, "writeable", True):
             raise ValueError("requantize: out is read-only; pass a writeable array (or out=None for a new one)")
-    data = b.requantize(q.data, rq, out)
+    if key is None:
+        data = b.requantize(q.data, rq, out)
+    else:
+        data = b.requantize_stochastic(q.data, rq, key)
+        if out is not None:
+            out[...] = data
+            data = out
     return QArray._new(data, s_out, z_out, d, axis, block_size, b)
 
 

@@ -87,6 +87,41 @@ def float_multiplier(scale_in, scale_out):
     return M
 
 
+def wide(d, m, s):
+    """``(h, l, t)`` with ``d * m / 2**s == (h * 2**32 + l) / 2**(t + 32)``, ``0 <= l <
+    2**32`` and ``t >= 0``, exactly (:func:`rescale`'s arguments; ``|d|``
+    saturated at ``2**(s + 30)`` where ``s < 32``, beyond every output)."""
+    # A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30) (the result
+    # passes 2**60 there), then shift d left so that the shift is 32 + t.
+    lt = s < 32
+    u = (32 - s) * lt
+    t = s + u - 32
+    # x * m = h * 2**32 + l with 0 <= l < 2**32; m & _M31 (== m) tells the
+    # compiler that both products below are 32 x 32 bits
+    m = m & _M31
+    b = _ONE << ((s + 30) * lt)
+    x = (d - (d - b) * ((d > b) & lt) - (d + b) * ((d < -b) & lt)) << u
+    lo = (x & _M32) * m
+    h, l = (x >> 32) * m + (lo >> 32), lo & _M32
+    return h, l, t
+
+
+def rescale_stochastic(d, m, s, r):
+    """``d * m / 2**s`` rounded down or up, up when the random 32-bit word ``r``
+    (int64) is below its fraction times ``2**32``: ``floor + (r * 2**(t + 32) <
+    rem * 2**32)`` for the remainder ``rem`` below ``2**(t + 32)``, compared
+    exactly as ``r < ceil(rem / 2**t)`` (``qarray._philox.round_stochastic``'s
+    rule, on the exact quotient). Arguments as :func:`rescale`'s but for
+    ``TFLITE``; the top of ``rem`` is ``y >> b`` with ``a = min(t, 32)``, ``b = t -
+    a``, and what lies below it makes the ceiling."""
+    h, l, t = wide(d, m, s)
+    a = t - (t - 32) * (t > 32)
+    b = t - a
+    y = ((h & ((_ONE << t) - 1)) << (32 - a)) + (l >> a)
+    below = ((l & ((_ONE << a) - 1)) | (y & ((_ONE << b) - 1))) != 0
+    return (h >> t) + (r < (y >> b) + below)
+
+
 def rescale(d, m, s, rounding, narrow=False):
     """``d * m / 2**s`` rounded to an integer, exactly (int64 in, int64 out).
 
@@ -99,8 +134,8 @@ def rescale(d, m, s, rounding, narrow=False):
     every output range). ``narrow=True`` promises that ``d`` fits in int32 and
     ``s >= 32`` (``Requant.narrow``): then ``d * m`` fits in int64 and is
     rounded at once (a CPU fast path, ~25% faster in the GEMM epilogue; the
-    result is the same). One self-contained
-    function, so Numba compiles it as it stands; ``(bool * int)`` stands in for ``where``: it
+    result is the same). Numba compiles it as it stands (``wide`` registered
+    with it); ``(bool * int)`` stands in for ``where``: it
     works on arrays and scalars and lets Numba hoist and vectorize.
     """
     if narrow and rounding != TFLITE:
@@ -126,18 +161,7 @@ def rescale(d, m, s, rounding, narrow=False):
         rs = -e * (e < 0)
         mask = (_ONE << rs) - 1
         return (x >> rs) + ((x & mask) > ((mask >> 1) + (x < 0)))
-    # A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30) (the result
-    # passes 2**60 there), then shift d left so that the shift is 32 + t.
-    lt = s < 32
-    u = (32 - s) * lt
-    t = s + u - 32
-    # x * m = h * 2**32 + l with 0 <= l < 2**32; m & _M31 (== m) tells the
-    # compiler that both products below are 32 x 32 bits
-    m = m & _M31
-    b = _ONE << ((s + 30) * lt)
-    x = (d - (d - b) * ((d > b) & lt) - (d + b) * ((d < -b) & lt)) << u
-    lo = (x & _M32) * m
-    h, l = (x >> 32) * m + (lo >> 32), lo & _M32
+    h, l, t = wide(d, m, s)
     # floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
     # {-1, 0} the tie rule's: the half and delta go into the high word, the
     # low word gives only its borrow or carry

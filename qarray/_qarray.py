@@ -161,9 +161,11 @@ class QArray:
         """Real values ``(data - zero_point) * scale`` as float16/32/64."""
         return API["dequantize"](self, dtype)
 
-    def requantize(self, scale, zero_point=0, dtype=None, axis=None, block_size=None, mode=None, rounding=None):
+    def requantize(self, scale, zero_point=0, dtype=None, axis=None, block_size=None, mode=None, rounding=None,
+                   seed=None):
         """Same values at new parameters (see :func:`qarray.requantize`)."""
-        return API["requantize"](self, scale, zero_point, dtype, axis, block_size, mode=mode, rounding=rounding)
+        return API["requantize"](self, scale, zero_point, dtype, axis, block_size, mode=mode, rounding=rounding,
+                                 seed=seed)
 
     def int_repr(self):
         """A copy of the integer storage (one value per element, also for 2/4 bits);

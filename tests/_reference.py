@@ -543,3 +543,19 @@ def run_onnx(op, inputs, out_types, opset, **attrs):
     model = helper.make_model(helper.make_graph([node], op, ins, outs), opset_imports=opsets,
                               ir_version=helper.find_min_ir_version_for(opsets))
     return ReferenceEvaluator(model).run(None, inputs)
+
+
+def ref_philox(c, k):
+    """Philox4x32-10 in Python ints (Salmon et al., SC'11), independent of qarray's."""
+    c, (k0, k1) = list(c), k
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return tuple(c)
+
+
+def ref_bits(i, seed):
+    """Stochastic rounding's random word of the element at flat index ``i``:
+    Philox word 0 of counter ``(i mod 2**32, i >> 32, 0, 0)`` under the seed's key."""
+    return ref_philox((i & 0xFFFFFFFF, i >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))[0]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import qarray as qa
 from qarray import QArray, qdtype
 
-from _reference import (RULES, rounding_kw, ref_multiplier, ref_gemmlowp, ref_scale, ref_out, f32_ratio,
+from _reference import (RULES, rounding_kw, ref_bits, ref_multiplier, ref_gemmlowp, ref_scale, ref_out, f32_ratio,
                         expand, ref_int64, exact_settings, check_path, paths, scales, zero_points, draw_code,
                         int64_cases)
 
@@ -175,3 +175,146 @@ def test_requantize_narrow_path_at_the_extremes(d_out, M, kernels):
             got = get("numpy").requantize(d, rq)
             want = ref_int64(d.astype(np.int64), None, np.array([M]), np.array([zo]), qo, rule)
             np.testing.assert_array_equal(got, want, err_msg=f"{rule} zo={zo}")
+
+
+# -- stochastic rounding: the exact quotient rounded down or up ------------------
+# multipliers with shifts below 32 (M >= 1/2), at 32 and up to 94, and m at both ends
+STOCHASTIC_M = [0.37, 1.0, 3.75, 2.0**-10 * 0.6, (2**31 - 1) * 2.0**-62, 2.0**-31, 2.0**-40 * 0.77, 2.0**-70]
+
+
+def ref_stochastic_requantize(codes, zi, M, zo, qo, seed):
+    """Independent reference: ``(q - zi) * m / 2**s`` (``ref_multiplier``) in
+    Fractions, its floor plus one where the element's Philox word (counter:
+    flat index) is below its fraction times 2**32; then ``zo`` and the clamp."""
+    out = []
+    for i, (q, z, mm, o) in enumerate(zip(*(np.broadcast_to(v, codes.shape).ravel() for v in (codes, zi, M, zo)))):
+        m, s = ref_multiplier(float(mm))
+        v = Fraction((int(q) - int(z)) * m, 2**s) if s >= 0 else Fraction((int(q) - int(z)) * m * 2**-s)
+        f = v.numerator // v.denominator
+        out.append(min(max(f + (ref_bits(i, seed) < (v - f) * 2**32) + int(o), qo.qmin), qo.qmax))
+    return np.array(out, np.int64).reshape(codes.shape)
+
+
+@pytest.mark.parametrize("d_in,d_out", [("qint32", "qint8"), ("qint8", "quint8"), ("quint16", "qint16"),
+                                        ("qint32", "qint32")])
+@pytest.mark.parametrize("layout", [None, 0, 1])
+def test_requantize_stochastic_is_the_reference(backend, d_in, d_out, layout):
+    """``rounding="stochastic"`` on every backend (Numba, generic, host-run CUDA,
+    Dask) equals the independent reference: input codes at both ends of their
+    dtype with input zero points at both ends, shifts from below 32 to beyond
+    64, output zero points at both ends."""
+    qi, qo = qdtype(d_in), qdtype(d_out)
+    rng = np.random.default_rng(7)
+    shape = (len(STOCHASTIC_M), 9)
+    codes = rng.integers(qi.qmin, qi.qmax, shape, endpoint=True)
+    codes[:, :4] = [qi.qmin, qi.qmax, qi.qmin + 1, 0]
+    seed = 2**64 - 5
+    for zi in (qi.qmin, qi.qmax, 0) if qi.bits < 32 else (0,):
+        s_in = np.float32(1.0)
+        M = np.array(STOCHASTIC_M).reshape(-1, 1) if layout == 0 else (
+            np.resize(STOCHASTIC_M, shape[1]) if layout == 1 else np.full(1, 0.37))
+        s_out = (np.float64(s_in) / M).astype(np.float32)
+        M = np.float64(s_in) / s_out.astype(np.float64)  # the float32 scales' exact ratio
+        zo = np.resize([qo.qmin, qo.qmax, 0], s_out.size).reshape(s_out.shape)
+        q = QArray.from_int(codes.astype(qi.storage), s_in, zi, d_in)
+        kw = dict(axis=layout) if layout is not None else {}
+        so, zz = (s_out.ravel(), zo.ravel()) if layout is not None else (s_out[0], zo[0])
+        got = backend.run(qa.requantize, q, so, zz, d_out, **kw, rounding="stochastic", seed=seed)
+        want = ref_stochastic_requantize(codes, zi, M if layout is not None else M[0], zo if layout is not None
+                                         else zo[0], qo, seed)
+        np.testing.assert_array_equal(got.int_repr(), want, err_msg=f"zi={zi}")
+        assert backend.ran("requantize_stochastic")
+
+
+def test_requantize_stochastic_is_unbiased(kernels):
+    """10^6 int32 accumulators to qint8: only the floor or the ceiling of the exact
+    quotient; the mean error within 5 standard deviations of 0; the same seed
+    repeats, another differs; the Dask chunks (uneven) give the same codes."""
+    d = np.random.default_rng(4).integers(-40_000, 40_000, 10**6).astype(np.int32)
+    q = QArray.from_int(d, 1.0, 0, "qint32")
+    s_out = np.float32(317.3)
+    t = d / np.float64(s_out)
+    got = qa.requantize(q, s_out, 0, "qint8", rounding="stochastic", seed=1).int_repr().astype(np.float64)
+    assert np.all((got == np.floor(t)) | (got == np.ceil(t)))
+    frac = t - np.floor(t)
+    assert abs(np.mean(got - t)) < 5 * np.sqrt(np.sum(frac * (1 - frac))) / d.size
+    again = qa.requantize(q, s_out, 0, "qint8", rounding="stochastic", seed=1).int_repr()
+    np.testing.assert_array_equal(again, got)
+    other = qa.requantize(q, s_out, 0, "qint8", rounding="stochastic", seed=2).int_repr()
+    assert 0.2 < np.mean(other != got) < 0.5
+    da = pytest.importorskip("dask.array")
+    qd = QArray.from_int(da.from_array(d.reshape(1000, 1000), chunks=(333, 170)), 1.0, 0, "qint32")
+    chunked = qa.requantize(qd, s_out, 0, "qint8", rounding="stochastic", seed=1).compute().int_repr()
+    np.testing.assert_array_equal(chunked.ravel(), got)
+
+
+@pytest.mark.parametrize("shape,axis,block_size", [((3, 100003), None, None), ((3, 100003), 1, None),
+                                                   ((3, 100003), 1, 1000), ((300, 2001), 0, None)])
+def test_requantize_stochastic_kernel_pieces(shape, axis, block_size):
+    """Large arrays: the Numba kernel over several pieces and threads numbers each
+    element by its flat index, as the generic whole-array code does."""
+    pytest.importorskip("numba")
+    from qarray._params import param_shape
+
+    rng = np.random.default_rng(3)
+    q = QArray.from_int(rng.integers(-2**31, 2**31, shape).astype(np.int32), 1.0, 0, "qint32")
+    scale = rng.uniform(1e6, 1e8, param_shape(shape, axis, block_size)).astype(np.float32)
+    got = qa.requantize(q, scale, 0, "qint8", axis, block_size, rounding="stochastic", seed=11)
+    with qa.config.using(numba=False):
+        want = qa.requantize(q, scale, 0, "qint8", axis, block_size, rounding="stochastic", seed=11)
+    np.testing.assert_array_equal(got.int_repr(), want.int_repr())
+
+
+def test_requantize_stochastic_errors():
+    q = QArray.from_int(np.arange(4, dtype=np.int32), 1.0, 0, "qint32")
+    with pytest.raises(TypeError, match="rounding='stochastic' needs a seed"):
+        qa.requantize(q, 3.0, 0, "qint8", rounding="stochastic")
+    with pytest.raises(TypeError, match="requantize: seed= is for rounding='stochastic'"):
+        qa.requantize(q, 3.0, 0, "qint8", seed=1)
+    with pytest.raises(TypeError, match="rounds the exact fixed-point quotient; pass mode='fixed'"):
+        qa.requantize(q, 3.0, 0, "qint8", mode="float", rounding="stochastic", seed=1)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        qa.requantize(q, 3.0, 0, "qint8", rounding="stochastic", seed=2**64)
+    pytest.importorskip("ml_dtypes")
+    with pytest.raises(TypeError, match="mode=, rounding=, out= and seed= do not apply"):
+        qa.requantize(q, 3.0, 0, "float8_e4m3fn", rounding="stochastic", seed=1)
+    out = np.empty(4, np.int8)  # out= takes the stochastic codes too
+    r = q.requantize(3.0, 0, "qint8", rounding="stochastic", seed=1)
+    assert qa.requantize(q, 3.0, 0, "qint8", rounding="stochastic", seed=1, out=out).data is out
+    np.testing.assert_array_equal(out, r.int_repr())
+
+
+def test_requantize_stochastic_at_the_threshold(backend):
+    """Each value is placed at its own random word's threshold: ``frac * 2**32``
+    exactly ``r`` (stays down: up needs ``r < frac * 2**32``), ``r + 1`` (up), and
+    ``r`` plus a part below the word's resolution, carried in the low word
+    (``t <= 32``) or the high word's low bits (``t > 32``), which only the
+    sticky bit rounds up; positive and negative, on int64 accumulators through
+    the backend primitive. Random data meets these cases with probability
+    about 2**-32 each."""
+    from qarray._fixed_point import plan
+    from qarray._philox import key
+    from qarray.backends import get
+
+    seed, n = 77, 64
+    r = np.array([ref_bits(i, seed) for i in range(n)], np.int64)
+    cases = [  # (M, d, up): v = d * M with frac(v) * 2**32 = r + e
+        (2.0**-32, r, 0), (2.0**-32, r + 1, 1),  # t = 30
+        (2.0**-33, 2 * r + 1, 1), (2.0**-33, 2 * r, 0),  # t = 31: r + 1/2 goes up
+        (2.0**-40, 256 * r + 1, 1), (2.0**-40, 256 * r + 4, 1), (2.0**-40, 256 * r, 0),  # t = 38
+    ]
+    if backend.name == "cuda_host":
+        b, put, take = backend.host, (lambda a: a), backend.host.to_host
+    elif backend.name == "dask":
+        da = pytest.importorskip("dask.array")
+        b, put, take = get("dask"), (lambda a: da.from_array(a, chunks=7)), (lambda a: a.compute())
+    else:
+        b, put, take = get("numpy"), (lambda a: a), (lambda a: a)
+    for M, d, up in cases:
+        rq = plan([np.float64(M)], np.float32(1.0), 0, 0, qdtype("qint32"), "fixed", "half_even")
+        unit = int(round(1 / M))
+        for s in (1, -1):  # negative values: d - unit has the same fraction, floor one lower
+            acc = d if s == 1 else d - unit
+            got = take(b.requantize_stochastic(put(acc.astype(np.int64)), rq, key(seed)))
+            np.testing.assert_array_equal(got, np.full(n, up - (s == -1)), err_msg=f"M={M} up={up} sign={s}")
+    assert backend.ran("requantize_stochastic")

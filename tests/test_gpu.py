@@ -106,6 +106,16 @@ def test_requantize(rounding, mode, rng):
     np.testing.assert_array_equal(ints(got), ints(want))
 
 
+@pytest.mark.parametrize("shape,axis", [(((1 << 20) + 3,), None), ((257, 129), 1), ((257, 129), 0)])
+def test_requantize_stochastic(shape, axis, rng):
+    """The stochastic requantize kernel: the CPU's codes for the same seed, bit for bit."""
+    q = qarray.QArray.from_int(rng.integers(-(2**31), 2**31, shape).astype(np.int32), 1e-4, 0, "qint32")
+    scale = np.float32(0.05) if axis is None else rng.uniform(0.01, 100, shape[axis]).astype(np.float32)
+    want = qarray.requantize(q, scale, 3, "qint8", axis, rounding="stochastic", seed=2**50 + 1)
+    got = qarray.requantize(q.to("cupy"), scale, 3, "qint8", axis, rounding="stochastic", seed=2**50 + 1)
+    np.testing.assert_array_equal(ints(got), ints(want))
+
+
 def test_ops_match(rng):
     a = qarray.quantize(rng.standard_normal((64, 96)).astype(np.float32), 0.02, 3, "quint8")
     b = qarray.quantize(rng.standard_normal((96, 32)).astype(np.float32), np.full(32, 0.01, np.float32), 0, "qint8", axis=1)

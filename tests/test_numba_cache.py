@@ -26,6 +26,7 @@ qa.quantize(x, np.full(256, 0.05, np.float32), 0, "quint8", axis=1)
 acc = qa.QArray.from_int(np.arange(1 << 15, dtype=np.int32), 0.5, 0, "qint32")
 for rounding in ("half_even", "half_away", "half_up", "tflite"):
     qa.requantize(acc, 3.0, 1, "qint8", rounding=rounding)
+qa.requantize(acc, 3.0, 1, "qint8", rounding="stochastic", seed=1)
 qa.requantize(acc, 3.0, 1, "qint8", mode="float")
 qa.add(q, q, scale=0.1, zero_point=0, dtype="qint8")
 qa.mul(q, q, scale=0.1, zero_point=0, dtype="qint8", relu=True)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 import qarray
 from qarray import qdtype
 
+from _reference import ref_bits, ref_philox
+
 SMALL = ["qint2", "quint2", "qint4", "quint4", "qint8", "quint8"]
 ALL = SMALL + ["qint16", "quint16", "qint32"]
 
@@ -626,16 +628,6 @@ PHILOX_KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00
                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
 
 
-def ref_philox(c, k):
-    """Philox4x32-10 in Python ints (Salmon et al., SC'11), independent of qarray's."""
-    c, (k0, k1) = list(c), k
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
-        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    return tuple(c)
-
-
 @pytest.mark.parametrize("counter,key,want", PHILOX_KAT)
 def test_philox_known_answers(counter, key, want):
     from qarray import _philox
@@ -650,7 +642,6 @@ def ref_stochastic(x, scale, zp, dtype, seed):
     the element's Philox word (counter: flat index) is below frac * 2**32, in
     Fractions; then the zero point and the clamp."""
     d = qdtype(dtype)
-    k = (seed & 0xFFFFFFFF, seed >> 32)
     out = []
     flat = zip(np.ravel(x), np.ravel(np.broadcast_to(scale, np.shape(x))), np.ravel(np.broadcast_to(zp, np.shape(x))))
     for i, (v, s, z) in enumerate(flat):
@@ -660,7 +651,7 @@ def ref_stochastic(x, scale, zp, dtype, seed):
             t = float(np.float32(float(np.float32(v)) / float(np.float32(s))))
         if math.isfinite(t):
             f = math.floor(t)
-            r = ref_philox((i & 0xFFFFFFFF, i >> 32, 0, 0), k)[0]
+            r = ref_bits(i, seed)
             q = f + (r < (Fraction(t) - f) * 2**32) + int(z)
         else:
             q = math.copysign(math.inf, t)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _formats, _philox
 from .._dtypes import qdtype
-from .._fixed_point import FLOAT, IDENTITY, rescale
+from .._fixed_point import FLOAT, IDENTITY, rescale, rescale_stochastic
 from .._params import Layout, expand, kept, to_host
 
 
@@ -257,8 +257,7 @@ class Backend:
             raise nan_error(x)
         s, z = self._quantize_params(x, scale, zero_point)
         s, z = (self.asarray(expand(p, x.shape, axis, block_size)) for p in (s, z))
-        if index is None:
-            index = xp.arange(x.size, dtype=xp.uint64).reshape(x.shape)
+        index = self._index(x.shape, index)
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
             t = x.astype(s.dtype, copy=False) / s
             q = _philox.round_stochastic(t, xp.floor(t), _philox.bits(index, *key)) + z
@@ -404,6 +403,23 @@ class Backend:
 
         lay = Layout(q.shape, rq.axis, rq.block_size)
         return self._into(out, lambda t: self._chunked(fn, q, t, lay, rq.params), q.shape, rq.out_dtype)
+
+    def requantize_stochastic(self, q, rq, key, index=None):
+        """:meth:`requantize` by ``rq``'s multiplier and shift (fixed point; its
+        tie rule unused) rounding down or up, up with probability the
+        fraction of the exact quotient (``qarray._fixed_point.rescale_stochastic``),
+        the random word of each element drawn as :meth:`quantize_stochastic`
+        draws it. Here in whole-array operations."""
+        xp = self.xp
+        zi, zo, m, s = (self.asarray(expand(p, q.shape, rq.axis, rq.block_size)) for p in rq.params[:4])
+        r = _philox.bits(self._index(q.shape, index), *key).astype(xp.int64)
+        v = rescale_stochastic(q.astype(xp.int64) - zi, m, s, r)
+        return xp.clip(v + zo, rq.lo, rq.hi).astype(rq.out_dtype)
+
+    def _index(self, shape, index):
+        """Each element's flat C-order index (uint64, ``shape``), or ``index`` given."""
+        xp = self.xp
+        return xp.arange(int(np.prod(shape)), dtype=xp.uint64).reshape(shape) if index is None else index
 
     def clip(self, q, lo, hi):
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""

@@ -131,17 +131,39 @@ def parallel(k, tasks, *args, grain=1):
         f.result()
     return results
 
+register_jitable(inline="always")(_fixed_point.wide)  # what rescale calls, compiled where a kernel calls it
 _rescale = njit(inline="always")(_fixed_point.rescale)
-# Numba's cache sees only this file's timestamp, not _fixed_point.py's; closure
-# values are part of its cache key, so the requantize kernels carry this one.
-_RESCALE_SOURCE = hashlib.sha256(inspect.getsource(_fixed_point).encode()).hexdigest()
+_rescale_stochastic = njit(inline="always")(_fixed_point.rescale_stochastic)
+for _f in (_philox._round, _philox.philox4x32):  # what _philox.bits calls, compiled where a kernel calls it
+    register_jitable(inline="always")(_f)
+_bits = njit(inline="always")(_philox.bits)
+_round_stochastic = njit(inline="always")(_philox.round_stochastic)
+# Numba's cache sees only this file's timestamp, not _fixed_point.py's or
+# _philox.py's; closure values are part of its cache key (globals are not), so
+# the kernels that use them carry this one.
+_SOURCE = "".join(hashlib.sha256(inspect.getsource(m).encode()).hexdigest() for m in (_fixed_point, _philox))
 
 
 @njit(inline="always")
-def _q(v, s, z, lo, hi):
+def _first(key):
+    """The flat index of a kernel's first element: ``key[2]`` of a stochastic
+    rounding's ``(k0, k1, first)`` (unused without one)."""
+    if key is None:
+        return np.uint64(0)
+    return key[2]
+
+
+@njit(inline="always")
+def _q(v, s, z, lo, hi, key, index):
     """``v``'s code ``clamp(rint(v / s) + z, lo, hi)`` and ``rint(v / s) + z``
-    before the clamp (the straight-through mask's)."""
-    w = np.rint(v / s) + z
+    before the clamp (the straight-through mask's); with ``key`` (Philox's
+    ``(k0, k1, ...)``, not None) ``v / s`` rounds stochastically instead, by
+    the random word of flat ``index`` (``qarray._philox``)."""
+    if key is None:
+        w = np.rint(v / s) + z
+    else:
+        t = v / s
+        w = _round_stochastic(t, np.floor(t), _bits(index, key[0], key[1])) + z
     return min(max(w, lo), hi), w
 
 
@@ -162,15 +184,15 @@ def _put(out, mask, k, c, w, z, s, lo, hi, fake):
 
 
 @njit(inline="always")
-def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
-    """Quantize row ``x[o, l, :]`` (``_q``, ``_put``); returns the sum of ``v - v``
-    (NaN flags NaN/inf)."""
+def _q_row(x, s, z, o, l, po, b, lo, hi, key, base, out, mask, fake):
+    """Quantize row ``x[o, l, :]`` (``_q``, ``_put``), its elements' flat indices
+    from ``base``; returns the sum of ``v - v`` (NaN flags NaN/inf)."""
     acc = x.dtype.type(0)
     if s.shape[2] > 1:
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            c, w = _q(v, s[po, b, i], z[po, b, i], lo, hi)
+            c, w = _q(v, s[po, b, i], z[po, b, i], lo, hi, key, base + np.uint64(i))
             _put(out, mask, (o, l, i), c, w, z[po, b, i], s[po, b, i], lo, hi, fake)
     else:
         sr = s[po, b, 0]
@@ -178,7 +200,7 @@ def _q_row(x, s, z, o, l, po, b, lo, hi, out, mask, fake):
         for i in range(x.shape[2]):
             v = x[o, l, i]
             acc += v - v
-            c, w = _q(v, sr, zr, lo, hi)
+            c, w = _q(v, sr, zr, lo, hi, key, base + np.uint64(i))
             _put(out, mask, (o, l, i), c, w, zr, sr, lo, hi, fake)
     return acc
 
@@ -199,8 +221,9 @@ def _span_or_none(a, o, l0, l1):
 
 
 @njit(inline="always")
-def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
-    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it (``_q``)."""
+def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, key, base, out, mask, fake):
+    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it (``_q``),
+    its elements' flat indices from ``base``."""
     acc = x.dtype.type(0)
     xr, orow, mrow = _span(x, o, l0, l1), _span(out, o, l0, l1), _span_or_none(mask, o, l0, l1)
     if s.shape[1] == x.shape[1]:  # per-axis: parameter l for element l
@@ -208,7 +231,7 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
         for j in range(l1 - l0):
             v = xr[j]
             acc += v - v
-            c, w = _q(v, sr[j], zr[j], lo, hi)
+            c, w = _q(v, sr[j], zr[j], lo, hi, key, base + np.uint64(j))
             _put(orow, mrow, j, c, w, zr[j], sr[j], lo, hi, fake)
     else:
         br = bidx[l0:l1]
@@ -216,7 +239,7 @@ def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, out, mask, fake):
             v = xr[j]
             acc += v - v
             sj, zj = s[po, br[j], 0], z[po, br[j], 0]
-            c, w = _q(v, sj, zj, lo, hi)
+            c, w = _q(v, sj, zj, lo, hi, key, base + np.uint64(j))
             _put(orow, mrow, j, c, w, zj, sj, lo, hi, fake)
     return acc
 
@@ -229,88 +252,41 @@ def _outer(n, start, stop):
     return start // n, (stop + n - 1) // n
 
 
-# fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
-# input) vectorize; it allows no other change of the arithmetic.
-@njit(**_KERNEL, fastmath={"reassoc"})
-def quantize(x, s, z, bidx, lo, hi, fake, out, mask, start, stop):
-    """``out = clamp(rint(x / s) + z, lo, hi)``; with ``fake`` (not None) that
-    code dequantized into float ``out``, and with ``mask`` whether each value
-    was inside ``[lo, hi]`` before the clamp (``_q``). Returns NaN if ``x`` had
-    NaN or inf."""
-    o_n, n, i_n = x.shape
-    pos = np.int64(s.shape[0] > 1)
-    bad = x.dtype.type(0)
-    if i_n == 1:  # parameters change along the contiguous axis: runs along it
-        o0, o1 = _outer(n, start, stop)
-        for o in range(o0, o1):
-            l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
-            bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, out, mask, fake)
-    else:
-        for t in range(start, stop):
-            o = t // n
-            bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, out, mask, fake)
-    return bad
+def _make_quantize(source):
+    """quantize's kernel, ``source`` (``_SOURCE``) in its closure: the cache key."""
 
-
-for _f in (_philox._round, _philox.philox4x32):  # what _philox.bits calls, compiled where a kernel calls it
-    register_jitable(inline="always")(_f)
-_bits = njit(inline="always")(_philox.bits)
-_round_stochastic = njit(inline="always")(_philox.round_stochastic)
-_PHILOX_SOURCE = hashlib.sha256(inspect.getsource(_philox).encode()).hexdigest()  # a cache key, as _RESCALE_SOURCE
-
-
-@njit(inline="always")
-def _qs(v, s, z, lo, hi, index, k0, k1):
-    t = v / s
-    return min(max(_round_stochastic(t, np.floor(t), _bits(index, k0, k1)) + z, lo), hi)
-
-
-@njit(**_KERNEL, fastmath={"reassoc"})  # as quantize: the sum of v - v vectorizes
-def quantize_stochastic(x, s, z, bidx, lo, hi, k0, k1, first, out, start, stop):
-    """``out = clamp(round_stochastic(x / s, bits) + z, lo, hi)``, the random word of
-    each element Philox's of its flat index in the whole array (``first`` plus
-    its C-order index in ``x``: ``qarray._philox``), rows ``(o, l)``
-    ``start..stop``. Returns NaN if ``x`` had NaN or inf."""
-    _ = _PHILOX_SOURCE
-    o_n, n, i_n = x.shape
-    pos = np.int64(s.shape[0] > 1)
-    bad = x.dtype.type(0)
-    if i_n == 1:  # parameters change along the contiguous axis: runs along it (as quantize's _q_col)
-        o0, o1 = _outer(n, start, stop)
-        for o in range(o0, o1):
-            l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
-            po, base = np.int64(o) * pos, first + np.uint64(o * n + l0)
-            xr, orow = _span(x, o, l0, l1), _span(out, o, l0, l1)
-            if s.shape[1] == n:  # per-axis: parameter l for element l
-                sr, zr = _span(s, po, l0, l1), _span(z, po, l0, l1)
-                for j in range(l1 - l0):
-                    v = xr[j]
-                    bad += v - v
-                    orow[j] = _qs(v, sr[j], zr[j], lo, hi, base + np.uint64(j), k0, k1)
-            else:
-                br = bidx[l0:l1]
-                for j in range(l1 - l0):
-                    v = xr[j]
-                    bad += v - v
-                    orow[j] = _qs(v, s[po, br[j], 0], z[po, br[j], 0], lo, hi, base + np.uint64(j), k0, k1)
-        return bad
-    for t in range(start, stop):
-        o = t // n
-        l = t - o * n
-        po, b = np.int64(o) * pos, bidx[l]
-        base = first + np.uint64(t) * np.uint64(i_n)
-        if s.shape[2] > 1:
-            for i in range(i_n):
-                v = x[o, l, i]
-                bad += v - v
-                out[o, l, i] = _qs(v, s[po, b, i], z[po, b, i], lo, hi, base + np.uint64(i), k0, k1)
+    # fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
+    # input) vectorize; it allows no other change of the arithmetic.
+    @njit(**_KERNEL, fastmath={"reassoc"})
+    def quantize(x, s, z, bidx, lo, hi, fake, key, out, mask, start, stop):
+        """``out = clamp(rint(x / s) + z, lo, hi)`` (with ``key``, ``(k0, k1,
+        first)``: stochastic rounding, each element's random word Philox's of
+        its flat index, ``first`` plus its C-order index in ``x``); with
+        ``fake`` (not None) that code dequantized into float ``out``, and with
+        ``mask`` whether each value was inside ``[lo, hi]`` before the clamp
+        (``_q``). Returns NaN if ``x`` had NaN or inf."""
+        _ = source
+        first = _first(key)
+        o_n, n, i_n = x.shape
+        pos = np.int64(s.shape[0] > 1)
+        bad = x.dtype.type(0)
+        if i_n == 1:  # parameters change along the contiguous axis: runs along it
+            o0, o1 = _outer(n, start, stop)
+            for o in range(o0, o1):
+                l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
+                bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, key, first + np.uint64(o * n + l0),
+                              out, mask, fake)
         else:
-            sr, zr = s[po, b, 0], z[po, b, 0]
-            for i in range(i_n):
-                v = x[o, l, i]
-                bad += v - v
-                out[o, l, i] = _qs(v, sr, zr, lo, hi, base + np.uint64(i), k0, k1)
-    return bad
+            for t in range(start, stop):
+                o = t // n
+                bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, key,
+                              first + np.uint64(t) * np.uint64(i_n), out, mask, fake)
+        return bad
+
+    return quantize
+
+
+quantize = _make_quantize(_SOURCE)
 
 
 @njit(inline="always")
@@ -378,33 +354,45 @@ def _rq(d, zo, m, sh, f, lo, hi, code, narrow):
 
 
 @njit(inline="always")
-def _rq_row(q, p, o, l, po, b, lo, hi, code, narrow, out):
-    zi, zo, m, sh, f = p
-    if zi.shape[2] > 1:
-        for i in range(q.shape[2]):
-            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zi[po, b, i], zo[po, b, i], m[po, b, i],
-                               sh[po, b, i], f[po, b, i], lo, hi, code, narrow)
-    else:
-        zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
-        for i in range(q.shape[2]):
-            out[o, l, i] = _rq(np.int64(q[o, l, i]) - zir, zor, mr, shr, fr, lo, hi, code, narrow)
+def _rq_at(d, zo, m, sh, f, lo, hi, code, narrow, key, index):
+    """``_rq``, or with ``key`` (Philox's ``(k0, k1, ...)``, not None) ``d * m / 2**sh``
+    rounded stochastically by the random word of flat ``index``
+    (``_fixed_point.rescale_stochastic``), plus ``zo``, clamped."""
+    if key is None:
+        return _rq(d, zo, m, sh, f, lo, hi, code, narrow)
+    return min(max(_rescale_stochastic(d, m, sh, np.int64(_bits(index, key[0], key[1]))) + zo, lo), hi)
 
 
 @njit(inline="always")
-def _rq_col(q, p, o, po, bidx, l0, l1, lo, hi, code, narrow, out):
+def _rq_row(q, p, o, l, po, b, lo, hi, code, narrow, key, base, out):
+    zi, zo, m, sh, f = p
+    if zi.shape[2] > 1:
+        for i in range(q.shape[2]):
+            out[o, l, i] = _rq_at(np.int64(q[o, l, i]) - zi[po, b, i], zo[po, b, i], m[po, b, i],
+                                  sh[po, b, i], f[po, b, i], lo, hi, code, narrow, key, base + np.uint64(i))
+    else:
+        zir, zor, mr, shr, fr = zi[po, b, 0], zo[po, b, 0], m[po, b, 0], sh[po, b, 0], f[po, b, 0]
+        for i in range(q.shape[2]):
+            out[o, l, i] = _rq_at(np.int64(q[o, l, i]) - zir, zor, mr, shr, fr, lo, hi, code, narrow, key,
+                                  base + np.uint64(i))
+
+
+@njit(inline="always")
+def _rq_col(q, p, o, po, bidx, l0, l1, lo, hi, code, narrow, key, base, out):
     zi, zo, m, sh, f = p
     qr, orow = _span(q, o, l0, l1), _span(out, o, l0, l1)
     if zi.shape[1] == q.shape[1]:  # per-axis: parameter l for element l, contiguous (vectorizes)
         zir, zor, mr, shr, fr = _span(zi, po, l0, l1), _span(zo, po, l0, l1), _span(m, po, l0, l1), \
             _span(sh, po, l0, l1), _span(f, po, l0, l1)
         for j in range(l1 - l0):
-            orow[j] = _rq(np.int64(qr[j]) - zir[j], zor[j], mr[j], shr[j], fr[j], lo, hi, code, narrow)
+            orow[j] = _rq_at(np.int64(qr[j]) - zir[j], zor[j], mr[j], shr[j], fr[j], lo, hi, code, narrow, key,
+                             base + np.uint64(j))
     else:
         br = bidx[l0:l1]
         for j in range(l1 - l0):
             b = br[j]
-            orow[j] = _rq(np.int64(qr[j]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
-                             sh[po, b, 0], f[po, b, 0], lo, hi, code, narrow)
+            orow[j] = _rq_at(np.int64(qr[j]) - zi[po, b, 0], zo[po, b, 0], m[po, b, 0],
+                             sh[po, b, 0], f[po, b, 0], lo, hi, code, narrow, key, base + np.uint64(j))
 
 
 def _make_requantize(code, narrow):
@@ -413,11 +401,14 @@ def _make_requantize(code, narrow):
     them fold away. The closure holds plain values only: Numba's
     cache key includes it, and a function in it would change the key in every
     process (a cache that never hits)."""
-    source = _RESCALE_SOURCE
+    source = _SOURCE
 
     @kernel
-    def requantize(q, zi, zo, m, sh, f, bidx, lo, hi, out, start, stop):
-        _ = source  # in the cache key: a changed _fixed_point.py recompiles
+    def requantize(q, zi, zo, m, sh, f, bidx, lo, hi, key, out, start, stop):
+        """``out = clamp(R((q - zi) * m / 2**sh) + zo, lo, hi)`` (``Requant``);
+        with ``key`` (as quantize's) rounding stochastically."""
+        _ = source  # in the cache key: a changed _fixed_point.py or _philox.py recompiles
+        first = _first(key)
         o_n, n, i_n = q.shape
         pos = np.int64(zi.shape[0] > 1)
         p = (zi, zo, m, sh, f)
@@ -425,17 +416,21 @@ def _make_requantize(code, narrow):
             o0, o1 = _outer(n, start, stop)
             for o in range(o0, o1):
                 l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
-                _rq_col(q, p, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, code, narrow, out)
+                _rq_col(q, p, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, code, narrow, key,
+                        first + np.uint64(o * n + l0), out)
         else:
             for t in range(start, stop):
                 o = t // n
-                _rq_row(q, p, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, code, narrow, out)
+                _rq_row(q, p, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, code, narrow, key,
+                        first + np.uint64(t) * np.uint64(i_n), out)
 
     return requantize
 
 
 requantize = {(code, narrow): _make_requantize(code, narrow)
               for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+
+
 
 
 BINARY_RUN = 4096  # elements a task of binary
@@ -452,7 +447,7 @@ def _make_binary(op, ca, cb, code):
     op, and the result requantized; what the generic code does in three
     requantizes and two int64 temporaries. Tasks are runs of ``BINARY_RUN``
     elements."""
-    source = _RESCALE_SOURCE
+    source = _SOURCE
 
     @kernel
     def binary(a, b, p, fp, out, start, stop):
@@ -491,7 +486,7 @@ def _make_gemm_epilogue(code, narrow):
     """The integer GEMM's epilogue for one rounding code: zero-point terms, bias
     and requantize (or none: ``IDENTITY``) in one pass over the accumulator.
     ``narrow``: every total fits in int32 (``Requant.narrow``)."""
-    source = _RESCALE_SOURCE
+    source = _SOURCE
 
     @kernel
     def gemm_epilogue(raw, rowsum, c, zw, zo, m, sh, f, lo, hi, out, start, stop):

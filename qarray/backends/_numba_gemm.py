@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._fixed_point import FLOAT, IDENTITY, ROUNDINGS
-from ._numba import _RESCALE_SOURCE, _rq, kernel, parallel  # noqa: F401 (parallel: for callers)
+from ._numba import _SOURCE, _rq, kernel, parallel  # noqa: F401 (parallel: for callers)
 
 def pack4(w):
     """Pack 4-bit weight codes two to a byte.
@@ -147,7 +147,7 @@ def gemm_packed4(ae, ao, wp, signed, out, start, stop):
 def _make_conv_grouped(code, narrow):
     """``conv_grouped`` with its epilogue for one rounding code (closure
     constants, as ``_numba.requantize``; ``narrow``: ``Requant.narrow``)."""
-    source = _RESCALE_SOURCE
+    source = _SOURCE
 
     @kernel
     def conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):

@@ -358,6 +358,19 @@ class CupyBackend(Backend):
 
             return self._into(out, fill, q.shape, rq.qd.storage)
 
+    def requantize_stochastic(self, q, rq, key, index=None):
+        with self.on(q):
+            if index is not None or _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") \
+                    or rq.qd is None:  # a Dask chunk's elements, numbered in the whole array
+                return super().requantize_stochastic(q, rq, key, index)
+            q = contiguous(q)
+            total, args = requant_args(self, q.shape, rq)
+            out = self.xp.empty(q.shape, rq.qd.storage)
+            if total:
+                self._elementwise(kernel_name("requantize_stochastic", q.dtype, rq.qd.storage), total,
+                                  (q, *args, *(np.uint32(k) for k in key), out))
+            return out
+
     def clip(self, q, lo, hi):
         with self.on(q):
             if np.ndim(lo) or np.ndim(hi) or _name(q.dtype) not in STORAGE:

@@ -59,6 +59,19 @@ def _on_chunk_sliced(fn, inner, axis, block_size, params, *chunks, block_info=No
     return _on_chunk(fn, inner, chunk_params(params, block_info[0]["array-location"], axis, block_size), *chunks)
 
 
+_REQUANT_FIELDS = ("zp_in", "zp_out", "m", "shift", "f")  # Requant.params, in order
+
+
+def _flat_index(x):
+    """Each element's flat C-order index in the whole of ``x`` (uint64), chunked
+    as ``x``: the sum of per-axis ranges times the strides, made lazily chunk by
+    chunk (stochastic rounding's random words are the indices')."""
+    strides = np.cumprod((x.shape[1:] + (1,))[::-1])[::-1]
+    index = sum(da.arange(n, dtype=np.uint64, chunks=c).reshape((1,) * d + (n,) + (1,) * (x.ndim - d - 1))
+                * np.uint64(st) for d, (n, c, st) in enumerate(zip(x.shape, x.chunks, strides)))
+    return da.broadcast_to(index, x.shape) if x.ndim else da.zeros((), np.uint64)
+
+
 def _chunk_minmax(inner, axis, block_size, chunk):
     from . import get
 
@@ -177,14 +190,9 @@ class DaskBackend(Backend):
         # each chunk with its elements' flat indices in the whole array: the sum of
         # per-axis ranges times the strides, chunked as x is (made lazily, chunk by chunk)
         x = da.asarray(x)
-        if index is None:
-            strides = np.cumprod((x.shape[1:] + (1,))[::-1])[::-1]
-            index = sum(da.arange(n, dtype=np.uint64, chunks=c).reshape((1,) * d + (n,) + (1,) * (x.ndim - d - 1))
-                        * np.uint64(st) for d, (n, c, st) in enumerate(zip(x.shape, x.chunks, strides)))
-            index = da.broadcast_to(index, x.shape) if x.ndim else da.zeros((), np.uint64)
         return self.map_chunks(
             lambda b, c, i, s, z: _checked(b, b.quantize_stochastic(c, s, z, qd, axis, block_size, key, i)),
-            x, axis, block_size, (scale, zero_point), qd.storage, index)
+            x, axis, block_size, (scale, zero_point), qd.storage, _flat_index(x) if index is None else index)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
         # one task a chunk for the values; the mask (on request) is a second one,
@@ -215,9 +223,17 @@ class DaskBackend(Backend):
             raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
 
         def fn(b, c, *params):
-            return b.requantize(c, dataclasses.replace(rq, **dict(zip(("zp_in", "zp_out", "m", "shift", "f"), params))))
+            return b.requantize(c, dataclasses.replace(rq, **dict(zip(_REQUANT_FIELDS, params))))
 
         return self.map_chunks(fn, q, rq.axis, rq.block_size, rq.params, rq.out_dtype)
+
+    def requantize_stochastic(self, q, rq, key, index=None):
+        def fn(b, c, i, *params):
+            return b.requantize_stochastic(c, dataclasses.replace(rq, **dict(zip(_REQUANT_FIELDS, params))), key, i)
+
+        q = da.asarray(q)
+        return self.map_chunks(fn, q, rq.axis, rq.block_size, rq.params, rq.out_dtype,
+                               _flat_index(q) if index is None else index)
 
     def lut(self, q, table, axis=None):
         return self.map_chunks(lambda b, c, t: b.lut(c, b.param(t), axis), q, axis, None, (table,), table.dtype)

@@ -153,27 +153,34 @@ class NumpyBackend(Backend):
         return _numba_kernels()
 
     @staticmethod
-    def _run(kernel, a, out, axis, block_size, params, *args, mask=False):
+    def _run(kernel, a, out, axis, block_size, params, *args, mask=False, key=False):
         """Run ``kernel(a3, *params3, bidx, *args, out3, start, stop)`` over every
         piece of the layout (``Layout.pieces``: shapes that keep the kernels'
         inner loops fast), its rows split among threads; returns every part's
         result. ``params(pshape)`` gives the parameter arrays of a piece.
         ``mask`` (quantize's kernel): None or a second output like ``out``,
-        passed after it."""
+        passed after it. ``key`` (quantize's and requantize's kernels): None,
+        or stochastic rounding's Philox key ``(k0, k1)``, passed after
+        ``args`` with the piece's first flat index as ``(k0, k1, first)``
+        (each element's random word is its flat index's)."""
         k = _numba_kernels()
         pieces = _pieces(a.shape, axis, block_size)
+        cost = 1 if key is None or key is False else k.STOCHASTIC_COST
         if len(pieces) == 1:  # the common call: the whole array, one view
             _, dims, pshape, bidx, rows, inner = pieces[0]
             outs = (out.reshape(dims),) if mask is False else (out.reshape(dims), _viewed(mask, dims))
+            if key is not False:
+                args = (*args, key if key is None else (*key, np.uint64(0)))
             return k.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args, *outs,
-                              grain=k.GRAIN // inner)
+                              grain=k.GRAIN // (cost * inner))
         af, of = a.ravel(), out.reshape(-1)  # ravel: a view of C-contiguous data, else a copy
         mf = _viewed(mask, -1) if mask is not False else False
         results = []
         for sl, dims, pshape, bidx, rows, inner in pieces:  # the tasks: rows (o, l) of the (outer, n, inner) view
             outs = (of[sl].reshape(dims),) if mf is False else (of[sl].reshape(dims), _viewed(mf, dims, sl))
-            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args, *outs,
-                                  grain=k.GRAIN // inner)
+            extra = () if key is False else (key if key is None else (*key, np.uint64(sl.start or 0)),)
+            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args, *extra, *outs,
+                                  grain=k.GRAIN // (cost * inner))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
@@ -186,19 +193,7 @@ class NumpyBackend(Backend):
         k = self._fast(x)
         if k is None or index is not None:
             return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
-        if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
-            x = x.astype(np.float32)
-        ct, lo, hi = _bounds(qd, x.dtype)
-        out = self.empty(x.shape, qd.storage)
-        af, of = x.ravel(), out.reshape(-1)
-        bad = 0.0
-        for sl, dims, pshape, bidx, rows, inner in _pieces(x.shape, axis, block_size):  # each from its flat index
-            bad += sum(k.parallel(k.quantize_stochastic, rows, af[sl].reshape(dims), _param(scale, x.dtype, pshape),
-                                  _param(zero_point, ct, pshape), bidx, lo, hi, *key, np.uint64(sl.start or 0),
-                                  of[sl].reshape(dims), grain=k.GRAIN // (k.STOCHASTIC_COST * inner)))
-        if bad != bad and np.isnan(x).any():
-            raise nan_error(x)
-        return out
+        return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None, key)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
         k = self._fast(x)
@@ -210,9 +205,10 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as dequantize rounds it
             return out if out.dtype == dtype else out.astype(dtype), inside
 
-    def _quantize(self, k, x, scale, zero_point, qd, axis, block_size, fake, mask):
+    def _quantize(self, k, x, scale, zero_point, qd, axis, block_size, fake, mask, key=None):
         """quantize's kernel: the codes, or (``fake``: the float output) the codes
-        dequantized into ``fake``, and ``mask`` (None or bool) filled."""
+        dequantized into ``fake``, and ``mask`` (None or bool) filled; ``key``:
+        stochastic rounding's Philox key."""
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         ct, lo, hi = _bounds(qd, x.dtype)
@@ -222,7 +218,7 @@ class NumpyBackend(Backend):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
         bad = sum(self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
-                            mask=mask))
+                            mask=mask, key=key))
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out
@@ -285,10 +281,19 @@ class NumpyBackend(Backend):
 
         def fill(target):
             self._run(kernel, q, target, rq.axis, rq.block_size, functools.partial(_plan_params, rq), np.int64(rq.lo),
-                      np.int64(rq.hi))
+                      np.int64(rq.hi), key=None)
             return target
 
         return self._into(out, fill, q.shape, rq.out_dtype)
+
+    def requantize_stochastic(self, q, rq, key, index=None):
+        k = self._fast(q)
+        if k is None or index is not None:
+            return super().requantize_stochastic(q, rq, key, index)
+        out = self.empty(q.shape, rq.out_dtype)
+        self._run(k.requantize[rq.rounding, False], q, out, rq.axis, rq.block_size, functools.partial(_plan_params, rq),
+                  np.int64(rq.lo), np.int64(rq.hi), key=key)
+        return out
 
     def binary(self, op, a, b, ra, rb, rq=None):
         k = self._fast(a)

@@ -39,8 +39,39 @@ struct Layout {
 // shifts of negative values go through unsigned (defined in C++17).
 __device__ __forceinline__ i64 qa_shl(i64 v, i64 n) { return (i64)((unsigned long long)v << n); }
 
-__device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
+// d * m / 2**s == (h * 2**32 + l) / 2**(t + 32) with 0 <= l < 2**32, t >= 0
+// (qarray/_fixed_point.py wide): a multiplier >= 1/2 (s < 32) saturates |d| at
+// 2**(s + 30), then shifts d left so that the shift is 32 + t; x * m from two
+// products below 2**63.
+__device__ __forceinline__ void qa_wide(i64 d, i64 m, i64 s, i64& h, i64& l, i64& t) {
     const i64 one = 1, m31 = (one << 31) - 1, m32 = (one << 32) - 1;
+    const bool lt = s < 32;
+    const i64 u = lt ? 32 - s : 0;
+    t = s + u - 32;
+    const i64 mm = m & m31;
+    const i64 b = one << (lt ? s + 30 : 0);
+    const i64 x = qa_shl(lt ? (d > b ? b : (d < -b ? -b : d)) : d, u);
+    const i64 lo = (x & m32) * mm;
+    h = (x >> 32) * mm + (lo >> 32);
+    l = lo & m32;
+}
+
+// d * m / 2**s rounded down or up, up when the random word r is below its
+// fraction times 2**32, compared exactly: r < ceil(rem / 2**t) for the
+// remainder rem = (h mod 2**t) * 2**32 + l (qarray/_fixed_point.py
+// rescale_stochastic)
+__device__ __forceinline__ i64 qa_rescale_stochastic(i64 d, i64 m, i64 s, unsigned r) {
+    const i64 one = 1;
+    i64 h, l, t;
+    qa_wide(d, m, s, h, l, t);
+    const i64 a = t > 32 ? 32 : t, b = t - a;
+    const i64 y = ((h & ((one << t) - 1)) << (32 - a)) + (l >> a);
+    const i64 below = ((l & ((one << a) - 1)) | (y & ((one << b) - 1))) != 0;
+    return (h >> t) + ((i64)r < (y >> b) + below);
+}
+
+__device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
+    const i64 one = 1;
     if (rounding == QA_TFLITE) {
         i64 e = 31 - s;
         const i64 lo = -(one << 31), hi = (one << 31) - 1;
@@ -64,17 +95,8 @@ __device__ __forceinline__ i64 qa_rescale(i64 d, i64 m, i64 s, int rounding) {
         const i64 delta = rounding == QA_HALF_UP ? 0 : (rounding == QA_HALF_AWAY ? (v < 0 ? -1 : 0) : ((v >> s) & 1) - 1);
         return (v + (one << (s - 1)) + delta) >> s;
     }
-    // A multiplier >= 1/2 (s < 32): saturate |d| at 2**(s + 30), then shift
-    // d left so that the shift is 32 + t.
-    const bool lt = s < 32;
-    const i64 u = lt ? 32 - s : 0;
-    const i64 t = s + u - 32;
-    // x * m = h * 2**32 + l with 0 <= l < 2**32, from two products below 2**63
-    const i64 mm = m & m31;
-    const i64 b = one << (lt ? s + 30 : 0);
-    const i64 x = qa_shl(lt ? (d > b ? b : (d < -b ? -b : d)) : d, u);
-    const i64 lo = (x & m32) * mm;
-    const i64 h = (x >> 32) * mm + (lo >> 32), l = lo & m32;
+    i64 h, l, t;
+    qa_wide(d, m, s, h, l, t);
     // floor((h * 2**32 + l + 2**(t + 31) + delta) / 2**(t + 32)), delta in
     // {-1, 0} the tie rule's: the half and delta go into the high word, the
     // low word gives only its borrow or carry

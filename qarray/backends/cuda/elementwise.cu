@@ -70,6 +70,20 @@ __device__ void requantize_body(const TIn* q, Requant rq, const i64* bidx, i64 t
     qa_map(q, out, total, lay, bidx, [=](TIn v, i64 p) -> TOut { return (TOut)rq((i64)v, p); });
 }
 
+// requantize with stochastic rounding (the Requant's multiplier and shift; its
+// rounding unused), each element's random word drawn as quantize_stochastic's
+template <typename TIn, typename TOut>
+__device__ void requantize_stochastic_body(const TIn* q, Requant rq, const i64* bidx, i64 total, Layout lay,
+                                           unsigned k0, unsigned k1, TOut* out) {
+    const QaRows<i64> rows(lay, total);
+    QA_GRID_STRIDE(idx, total) {
+        const i64 row = idx / rows.cols, p = rows.rowbase(row, bidx) + rows.colterm(idx - row * rows.cols, bidx);
+        const i64 r = qa_rescale_stochastic((i64)q[idx] - rq.zi[p], rq.m[p], rq.sh[p], qa_philox_bits(idx, k0, k1))
+                      + rq.zo[p];
+        out[idx] = (TOut)(r < rq.lo ? rq.lo : (r > rq.hi ? rq.hi : r));
+    }
+}
+
 #define QUANTIZE(IN, TIN, TF, TC, OUT, TOUT)                                                      \
     extern "C" __global__ void quantize_##IN##_##OUT(const TIN* x, const TF* s, const int* z,      \
                                                      const i64* bidx, i64 total, LAYOUT_ARGS,      \
@@ -131,6 +145,11 @@ FAKE_QUANTIZE_ALL(float64, double, double)
     extern "C" __global__ void requantize_##IN##_##OUT(const TIN* q, REQUANT_PARAMS, const i64* bidx,    \
                                                        i64 total, LAYOUT_ARGS, REQUANT_BOUNDS, TOUT* out) { \
         requantize_body<TIN, TOUT>(q, REQUANT, bidx, total, LAYOUT, out);                                 \
+    } \
+    extern "C" __global__ void requantize_stochastic_##IN##_##OUT(                                          \
+        const TIN* q, REQUANT_PARAMS, const i64* bidx, i64 total, LAYOUT_ARGS, REQUANT_BOUNDS, unsigned k0,  \
+        unsigned k1, TOUT* out) {                                                                            \
+        requantize_stochastic_body<TIN, TOUT>(q, REQUANT, bidx, total, LAYOUT, k0, k1, out);                 \
     }
 #define PER_INT(M, IN, TIN)                   \
     M(IN, TIN, int8, signed char)             \
