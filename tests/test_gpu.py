@@ -85,6 +85,26 @@ def test_fake_quantize(dtype, in_dtype, shape, axis, block_size, rng):
     np.testing.assert_array_equal(gmask.get(), wmask)
 
 
+def test_fake_quantize_out_and_stochastic_mask(rng):
+    """fake_quantize into out= (a buffer, and x itself with the mask), and with
+    stochastic rounding and its mask: the CPU's, bit for bit."""
+    x, scale, zp = _case(rng, "qint8", np.float32, (257, 129), 1, None, 80)
+    want, wmask = qarray.fake_quantize(x, scale, zp, "qint8", axis=1, return_mask=True)
+    gx = cupy.asarray(x)
+    buf = cupy.empty_like(gx)
+    assert qarray.fake_quantize(gx, scale, zp, "qint8", axis=1, out=buf) is buf
+    np.testing.assert_array_equal(buf.get().view(np.uint32), want.view(np.uint32))
+    got, gmask = qarray.fake_quantize(gx, scale, zp, "qint8", axis=1, out=gx, return_mask=True)
+    assert got is gx
+    np.testing.assert_array_equal(gx.get().view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(gmask.get(), wmask)
+    want, wmask = qarray.fake_quantize(x, scale, zp, "qint8", axis=1, return_mask=True, rounding="stochastic", seed=4)
+    got, gmask = qarray.fake_quantize(cupy.asarray(x), scale, zp, "qint8", axis=1, return_mask=True,
+                                      rounding="stochastic", seed=4)
+    np.testing.assert_array_equal(got.get().view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(gmask.get(), wmask)
+
+
 @pytest.mark.parametrize("dtype", ["qint4", "qint8", "quint16", "qint32"])
 @pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("shape,axis,block_size", [(((1 << 20) + 3,), None, None), ((33, 65), 1, None),

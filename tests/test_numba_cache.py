@@ -22,6 +22,7 @@ q = qa.quantize(x, 0.05, 3, "qint8")
 q.dequantize()
 qa.fake_quantize(x, 0.05, 3, "qint8", return_mask=True)
 qa.quantize(x, 0.05, 3, "qint8", rounding="stochastic", seed=1)
+qa.fake_quantize(x, 0.05, 3, "qint8", return_mask=True, rounding="stochastic", seed=1, out=np.empty_like(x))
 qa.quantize(x, np.full(256, 0.05, np.float32), 0, "quint8", axis=1)
 acc = qa.QArray.from_int(np.arange(1 << 15, dtype=np.int32), 0.5, 0, "qint32")
 for rounding in ("half_even", "half_away", "half_up", "tflite"):

@@ -637,10 +637,10 @@ def test_philox_known_answers(counter, key, want):
     assert tuple(int(v) for v in got) == want
 
 
-def ref_stochastic(x, scale, zp, dtype, seed):
+def ref_stochastic(x, scale, zp, dtype, seed, clamp=True):
     """Independent reference: ``ref_rounded``'s quotient, its floor plus one where
     the element's Philox word (counter: flat index) is below frac * 2**32, in
-    Fractions; then the zero point and the clamp."""
+    Fractions; then the zero point and (``clamp``) the clamp."""
     d = qdtype(dtype)
     out = []
     flat = zip(np.ravel(x), np.ravel(np.broadcast_to(scale, np.shape(x))), np.ravel(np.broadcast_to(zp, np.shape(x))))
@@ -655,8 +655,8 @@ def ref_stochastic(x, scale, zp, dtype, seed):
             q = f + (r < (Fraction(t) - f) * 2**32) + int(z)
         else:
             q = math.copysign(math.inf, t)
-        out.append(min(max(q, d.qmin), d.qmax))
-    return np.array(out, np.int64).reshape(np.shape(x))
+        out.append(min(max(q, d.qmin), d.qmax) if clamp else q)
+    return np.array(out, np.float64 if not clamp else np.int64).reshape(np.shape(x))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -721,16 +721,73 @@ def test_stochastic_rounding_errors():
 
 
 def test_fake_quantize_stochastic(backend, rng):
-    """fake_quantize's stochastic rounding is quantize's, dequantized, on every backend."""
-    x, scale, zp = _fq_case(rng, "qint8", np.float32, dict(axis=0))
-    x[1] = rng.standard_normal(x.shape[1])
-    want = qarray.quantize(x, scale, zp, "qint8", axis=0, rounding="stochastic", seed=9).dequantize()
+    """fake_quantize's stochastic rounding is quantize's, dequantized, on every
+    backend; its mask says where the stochastically rounded value (the
+    independent reference's, before the clamp) lay inside the dtype."""
+    from qarray._params import expand
+
+    for dtype in ("qint8", "quint4"):
+        x, scale, zp = _fq_case(rng, dtype, np.float32, dict(axis=0))
+        x[1] = rng.standard_normal(x.shape[1])
+        want = qarray.quantize(x, scale, zp, dtype, axis=0, rounding="stochastic", seed=9).dequantize()
+        with backend.context():
+            got, mask = qarray.fake_quantize(_input_on(backend, x), scale, zp, dtype, axis=0, rounding="stochastic",
+                                             seed=9, return_mask=True)
+            got, mask = backend.get(got), backend.get(mask)
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+        d = qdtype(dtype)
+        w = ref_stochastic(x, expand(scale, x.shape, 0, None), expand(zp, x.shape, 0, None), dtype, 9, clamp=False)
+        np.testing.assert_array_equal(mask, (w >= d.qmin) & (w <= d.qmax))
+        assert 0 < mask.sum() < mask.size  # both sides are met
+    assert backend.ran("fake_quantize_stochastic")
+
+
+def test_fake_quantize_out(backend, rng):
+    """``out=``: the values written into it and it returned, as a new array would
+    hold them, for a separate buffer, ``x`` itself, a strided slice and float16;
+    stochastic rounding and the mask too. Dask's arrays are immutable: TypeError."""
+    x, scale, zp = _fq_case(rng, "qint8", np.float32, dict(axis=1))
+    want, inside = qarray.fake_quantize(x, scale, zp, "qint8", axis=1, return_mask=True)
+    if backend.name == "dask":
+        with pytest.raises(TypeError, match="out= is not supported for dask arrays"):
+            qarray.fake_quantize(_input_on(backend, x), scale, zp, "qint8", axis=1, out=_input_on(backend, x))
+        return
+    put = backend.host.asarray if backend.host is not None else np.asarray
     with backend.context():
-        got = backend.get(qarray.fake_quantize(_input_on(backend, x), scale, zp, "qint8", axis=0,
-                                               rounding="stochastic", seed=9))
-    np.testing.assert_array_equal(_bits(got), _bits(want))
-    with pytest.raises(TypeError, match="stochastic rounding gives no mask"):
-        qarray.fake_quantize(x, scale, zp, "qint8", axis=0, rounding="stochastic", seed=9, return_mask=True)
+        xd = put(x)
+        for out in (put(np.full_like(x, 7.0)), xd.copy(), put(np.zeros((8, 14), np.float32))[:, ::2]):
+            r = qarray.fake_quantize(xd, scale, zp, "qint8", axis=1, out=out)
+            assert r is out
+            np.testing.assert_array_equal(_bits(backend.get(out)), _bits(want))
+        inplace = xd.copy()
+        r, m = qarray.fake_quantize(inplace, scale, zp, "qint8", axis=1, out=inplace, return_mask=True)
+        assert r is inplace
+        np.testing.assert_array_equal(_bits(backend.get(inplace)), _bits(want))
+        np.testing.assert_array_equal(backend.get(m), inside)
+        h = put(np.empty(x.shape, np.float16))
+        x16 = put(x.astype(np.float16))
+        assert qarray.fake_quantize(x16, scale, zp, "qint8", axis=1, out=h) is h
+        np.testing.assert_array_equal(_bits(backend.get(h)), _bits(qarray.fake_quantize(x.astype(np.float16), scale,
+                                                                                          zp, "qint8", axis=1)))
+        s = put(np.empty_like(x))
+        qarray.fake_quantize(xd, scale, zp, "qint8", axis=1, rounding="stochastic", seed=3, out=s)
+        np.testing.assert_array_equal(_bits(backend.get(s)), _bits(qarray.fake_quantize(
+            x, scale, zp, "qint8", axis=1, rounding="stochastic", seed=3)))
+
+
+def test_fake_quantize_out_errors():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"fake_quantize: out must be a numpy array of shape \(2, 3\) and dtype "
+                                         r"float32 \(x's\), got ndarray \(2, 3\) float64"):
+        qarray.fake_quantize(x, 0.1, out=np.empty((2, 3)))
+    with pytest.raises(ValueError, match=r"out must be a numpy array of shape \(2, 3\).*got ndarray \(3, 2\)"):
+        qarray.fake_quantize(x, 0.1, out=np.empty((3, 2), np.float32))
+    ro = np.empty((2, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="fake_quantize: out is read-only"):
+        qarray.fake_quantize(x, 0.1, out=ro)
+    with pytest.raises(TypeError, match="no qarray backend handles arrays of type builtins.list"):
+        qarray.fake_quantize(x, 0.1, out=[0.0] * 6)
 
 
 @pytest.mark.parametrize("shape,axis,block_size", [((3, 100003), None, None), ((3, 100003), 1, None),

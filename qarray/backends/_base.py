@@ -100,7 +100,8 @@ class Backend:
 
     Everything else is optional, each with its generic implementation here
     written once against ``xp``: the elementwise primitives (``quantize``,
-    ``dequantize``, ``requantize``, ``binary``, ``clip``, ``lut``, ``minmax``,
+    ``quantize_stochastic``, ``fake_quantize``, ``dequantize``, ``requantize``,
+    ``requantize_stochastic``, ``binary``, ``clip``, ``lut``, ``minmax``,
     ``softmax``), the floating formats (``quantize_float``, ``dequantize_float``,
     ``quantize_mx``, ``quantize_nvfp4``, ``block_amax``, ``float_storage``), the
     integer GEMM (``pack_weight``, ``raw_matmul``, ``int_matmul``,
@@ -252,6 +253,12 @@ class Backend:
         ``key``. ``index``: those indices (uint64, ``x``'s shape), default ``x``'s
         own C-order ones (a Dask chunk passes its place in the whole). Here in
         whole-array operations."""
+        w = self._rounded_stochastic(x, scale, zero_point, axis, block_size, key, index)
+        return self.xp.clip(w, qd.qmin, qd.qmax).astype(qd.storage)
+
+    def _rounded_stochastic(self, x, scale, zero_point, axis, block_size, key, index):
+        """:meth:`quantize_stochastic`'s values before the clamp (float64 for
+        float64 input, else float32 or float64 as ``_quantize_params`` gives)."""
         xp = self.xp
         if bool(xp.isnan(x).any()):
             raise nan_error(x)
@@ -260,27 +267,38 @@ class Backend:
         index = self._index(x.shape, index)
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
             t = x.astype(s.dtype, copy=False) / s
-            q = _philox.round_stochastic(t, xp.floor(t), _philox.bits(index, *key)) + z
-        return xp.clip(q, qd.qmin, qd.qmax).astype(qd.storage)
+            return _philox.round_stochastic(t, xp.floor(t), _philox.bits(index, *key)) + z
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
-        """``(out, inside)``: :meth:`quantize`'s codes dequantized to ``dtype`` as
-        :meth:`dequantize` computes them, and (``mask`` True, else None) whether
-        ``rint(x / scale) + zero_point`` was inside ``[qmin, qmax]`` before the
-        clamp (the straight-through estimator's mask; False for inf). Here the
-        two primitives and a pass of its own for the mask; backends that can
-        do it in one pass over ``x``."""
-        q = self.quantize(x, scale, zero_point, qd, axis, block_size)
-        out = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
-        if not mask:
-            return out, None
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
+                      out=None):
+        """``(values, inside)``: :meth:`quantize`'s codes (``key``:
+        :meth:`quantize_stochastic`'s, ``index`` as there) dequantized to
+        ``dtype`` as :meth:`dequantize` computes them, written into ``out``
+        when given (``dtype``, ``x``'s shape), and (``mask`` True, else None)
+        whether the rounded ``x / scale + zero_point`` was inside ``[qmin,
+        qmax]`` before the clamp (the straight-through estimator's mask; False
+        for inf). Here the primitives and a pass of their own for the mask;
+        backends that can do it in one pass over ``x``."""
+        if key is None:
+            q = self.quantize(x, scale, zero_point, qd, axis, block_size)
+        else:
+            q = self.quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
+        values = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
+        inside = None
+        if mask and key is not None:
+            w = self._rounded_stochastic(x, scale, zero_point, axis, block_size, key, index)
+            inside = (w >= qd.qmin) & (w <= qd.qmax)
+        elif mask:
+            def fn(c, s, z):
+                w = self._rounded(c, s, z)
+                return (w >= qd.qmin) & (w <= qd.qmax)
 
-        def fn(c, s, z):
-            w = self._rounded(c, s, z)
-            return (w >= qd.qmin) & (w <= qd.qmax)
-
-        return out, self._chunked(fn, x, self.empty(x.shape, self.xp.bool_), Layout(x.shape, axis, block_size),
-                                  self._quantize_params(x, scale, zero_point))
+            inside = self._chunked(fn, x, self.empty(x.shape, self.xp.bool_), Layout(x.shape, axis, block_size),
+                                   self._quantize_params(x, scale, zero_point))
+        if out is not None:  # last: out may be x
+            out[...] = values
+            values = out
+        return values, inside
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         """``(q - zero_point) * scale`` in float32, or float64 when ``dtype`` is float64."""

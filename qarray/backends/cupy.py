@@ -53,6 +53,11 @@ class DeviceWeight(NamedTuple):
     bits: int
 
 
+def _overlap(p, q, nbytes):
+    """Whether ``nbytes`` at device address ``p`` and ``nbytes`` at ``q`` meet."""
+    return p < q + nbytes and q < p + nbytes
+
+
 class CupyBackend(Backend):
     name = "cupy"
     module = "cupy"
@@ -245,20 +250,33 @@ class CupyBackend(Backend):
         total, layout, (s, z) = plan(self, x.shape, axis, block_size, s, z)
         return total, (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax))
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
-        if dtype != x.dtype:  # the kernels give the input's float type
-            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask)
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
+                      out=None):
+        if dtype != x.dtype or index is not None:  # the kernels give the input's float type; a Dask chunk's index
+            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask, key, index, out)
         xp = self.xp
         with self.on(x):
             x = contiguous(x)
             total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
-            out, inside = xp.empty(x.shape, x.dtype), xp.empty(x.shape, np.bool_) if mask else None
-            if total:
-                self._elementwise(kernel_name("fake_quantize", x.dtype, qd.storage), total,
-                                  (*args, out, self._nan_flag(x, nan_error)))
-                if mask:  # a second pass over x: the vector map has one output
+            # out itself unless it overlaps x other than exactly (each thread reads
+            # its element before writing it; a shifted overlap would race)
+            direct = out is not None and out.flags.c_contiguous and (
+                self._ptr(out) == self._ptr(x) or not _overlap(self._ptr(out), self._ptr(x), out.nbytes))
+            values = out if direct else xp.empty(x.shape, x.dtype)
+            inside = xp.empty(x.shape, np.bool_) if mask else None
+            if total and key is not None:  # values and mask in one pass (a grid-stride loop)
+                self._elementwise(kernel_name("fake_quantize_stochastic", x.dtype, qd.storage), total,
+                                  (*args, *(np.uint32(k) for k in key), values,
+                                   xp.empty(1, np.bool_) if inside is None else inside, np.int32(mask),
+                                   self._nan_flag(x, nan_error)))
+            elif total:
+                if mask:  # a pass of its own (the vector map has one output), first: out may be x
                     self._elementwise(kernel_name("quantize_mask", x.dtype, qd.storage), total, (*args, inside))
-            return out, inside
+                self._elementwise(kernel_name("fake_quantize", x.dtype, qd.storage), total,
+                                  (*args, values, self._nan_flag(x, nan_error)))
+            if out is not None and not direct:
+                out[...] = values
+            return (values if out is None else out), inside
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         xp = self.xp

@@ -194,15 +194,24 @@ class DaskBackend(Backend):
             lambda b, c, i, s, z: _checked(b, b.quantize_stochastic(c, s, z, qd, axis, block_size, key, i)),
             x, axis, block_size, (scale, zero_point), qd.storage, _flat_index(x) if index is None else index)
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
+                      out=None):
         # one task a chunk for the values; the mask (on request) is a second one,
         # which runs the chunk's fused kernel again: dask's blocks have one output
-        def part(i):
-            return lambda b, c, s, z: _checked(b, b.fake_quantize(c, s, z, qd, axis, block_size, dtype, i == 1)[i])
+        if out is not None:
+            raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
+        x = da.asarray(x)
+        if key is not None and index is None:
+            index = _flat_index(x)
 
-        out = self.map_chunks(part(0), x, axis, block_size, (scale, zero_point), np.dtype(dtype))
-        return out, (self.map_chunks(part(1), x, axis, block_size, (scale, zero_point), np.dtype(bool))
-                     if mask else None)
+        def part(i):
+            return lambda b, c, *rest: _checked(b, b.fake_quantize(c, *rest[-2:], qd, axis, block_size, dtype, i == 1,
+                                                                   key, rest[0] if key is not None else None)[i])
+
+        others = () if key is None else (index,)
+        values = self.map_chunks(part(0), x, axis, block_size, (scale, zero_point), np.dtype(dtype), *others)
+        return values, (self.map_chunks(part(1), x, axis, block_size, (scale, zero_point), np.dtype(bool), *others)
+                        if mask else None)
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
         return self.map_chunks(lambda b, c, s, z: b.dequantize(c, s, z, axis, block_size, dtype),

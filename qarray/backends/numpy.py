@@ -195,15 +195,26 @@ class NumpyBackend(Backend):
             return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
         return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None, key)
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False):
+    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
+                      out=None):
         k = self._fast(x)
-        if k is None:
-            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask)
+        if k is None or index is not None:
+            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask, key, index, out)
         inside = self.empty(x.shape, np.bool_) if mask else None
         ft = np.float64 if dtype == np.float64 else np.float32
-        out = self._quantize(k, x, scale, zero_point, qd, axis, block_size, self.empty(x.shape, ft), inside)
+        # out itself where the kernel can write it: a new 64 MB output costs as much
+        # as the pass (page faults); an out overlapping x would leave LLVM's loops
+        # scalar (2x slower than a new array), as would a strided one
+        direct = out is not None and out.dtype == ft and out.flags.c_contiguous and not np.may_share_memory(out, x)
+        values = self._quantize(k, x, scale, zero_point, qd, axis, block_size,
+                                out if direct else self.empty(x.shape, ft), inside, key)
+        if direct:
+            return out, inside
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as dequantize rounds it
-            return out if out.dtype == dtype else out.astype(dtype), inside
+            if out is not None:
+                out[...] = values
+                return out, inside
+            return values if values.dtype == dtype else values.astype(dtype), inside
 
     def _quantize(self, k, x, scale, zero_point, qd, axis, block_size, fake, mask, key=None):
         """quantize's kernel: the codes, or (``fake``: the float output) the codes

@@ -27,18 +27,27 @@ __device__ void quantize_body(const TIn* x, const TF* s, const int* z, const i64
 }
 
 // quantize with stochastic rounding: the random word of each element Philox's of
-// its flat index (qarray/_philox.py), so every grid and device gives the same codes
-template <typename TIn, typename TF, typename TC, typename TOut>
+// its flat index (qarray/_philox.py), so every grid and device gives the same
+// codes. Fake false: the codes. Fake true (fake_quantize, TOut the input's
+// type): the code dequantized as quantize_body<true> writes it, and where
+// with_mask is set, whether the value before the clamp lay inside [lo, hi].
+template <bool Fake, typename TIn, typename TF, typename TC, typename TOut>
 __device__ void quantize_stochastic_body(const TIn* x, const TF* s, const int* z, const i64* bidx, i64 total,
                                          Layout lay, TC lo, TC hi, unsigned k0, unsigned k1, TOut* out,
-                                         int* nan_seen) {
+                                         bool* mask, int with_mask, int* nan_seen) {
     const QaRows<i64> rows(lay, total);
     QA_GRID_STRIDE(idx, total) {
         const i64 row = idx / rows.cols, p = rows.rowbase(row, bidx) + rows.colterm(idx - row * rows.cols, bidx);
         const TF v = qa_float(x[idx]);
         if (v != v) *nan_seen = 1;
         const TC w = (TC)qa_round_stochastic(qa_div(v, s[p]), qa_philox_bits(idx, k0, k1)) + (TC)z[p];
-        out[idx] = (TOut)(w < lo ? lo : (w > hi ? hi : w));
+        const TC c = w < lo ? lo : (w > hi ? hi : w);
+        if constexpr (Fake) {
+            if (with_mask) mask[idx] = w >= lo && w <= hi;
+            out[idx] = qa_cast<TOut>(qa_mul((TF)(c - (TC)z[p]), s[p]));
+        } else {
+            out[idx] = (TOut)c;
+        }
     }
 }
 
@@ -94,8 +103,8 @@ __device__ void requantize_stochastic_body(const TIn* q, Requant rq, const i64* 
     extern "C" __global__ void quantize_stochastic_##IN##_##OUT(                                          \
         const TIN* x, const TF* s, const int* z, const i64* bidx, i64 total, LAYOUT_ARGS, TC lo, TC hi,    \
         unsigned k0, unsigned k1, TOUT* out, int* nan_seen) {                                              \
-        quantize_stochastic_body<TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, k0, k1, out,     \
-                                                    nan_seen);                                             \
+        quantize_stochastic_body<false, TIN, TF, TC, TOUT>(x, s, z, bidx, total, LAYOUT, lo, hi, k0, k1, out,  \
+                                                           nullptr, 0, nan_seen);                                \
     }
 #define QUANTIZE_ALL(IN, TIN, TF)                                 \
     QUANTIZE(IN, TIN, TF, TF, int8, signed char)                  \
@@ -112,8 +121,10 @@ QUANTIZE_ALL(float16, qa_half, float)
 QUANTIZE_ALL(float32, float, float)
 QUANTIZE_ALL(float64, double, double)
 
-// fake_quantize_<in>_<codes> and quantize_mask_<in>_<codes>: the codes' type
-// picks the clamp's (TC) and the bounds; the output is the input's float type
+// fake_quantize_<in>_<codes>, quantize_mask_<in>_<codes> and
+// fake_quantize_stochastic_<in>_<codes> (values and mask in one pass): the
+// codes' type picks the clamp's (TC) and the bounds; the output is the input's
+// float type
 #define FAKE_QUANTIZE(IN, TIN, TF, TC, OUT)                                                                \
     extern "C" __global__ void fake_quantize_##IN##_##OUT(const TIN* x, const TF* s, const int* z,          \
                                                           const i64* bidx, i64 total, LAYOUT_ARGS,          \
@@ -124,6 +135,12 @@ QUANTIZE_ALL(float64, double, double)
                                                           const i64* bidx, i64 total, LAYOUT_ARGS,          \
                                                           TC lo, TC hi, bool* mask) {                       \
         quantize_mask_body<TIN, TF, TC>(x, s, z, bidx, total, LAYOUT, lo, hi, mask);                        \
+    }                                                                                                        \
+    extern "C" __global__ void fake_quantize_stochastic_##IN##_##OUT(                                        \
+        const TIN* x, const TF* s, const int* z, const i64* bidx, i64 total, LAYOUT_ARGS, TC lo, TC hi,      \
+        unsigned k0, unsigned k1, TIN* out, bool* mask, int with_mask, int* nan_seen) {                      \
+        quantize_stochastic_body<true, TIN, TF, TC, TIN>(x, s, z, bidx, total, LAYOUT, lo, hi, k0, k1, out,   \
+                                                         mask, with_mask, nan_seen);                          \
     }
 #define FAKE_QUANTIZE_ALL(IN, TIN, TF)            \
     FAKE_QUANTIZE(IN, TIN, TF, TF, int8)          \
