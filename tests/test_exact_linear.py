@@ -115,3 +115,58 @@ def test_linear_long_k_extreme_codes(kernels):
             np.testing.assert_array_equal(got, want, err_msg=f"{rule} {dout} {zo}")
             if dout == "qint16" and zo == 0:
                 assert list(got[0, :2]) == ties[rule], rule
+
+
+@pytest.mark.parametrize("da_,db_", [("qint8", "quint8"), ("quint8", "qint8"), ("qint4", "qint8")])
+def test_matmul_per_row_a(backend, da_, db_):
+    """``a`` per row (a gradient per output channel in ``grad_w = grad_out.T @ x``)
+    with ``b`` per tensor: the exact int64 products, extreme codes and every
+    row's zero point at either end of its dtype; the result's scale per row.
+    Requantized with K = 100000, where sums pass 2**32, against the exact
+    reference, every rule."""
+    qa_, qb = qdtype(da_), qdtype(db_)
+    rng = np.random.default_rng(5)
+    m, n = 4, 3
+    za = np.array([qa_.qmin, qa_.qmax, 0, qa_.qmax])[:m] if qa_.signed else np.array([0, qa_.qmax, 0, 7])
+    s_a = np.float32([0.5, 0.01, 3.0, 2.0**-9])
+    s_b, zb = np.float32(0.05), (qb.qmin if qb.signed else qb.qmax)
+    for k in (1000, 100000):
+        far_a = np.where(za - qa_.qmin > qa_.qmax - za, qa_.qmin, qa_.qmax)  # each row's code farthest from its zero point
+        far_b = qb.qmin if zb - qb.qmin > qb.qmax - zb else qb.qmax
+        a = np.where(rng.random((m, k)) < 0.9, far_a[:, None], rng.choice([qa_.qmin, qa_.qmax], (m, k)))
+        b = np.where(rng.random((k, n)) < 0.9, far_b, rng.choice([qb.qmin, qb.qmax], (k, n)))
+        qa_rows = QArray.from_int(a.T.copy(), s_a, za, da_, axis=1).T  # a transposed view, as grad_out.T
+        qbt = QArray.from_int(b, s_b, zb, db_)
+        acc = (a - za[:, None]).astype(object) @ (b - zb).astype(object)
+        if k == 1000:
+            got = backend.run(qa.matmul, qa_rows, qbt)
+            assert got.axis == 0
+            np.testing.assert_array_equal(got.int_repr(), acc.astype(np.int64))
+            np.testing.assert_array_equal(got.scale, s_a * s_b)
+            continue
+        assert np.abs(acc).max() > (2**32 if qa_.bits == 8 else 2**28)  # 4 bits: 15 * 255 * K
+        for rule in RULES:
+            s_out, zo = np.float32(float(np.abs(acc).max()) * 0.05 / 100), 3
+            got = backend.run(qa.matmul, qa_rows, qbt, scale=s_out, zero_point=zo, dtype="qint8", **rounding_kw(rule))
+            want = ref_acc_out(acc, s_b, s_a, (s_out, zo), qdtype("qint8"), rule, False, 0)
+            np.testing.assert_array_equal(got.int_repr(), want, err_msg=rule)
+
+
+def test_matmul_parameters_on_the_summed_axis_are_refused():
+    a = QArray.from_int(np.ones((2, 3), np.int8), np.float32([1, 2, 3]), 0, "qint8", axis=1)
+    b = QArray.from_int(np.ones((3, 2), np.int8), np.float32([1, 2, 3]), 0, "qint8", axis=0)
+    a_rows = QArray.from_int(np.ones((2, 3), np.int8), np.float32([1, 2]), 0, "qint8", axis=0)
+    b_cols = QArray.from_int(np.ones((3, 2), np.int8), np.float32([1, 2]), 0, "qint8", axis=1)
+    a_t = QArray.from_int(np.ones((2, 3), np.int8), 1.0, 0, "qint8")
+    with pytest.raises(ValueError, match=r"a's per-channel parameters lie along axis 1; they must lie along its "
+                                         r"rows \(axis 0, M\) or a must be per-tensor"):
+        qa.matmul(a, b_cols)
+    with pytest.raises(ValueError, match=r"b's per-channel parameters lie along axis 0.*quantize the float weights "
+                                         r"per input feature \(axis=1\)"):
+        qa.matmul(a_t, b)
+    with pytest.raises(ValueError, match="a has per-row parameters and b per-column ones"):
+        qa.matmul(a_rows, b_cols)
+    with pytest.raises(ValueError, match="a bias .* does not go with a per-row a"):
+        qa.matmul(a_rows, QArray.from_int(np.ones((3, 2), np.int8), 1.0, 0, "qint8"), bias=np.zeros(2, np.float32))
+    with pytest.raises(TypeError, match="has dtype qint16"):
+        qa.matmul(QArray.from_int(np.ones((2, 3), np.int16), np.float32([1, 2]), 0, "qint16", axis=0), a_t.T)

@@ -136,6 +136,23 @@ def test_requantize_stochastic(shape, axis, rng):
     np.testing.assert_array_equal(ints(got), ints(want))
 
 
+def test_linear_gradients(rng):
+    """A linear layer's gradients on the device's int8 GEMM: grad_w = grad_out.T @ x
+    with grad_out per output channel (a per-row a), grad_x = grad_out @ w with w
+    per input feature; the CPU's integers and scales, requantized and not."""
+    x = qarray.quantize(rng.standard_normal((96, 64)).astype(np.float32), 0.03, 0, "qint8")
+    g = rng.standard_normal((96, 48)).astype(np.float32)
+    qg = qarray.quantize(g, np.abs(g).max(0) / 127, 0, "qint8", axis=1)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    qw = qarray.quantize(w, np.abs(w).max(0) / 127, 0, "qint8", axis=1)
+    qgt = qarray.quantize(g, np.abs(g).max() / 127, 0, "qint8")
+    for a, b in ((qg.T, x), (qgt, qw)):
+        for kw in ({}, dict(scale=0.5, zero_point=0, dtype="qint8")):
+            want, got = qarray.matmul(a, b, **kw), qarray.matmul(a.to("cupy"), b.to("cupy"), **kw)
+            np.testing.assert_array_equal(ints(got), ints(want))
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+
+
 def test_ops_match(rng):
     a = qarray.quantize(rng.standard_normal((64, 96)).astype(np.float32), 0.02, 3, "quint8")
     b = qarray.quantize(rng.standard_normal((96, 32)).astype(np.float32), np.full(32, 0.01, np.float32), 0, "qint8", axis=1)

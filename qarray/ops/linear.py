@@ -180,7 +180,11 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
 
     ``a`` (``(..., M, K)``, per-tensor) and ``b`` (``(K, N)`` or ``(..., K, N)``,
     per-tensor or per-channel along its last axis) may each be qint8, quint8,
-    qint4, quint4, qint2 or quint2. ``dtype`` defaults to ``a.dtype``.
+    qint4, quint4, qint2 or quint2 (``a`` also 16 bits). ``a`` may instead
+    have per-row parameters (along M, at most 8 bits) with ``b`` per-tensor, as
+    a gradient quantized per output channel meets activations in
+    ``grad_w = matmul(grad_out.T, x)``; the result's parameters then lie along
+    its rows. ``dtype`` defaults to ``a.dtype``.
 
     >>> a = QArray.from_int(numpy.array([[1, 2]]), 0.5, 0, "quint8")
     >>> w = QArray.from_int(numpy.array([[3], [-4]]), 0.25, 0, "qint8")
@@ -200,12 +204,47 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     """
     if _exact.takes(a, b):
         return _exact.matmul("matmul", a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
-    _check_operand("matmul", "a", a, weight=False)
-    _check_operand("matmul", "b", b, weight=True)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul takes arrays of 2 or more dimensions, got shapes {a.shape} and {b.shape}")
+    if isinstance(a, QArray) and a.axis is not None and a.block_size is None:
+        return _matmul_rows(a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
+    _check_operand("matmul", "a", a, weight=False)
+    _check_operand("matmul", "b", b, weight=True)
+    if b.axis is not None and b.axis != b.ndim - 1:
+        raise ValueError(
+            f"matmul: b's per-channel parameters lie along axis {b.axis}; they must lie along its columns (axis "
+            f"{b.ndim - 1}, N) or b must be per-tensor: parameters along K, the summed axis, cannot be taken out "
+            "of an exact integer sum. For a linear layer's input gradient grad_out @ w, quantize the float "
+            "weights per input feature (axis=1) or per tensor for the backward pass"
+        )
     packed = PackedWeight(b, b.ndim - 1)
     return packed.matmul("matmul", a, bias, scale, zero_point, dtype, mode, rounding, relu)
+
+
+def _matmul_rows(a, b, bias, scale, zero_point, dtype, relu, mode, rounding):
+    """``a @ b`` with ``a`` per row (parameters along M, e.g. a gradient
+    ``grad_out.T`` quantized per output channel): ``(b^T @ a^T)^T``, the same
+    exact integers, with ``a^T`` as the per-column weights the engines take.
+    The result's parameters lie along its rows."""
+    if a.axis != a.ndim - 2:
+        raise ValueError(
+            f"matmul: a's per-channel parameters lie along axis {a.axis}; they must lie along its rows (axis "
+            f"{a.ndim - 2}, M) or a must be per-tensor: parameters along K, the summed axis, cannot be taken out "
+            "of an exact integer sum (requantize a per-tensor first)"
+        )
+    if not isinstance(b, QArray) or b.axis is not None:
+        raise ValueError(
+            "matmul: a has per-row parameters and b per-column ones: the product's scale would change along both "
+            "axes, which no QArray layout holds; quantize one of them per tensor"
+        )
+    if bias is not None:
+        raise ValueError("matmul: a bias (per column) does not go with a per-row a; add it to the result")
+    _check_operand("matmul", "a (per row, taken as the weights of b^T @ a^T)", a, weight=True)
+    _check_operand("matmul", "b", b, weight=False)
+    packed = PackedWeight(np.swapaxes(a, -1, -2), a.ndim - 1)
+    out = packed.matmul("matmul", np.swapaxes(b, -1, -2), None, scale, zero_point,
+                        a.dtype if dtype is None and scale is not None else dtype, mode, rounding, relu)
+    return np.swapaxes(out, -1, -2)
 
 
 @on_data_device
