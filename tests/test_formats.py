@@ -203,7 +203,7 @@ def test_floating_errors(rng):
         QArray.from_int(np.array([3, 200], np.uint8), 1.0, 0, "float4_e2m1fn")
     with pytest.raises(TypeError, match="come as an ml_dtypes float8_e5m2 array or as uint8 bit patterns, got int16"):
         QArray.from_int(np.array([3], np.int16), 1.0, 0, "float8_e5m2")
-    with pytest.raises(TypeError, match="mode=, rounding= and out= do not apply"):
+    with pytest.raises(TypeError, match="mode=, rounding=, out= and seed= do not apply"):
         q.requantize(0.1, 0, "qint8", rounding="half_away")
 
 
