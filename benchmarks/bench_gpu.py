@@ -201,8 +201,17 @@ def main(outdir: Path, quick: bool):
     tf = None if torch is None else gpu_ms(lambda: torch.fake_quantize_per_tensor_affine(xt, 0.01, 3, -128, 127))
     row("fake_quantize float32 -> float32 (qint8 codes)", gpu_ms(lambda: qarray.fake_quantize(x, 0.01, 3, "qint8")),
         8 * N, copy_gbs, None, tf)
+    fbuf = cupy.empty_like(x)
+    row("fake_quantize float32 -> float32, out= (a kept buffer)",
+        gpu_ms(lambda: qarray.fake_quantize(x, 0.01, 3, "qint8", out=fbuf)), 8 * N, copy_gbs, None, tf)
+    row("fake_quantize, rounding='stochastic', return_mask",
+        gpu_ms(lambda: qarray.fake_quantize(x, 0.01, 3, "qint8", rounding="stochastic", seed=1, return_mask=True)),
+        9 * N, copy_gbs)
+    del fbuf
     row("quantize float32 -> qint8, rounding='stochastic'",
         gpu_ms(lambda: qarray.quantize(x, 0.01, 3, "qint8", rounding="stochastic", seed=1)), 5 * N, copy_gbs)
+    row("requantize qint32 -> qint8, rounding='stochastic'",
+        gpu_ms(lambda: qarray.requantize(q32, 0.05, 0, "qint8", rounding="stochastic", seed=1)), 5 * N, copy_gbs)
     # per-axis: channels along the last axis (a slot per column) and the first (a slot per row)
     for axis, shape in ((1, (N // 4096, 4096)), (0, (4096, N // 4096))):
         xs = x.reshape(shape)
