@@ -10,7 +10,9 @@ references measured in the same run: float32 numpy.matmul, PyTorch's fbgemm
 quantized.linear and onnxruntime's MatMulInteger for linear (large shapes, and
 M = 1 and 16 against 4096x4096 weights: int8 and packed 4-bit); PyTorch's
 fbgemm quantized.conv2d and float32 conv2d for conv2d (dense and depthwise);
-numpy.concatenate for cat, numpy.take for the LUT ops. Peers are reported when
+numpy.concatenate for cat, numpy.take for the LUT ops; training's backward
+products (linear's gradients, conv_transpose2d, conv2d_weight_grad) against
+float32 and fbgemm. Peers are reported when
 installed. Targets are ratios of medians; nothing is asserted. Results go to
 OUTDIR/bench_ops.{json,txt} (default benchmarks/results); each JSON row has the
 ``op`` and its ``shape`` apart. ``--quick``: small shapes and 3 repeats.
@@ -183,6 +185,55 @@ def bench_conv(rng, c, groups, hw=56):
     report(op, shape, t, "torch float32 conv2d", None, qrows)
 
 
+def bench_grads(rng, b=256, k=1024, n=1024, c=64, hw=28, batch=8):
+    """Training's backward products against float32 (no targets yet): a linear
+    layer's grad_w = grad_out.T @ x (grad_out per output channel: a per-row
+    operand) and grad_x = grad_out @ w (w per input feature); conv_transpose2d
+    (stride 2, conv2d's input gradient and a decoder's upsampling) against
+    torch's fbgemm and float32 ones; conv2d_weight_grad against
+    torch.nn.grad.conv2d_weight."""
+    x, g, w = (rng.standard_normal(s).astype(np.float32) for s in ((b, k), (b, n), (n, k)))
+    qx = qarray.quantize(x, np.abs(x).max() / 127, 0, "qint8")
+    qg = qarray.quantize(g, np.abs(g).max(0) / 127, 0, "qint8", axis=1)
+    qgt = qarray.quantize(g, np.abs(g).max() / 127, 0, "qint8")
+    qw = qarray.quantize(w, np.abs(w).max(0) / 127, 0, "qint8", axis=1)
+    for op, fns in (("linear grad_w = grad_out.T @ x", {"qarray matmul (acc)": lambda: matmul(qg.T, qx),
+                                                        "numpy float32 matmul": lambda: g.T @ x}),
+                    ("linear grad_x = grad_out @ w", {"qarray matmul (acc)": lambda: matmul(qgt, qw),
+                                                      "numpy float32 matmul": lambda: g @ w})):
+        report(op, f"{b}x{n}, {b}x{k}, {n}x{k}", timeit(REPEATS, **fns), "numpy float32 matmul")
+    xi = rng.integers(0, 256, (1, c, hw, hw), dtype=np.uint8)
+    wt = (rng.standard_normal((c, c // 2, 3, 3)) * 0.05).astype(np.float32)
+    qxi = qarray.QArray.from_int(xi, 0.02, 128, "quint8")
+    qwt = qarray.quantize(wt, np.abs(wt).max() / 127, 0, "qint8")
+    kw = dict(stride=2, padding=1, output_padding=1)
+    fns = {"qarray conv_transpose2d (acc)": lambda: qarray.conv_transpose2d(qxi, qwt, **kw),
+           "qarray conv_transpose2d (int8 out)": lambda: qarray.conv_transpose2d(qxi, qwt, **kw, scale=0.5,
+                                                                                 zero_point=0, dtype="qint8")}
+    if torch is not None:
+        tx = torch_qx(xi, 0.02, 128)
+        tw = torch.quantize_per_tensor(torch.from_numpy(qwt.dequantize()), float(qwt.scale), 0, torch.qint8)
+        packed = torch.ops.quantized.conv_transpose2d_prepack(tw, None, [2, 2], [1, 1], [1, 1], [1, 1], 1)
+        fns["torch quantized.conv_transpose2d (fbgemm)"] = lambda: torch.ops.quantized.conv_transpose2d(tx, packed,
+                                                                                                         0.5, 0)
+        tf, twf = torch.from_numpy(xi.astype(np.float32)), torch.from_numpy(wt)
+        fns["torch float32 conv_transpose2d"] = lambda: torch.nn.functional.conv_transpose2d(tf, twf, **kw)
+    t = timeit(REPEATS, **fns)
+    shape = f"1x{c}x{hw}x{hw}, 3x3 stride 2"
+    for ref in ("torch quantized.conv_transpose2d (fbgemm)", "torch float32 conv_transpose2d"):
+        report("conv_transpose2d", shape, t, ref, None, list(fns)[:2])
+    xb = rng.integers(0, 256, (batch, c, hw, hw), dtype=np.uint8)
+    gb = rng.standard_normal((batch, c, hw, hw)).astype(np.float32)
+    qxb = qarray.QArray.from_int(xb, 0.02, 128, "quint8")
+    qgb = qarray.quantize(gb, np.abs(gb).max() / 127, 0, "qint8")
+    fns = {"qarray conv2d_weight_grad (acc)": lambda: qarray.conv2d_weight_grad(qxb, (c, c, 3, 3), qgb, padding=1)}
+    if torch is not None:
+        txb, tgb = torch.from_numpy(xb.astype(np.float32)), torch.from_numpy(gb)
+        fns["torch float32 conv2d_weight"] = lambda: torch.nn.grad.conv2d_weight(txb, (c, c, 3, 3), tgb, padding=1)
+    report("conv2d_weight_grad", f"{batch}x{c}x{hw}x{hw}, 3x3 pad 1", timeit(REPEATS, **fns),
+           "torch float32 conv2d_weight")
+
+
 def bench_cat_lut(rng, n=1 << 23):
     a = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.01, 0, "qint8")
     b = qarray.quantize((rng.standard_normal(n) * 0.5).astype(np.float32), 0.02, 3, "qint8")
@@ -246,6 +297,7 @@ def main(outdir, quick):
         bench_conv(rng, 32, 32, 28)
         bench_cat_lut(rng, 1 << 18)
         bench_softmax(rng, 64)
+        bench_grads(rng, 32, 128, 128, 16, 12, 2)
     else:
         bench_linear(rng, 1024, 1024, 1024)
         bench_linear(rng, 256, 4096, 4096)
@@ -255,6 +307,7 @@ def main(outdir, quick):
         bench_conv(rng, 256, 256)
         bench_cat_lut(rng)
         bench_softmax(rng)
+        bench_grads(rng)
     write(outdir, "bench_ops", LINES, machine=info, rows=ROWS)
 
 
