@@ -279,16 +279,16 @@ class Backend:
         qmax]`` before the clamp (the straight-through estimator's mask; False
         for inf). Here the primitives and a pass of their own for the mask;
         backends that can do it in one pass over ``x``."""
+        inside = None
         if key is None:
             q = self.quantize(x, scale, zero_point, qd, axis, block_size)
-        else:
-            q = self.quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
-        values = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
-        inside = None
-        if mask and key is not None:
+        else:  # the values before the clamp once: the codes and the mask both come from them
             w = self._rounded_stochastic(x, scale, zero_point, axis, block_size, key, index)
-            inside = (w >= qd.qmin) & (w <= qd.qmax)
-        elif mask:
+            q = self.xp.clip(w, qd.qmin, qd.qmax).astype(qd.storage)
+            if mask:
+                inside = (w >= qd.qmin) & (w <= qd.qmax)
+        values = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
+        if mask and key is None:
             def fn(c, s, z):
                 w = self._rounded(c, s, z)
                 return (w >= qd.qmin) & (w <= qd.qmax)

@@ -431,8 +431,6 @@ requantize = {(code, narrow): _make_requantize(code, narrow)
               for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
 
 
-
-
 BINARY_RUN = 4096  # elements a task of binary
 _I64_MIN, _I64_MAX = np.int64(np.iinfo(np.int64).min), np.int64(np.iinfo(np.int64).max)
 

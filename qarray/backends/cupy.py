@@ -53,6 +53,9 @@ class DeviceWeight(NamedTuple):
     bits: int
 
 
+_REQUANT_INPUTS = ("int8", "uint8", "int16", "uint16", "int32", "int64")  # elementwise.cu's requantize kernels
+
+
 def _overlap(p, q, nbytes):
     """Whether ``nbytes`` at device address ``p`` and ``nbytes`` at ``q`` meet."""
     return p < q + nbytes and q < p + nbytes
@@ -359,7 +362,7 @@ class CupyBackend(Backend):
         xp = self.xp
         with self.on(q):
             q = contiguous(q)
-            if _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") or rq.qd is None:
+            if _name(q.dtype) not in _REQUANT_INPUTS or rq.qd is None:
                 return super().requantize(q, rq, out)
             total, args = requant_args(self, q.shape, rq)
             rows = None if out is None or out.flags.c_contiguous or not total else _rows(out)
@@ -378,8 +381,7 @@ class CupyBackend(Backend):
 
     def requantize_stochastic(self, q, rq, key, index=None):
         with self.on(q):
-            if index is not None or _name(q.dtype) not in ("int8", "uint8", "int16", "uint16", "int32", "int64") \
-                    or rq.qd is None:  # a Dask chunk's elements, numbered in the whole array
+            if index is not None or _name(q.dtype) not in _REQUANT_INPUTS or rq.qd is None:  # index: a Dask chunk's
                 return super().requantize_stochastic(q, rq, key, index)
             q = contiguous(q)
             total, args = requant_args(self, q.shape, rq)

@@ -204,9 +204,11 @@ class DaskBackend(Backend):
         if key is not None and index is None:
             index = _flat_index(x)
 
-        def part(i):
-            return lambda b, c, *rest: _checked(b, b.fake_quantize(c, *rest[-2:], qd, axis, block_size, dtype, i == 1,
-                                                                   key, rest[0] if key is not None else None)[i])
+        def part(i):  # chunk, then its indices (stochastic rounding), then scale and zero point
+            def fn(b, c, *rest):
+                ix, (s, z) = (rest[0], rest[1:]) if key is not None else (None, rest)
+                return _checked(b, b.fake_quantize(c, s, z, qd, axis, block_size, dtype, i == 1, key, ix)[i])
+            return fn
 
         others = () if key is None else (index,)
         values = self.map_chunks(part(0), x, axis, block_size, (scale, zero_point), np.dtype(dtype), *others)

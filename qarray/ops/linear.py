@@ -204,12 +204,11 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     """
     if _exact.takes(a, b):
         return _exact.matmul("matmul", a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"matmul takes arrays of 2 or more dimensions, got shapes {a.shape} and {b.shape}")
     if isinstance(a, QArray) and a.axis is not None and a.block_size is None:
         return _matmul_rows(a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
     _check_operand("matmul", "a", a, weight=False)
     _check_operand("matmul", "b", b, weight=True)
+    _check_ndim(a, b)
     if b.axis is not None and b.axis != b.ndim - 1:
         raise ValueError(
             f"matmul: b's per-channel parameters lie along axis {b.axis}; they must lie along its columns (axis "
@@ -221,18 +220,26 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     return packed.matmul("matmul", a, bias, scale, zero_point, dtype, mode, rounding, relu)
 
 
+def _check_ndim(a, b):
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul takes arrays of 2 or more dimensions, got shapes {a.shape} and {b.shape}")
+
+
 def _matmul_rows(a, b, bias, scale, zero_point, dtype, relu, mode, rounding):
     """``a @ b`` with ``a`` per row (parameters along M, e.g. a gradient
     ``grad_out.T`` quantized per output channel): ``(b^T @ a^T)^T``, the same
     exact integers, with ``a^T`` as the per-column weights the engines take.
     The result's parameters lie along its rows."""
+    if not isinstance(b, QArray):
+        _check_operand("matmul", "b", b, weight=False)  # its TypeError
+    _check_ndim(a, b)
     if a.axis != a.ndim - 2:
         raise ValueError(
             f"matmul: a's per-channel parameters lie along axis {a.axis}; they must lie along its rows (axis "
             f"{a.ndim - 2}, M) or a must be per-tensor: parameters along K, the summed axis, cannot be taken out "
             "of an exact integer sum (requantize a per-tensor first)"
         )
-    if not isinstance(b, QArray) or b.axis is not None:
+    if b.axis is not None:
         raise ValueError(
             "matmul: a has per-row parameters and b per-column ones: the product's scale would change along both "
             "axes, which no QArray layout holds; quantize one of them per tensor"
