@@ -11,10 +11,15 @@ import time
 import warnings
 from pathlib import Path
 
-# OpenMP threads that spin after a parallel call (torch's, and Numba's when its
-# threading layer is OpenMP) steal the two cores from whatever runs next: make
-# every pool wait passively, for all contenders alike. Set before torch loads.
+# Pool threads that spin after a parallel call steal the two cores from whatever
+# runs next: make every pool wait passively, for all contenders alike. OpenMP's
+# (torch's, and Numba's when its threading layer is OpenMP), and OpenBLAS's
+# (NumPy's float32 matmul, the reference of the GEMM rows): its threads yield in
+# a loop for 2**28 cycles (~0.1 s) after a call, and whatever ran next on two
+# cores ran on one (nn.Linear 1024^3 right after it: 2.3 ms, against 1.3;
+# torch's fbgemm likewise); 2**4 cycles here. Set before NumPy and torch load.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 # The optional peers, None where not installed.
 warnings.filterwarnings("ignore", message=".*deprecated.*")  # torch's quantized dtypes

@@ -27,12 +27,11 @@ import platform
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import options, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+import numpy as np  # noqa: E402  (after _timing: OpenBLAS reads its settings as it loads)
 import bench_ops  # noqa: E402  (its say / report and their LINES / ROWS)
 from bench_ops import report, say  # noqa: E402
 import ml_dtypes  # noqa: E402

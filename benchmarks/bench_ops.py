@@ -26,12 +26,11 @@ import platform
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import TensorProto, helper, options, ort, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+import numpy as np  # noqa: E402  (after _timing: OpenBLAS reads its settings as it loads)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
 from qarray.ops import cat, conv2d, log_softmax, matmul, sigmoid, softmax  # noqa: E402

@@ -237,6 +237,62 @@ def test_small_products_run_on_a_one_thread_session(rng):
             assert (pw.one_thread is not None) == made, m
 
 
+@pytest.mark.parametrize("adt,za", [("quint8", 0), ("quint8", 255), ("qint8", -128), ("qint8", 127)])
+def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypatch):
+    """From ``BY_ROWS`` rows a thread (and ``SMALL_WORK`` products) a layer's GEMM
+    runs one share of rows a thread on a one-thread session, each share's
+    epilogue right after it (``NumpyBackend.int_matmul``): exact at the
+    extremes. K = 65000 products of codes 255 apart give sums beyond 2**31
+    (the int64 epilogue, every rounding; one session holds K <= 65793, so
+    4.28e9 is this path's largest); asymmetric weights need the row sums
+    (each share its own); K = 30000 gives int32 accumulators as the output."""
+    if _gemm.engine("auto") != "u8s8" or qarray.backends.get("numpy")._fast(np.zeros(1)) is None:
+        pytest.skip("needs the u8s8 engine (one session for K = 65000) and Numba")
+    from _reference import RULES, bias_ints, ref_acc_out, rounding_kw
+
+    before = THREADS[0]
+    qarray.set_num_threads(2)
+    if THREADS[0] < 2:
+        pytest.skip("one CPU: no threads to split the rows among")
+    monkeypatch.setattr(qarray, "set_num_threads", qarray.set_num_threads)  # restored below, whatever happens
+    shares = []
+    real = _gemm.Packed.raw
+    monkeypatch.setattr(_gemm.Packed, "raw", lambda self, a, threads=None: shares.append((len(a), threads))
+                        or real(self, a, threads))
+    da = qdtype(adt)
+    m = _gemm.BY_ROWS * 2
+    try:
+        for k, wide in ((65000, True), (30000, False)):
+            far = da.qmax if za == da.qmin else da.qmin  # 255 from the zero point
+            x = np.where(rng.random((m, k)) < 0.7, far, za)
+            x[0], x[1] = far, rng.integers(da.qmin, da.qmax + 1, k)
+            wc = np.empty((3, k), np.int64)
+            wc[0], wc[1], wc[2] = -128, 127, rng.integers(-128, 128, k)
+            zw = np.array([127, -128, 3])  # w - zw: -255, 255, any
+            s_x, s_w = np.float32(0.5), np.array([0.25, 0.125, 2.0], np.float32)
+            bias = np.array([2**20, -(2**20), 7], np.float32) * (s_x * s_w)
+            layer = qarray.nn.Linear(QArray.from_int(wc.astype(np.int8), s_w, zw, "qint8", axis=0), bias)
+            qx = QArray.from_int(x.astype(da.storage), s_x, za, adt)
+            acc = ref(x, za, wc.T, zw).astype(object) + bias_ints(bias, s_x, s_w)
+            top = max(abs(int(v)) for v in acc.flat)
+            assert top > 4.2e9 if wide else 2**30 < top < 2**31
+            shares.clear()
+            if wide:
+                s_out = np.float32(2.0**26 * 0.5 * 0.25)
+                for rule in RULES:
+                    for dout, zo in (("qint8", -128), ("qint8", 127), ("quint8", 0), ("qint32", 0)):
+                        got = layer(qx, scale=s_out, zero_point=zo, dtype=dout, **rounding_kw(rule)).int_repr()
+                        want = ref_acc_out(acc, s_x, s_w, (s_out, zo), qdtype(dout), rule, False, 1)
+                        np.testing.assert_array_equal(got, want, err_msg=f"{rule} {dout} {zo}")
+            else:
+                got = layer(qx)
+                assert got.dtype == qdtype("qint32")
+                np.testing.assert_array_equal(got.int_repr(), acc.astype(np.int64))
+            assert shares and set(shares) == {(m // 2, 1)}, shares[:4]  # two shares a call, one thread each
+    finally:
+        qarray.set_num_threads(before)
+
+
 @pytest.mark.parametrize("wdt", ["qint4", "quint4"])
 @pytest.mark.parametrize("m", [1, 2, 16, 17])
 def test_small_m_reads_packed_4bit_weights(wdt, m, monkeypatch, rng):

@@ -568,14 +568,19 @@ class Backend:
         :meth:`raw_matmul` computes ``a' @ w'``, the zero-point terms are
         ``- za' * colsum(w') - zw' * rowsum(a') + K * za' * zw'``.
         """
-        xp = self.xp
         raw, off = self.raw_matmul(a, qd, pw, acc_dtype)
+        return self.gemm_epilogue(raw, *self._gemm_terms(a, off, za, pw, zw, bias, raw.shape), rq, acc_dtype)
+
+    def _gemm_terms(self, a, off, za, pw, zw, bias, shape):
+        """:meth:`int_matmul`'s ``(rowsum, c, zw)`` for :meth:`gemm_epilogue`, with
+        ``a' = a + off``, and ``c`` broadcast to the batch of a result of ``shape``."""
+        xp = self.xp
         k = a.shape[-1]
         terms = _host_column_terms if isinstance(pw.colsum, np.ndarray) else functools.partial(_column_terms, xp)
         zw, c, rows = terms(k, int(za) + off, zw, pw.shift, pw.colsum, bias)
         rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if rows else None
-        want = raw.shape[:-2] + raw.shape[-1:]
-        return self.gemm_epilogue(raw, rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw, rq, acc_dtype)
+        want = shape[:-2] + shape[-1:]
+        return rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw
 
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
         """``raw + c - zw * rowsum`` (int64 arithmetic; ``c`` per column, ``rowsum``

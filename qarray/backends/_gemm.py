@@ -190,6 +190,11 @@ SMALL_M = 1
 # costs ~7 us a run; 256x64x128 takes 8.6 us on one thread, 15.4 on two; the
 # two break even near 2**24 (256x256x256: 37 against 38 us)
 SMALL_WORK = 1 << 24
+# rows a thread from which Packed.by_rows splits the rows among threads. nn.Linear
+# int8 out on 2 threads, before -> after: 1024x1024x1024 1.34 -> 1.30 ms,
+# 512x1024x1024 0.83 -> 0.72, 256x1024x1024 0.47 -> 0.44; 64 rows a thread
+# lost to two-thread sessions (each thread reads all the weights)
+BY_ROWS = 128
 _REPACKED: OrderedDict = OrderedDict()  # Packed.token -> this process's packing of those weights
 
 
@@ -245,9 +250,25 @@ class Packed:
         and the process that loads them (a Dask worker) may have another engine."""
         return _repack, (self.token, (self.w.astype(np.int16) + self.shift).astype(self.qd.storage), self.qd, self.keep)
 
-    def raw(self, a):
+    def by_rows(self, a):
+        """Whether ``a @ w`` should run as one share of ``a``'s rows a thread, each on
+        a one-thread session (``NumpyBackend.int_matmul``, which follows each
+        share's products with its epilogue): 2-D ``a`` and kept weights with K
+        in one session, and rows enough that each thread's share is a GEMM of
+        its own (from ``BY_ROWS`` rows a thread: each reads all the weights)
+        and work enough to wake the threads (``SMALL_WORK``).
+        Makes the one-thread sessions on the first such call."""
+        if (self.sessions is None or len(self.sessions) != 1 or a.ndim != 2 or THREADS[0] < 2
+                or a.shape[0] < BY_ROWS * THREADS[0] or a.size * self.w.shape[1] < SMALL_WORK):
+            return False
+        if self.one_thread is None:
+            self.one_thread = [_session(self.w.dtype.type, a.shape[1], self.w, 1)]
+        return True
+
+    def raw(self, a, threads=None):
         """``a @ w`` exactly for unsigned 8-bit ``a`` ``(..., M, K)``: int32, or
-        int64 when K is split."""
+        int64 when K is split; on ``threads`` threads (default: one for small
+        products, else ``qarray.set_num_threads``')."""
         k = a.shape[-1]
         if self.nibbles is not None and a.ndim == 2 and a.shape[0] <= SMALL_M and k * 255 * 15 < 2**31:
             halves = np.zeros((2, a.shape[0], self.nibbles.shape[1]), np.uint8)  # even k, odd k; zero-padded
@@ -257,7 +278,8 @@ class Packed:
             k4.parallel(k4.gemm_packed4, len(self.nibbles), halves[0], halves[1], self.nibbles, self.signed, out)
             return out
         step = _KMAX[self.name]
-        threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
+        if threads is None:
+            threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
         sessions = self.sessions
         if sessions is not None and threads == 1 and THREADS[0] > 1:  # made on the first small call: small weights
             if self.one_thread is None:

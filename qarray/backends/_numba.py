@@ -96,10 +96,10 @@ def _away_from_caller():
             pass
 
 
-def parallel(k, tasks, *args, grain=1):
+def parallel(k, tasks, *args, grain=1, parts=PARTS):
     """``k(*args, start, stop)`` over ``range(tasks)`` on up to
     ``qarray.set_num_threads`` threads (at most ``NUMBA_NUM_THREADS``), each
-    thread's share at least ``grain`` tasks. The tasks are cut into ``PARTS``
+    thread's share at least ``grain`` tasks. The tasks are cut into ``parts``
     contiguous parts a thread, and each thread, the calling one first, claims
     the next unclaimed part until none is left: a pool thread that wakes late
     (its core busy with another library's spinning threads) takes fewer parts
@@ -114,7 +114,7 @@ def parallel(k, tasks, *args, grain=1):
         _pool[:] = n, ThreadPoolExecutor(n - 1, thread_name_prefix="qarray",
                                          initializer=lambda: tids.append(threading.get_native_id())), tids
     _away_from_caller()
-    parts = min(tasks, n * PARTS)
+    parts = min(tasks, n * parts)
     cut = [tasks * i // parts for i in range(parts + 1)]
     results = [None] * parts
     claim = itertools.count()  # next() is atomic under the GIL

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from .. import _formats
-from .._config import config
+from .._config import THREADS, config
 from .._fixed_point import NO_REQUANT
 from .._params import Layout
 from . import _gemm
@@ -337,18 +337,44 @@ class NumpyBackend(Backend):
             return np.zeros(np.broadcast_shapes(a.shape[:-1], pw.w.shape[:-2] + (1,)) + pw.w.shape[-1:], np.int32), off
         return pw.raw(np.ascontiguousarray(au)), off
 
+    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+        k = self._fast(a)
+        if k is None or not isinstance(pw, _gemm.Packed) or not pw.by_rows(a):
+            return super().int_matmul(a, qd, za, pw, zw, bias, rq, acc_dtype)
+        au, off = _gemm.to_unsigned(a, qd.signed)
+        au = np.ascontiguousarray(au)
+        shape = (a.shape[0], pw.w.shape[1])
+        return self._epilogue(k, lambda start, stop: pw.raw(au[start:stop], threads=1), shape,
+                              *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
+
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
         k = self._fast(raw)
         if k is None or raw.ndim != 2:
             return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
-        m, n = raw.shape
+        return self._epilogue(k, contiguous(raw), raw.shape, rowsum, c, zw, rq, acc_dtype)
+
+    def _epilogue(self, k, raw, shape, rowsum, c, zw, rq, acc_dtype):
+        """``gemm_epilogue`` on Numba. ``raw`` is the products, or (``int_matmul``)
+        ``raw(start, stop)`` gives those of rows ``start..stop``: each thread then
+        computes its share of rows and their epilogue while they are in its
+        cache, instead of the engine's threads computing all of them and the
+        pool's threads reading them back (``_gemm.BY_ROWS``)."""
+        m, n = shape
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
         rq = NO_REQUANT if rq is None else rq
-        out = self.empty(raw.shape, acc_dtype if rq.qd is None else rq.out_dtype)
+        out = self.empty(shape, acc_dtype if rq.qd is None else rq.out_dtype)
         cols = [p if p.shape == (n,) and p.flags.c_contiguous else np.ascontiguousarray(np.broadcast_to(p, (n,)))
                 for p in (c, np.asarray(zw))] + list(_columns(rq, n))
-        k.parallel(k.gemm_epilogue[rq.rounding, narrow], m, contiguous(raw), rowsum, *cols, np.int64(rq.lo),
-                   np.int64(rq.hi), out, grain=k.GRAIN // max(n, 1))
+        kernel, ends = k.gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
+        if not callable(raw):
+            k.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=k.GRAIN // max(n, 1))
+            return out
+
+        def rows(start, stop):
+            part = None if rowsum is None else rowsum[start:stop]
+            kernel(raw(start, stop), part, *cols, *ends, out[start:stop], 0, stop - start)
+
+        k.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
         return out
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
