@@ -341,11 +341,12 @@ class NumpyBackend(Backend):
         k = self._fast(a)
         if k is None or not isinstance(pw, _gemm.Packed) or not pw.by_rows(a):
             return super().int_matmul(a, qd, za, pw, zw, bias, rq, acc_dtype)
-        au, off = _gemm.to_unsigned(a, qd.signed)
-        au = np.ascontiguousarray(au)
+        def products(start, stop):  # each thread maps its own rows to unsigned codes too
+            return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], qd.signed)[0]), threads=1)
+
+        off = _gemm.to_unsigned(a[:0], qd.signed)[1]
         shape = (a.shape[0], pw.w.shape[1])
-        return self._epilogue(k, lambda start, stop: pw.raw(au[start:stop], threads=1), shape,
-                              *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
+        return self._epilogue(k, products, shape, *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
 
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
         k = self._fast(raw)
