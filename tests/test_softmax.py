@@ -129,6 +129,37 @@ def test_long_and_short_rows_both_kernel_branches(kernels, rng, log):
     check(random_q(rng, (5, 300), "quint8", 4.0, 7), log=log)
 
 
+@pytest.mark.parametrize("vbmi", [True, False])
+@pytest.mark.parametrize("log", [False, True])
+def test_byte_lookups_64_at_a_time(rng, monkeypatch, vbmi, log):
+    """8-bit codes in and out take their table lookups 64 at a time, by AVX-512
+    VBMI byte permutes where the CPU has them (``vbmi`` True), else one at a
+    time (forced here): rows of every length around the 64-byte steps (their
+    tails one at a time), every code of the dtype in one row (both halves of
+    the 256-entry table and the top bit that picks between them), scales
+    whose table integers fill all four byte planes or leave the upper ones
+    zero, and a row whose sum passes 2**46."""
+    pytest.importorskip("numba")
+    from qarray.backends import numpy as nb
+
+    if vbmi and not nb._vbmi():
+        pytest.skip("the CPU has no AVX-512 VBMI")
+    monkeypatch.setattr(nb, "_vbmi", lambda: vbmi)
+    with qarray.config.using(numba=True):
+        for d in (qdtype("qint8"), qdtype("quint8")):
+            every = np.arange(d.qmin, d.qmax + 1)
+            for n in (63, 64, 65, 127, 128, 256, 257, 1000):
+                codes = rng.integers(d.qmin, d.qmax + 1, (4, n))
+                codes[0] = np.resize(rng.permutation(every), n)  # every code where n >= 256
+                codes[1], codes[1, -1] = d.qmin, d.qmax  # distances 0 and 255 only
+                codes[2] = d.qmax
+                for s in (1e-4, 0.05, 3.0):
+                    check(QArray.from_int(codes, s, 0, d), log=log)
+        long_row = rng.integers(120, 128, (1, 2**17))
+        assert round(2**30 * math.exp(-1e-5 * 7)) * 2**17 > 2**46  # the smallest term, times the row
+        check(QArray.from_int(long_row, 1e-5, 0, "qint8"), log=log)
+
+
 def test_zero_point_cancels(kernels, rng):
     codes = rng.integers(-128, 128, (4, 33))
     a = qarray.softmax(QArray.from_int(codes, 0.05, -128, "qint8"))

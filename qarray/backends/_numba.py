@@ -35,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
-from numba import njit
-from numba.extending import register_jitable
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, register_jitable
 
 from .. import _fixed_point, _philox
 from .._config import THREADS
@@ -524,20 +526,124 @@ def _dist(m, v):
     return np.uint64(m - np.int64(v))
 
 
+# Rows of 8-bit codes, where the CPU has AVX-512 VBMI (``planes`` not None:
+# ``NumpyBackend.softmax``): 64 table lookups at a time by byte permutes, which
+# LLVM does not emit from a loop of loads (it gathers one byte at a time), so
+# the loop bodies are written in LLVM IR, as ``_numba_gemm``'s VNNI dot is.
+# A 256-entry byte table is four 64-byte registers: ``vpermi2b`` looks up 128
+# entries by an index's low 7 bits, two of them and its top bit select.
+_V64 = ir.VectorType(ir.IntType(8), 64)
+_V8Q = ir.VectorType(ir.IntType(64), 8)
+
+
+def _row_bytes(context, builder, ty, arg, r):
+    """Row ``r`` of a 2-D C-contiguous byte array as a ``<64 x i8>*``."""
+    a = context.make_array(ty)(context, builder, arg)
+    row = builder.gep(a.data, [builder.mul(r, builder.extract_value(a.strides, 0))])
+    return builder.bitcast(row, _V64.as_pointer())
+
+
+def _lookup(builder, table, index):
+    """``table[index]`` for 64 byte indices, ``table`` four ``<64 x i8>``."""
+    permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64, [_V64] * 3),
+                                             "llvm.x86.avx512.vpermi2var.qi.512")
+    low = builder.call(permute, [table[0], index, table[1]])
+    high = builder.call(permute, [table[2], index, table[3]])
+    return builder.select(builder.icmp_signed("<", index, ir.Constant(_V64, None)), high, low)
+
+
+def _table(context, builder, ty, arg, offset=0):
+    """256 bytes of 1-D array ``arg`` from ``offset``, as four ``<64 x i8>``."""
+    p = builder.bitcast(context.make_array(ty)(context, builder, arg).data, _V64.as_pointer())
+    return [builder.load(builder.gep(p, [ir.Constant(ir.IntType(64), offset + q)]), align=1) for q in range(4)]
+
+
+@intrinsic
+def _lookup_sum(typingctx, x, r, m, planes, chunks):
+    """``sum_i T[m - x[r, i]]`` over ``i < 64 * chunks``, exactly, from ``T``'s four
+    byte planes (``planes``, flat ``(4 * 256,)`` uint8: ``T < 2**32``): each
+    plane's looked-up bytes summed by ``vpsadbw`` into int64 lanes."""
+    def codegen(context, builder, sig, args):
+        row = _row_bytes(context, builder, sig.args[0], args[0], args[1])
+        mv = builder.insert_element(ir.Constant(_V64, None), builder.trunc(args[2], ir.IntType(8)),
+                                    ir.Constant(ir.IntType(32), 0))
+        mv = builder.shuffle_vector(mv, ir.Constant(_V64, None), ir.Constant(ir.VectorType(ir.IntType(32), 64), None))
+        tables = [_table(context, builder, sig.args[3], args[3], 4 * p) for p in range(4)]
+        sad = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8Q, [_V64, _V64]),
+                                             "llvm.x86.avx512.psad.bw.512")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8Q, None)) for _ in range(4)]
+        with cgutils.for_range(builder, args[4]) as loop:
+            index = builder.sub(mv, builder.load(builder.gep(row, [loop.index]), align=1))
+            for acc, t in zip(accs, tables):
+                part = builder.call(sad, [_lookup(builder, t, index), ir.Constant(_V64, None)])
+                builder.store(builder.add(builder.load(acc), part), acc)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), [_V8Q]),
+                                                "llvm.vector.reduce.add.v8i64")
+        total = ir.Constant(ir.IntType(64), 0)
+        for p, acc in enumerate(accs):
+            total = builder.add(total, builder.shl(builder.call(reduce, [builder.load(acc)]),
+                                                   ir.Constant(ir.IntType(64), 8 * p)))
+        return total
+
+    return types.int64(x, r, m, planes, chunks), codegen
+
+
+@intrinsic
+def _lookup_store(typingctx, x, r, m, otab, out, chunks):
+    """``out[r, i] = otab[m - x[r, i]]`` for ``i < 64 * chunks`` (``otab``: 256
+    bytes, ``out`` 8-bit)."""
+    def codegen(context, builder, sig, args):
+        row = _row_bytes(context, builder, sig.args[0], args[0], args[1])
+        dst = _row_bytes(context, builder, sig.args[4], args[4], args[1])
+        mv = builder.insert_element(ir.Constant(_V64, None), builder.trunc(args[2], ir.IntType(8)),
+                                    ir.Constant(ir.IntType(32), 0))
+        mv = builder.shuffle_vector(mv, ir.Constant(_V64, None), ir.Constant(ir.VectorType(ir.IntType(32), 64), None))
+        table = _table(context, builder, sig.args[3], args[3])
+        with cgutils.for_range(builder, args[5]) as loop:
+            index = builder.sub(mv, builder.load(builder.gep(row, [loop.index]), align=1))
+            builder.store(_lookup(builder, table, index), builder.gep(dst, [loop.index]), align=1)
+        return context.get_dummy_value()
+
+    return types.void(x, r, m, otab, out, chunks), codegen
+
+
 @njit(inline="always")
-def _row_sum(x, r, m, table):
+def _row_sum(x, r, m, table, planes):
     acc = np.int64(0)
-    for i in range(x.shape[1]):
+    i0 = 0
+    if planes is not None:  # pruned as Numba compiles for None: no VBMI code
+        i0 = x.shape[1] // 64 * 64
+        acc = _lookup_sum(x, np.int64(r), m, planes, np.int64(i0 // 64))
+    for i in range(i0, x.shape[1]):
         acc += table[_dist(m, x[r, i])]
     return acc
 
 
+@njit(inline="always")
+def _lookup_row(x, r, m, otab, out, planes):
+    """``out[r, i] = otab[m - x[r, i]]`` for the whole row."""
+    i0 = 0
+    if planes is not None:
+        i0 = x.shape[1] // 64 * 64
+        _lookup_store(x, np.int64(r), m, otab, out, np.int64(i0 // 64))
+    for i in range(i0, x.shape[1]):
+        out[r, i] = otab[_dist(m, x[r, i])]
+
+
+@njit(inline="always")
+def _scratch(table, planes, dtype):
+    """``softmax``'s table of output codes: 256 entries for the VBMI loads."""
+    if planes is None:
+        return np.empty(table.size, dtype)
+    return np.empty(256, dtype)
+
+
 @kernel
-def softmax_sums(x, table, sums, start, stop):
+def softmax_sums(x, table, planes, sums, start, stop):
     """``sums[r] = sum_i table[max(x[r]) - x[r, i]]`` (exact int64), rows ``start..stop``."""
     for r in range(start, stop):
         m, _ = _row_range(x, r)
-        sums[r] = _row_sum(x, r, m, table)
+        sums[r] = _row_sum(x, r, m, table, planes)
 
 
 @njit(inline="always")
@@ -552,30 +658,31 @@ def _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log):
 
 
 @kernel
-def softmax(x, table, logs, s_in, s_out, z_out, lo, hi, log, out, start, stop):
+def softmax(x, table, planes, logs, s_in, s_out, z_out, lo, hi, log, out, start, stop):
     """Softmax (``log`` False; ``logs`` unused) or log_softmax (``logs[r] =
     log(S_r / 2**30)``, from ``softmax_sums`` and NumPy) of rows
     ``start..stop`` of ``x``. A row longer than its range of distances fills a
-    table of its outputs first: the same formula per distance, fewer divisions."""
-    otab = np.empty(table.size, out.dtype)  # scratch, one per call
+    table of its outputs first: the same formula per distance, fewer divisions.
+    ``planes``: None, or (8-bit codes in and out, a CPU with AVX-512 VBMI)
+    the table's byte planes, and the lookups run 64 at a time."""
+    otab = _scratch(table, planes, out.dtype)  # scratch, one per call
     for r in range(start, stop):
-        _softmax_row(x, r, x.shape[1], table, logs, s_in, s_out, z_out, lo, hi, log, otab, out)
+        _softmax_row(x, r, x.shape[1], table, planes, logs, s_in, s_out, z_out, lo, hi, log, otab, out)
 
 
 @njit(inline="always")
-def _softmax_row(x, r, n, table, logs, s_in, s_out, z_out, lo, hi, log, otab, out):
-    """Row ``r`` of ``softmax``; ``otab`` is scratch of ``table.size`` entries."""
+def _softmax_row(x, r, n, table, planes, logs, s_in, s_out, z_out, lo, hi, log, otab, out):
+    """Row ``r`` of ``softmax``; ``otab`` is scratch (``_scratch``)."""
     m, mn = _row_range(x, r)
     if log:
         rv = logs[r]
     else:
-        rv = np.float64(_row_sum(x, r, m, table)) * s_out
+        rv = np.float64(_row_sum(x, r, m, table, planes)) * s_out
     width = m - mn + 1
     if width <= n:
         for j in range(width):  # no branch: LLVM vectorizes the divisions
             otab[j] = _sm_value(j, table, rv, s_in, s_out, z_out, lo, hi, log)
-        for i in range(n):
-            out[r, i] = otab[_dist(m, x[r, i])]
+        _lookup_row(x, r, m, otab, out, planes)
     else:
         for i in range(n):
             out[r, i] = _sm_value(_dist(m, x[r, i]), table, rv, s_in, s_out, z_out, lo, hi, log)

@@ -46,6 +46,12 @@ def _numba_kernels():
 _kernels = False
 
 
+@functools.cache
+def _vbmi():
+    """Whether the CPU has AVX-512 VBMI: softmax's byte lookups, 64 at a time."""
+    return "avx512vbmi" in _gemm._cpu_flags()
+
+
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
@@ -425,11 +431,16 @@ class NumpyBackend(Backend):
         x = contiguous(x)
         logs = np.zeros(x.shape[0])
         grain = k.GRAIN // (k.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread
+        planes = None  # the table's bytes for the VBMI lookups (_numba's softmax section)
+        if x.dtype.itemsize == 1 and np.dtype(out_dtype).itemsize == 1 and _vbmi():
+            planes = np.zeros((4, 256), np.uint8)
+            planes[:, :table.size] = table >> np.array([[0], [8], [16], [24]]) & 255
+            planes = planes.reshape(-1)
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
-            k.parallel(k.softmax_sums, len(x), x, table, sums, grain=grain)
+            k.parallel(k.softmax_sums, len(x), x, table, planes, sums, grain=grain)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
         out = self.empty(x.shape, out_dtype)
-        k.parallel(k.softmax, len(x), x, table, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
+        k.parallel(k.softmax, len(x), x, table, planes, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
                    np.float64(lo), np.float64(hi), bool(log), out, grain=grain)
         return out
