@@ -258,8 +258,8 @@ class Packed:
         its own (from ``BY_ROWS`` rows a thread: each reads all the weights)
         and work enough to wake the threads (``SMALL_WORK``).
         Makes the one-thread sessions on the first such call."""
-        if (self.sessions is None or len(self.sessions) != 1 or a.ndim != 2 or THREADS[0] < 2
-                or a.shape[0] < BY_ROWS * THREADS[0] or a.size * self.w.shape[1] < SMALL_WORK):
+        if (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.sessions is None
+                or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK):
             return False
         if self.one_thread is None:
             self.one_thread = [_session(self.w.dtype.type, a.shape[1], self.w, 1)]

@@ -344,9 +344,9 @@ class NumpyBackend(Backend):
         return pw.raw(np.ascontiguousarray(au)), off
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
-        k = self._fast(a)
-        if k is None or not isinstance(pw, _gemm.Packed) or not pw.by_rows(a):
-            return super().int_matmul(a, qd, za, pw, zw, bias, rq, acc_dtype)
+        k = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
+        if not k:
+            return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
         def products(start, stop):  # each thread maps its own rows to unsigned codes too
             return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], qd.signed)[0]), threads=1)
 
