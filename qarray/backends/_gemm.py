@@ -256,14 +256,17 @@ class Packed:
         share's products with its epilogue): 2-D ``a`` and kept weights with K
         in one session, and rows enough that each thread's share is a GEMM of
         its own (from ``BY_ROWS`` rows a thread: each reads all the weights)
-        and work enough to wake the threads (``SMALL_WORK``).
-        Makes the one-thread sessions on the first such call."""
-        if (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.sessions is None
-                or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK):
-            return False
+        and work enough to wake the threads (``SMALL_WORK``)."""
+        return not (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.sessions is None
+                    or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK)
+
+    def single(self):
+        """The kept sessions on one thread each, made on first use: for small
+        products, and for the shares of :meth:`by_rows`."""
         if self.one_thread is None:
-            self.one_thread = [_session(self.w.dtype.type, a.shape[1], self.w, 1)]
-        return True
+            k, step = self.w.shape[0], _KMAX[self.name]
+            self.one_thread = [_session(self.w.dtype.type, k, self.w[k0:k0 + step], 1) for k0 in range(0, k, step)]
+        return self.one_thread
 
     def raw(self, a, threads=None):
         """``a @ w`` exactly for unsigned 8-bit ``a`` ``(..., M, K)``: int32, or
@@ -281,10 +284,8 @@ class Packed:
         if threads is None:
             threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
         sessions = self.sessions
-        if sessions is not None and threads == 1 and THREADS[0] > 1:  # made on the first small call: small weights
-            if self.one_thread is None:
-                self.one_thread = [_session(self.w.dtype.type, k, self.w[k0:k0 + step], 1) for k0 in range(0, k, step)]
-            sessions = self.one_thread
+        if sessions is not None and threads == 1 and THREADS[0] > 1:
+            sessions = self.single()
         out = None
         for i, k0 in enumerate(range(0, max(k, 1), step)):
             ak = a[..., k0:k0 + step]

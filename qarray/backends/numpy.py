@@ -347,6 +347,7 @@ class NumpyBackend(Backend):
         k = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
         if not k:
             return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
+        pw.single()  # made here, before the threads ask for them
         def products(start, stop):  # each thread maps its own rows to unsigned codes too
             return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], qd.signed)[0]), threads=1)
 
