@@ -239,10 +239,10 @@ def test_small_products_run_on_a_one_thread_session(rng):
 
 @pytest.mark.parametrize("adt,za", [("quint8", 0), ("quint8", 255), ("qint8", -128), ("qint8", 127)])
 def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypatch):
-    """From ``BY_ROWS`` rows a thread (and ``SMALL_WORK`` products) a layer's GEMM
-    runs one share of rows a thread on a one-thread session, each share's
-    epilogue right after it (``NumpyBackend.int_matmul``): exact at the
-    extremes. K = 65000 products of codes 255 apart give sums beyond 2**31
+    """From ``BY_ROWS`` rows a thread (with ``BY_ROWS_N`` columns and ``SMALL_WORK``
+    products) a layer's GEMM runs one share of rows a thread on a one-thread
+    session, each share's epilogue right after it (``NumpyBackend.int_matmul``):
+    exact at the extremes. K = 65000 products of codes 255 apart give sums beyond 2**31
     (the int64 epilogue, every rounding; one session holds K <= 65793, so
     4.28e9 is this path's largest); asymmetric weights need the row sums
     (each share its own); K = 30000 gives int32 accumulators as the output."""
@@ -255,6 +255,8 @@ def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypat
     if THREADS[0] < 2:
         pytest.skip("one CPU: no threads to split the rows among")
     monkeypatch.setattr(qarray, "set_num_threads", qarray.set_num_threads)  # restored below, whatever happens
+    narrow = _gemm.BY_ROWS_N
+    monkeypatch.setattr(_gemm, "BY_ROWS_N", 3)  # three columns split too: int64's reference stays quick
     shares = []
     real = _gemm.Packed.raw
     monkeypatch.setattr(_gemm.Packed, "raw", lambda self, a, threads=None: shares.append((len(a), threads))
@@ -289,6 +291,9 @@ def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypat
                 assert got.dtype == qdtype("qint32")
                 np.testing.assert_array_equal(got.int_repr(), acc.astype(np.int64))
             assert shares and set(shares) == {(m // 2, 1)}, shares[:4]  # two shares a call, one thread each
+            monkeypatch.setattr(_gemm, "BY_ROWS_N", narrow)
+            assert not layer._packed.packed.by_rows(x)  # fewer columns than BY_ROWS_N: two-thread sessions
+            monkeypatch.setattr(_gemm, "BY_ROWS_N", 3)
     finally:
         qarray.set_num_threads(before)
 

@@ -38,7 +38,7 @@ for wdt in ("qint8", "qint4"):  # the engine's epilogue; M = 1 on 4-bit weights:
     lin = qa.nn.Linear.from_float(rng.standard_normal((256, 128)).astype(np.float32), weight_dtype=wdt)
     lin(xs, scale=0.5, zero_point=0, dtype="qint8")
     lin(xs[:1])
-big = qa.nn.Linear.from_float(rng.standard_normal((256, 256)).astype(np.float32))  # rows split among threads
+big = qa.nn.Linear.from_float(rng.standard_normal((512, 256)).astype(np.float32))  # rows split among threads
 big(qa.QArray.from_int(rng.integers(0, 256, (256, 256)), 0.02, 128, "quint8"), scale=0.5, zero_point=0, dtype="qint8")
 xc = qa.QArray.from_int(rng.integers(0, 256, (1, 64, 20, 20)), 0.02, 128, "quint8")
 for groups in (1, 64):  # im2col; direct depthwise

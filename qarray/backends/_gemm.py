@@ -190,11 +190,13 @@ SMALL_M = 1
 # costs ~7 us a run; 256x64x128 takes 8.6 us on one thread, 15.4 on two; the
 # two break even near 2**24 (256x256x256: 37 against 38 us)
 SMALL_WORK = 1 << 24
-# rows a thread from which Packed.by_rows splits the rows among threads. nn.Linear
-# int8 out on 2 threads, before -> after: 1024x1024x1024 1.34 -> 1.30 ms,
-# 512x1024x1024 0.83 -> 0.72, 256x1024x1024 0.47 -> 0.44; 64 rows a thread
-# lost to two-thread sessions (each thread reads all the weights)
-BY_ROWS = 128
+# rows a thread and columns from which Packed.by_rows splits the rows among
+# threads. nn.Linear int8 out on 2 threads, M x K x N, two-thread sessions ->
+# rows split: 1024x1024x1024 1.42 -> 1.32 ms, 2048x512x512 0.90 -> 0.75,
+# 512x1024x1024 0.83 -> 0.72, 1024x1024x512 0.69 -> 0.70; narrower outputs
+# lose (MLAS on one thread: 1024x1024x256 0.37 -> 0.42, conv2d's 3136x576x64
+# 0.23 -> 0.28), as do 64 rows a thread (each thread reads all the weights)
+BY_ROWS, BY_ROWS_N = 128, 512
 _REPACKED: OrderedDict = OrderedDict()  # Packed.token -> this process's packing of those weights
 
 
@@ -255,10 +257,10 @@ class Packed:
         a one-thread session (``NumpyBackend.int_matmul``, which follows each
         share's products with its epilogue): 2-D ``a`` and kept weights with K
         in one session, and rows enough that each thread's share is a GEMM of
-        its own (from ``BY_ROWS`` rows a thread: each reads all the weights)
-        and work enough to wake the threads (``SMALL_WORK``)."""
-        return not (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.sessions is None
-                    or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK)
+        its own (from ``BY_ROWS`` rows a thread: each reads all the weights),
+        ``BY_ROWS_N`` columns and work enough to wake the threads (``SMALL_WORK``)."""
+        return not (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.w.shape[-1] < BY_ROWS_N
+                    or self.sessions is None or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK)
 
     def single(self):
         """The kept sessions on one thread each, made on first use: for small
