@@ -20,6 +20,7 @@ import qarray as qa
 x = np.linspace(-3, 3, 1 << 15, dtype=np.float32).reshape(128, 256)
 q = qa.quantize(x, 0.05, 3, "qint8")
 q.dequantize()
+qa.quantize(np.zeros(1 << 22, np.float32), 0.05, 3, "qint8")  # large: the streaming kernel
 qa.fake_quantize(x, 0.05, 3, "qint8", return_mask=True)
 qa.quantize(x, 0.05, 3, "qint8", rounding="stochastic", seed=1)
 qa.fake_quantize(x, 0.05, 3, "qint8", return_mask=True, rounding="stochastic", seed=1, out=np.empty_like(x))

@@ -806,3 +806,44 @@ def test_stochastic_rounding_kernel_pieces(shape, axis, block_size):
     with qarray.config.using(numba=False):
         want = qarray.quantize(x, scale, 0, "qint8", axis, block_size, rounding="stochastic", seed=11)
     np.testing.assert_array_equal(got.int_repr(), want.int_repr())
+
+
+@pytest.mark.parametrize("dtype,zp", [("qint8", 0), ("qint8", -128), ("qint8", 127), ("quint8", 0), ("quint8", 255),
+                                      ("qint4", -8), ("quint2", 3)])
+def test_large_arrays_stream_their_codes(dtype, zp, rng, monkeypatch):
+    """From ``STREAM`` float32 elements, per-tensor quantize to 8-bit storage
+    writes 64 codes a step with non-temporal stores (``_numba.quantize_stream``,
+    LLVM IR): the codes of the definition (a float64 reference: the float32
+    quotient correctly rounded, then half to even) at ties, at both clamps,
+    for +-inf, -0.0 and subnormals, over sizes that leave a short last block, on
+    one thread and two; NaN in a full block or in the short one raises."""
+    pytest.importorskip("numba")
+    from qarray.backends import numpy as nb
+
+    k = nb._numba_kernels()
+    ran = []
+    real = k.quantize_stream
+    monkeypatch.setattr(k, "quantize_stream", lambda *a: ran.append(a[-2:]) or real(*a))
+    d = qdtype(dtype)
+    for n, scale, threads in ((k.STREAM, 0.25, 2), (k.STREAM + 37, 0.0173, 2), (k.STREAM + 64 * 5 + 1, 0.25, 1)):
+        x = (rng.standard_normal(n) * 40 * scale).astype(np.float32)
+        ties = (np.arange(-300, 300) + 0.5) * np.float32(0.25)  # exact halves of the 0.25 grid
+        special = np.array([np.inf, -np.inf, -0.0, 1e-45, -1e-45, 3e38, -3e38, d.qmax * 1.0, d.qmin * 1.0], np.float32)
+        x[:ties.size], x[ties.size:ties.size + special.size] = ties, special
+        x[-special.size:] = special  # the short last block too
+        with np.errstate(over="ignore", invalid="ignore"):  # 3e38 / 0.0173: inf in float32, as IEEE divides
+            t = (x.astype(np.float64) / np.float64(np.float32(scale))).astype(np.float32)  # correctly rounded
+            want = np.clip(np.rint(t.astype(np.float64)) + zp, d.qmin, d.qmax).astype(np.int64)
+        qarray.set_num_threads(threads)
+        try:
+            ran.clear()
+            got = qarray.quantize(x, scale, zp, dtype)
+        finally:
+            qarray.set_num_threads(2)
+        assert ran and sum(stop - start for start, stop in ran) == -(-n // 64)  # every block, streamed
+        np.testing.assert_array_equal(got.int_repr(), want)
+        for at in (5, n - 1):
+            bad = x.copy()
+            bad[at] = np.nan
+            with pytest.raises(ValueError, match=rf"1 NaN value\(s\), the first at index \({at},\)"):
+                qarray.quantize(bad, scale, zp, dtype)

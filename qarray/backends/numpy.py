@@ -234,9 +234,15 @@ class NumpyBackend(Backend):
         def params(pshape):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
-        bad = sum(self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
-                            mask=mask, key=key))
-        if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
+        if (x.size >= k.STREAM and axis is None and x.dtype == np.float32 and out.itemsize == 1 and mask is None
+                and key is None and out.ctypes.data % 64 == 0 and x.flags.c_contiguous):  # large: streamed out
+            s, z = np.float32(scale.reshape(-1)[0]), np.float32(zero_point.reshape(-1)[0])
+            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, lo, hi, out.reshape(-1),
+                               grain=k.GRAIN // 64)
+        else:
+            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
+                              mask=mask, key=key)
+        if sum(parts) != sum(parts) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out
 
