@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import doctest
 import math
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -241,3 +243,27 @@ def test_docstring_examples():
         result = doctest.testmod(module, extraglobs={"numpy": np, "qarray": qarray, "QArray": QArray},
                                  optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_a_generic_numba_target_keeps_to_portable_code(tmp_path):
+    """With ``NUMBA_CPU_NAME=generic`` (a cache portable across machines) LLVM
+    cannot lower the 512-bit x86 intrinsics of the IR kernels and aborts the
+    process: softmax takes its loop of loads instead (and the packed 4-bit GEMM
+    the engine), with the same codes; quantize's streamed stores are portable
+    LLVM and stay."""
+    pytest.importorskip("numba")
+    script = """
+import numpy as np, qarray
+from qarray.backends import _gemm, numpy as nb
+q = qarray.QArray.from_int(np.random.default_rng(0).integers(-128, 128, (1048, 1000)), 0.05, 0, "qint8")
+x = np.random.default_rng(1).standard_normal(1 << 22).astype(np.float32)
+got = qarray.softmax(q).int_repr(), qarray.quantize(x, 0.02, 3, "qint8").int_repr()
+with qarray.config.using(numba=False):
+    want = qarray.softmax(q).int_repr(), qarray.quantize(x, 0.02, 3, "qint8").int_repr()
+assert all(np.array_equal(a, b) for a, b in zip(got, want))
+assert not nb._vbmi() and _gemm.packed4_kernel() is None
+print("ok")
+"""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -54,6 +54,18 @@ def _cpu_flags() -> set:
             return set()
 
 
+def jit_flags() -> set:
+    """The CPU features the Numba kernels written in LLVM IR may use: the host's,
+    or none where ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` sets another
+    target (for "generic" LLVM cannot lower their 512-bit x86 intrinsics and
+    aborts the process)."""
+    import numba
+
+    if numba.config.CPU_NAME is not None or numba.config.CPU_FEATURES is not None:
+        return set()
+    return {f.replace("_", "") for f in _cpu_flags()}
+
+
 def _vnni_or_not_x86() -> tuple[bool, str]:
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return True, f"{platform.machine()} (no vpmaddubsw)"
@@ -150,10 +162,9 @@ def packed4_kernel():
     """``_numba_gemm.gemm_packed4`` where it runs exactly (Numba, AVX-512 VNNI,
     a self-check on extreme codes at first use), else None (logged once)."""
     if "packed4" not in _state:
-        flags = {f.replace("_", "") for f in _cpu_flags()}
         try:
-            if not {"avx512vnni", "avx512bw"} <= flags:
-                raise RuntimeError("the CPU has no AVX-512 VNNI")
+            if not {"avx512vnni", "avx512bw"} <= jit_flags():
+                raise RuntimeError("the CPU has no AVX-512 VNNI, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES is set")
             from . import _numba_gemm as k
 
             ok, why = True, "self-check passed"

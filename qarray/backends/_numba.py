@@ -311,8 +311,9 @@ def _splat(builder, value, vtype):
 # from ``STREAM`` elements): 64 codes a step, written by non-temporal stores.
 # A store of a whole cache line that bypasses the cache does not read the line
 # first (16 of the 96 MB that 2^24 values move) nor evict the input as it
-# streams in: 2^24 float32 -> qint8 1.71 -> 1.37 ms, 1.19x -> 0.98x torch's
-# quantize_per_tensor (which stores through the cache; measured interleaved).
+# streams in: 2^24 float32 -> qint8, interleaved with torch's quantize_per_tensor
+# (which stores through the cache), 1.19x -> 1.10x its time (bench_overhead.py).
+# x86-64 only (its sfence).
 STREAM = 1 << 22
 
 
@@ -362,7 +363,8 @@ def quantize_stream(x, s, z, lo, hi, out, start, stop):
     """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
     boundary) with one scale and zero point (float32 scalars): blocks of 64
     elements ``start..stop`` by ``_quantize_stream``, a short last block one
-    element at a time. Returns NaN if ``x`` had NaN or inf."""
+    element at a time. Returns NaN if ``x`` had NaN (or inf in the short
+    block: the caller looks for NaN then)."""
     full = max(start, min(stop, x.size // 64))
     bad = _quantize_stream(x, out, start, full, s, z, lo, hi)
     for i in range(full * 64, min(stop * 64, x.size)):
@@ -608,10 +610,8 @@ def _dist(m, v):
 
 
 # Rows of 8-bit codes, where the CPU has AVX-512 VBMI (``planes`` not None:
-# ``NumpyBackend.softmax``): 64 table lookups at a time by byte permutes, which
-# LLVM does not emit from a loop of loads (it gathers one byte at a time), so
-# the loop bodies are written in LLVM IR, as ``_numba_gemm``'s VNNI dot is.
-# A 256-entry byte table is four 64-byte registers: ``vpermi2b`` looks up 128
+# ``NumpyBackend.softmax``): 64 table lookups at a time by byte permutes (LLVM
+# gathers a byte at a time from a loop of loads). A 256-entry byte table is four 64-byte registers: ``vpermi2b`` looks up 128
 # entries by an index's low 7 bits, two of them and its top bit select.
 def _row_bytes(context, builder, ty, arg, r):
     """Row ``r`` of a 2-D C-contiguous byte array as a ``<64 x i8>*``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 
 import numpy as np
 
@@ -48,8 +49,14 @@ _kernels = False
 
 @functools.cache
 def _vbmi():
-    """Whether the CPU has AVX-512 VBMI: softmax's byte lookups, 64 at a time."""
-    return "avx512vbmi" in _gemm._cpu_flags()
+    """Whether Numba compiles for a CPU with AVX-512 VBMI: softmax's byte
+    lookups, 64 at a time (``_gemm.jit_flags``)."""
+    return {"avx512vbmi", "avx512bw"} <= _gemm.jit_flags()
+
+
+# x86-64: quantize's large outputs are streamed out (_numba.quantize_stream, which
+# fences its non-temporal stores with sfence)
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -234,8 +241,8 @@ class NumpyBackend(Backend):
         def params(pshape):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
-        if (x.size >= k.STREAM and axis is None and x.dtype == np.float32 and out.itemsize == 1 and mask is None
-                and key is None and out.ctypes.data % 64 == 0 and x.flags.c_contiguous):  # large: streamed out
+        if (x.size >= k.STREAM and _X86 and axis is None and x.dtype == np.float32 and out.itemsize == 1
+                and mask is None and key is None and out.ctypes.data % 64 == 0 and x.flags.c_contiguous):
             s, z = np.float32(scale.reshape(-1)[0]), np.float32(zero_point.reshape(-1)[0])
             parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, lo, hi, out.reshape(-1),
                                grain=k.GRAIN // 64)
