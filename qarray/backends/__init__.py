@@ -208,13 +208,17 @@ def on_data_device(op=None, *, integer_only=False):
         x = first[0] if isinstance(first, (list, tuple)) and first else first
         if integer_only:
             for q in (*(first if isinstance(first, (list, tuple)) else (first,)), *args, *kwargs.values()):
-                if type(q) not in _PLAIN and hasattr(q, "_backend") and getattr(q.dtype, "kind", None) == "float":
+                # a QArray's QDType (``_dtype``) of a floating format
+                if type(q) not in _PLAIN and getattr(getattr(q, "_dtype", None), "kind", None) == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
-        if type(x) is np.ndarray and _by_type.get(np.ndarray) is _by_name.get("numpy"):
-            return op(first, *args, **kwargs)  # the common call: NumPy's, on no device
-        if hasattr(x, "_backend"):  # a QArray
-            b, x = x._backend, x.data
+        b = getattr(x, "_backend", None)  # a QArray's
+        if b is not None:
+            if b is _by_name.get("numpy"):
+                return op(first, *args, **kwargs)  # the common call: NumPy's, on no device
+            x = x.data
+        elif type(x) is np.ndarray and _by_type.get(np.ndarray) is _by_name.get("numpy"):
+            return op(first, *args, **kwargs)
         else:
             try:
                 b = for_array(x)
