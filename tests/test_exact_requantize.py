@@ -318,3 +318,55 @@ def test_requantize_stochastic_at_the_threshold(backend):
             got = take(b.requantize_stochastic(put(acc.astype(np.int64)), rq, key(seed)))
             np.testing.assert_array_equal(got, np.full(n, up - (s == -1)), err_msg=f"M={M} up={up} sign={s}")
     assert backend.ran("requantize_stochastic")
+
+
+@pytest.mark.parametrize("d_in,z_in", [("qint32", 5), ("qint32", 0), ("qint8", -128), ("quint8", 255)])
+def test_large_per_tensor_requantize_streams_its_codes(d_in, z_in, monkeypatch):
+    """From ``STREAM`` elements, per-tensor requantize to 8-bit codes writes 64
+    codes a step with non-temporal stores (``_numba.requantize_stream``, the
+    arithmetic of ``_rq``): the exact reference's codes at every rule, at both
+    output zero points, for input codes at both ends, on two threads, in the
+    first block, around the threads' split, at random places and in the short
+    last block (the reference is evaluated there: it runs per element). The
+    outputs cover the 8-bit range, with exact ties at the power-of-two
+    multipliers, not only the clamps."""
+    pytest.importorskip("numba")
+    from qarray.backends import numpy as nb
+
+    k = nb._numba_kernels()
+    ran = []
+    for key, fn in list(k.requantize_stream.items()):
+        monkeypatch.setitem(k.requantize_stream, key, lambda *a, fn=fn: ran.append(a[-2:]) or fn(*a))
+    qi = qdtype(d_in)
+    rng = np.random.default_rng(7)
+    n = k.STREAM + 37
+    codes = rng.integers(qi.qmin, qi.qmax + 1, n, dtype=np.int64)
+    if qi.bits == 32:  # most near the zero point: outputs over the whole 8-bit range, not only clamped
+        near = rng.random(n) < 0.7
+        codes[near] = z_in + rng.integers(-(2**21), 2**21, int(near.sum()))
+    ends = np.array([qi.qmin, qi.qmax, z_in, z_in + 1, z_in - 1, 0]).clip(qi.qmin, qi.qmax)
+    for at in (0, n // 2 - 3, n - 6):
+        codes[at:at + ends.size] = ends
+    look = np.unique(np.concatenate([np.arange(128), np.arange(n // 2 - 64, n // 2 + 64), np.arange(n - 100, n),
+                                     rng.integers(0, n, 300)]))
+    s_in = np.float32(1e-4)
+    x = QArray.from_int(codes.astype(qi.storage), s_in, z_in, d_in)
+    qa.set_num_threads(2)
+    try:
+        for rule in RULES:
+            # multipliers s_in / s_out: powers of two give exact ties (every rule's own case)
+            wide, spread = qi.bits == 32, []
+            for d_out, mult, z_out in (("qint8", 2.0**-13 if wide else 0.5, -128), ("qint8", 1 / 7700 if wide else 1.37, 127),
+                                       ("quint8", 2.0**-12 if wide else 0.33, 0), ("quint8", 1 / 30 if wide else 2.5, 255)):
+                qo, s_out = qdtype(d_out), np.float32(s_in / mult)
+                ran.clear()
+                got = x.requantize(s_out, z_out, d_out, **rounding_kw(rule)).int_repr()
+                assert ran and sum(stop - start for start, stop in ran) == -(-n // 64), rule  # every block
+                f = f32_ratio(num=[s_in], den=s_out)
+                want = [ref_out(int(codes[i]) - z_in, float(s_in) / float(s_out), f or 0, z_out, qo.qmin, qo.qmax,
+                                rule) for i in look]
+                np.testing.assert_array_equal(got[look], want, err_msg=f"{rule} {d_out} {z_out}")
+                spread.append(len(set(want)))
+            assert sorted(spread)[-2] > 50, (rule, spread)  # not only clamps (a zero point at an end: one side)
+    finally:
+        qa.set_num_threads(1)

@@ -307,71 +307,89 @@ def _splat(builder, value, vtype):
                                   ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), None))
 
 
-# Large per-tensor quantize of float32 to 8-bit codes (``NumpyBackend._quantize``,
-# from ``STREAM`` elements): 64 codes a step, written by non-temporal stores.
-# A store of a whole cache line that bypasses the cache does not read the line
-# first (16 of the 96 MB that 2^24 values move) nor evict the input as it
-# streams in: 2^24 float32 -> qint8, interleaved with torch's quantize_per_tensor
-# (which stores through the cache), 1.19x -> 1.10x its time (bench_overhead.py).
-# x86-64 only (its sfence).
+# Large per-tensor quantize and requantize to 8-bit codes (``NumpyBackend``, from
+# ``STREAM`` elements, x86-64): each 64 codes computed as the kernels above
+# compute them, then stored as one cache line by a non-temporal store, which
+# neither reads the line first (16 of the 96 MB that 2^24 float32 values move)
+# nor evicts the input as it streams in. 2^24 float32 -> qint8, interleaved with
+# torch's quantize_per_tensor (which stores through the cache): 1.19x -> 1.10x
+# its time (bench_overhead.py); requantize int32 -> int8 likewise.
 STREAM = 1 << 22
 
 
 @intrinsic
-def _quantize_stream(typingctx, x, out, start, stop, s, z, lo, hi):
-    """``out[64 b:64 b + 64] = clamp(rint(x / s) + z, lo, hi)`` (``_q``'s IEEE
-    division, rint half to even, float32 add and clamp) for blocks ``b`` in
-    ``start..stop``: flat float32 ``x``, 8-bit ``out`` at a 64-byte boundary,
-    stored non-temporal (an ``sfence`` after them). Returns NaN where ``x``
-    had NaN, else 0 (inf saturates, as in quantize's kernel)."""
+def _store_line(typingctx, out, offset, line):
+    """``out[offset:offset + 64] = line`` (64 bytes) by a non-temporal store:
+    ``out`` 8-bit, ``offset`` at a 64-byte boundary. The caller fences
+    (``_fence``) before another thread reads ``out``."""
     def codegen(context, builder, sig, args):
-        xp, op = (builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, t.as_pointer())
-                  for i, t in ((0, _F16), (1, _V64)))
-        sv, zv, lov, hiv = (_splat(builder, v, _F16) for v in args[4:])
-        i32x16, i8x16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(8), 16)
-        fn = functools.partial(cgutils.get_or_insert_function, builder.module)
-        rint = fn(ir.FunctionType(_F16, [_F16]), "llvm.rint.v16f32")
-        fmin, fmax = (fn(ir.FunctionType(_F16, [_F16, _F16]), f"llvm.{m}.v16f32") for m in ("minnum", "maxnum"))
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        i1x16 = ir.VectorType(ir.IntType(1), 16)
-        seen = cgutils.alloca_once_value(builder, ir.Constant(i1x16, None))  # lanes that met a NaN
-        four = ir.Constant(args[2].type, 4)
-        with cgutils.for_range_slice(builder, args[2], args[3], ir.Constant(args[2].type, 1)) as (b, _):
-            codes, nans = [], []
-            for k in range(4):
-                v = builder.load(builder.gep(xp, [builder.add(builder.mul(b, four), ir.Constant(b.type, k))]), align=4)
-                nans.append(builder.fcmp_unordered("uno", v, v))
-                w = builder.fadd(builder.call(rint, [builder.fdiv(v, sv)]), zv)
-                w = builder.call(fmin, [builder.call(fmax, [w, lov]), hiv])  # NaN: a bound (NaN is refused)
-                codes.append(builder.trunc(builder.fptosi(w, i32x16), i8x16))
-            step = builder.or_(builder.or_(nans[0], nans[1]), builder.or_(nans[2], nans[3]))
-            builder.store(builder.or_(builder.load(seen), step), seen)
-            halves = [builder.shuffle_vector(codes[k], codes[k + 1], ir.Constant(ir.VectorType(ir.IntType(32), 32),
-                                                                                 list(range(32)))) for k in (0, 2)]
-            line = builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
-            builder.store(line, builder.gep(op, [b]), align=64).set_metadata("nontemporal", nontemporal)
-        builder.call(fn(ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"), [])
-        anynan = builder.call(fn(ir.FunctionType(ir.IntType(1), [i1x16]), "llvm.vector.reduce.or.v16i1"),
-                              [builder.load(seen)])
-        return builder.select(anynan, ir.Constant(ir.FloatType(), float("nan")), ir.Constant(ir.FloatType(), 0.0))
+        src = context.make_array(sig.args[2])(context, builder, args[2]).data
+        dst = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        value = builder.load(builder.bitcast(src, _V64.as_pointer()), align=1)
+        hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        builder.store(value, builder.bitcast(dst, _V64.as_pointer()), align=64).set_metadata("nontemporal", hint)
+        return context.get_dummy_value()
 
-    return types.float32(x, out, start, stop, s, z, lo, hi), codegen
+    return types.void(out, offset, line), codegen
 
 
-@njit(**_KERNEL)
+@intrinsic
+def _fence(typingctx):
+    """``sfence``: the non-temporal stores before it are visible before any store after it."""
+    def codegen(context, builder, sig, args):
+        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                    "llvm.x86.sse.sfence"), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: quantize's sum of x - x vectorizes (NaN check)
 def quantize_stream(x, s, z, lo, hi, out, start, stop):
     """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
-    boundary) with one scale and zero point (float32 scalars): blocks of 64
-    elements ``start..stop`` by ``_quantize_stream``, a short last block one
-    element at a time. Returns NaN if ``x`` had NaN (or inf in the short
-    block: the caller looks for NaN then)."""
-    full = max(start, min(stop, x.size // 64))
-    bad = _quantize_stream(x, out, start, full, s, z, lo, hi)
-    for i in range(full * 64, min(stop * 64, x.size)):
+    boundary) with one scale and zero point (float32): blocks of 64 elements
+    ``start..stop``, each stored by ``_store_line`` (a short last block as
+    usual). Returns NaN if ``x`` had NaN or inf, as quantize's kernel does."""
+    line = np.empty(64, out.dtype)
+    bad = x.dtype.type(0)
+    full = min(stop, x.size // 64)
+    for b in range(start, full):
+        xs = x[b * 64:b * 64 + 64]  # indexed from 0 (see _span)
+        for j in range(64):  # 64, not a variable count: LLVM vectorizes it whole
+            v = xs[j]
+            bad += v - v
+            c, _ = _q(v, s, z, lo, hi, None, 0)
+            line[j] = c
+        _store_line(out, np.int64(b * 64), line)
+    _fence()
+    for i in range(max(start, full) * 64, min(stop * 64, x.size)):
         bad += x[i] - x[i]
         c, _ = _q(x[i], s, z, lo, hi, None, 0)
         out[i] = c
     return bad
+
+
+def _make_requantize_stream(code, narrow):
+    """requantize's kernel for flat integer ``q`` and 8-bit ``out`` (at a 64-byte
+    boundary) with one ``Requant`` (its int64 and float64 scalars), blocks as
+    ``quantize_stream``'s; one per rounding code and width, as ``_make_requantize``."""
+    source = _SOURCE
+
+    @kernel
+    def requantize_stream(q, zi, zo, m, sh, f, lo, hi, out, start, stop):
+        _ = source
+        line = np.empty(64, out.dtype)
+        full = min(stop, q.size // 64)
+        for b in range(start, full):
+            qs = q[b * 64:b * 64 + 64]
+            for j in range(64):
+                line[j] = _rq(np.int64(qs[j]) - zi, zo, m, sh, f, lo, hi, code, narrow)
+            _store_line(out, np.int64(b * 64), line)
+        _fence()
+        for i in range(max(start, full) * 64, min(stop * 64, q.size)):
+            out[i] = _rq(np.int64(q[i]) - zi, zo, m, sh, f, lo, hi, code, narrow)
+
+    return requantize_stream
 
 
 @njit(inline="always")
@@ -514,6 +532,8 @@ def _make_requantize(code, narrow):
 
 requantize = {(code, narrow): _make_requantize(code, narrow)
               for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+requantize_stream = {(code, narrow): _make_requantize_stream(code, narrow)
+                     for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
 
 
 BINARY_RUN = 4096  # elements a task of binary

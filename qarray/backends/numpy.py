@@ -54,9 +54,15 @@ def _vbmi():
     return {"avx512vbmi", "avx512bw"} <= _gemm.jit_flags()
 
 
-# x86-64: quantize's large outputs are streamed out (_numba.quantize_stream, which
-# fences its non-temporal stores with sfence)
+# x86-64: large 8-bit outputs are streamed out (_numba.quantize_stream, fenced by sfence)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _streams(k, x, out):
+    """Whether ``out``'s codes go out by ``_numba``'s streamed stores: a large
+    C-contiguous ``x``, a C-contiguous 8-bit ``out`` at a 64-byte boundary."""
+    return (x.size >= k.STREAM and _X86 and out.itemsize == 1 and x.flags.c_contiguous and out.flags.c_contiguous
+            and out.ctypes.data % 64 == 0)
 
 
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -241,8 +247,7 @@ class NumpyBackend(Backend):
         def params(pshape):
             return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
 
-        if (x.size >= k.STREAM and _X86 and axis is None and x.dtype == np.float32 and out.itemsize == 1
-                and mask is None and key is None and out.ctypes.data % 64 == 0 and x.flags.c_contiguous):
+        if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(k, x, out):
             s, z = np.float32(scale.reshape(-1)[0]), np.float32(zero_point.reshape(-1)[0])
             parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, lo, hi, out.reshape(-1),
                                grain=k.GRAIN // 64)
@@ -310,6 +315,12 @@ class NumpyBackend(Backend):
         kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
 
         def fill(target):
+            if _streams(k, q, target) and rq.axis is None:
+                zi, zo, m, sh, f = (p.reshape(-1)[0] for p in rq.params)
+                k.parallel(k.requantize_stream[rq.rounding, rq.narrow(q.dtype)], -(-q.size // 64), q.reshape(-1),
+                           np.int64(zi), np.int64(zo), np.int64(m), np.int64(sh), np.float64(f), np.int64(rq.lo),
+                           np.int64(rq.hi), target.reshape(-1), grain=k.GRAIN // 64)
+                return target
             self._run(kernel, q, target, rq.axis, rq.block_size, functools.partial(_plan_params, rq), np.int64(rq.lo),
                       np.int64(rq.hi), key=None)
             return target
