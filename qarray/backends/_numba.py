@@ -291,13 +291,11 @@ def _make_quantize(source):
 quantize = _make_quantize(_SOURCE)
 
 
-# -- vector code in LLVM IR: what Numba's loops do not emit (its ints and floats
-# have no vector types, no store hints, no byte permutes); the loop bodies are
-# written as ``_numba_gemm``'s VNNI dot is, with the same arithmetic as the
-# loops they stand in for
+# -- vector code in LLVM IR, as ``_numba_gemm``'s VNNI dot is written: only what
+# Numba's loops do not emit (they have no vector types, store hints or byte
+# permutes); the arithmetic stays in Numba
 _V64 = ir.VectorType(ir.IntType(8), 64)
 _V8Q = ir.VectorType(ir.IntType(64), 8)
-_F16 = ir.VectorType(ir.FloatType(), 16)
 
 
 def _splat(builder, value, vtype):

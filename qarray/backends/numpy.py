@@ -254,7 +254,8 @@ class NumpyBackend(Backend):
         else:
             parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
                               mask=mask, key=key)
-        if sum(parts) != sum(parts) and np.isnan(x).any():  # NaN or inf was seen; inf is fine
+        bad = sum(parts)
+        if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
         return out
 
@@ -312,17 +313,17 @@ class NumpyBackend(Backend):
             return super().requantize(q, rq, out)
         # a strided out (cat's slice along axis > 0) gets a contiguous result copied
         # in: 12x faster than the generic code's int64 passes (cat of 3 x 86K codes on axis 1)
-        kernel = k.requantize[rq.rounding, rq.narrow(q.dtype)]
+        narrow = rq.narrow(q.dtype)
 
         def fill(target):
             if _streams(k, q, target) and rq.axis is None:
                 zi, zo, m, sh, f = (p.reshape(-1)[0] for p in rq.params)
-                k.parallel(k.requantize_stream[rq.rounding, rq.narrow(q.dtype)], -(-q.size // 64), q.reshape(-1),
+                k.parallel(k.requantize_stream[rq.rounding, narrow], -(-q.size // 64), q.reshape(-1),
                            np.int64(zi), np.int64(zo), np.int64(m), np.int64(sh), np.float64(f), np.int64(rq.lo),
                            np.int64(rq.hi), target.reshape(-1), grain=k.GRAIN // 64)
                 return target
-            self._run(kernel, q, target, rq.axis, rq.block_size, functools.partial(_plan_params, rq), np.int64(rq.lo),
-                      np.int64(rq.hi), key=None)
+            self._run(k.requantize[rq.rounding, narrow], q, target, rq.axis, rq.block_size,
+                      functools.partial(_plan_params, rq), np.int64(rq.lo), np.int64(rq.hi), key=None)
             return target
 
         return self._into(out, fill, q.shape, rq.out_dtype)
@@ -372,10 +373,11 @@ class NumpyBackend(Backend):
         if not k:
             return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
         pw.single()  # made here, before the threads ask for them
+
         def products(start, stop):  # each thread maps its own rows to unsigned codes too
             return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], qd.signed)[0]), threads=1)
 
-        off = _gemm.to_unsigned(a[:0], qd.signed)[1]
+        off = _gemm.to_unsigned(a[:0], qd.signed)[1]  # what mapping adds (no rows mapped here)
         shape = (a.shape[0], pw.w.shape[1])
         return self._epilogue(k, products, shape, *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
 
