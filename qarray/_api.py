@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -39,7 +40,7 @@ def _float_input(x, what):
 
 
 @on_data_device
-def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None,
+def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None,
              reciprocal=False, rounding=None, seed=None) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
@@ -66,9 +67,21 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
 
     >>> quantize(numpy.array([0.014, 0.015, 9.0], numpy.float32), 0.01, 0, "qint8").int_repr()
     array([  1,   2, 127], dtype=int8)
+
+    A block format (``dtype="Q4_K"``: GGUF's types, case-insensitive) picks its
+    own parameters, block by block along the last axis, whose length must be a
+    multiple of its block: the bytes of its reference quantizer (gguf-py's, or
+    ggml's ``ggml_quantize_chunk`` for the K-quants and IQ4_NL/IQ4_XS), from the
+    values rounded to float32.
     """
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
+    if d.kind == "block":
+        given = dict(scale=scale, zero_point=zero_point or None, axis=axis, block_size=block_size, saturate=saturate,
+                     reciprocal=reciprocal or None, rounding=rounding, seed=seed)
+        return _quantize_blocks(x, b, d, [k for k, v in given.items() if v is not None])
+    if scale is None:
+        raise TypeError(f"quantize: {d.name} needs a scale (block formats such as Q4_K choose their own)")
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
     key = _stochastic(rounding, seed, reciprocal, "quantize")
     if d.kind == "float":  # ONNX's cast to a floating format (qarray._formats); zero_point is 0
@@ -92,6 +105,31 @@ def quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, 
         x, s1 = x.astype(np.float32, copy=False) * b.asarray(inv), np.ones_like(s)
         return QArray._new(b.quantize(x, s1, z, d, axis, block_size), s, z, d, axis, block_size, b)
     return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
+
+
+def _quantize_blocks(x, b, d, given):
+    """quantize's block formats: the format's quantizer on the host, block by block."""
+    f = d.layout
+    if given:
+        raise TypeError(f"quantize: {d.name} chooses its own parameters, block by block; drop {', '.join(given)}")
+    if f.quantize is None:
+        raise TypeError(f"quantize: {d.name} is read only here (its lattice codebook needs llama.cpp's importance "
+                        "search); pick another format, e.g. IQ4_XS or Q4_K")
+    if x.ndim == 0 or x.shape[-1] % f.block:
+        raise ValueError(f"quantize: {d.name} quantizes blocks of {f.block} values along the last axis, whose "
+                         f"length {x.shape[-1] if x.ndim else 'of a 0-d array'} is not a multiple of {f.block}; pad "
+                         "or choose a format with smaller blocks")
+    return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f), x, f.nbytes / f.block, np.uint8), d, b)
+
+
+def _block_bytes(x, f):
+    """The bytes of ``f`` for host values ``x`` (rows along the last axis)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise ValueError(f"quantize: {int(bad.sum())} value(s) are NaN or infinite (the first at flat index "
+                         f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
+    return f.pack(f.quantize(x.reshape(-1, f.block))).reshape(*x.shape[:-1], -1)
 
 
 def _stochastic(rounding, seed, reciprocal, what):
@@ -188,6 +226,9 @@ def dequantize(q: QArray, dtype="float32"):
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
+    if q.dtype.kind == "block":  # scale * value + offset in float32, as the format's reference does
+        f = q.dtype.layout
+        return q._backend.map_rows(functools.partial(_block_values, f=f, ft=ft), q.data, f.block / f.nbytes, ft)
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
         if q.global_scale is None:
             return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)
@@ -198,6 +239,12 @@ def dequantize(q: QArray, dtype="float32"):
         with np.errstate(over="ignore"):
             return (v * wide(q.global_scale)).astype(ft, copy=False)
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
+
+
+def _block_values(raw, f, ft):
+    """The float32 values of block-format bytes ``raw`` (rows along the last axis), as ``ft``."""
+    v = f.decode(np.ascontiguousarray(raw).reshape(-1, f.nbytes))
+    return v.reshape(*raw.shape[:-1], -1).astype(ft, copy=False)
 
 
 @kept

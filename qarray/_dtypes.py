@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _formats
+from . import _blocks, _formats
+from . import _ggml  # noqa: F401  (registers ggml's block types with _blocks)
 
 __all__ = ["QDType", "qdtype", "iinfo"]
 
@@ -20,13 +21,16 @@ class QDType:
     ``QArray.pack()`` gives the packed layout.
     """
 
-    __slots__ = ("name", "bits", "signed", "qmin", "qmax", "storage", "kind")
+    __slots__ = ("name", "bits", "signed", "qmin", "qmax", "storage", "kind", "layout")
 
-    def __init__(self, name: str, bits: int, signed: bool, storage, kind: str = "int"):
+    def __init__(self, name: str, bits: int, signed: bool, storage, kind: str = "int", layout=None):
         self.name = name
         self.bits = bits
         self.signed = signed
-        self.kind = kind  # "int", or "float" for the floating formats (qarray._formats)
+        # "int"; "float" for the floating formats (qarray._formats); "block" for the block formats
+        # (qarray._blocks: GGUF's Q4_K and the like), whose ``layout`` is their BlockFormat
+        self.kind = kind
+        self.layout = layout
         self.qmin = -(1 << (bits - 1)) if signed else 0
         self.qmax = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
         self.storage = np.dtype(storage)
@@ -101,11 +105,16 @@ def qdtype(spec) -> QDType:
         floating = _floating(spec)
         if floating is not None:
             return floating
+        block = _block(spec)
+        if block is not None:
+            return block
         raise TypeError(
             f"unknown quantized dtype {spec!r}; use one of "
             + ", ".join(d.name for d in ALL)
             + " (or int8, uint4, quint4x2, ...), or a floating format: "
             + ", ".join(FLOATING)
+            + "; or a block format (GGUF's types, case-insensitive): "
+            + ", ".join(f.name for f in _blocks.FORMATS.values())
         )
     try:
         np_dtype = np.dtype(spec)
@@ -142,6 +151,20 @@ def _floating(spec):
     if f.name not in _FLOATING:
         _FLOATING[f.name] = QDType(f.name, f.bits, True, _formats.dtype(f), kind="float")
     return _FLOATING[f.name]
+
+
+_BLOCK = {}
+
+
+def _block(spec):
+    """The QDType of the block format ``spec`` names (GGUF's ``Q4_K``, any case), or None. Its
+    codes are held as the format's bytes (uint8); ``bits`` is its codes' width."""
+    f = _blocks.get(spec)
+    if f is None:
+        return None
+    if f.name not in _BLOCK:
+        _BLOCK[f.name] = QDType(f.name, f.bits, False, "uint8", kind="block", layout=f)
+    return _BLOCK[f.name]
 
 
 class iinfo:

@@ -71,6 +71,40 @@ class QArray:
         return self
 
     @classmethod
+    def _blocks(cls, raw, dtype, backend=None):
+        """A QArray of a block format (``dtype.kind == "block"``: GGUF's Q4_K and the like) holding
+        ``raw``, the format's bytes: shape ``(..., n // block * nbytes)`` for ``n`` values along the
+        last axis. Its scale, offset and codes are read from those bytes (qarray._blocks)."""
+        self = object.__new__(cls)
+        self._backend = backend if backend is not None else _backends.for_array(raw)
+        self._data, self._dtype, self._global_scale = raw, dtype, None
+        self._scale = self._zero_point = None
+        self._axis, self._block_size = raw.ndim - 1, dtype.layout.block
+        return self
+
+    @classmethod
+    def from_blocks(cls, raw, dtype) -> "QArray":
+        """Wrap the bytes of a block format (``"Q4_K"``, GGUF's types), as a GGUF file or ggml
+        holds them: uint8, shape ``(..., row_bytes)`` with ``row_bytes`` a multiple of the format's
+        block bytes. Nothing is copied.
+
+        >>> raw = qarray.quantize(numpy.ones((2, 32), numpy.float32), dtype="Q8_0").data
+        >>> QArray.from_blocks(raw, "q8_0").dequantize()[0, :4]
+        array([1., 1., 1., 1.], dtype=float32)
+        """
+        d = qdtype(dtype)
+        if d.kind != "block":
+            raise TypeError(f"from_blocks takes a block format (Q4_0, Q4_K, ...), not {d.name}; use from_int")
+        raw, b = _backends.user_array(raw, "from_blocks")
+        if raw.dtype != np.uint8 or raw.ndim < 1:
+            raise TypeError(f"from_blocks takes uint8 bytes of at least one dimension, got {raw.dtype} of shape "
+                            f"{raw.shape}")
+        if raw.shape[-1] % d.layout.nbytes:
+            raise ValueError(f"from_blocks: a row of {raw.shape[-1]} bytes is not a whole number of {d.name} blocks "
+                             f"({d.layout.nbytes} bytes each)")
+        return cls._blocks(raw, d, b)
+
+    @classmethod
     def from_int(cls, ints, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, *,
                  global_scale=None) -> "QArray":
         """Wrap integers already quantized. Values outside ``dtype``'s range raise.
@@ -124,17 +158,43 @@ class QArray:
         s, z, axis, block_size = check_params(scale, zero_point, d, codes.shape, axis, block_size)
         return cls._new(codes, s, z, d, axis, block_size, b, global_scale)
 
-    scale = property(lambda self: self._scale, doc="float32 scale: 0-d, (shape[axis],) or blocked; a floating "
-                     "format keeps a float16, bfloat16 or 8-bit (MX's E8M0, NVFP4's E4M3) scale dtype.")
+    scale = property(lambda self: self._scale if self._scale is not None or self._dtype.kind != "block" else
+                     self._block_params("scale"),
+                     doc="float32 scale: 0-d, (shape[axis],) or blocked; a floating format keeps a float16, "
+                     "bfloat16 or 8-bit (MX's E8M0, NVFP4's E4M3) scale dtype; a block format's (Q4_K) is "
+                     "read from its bytes: one float32 per sub-block along the last axis.")
+    offset = property(lambda self: self._block_params("offset") if self._dtype.kind == "block" else None,
+                      doc="A block format's float32 offset per sub-block (``scale * value + offset``: Q4_1's "
+                          "``m``, the K-quants' ``-dmin * m``), else None.")
+    fields = property(lambda self: self._block_params("fields"),
+                      doc="A block format's fields as its blocks hold them, each ``(..., blocks, count)``: "
+                          "``d``, ``scales``, ``q``, ... (qarray._ggml names them as ggml does).")
     global_scale = property(lambda self: self._global_scale,
                             doc="A float32 0-d scale over the block scales (NVFP4's tensor scale), or None.")
     zero_point = property(lambda self: self._zero_point, doc="int32 zero point, shaped like scale.")
     axis = property(lambda self: self._axis, doc="Parameter axis, or None for per-tensor.")
     block_size = property(lambda self: self._block_size, doc="Block length along axis, or None.")
     dtype = property(lambda self: self._dtype, doc="The QDType.")
-    shape = property(lambda self: tuple(self._data.shape))
+    shape = property(lambda self: tuple(self._data.shape) if self._dtype.kind != "block" else self._block_shape())
     ndim = property(lambda self: self._data.ndim)
-    size = property(lambda self: int(self._data.size))
+    size = property(lambda self: int(self._data.size) if self._dtype.kind != "block" else math.prod(self.shape))
+
+    def _block_shape(self):
+        f, s = self._dtype.layout, self._data.shape
+        return (*s[:-1], s[-1] // f.nbytes * f.block)
+
+    def _block_params(self, what):
+        """A block format's ``fields``, ``scale`` or ``offset``, read from its bytes on the host."""
+        f = self._dtype.layout
+        if f is None:
+            raise AttributeError(f"{self._dtype.name} is not a block format: fields are for Q4_K and the like")
+        raw = self._backend.to_host(self._data)
+        lead = raw.shape[:-1]
+        fields = f.unpack(np.ascontiguousarray(raw).reshape(-1, f.nbytes))
+        if what == "fields":
+            return {k: v.reshape(*lead, -1, v.shape[-1]) for k, v in fields.items()}
+        p = f.scales(fields) if what == "scale" else f.offsets(fields)
+        return None if p is None else p.reshape(*lead, -1)
     backend = property(lambda self: self._backend.name, doc="Name of the backend holding the data.")
 
     @property
@@ -171,6 +231,12 @@ class QArray:
         """A copy of the integer storage (one value per element, also for 2/4 bits);
         for a floating format, the elements' bit patterns as uint8; for mxint8, whose
         elements are two's-complement int8 (OCP MX), those int8."""
+        if self._dtype.kind == "block":  # the codes "q", one per element
+            q = self._block_params("fields").get("q")
+            if q is None:
+                raise TypeError(f"{self._dtype.name}'s codes index vectors of its codebook, not one value each: "
+                                "q.fields has them as the blocks hold them")
+            return self._backend.asarray(q.reshape(self.shape))
         want = np.dtype(np.int8) if self._dtype.name == "mxint8" else self._dtype.bits_dtype
         if self._data.dtype != want:  # (dask cannot view a 0-d array)
             return self._data.view(want).copy()
@@ -182,6 +248,8 @@ class QArray:
         formats give their bit patterns: float8 one a byte, float4 two a byte,
         float6 four in three bytes (torchao's MXFP6 layout, ``qarray._formats.pack6``)."""
         d = self._dtype
+        if d.kind == "block":  # the format's own bytes
+            return self._backend.xp.ascontiguousarray(self._data).reshape(-1).copy()
         codes = self._backend.xp.ascontiguousarray(self._data).reshape(-1)
         if codes.dtype != d.bits_dtype:
             codes = codes.view(d.bits_dtype)
@@ -263,6 +331,8 @@ class QArray:
 
     def copy(self) -> "QArray":
         """A QArray with its own copy of the codes and parameters."""
+        if self._dtype.kind == "block":
+            return QArray._blocks(self._data.copy(), self._dtype, self._backend)
         return QArray._new(self._data.copy(), self._scale.copy(), self._zero_point.copy(), self._dtype,
                            self._axis, self._block_size, self._backend, self._global_scale)
 
@@ -329,6 +399,8 @@ class QArray:
         """
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = tuple(shape[0])
+        if self._dtype.kind == "block":
+            return self._block_reshape(shape)
         data = self._data.reshape(shape)
         if self._axis is None:
             return self._with(data)
@@ -348,6 +420,19 @@ class QArray:
             scale, zp = scale.reshape(pshape), zp.reshape(pshape)
         return self._with(data, scale, zp, j, self._block_size)
 
+    def _block_reshape(self, shape):
+        """A block format's reshape: the last axis, whose blocks the bytes hold, stays as it is."""
+        n = self.shape[-1]
+        shape = tuple(operator.index(k) for k in shape)
+        if len(shape) and shape[-1] == -1 and shape.count(-1) == 1 and math.prod(shape[:-1]) and \
+                self.size // math.prod(shape[:-1]) == n:
+            shape = shape[:-1] + (n,)
+        if not shape or shape[-1] != n:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}: {self._dtype.name} keeps its blocks along "
+                             f"the last axis (length {n}), which must stay the last dimension; dequantize first")
+        raw = self._data.reshape(shape[:-1] + (self._data.shape[-1],))
+        return QArray._blocks(raw, self._dtype, self._backend)
+
     def transpose(self, *axes) -> "QArray":
         """Permute dimensions (reversed when no axes are given); parameters follow."""
         if len(axes) == 1 and not isinstance(axes[0], int):
@@ -355,6 +440,11 @@ class QArray:
         axes = tuple(normalize_axis(a, self.ndim) for a in axes) if axes else tuple(range(self.ndim))[::-1]
         if sorted(axes) != list(range(self.ndim)):
             raise ValueError(f"transpose axes {axes} are not a permutation of {self.ndim} dimensions")
+        if self._dtype.kind == "block":
+            if self.ndim and axes[-1] != self.ndim - 1:
+                raise ValueError(f"transpose {axes}: {self._dtype.name} keeps its blocks along the last axis, "
+                                 "which must stay last; dequantize first")
+            return QArray._blocks(self._data.transpose(axes), self._dtype, self._backend)
         data = self._data.transpose(axes)
         if self._axis is None:
             return self._with(data)
@@ -388,6 +478,8 @@ class QArray:
             key = key[:i] + fill + key[i + 1 :]
         else:
             key = key + fill
+        if self._dtype.kind == "block":
+            return self._block_item(key)
         data = self._data[key]
         if self._axis is None:
             return self._with(data)
@@ -425,6 +517,22 @@ class QArray:
                 new_axis, block = 0, 1
         return self._with(data, scale, zp, new_axis, block if new_axis is not None else None)
 
+    def _block_item(self, key):
+        """A block format's basic indexing: any index on the leading axes; on the last, a slice of
+        whole blocks (step 1), which the bytes' row is cut at."""
+        last = max(i for i, c in enumerate(key) if c is not None)
+        c, n, f = key[last], self.shape[-1], self._dtype.layout
+        if any(k is None for k in key[last:]) or not isinstance(c, slice):
+            raise IndexError(f"{self._dtype.name} keeps its values in blocks of {f.block} along the last axis: "
+                             "index it with a slice of whole blocks (or dequantize first)")
+        start, stop, step = c.indices(n)
+        stop = max(start, stop)
+        if step != 1 or start % f.block or stop % f.block:
+            raise ValueError(f"the slice {start}:{stop}:{step} cuts the blocks of {f.block} values of "
+                             f"{self._dtype.name} along the last axis; slice at multiples of {f.block} with step 1")
+        cut = slice(start // f.block * f.nbytes, stop // f.block * f.nbytes)
+        return QArray._blocks(self._data[key[:last] + (cut,)], self._dtype, self._backend)
+
     def _shown(self):
         """``(values, summarise)``: the dequantized values NumPy's printing shows.
 
@@ -438,6 +546,17 @@ class QArray:
         e = opts["edgeitems"]
         if self.size <= opts["threshold"] or e < 1:
             return self._backend.to_host(self.dequantize()), False
+        if self._dtype.kind == "block":  # the edge rows, and the blocks holding each row's edge values
+            B, n = self._dtype.layout.block, self.shape[-1]
+            lead = tuple(np.r_[0:e + 1, k - e:k] if k > 2 * e else np.arange(k) for k in self.shape[:-1])
+            cols = np.r_[0:e + 1, n - e:n] if n > 2 * e else np.arange(n)
+            near = np.unique(cols // B)
+            parts = [self[(..., slice(b * B, b * B + B))] for b in near]
+            rows = [self._backend.to_host(p.dequantize())[np.ix_(*lead, np.arange(B))] if lead else
+                    self._backend.to_host(p.dequantize()) for p in parts]
+            values = np.concatenate(rows, axis=-1)
+            at = {b: i for i, b in enumerate(near)}
+            return values[..., [at[c // B] * B + c % B for c in cols]], True
         idx = [np.r_[0:e + 1, n - e:n] if n > 2 * e else np.arange(n) for n in self.shape]
         b = self._backend
         scale, zp, block = self._scale, self._zero_point, self._block_size
@@ -456,6 +575,10 @@ class QArray:
         values, summarise = self._shown()
         head = "QArray("
         body = np.array2string(values, separator=", ", prefix=head, **({"threshold": 0} if summarise else {}))
+        if self._dtype.kind == "block":
+            f, pad = self._dtype.layout, " " * len(head)
+            return (f"{head}{body},\n{pad}dtype={f.name}, shape={self.shape}, "
+                    f"bits_per_weight={f.bits_per_weight:g}, backend={self._backend.name})")
         params = f"dtype={self._dtype.name}, scale={_show(self._backend, self._scale)}, " \
                  f"zero_point={_show(self._backend, self._zero_point)}"
         if self._axis is not None:

@@ -193,6 +193,14 @@ def gemm_engine() -> str:
 _PLAIN = frozenset((int, float, str, bool, type(None)))  # the arguments that are never QArrays, told cheaply
 
 
+_BLOCK_OPS = frozenset(("dequantize",))  # what a block format (Q4_K) takes, of the ops
+
+
+def _block_error(op, q):
+    return TypeError(f"{op.__name__} does not take block formats yet; {q.dtype.name} is one: dequantize it "
+                     "(q.dequantize()), or quantize the values to an integer format first")
+
+
 def on_data_device(op=None, *, integer_only=False):
     """Run ``op`` on the device of its first argument's data (a QArray, an array,
     or a sequence of QArrays): CuPy allocates and launches on the current
@@ -209,11 +217,16 @@ def on_data_device(op=None, *, integer_only=False):
         if integer_only:
             for q in (*(first if isinstance(first, (list, tuple)) else (first,)), *args, *kwargs.values()):
                 # a QArray's QDType (``_dtype``) of a floating format
-                if type(q) not in _PLAIN and getattr(getattr(q, "_dtype", None), "kind", None) == "float":
+                kind = getattr(getattr(q, "_dtype", None), "kind", None) if type(q) not in _PLAIN else None
+                if kind == "block":
+                    raise _block_error(op, q)
+                if kind == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
         b = getattr(x, "_backend", None)  # a QArray's
         if b is not None:
+            if x._dtype.kind == "block" and op.__name__ not in _BLOCK_OPS:
+                raise _block_error(op, x)
             if b is _by_name.get("numpy"):
                 return op(first, *args, **kwargs)  # the common call: NumPy's, on no device
             x = x.data

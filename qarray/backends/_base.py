@@ -106,7 +106,8 @@ class Backend:
     ``quantize_mx``, ``quantize_nvfp4``, ``block_amax``, ``float_storage``), the
     integer GEMM (``pack_weight``, ``raw_matmul``, ``int_matmul``,
     ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
-    (``pack``, ``unpack``) and the hooks ``on`` (the current device),
+    (``pack``, ``unpack``), the block formats' host codecs (``map_rows``) and
+    the hooks ``on`` (the current device),
     ``over_batches`` (ops on independent samples: Dask runs them per chunk),
     ``empty`` (a kernel's output: NumPy aligns large ones to huge pages),
     ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
@@ -163,6 +164,13 @@ class Backend:
         do where there is one device: ``NO_DEVICE``, which ``on_data_device``
         skips): ops run inside it."""
         return NO_DEVICE
+
+    def map_rows(self, fn, x, ratio, dtype):
+        """``fn`` (host rows to host rows, along the last axis) on ``x``, whose last axis of ``n``
+        becomes ``n * ratio`` long (``dtype``): the block formats' codecs (qarray._blocks), which run
+        on the host; here on all of ``x`` at once, a copy there and back for a device's arrays. The Dask
+        backend runs it on each chunk of rows."""
+        return self.asarray(fn(self.to_host(x)))
 
     def over_batches(self, op, x, *args, **kwargs):
         """``op(x, *args, **kwargs)`` for an op whose samples (``x``'s first axis)

@@ -179,6 +179,14 @@ class DaskBackend(Backend):
                      functools.partial(_on_chunk_sliced, fn, self.inner, axis, block_size, params))
         return x.map_blocks(per_chunk, *others, dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
 
+    def map_rows(self, fn, x, ratio, dtype):
+        x = da.asarray(x)
+        x = x.rechunk({x.ndim - 1: -1})  # whole rows: the blocks run along the last axis
+        inner = self._chunks_backend()
+        chunks = x.chunks[:-1] + ((round(x.shape[-1] * ratio),),)
+        return x.map_blocks(functools.partial(inner.map_rows, fn, ratio=ratio, dtype=dtype), dtype=dtype,
+                            chunks=chunks, meta=meta_from_array(x, x.ndim, dtype))
+
     # -- the primitives: the inner backend's, chunk by chunk ----------------
     # quantize's NaN error is raised at compute(): a chunk backend that reports it
     # late (CuPy) is asked in the chunk's own task and thread (a flag read a chunk)
