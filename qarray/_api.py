@@ -129,7 +129,7 @@ def _block_bytes(x, f):
     if bad.any():
         raise ValueError(f"quantize: {int(bad.sum())} value(s) are NaN or infinite (the first at flat index "
                          f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
-    return f.pack(f.quantize(x.reshape(-1, f.block))).reshape(*x.shape[:-1], -1)
+    return f.pack(f.quantize(x.reshape(-1, f.block))).reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
 
 
 def _stochastic(rounding, seed, reciprocal, what):
@@ -244,7 +244,7 @@ def dequantize(q: QArray, dtype="float32"):
 def _block_values(raw, f, ft):
     """The float32 values of block-format bytes ``raw`` (rows along the last axis), as ``ft``."""
     v = f.decode(np.ascontiguousarray(raw).reshape(-1, f.nbytes))
-    return v.reshape(*raw.shape[:-1], -1).astype(ft, copy=False)
+    return v.reshape(*raw.shape[:-1], raw.shape[-1] // f.nbytes * f.block).astype(ft, copy=False)
 
 
 @kept

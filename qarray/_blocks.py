@@ -79,18 +79,18 @@ class Field:
         """``v`` as the field's unsigned bits, ``(n, count)``; ValueError for a wrong shape or a value that
         does not fit."""
         v = np.asarray(v)
+        if v.ndim == 1 and self.count == 1:  # one value a block (a scale), as a column
+            v = v[:, None]
         if v.ndim != 2 or v.shape[1] != self.count:
             raise ValueError(f"{fmt}: field {self.name!r} has {self.count} values a block, got shape {v.shape}")
         if v.dtype == self.view:
             return v.view(self.store)
         if v.dtype.kind not in "iu" or self.view.kind not in "iu":
             raise TypeError(f"{fmt}: field {self.name!r} is {self.view}, got {v.dtype}")
-        info = np.iinfo(self.view) if self.bits in (8, 16, 32) else None
-        lo, hi = (info.min, info.max) if info else (0, (1 << self.bits) - 1)
+        lo, hi = -(1 << (self.bits - 1)), (1 << self.bits) - 1  # unsigned values, or two's complement ones
         if v.size and (v.min() < lo or v.max() > hi):
-            raise ValueError(f"{fmt}: field {self.name!r} holds {self.bits}-bit values in [{lo}, {hi}], "
-                             f"got [{v.min()}, {v.max()}]")
-        return v.astype(self.view).view(self.store)
+            raise ValueError(f"{fmt}: field {self.name!r} holds {self.bits}-bit values, got [{v.min()}, {v.max()}]")
+        return (v.astype(np.int64) & ((1 << self.bits) - 1)).astype(self.store)
 
     def contribute(self, v):
         """The field's bits in the bytes it touches: uint8 ``(n, len(self.bytes))`` to OR into the blocks."""
@@ -163,12 +163,12 @@ class BlockFormat:
         if callable(spec):  # a format's own (the IQ lattices')
             return spec(fields)
         base, sub = spec
-        d = fields[base].astype(np.float32) if base is not None else None
+        d = fields[base].astype(np.float32) if base is not None else None  # (n, 1): one a block
         if sub is None:
-            return d.reshape(len(d), -1)
+            return d
         name, table = sub
         s = np.asarray(table, np.float32)[fields[name].view(self.fields[name].store)]
-        return s if d is None else d.reshape(len(d), -1) * s
+        return s if d is None else d * s
 
     def scales(self, fields) -> np.ndarray:
         """float32 scale of each sub-block, ``(n, block // sub)``."""

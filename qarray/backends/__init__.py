@@ -196,8 +196,9 @@ _PLAIN = frozenset((int, float, str, bool, type(None)))  # the arguments that ar
 _BLOCK_OPS = frozenset(("dequantize",))  # what a block format (Q4_K) takes, of the ops
 
 
-def _block_error(op, q):
-    return TypeError(f"{op.__name__} does not take block formats yet; {q.dtype.name} is one: dequantize it "
+def block_error(op: str, q):
+    """The TypeError of an op that does not take block formats (Q4_K) yet."""
+    return TypeError(f"{op} does not take block formats yet; {q.dtype.name} is one: dequantize it "
                      "(q.dequantize()), or quantize the values to an integer format first")
 
 
@@ -219,14 +220,14 @@ def on_data_device(op=None, *, integer_only=False):
                 # a QArray's QDType (``_dtype``) of a floating format
                 kind = getattr(getattr(q, "_dtype", None), "kind", None) if type(q) not in _PLAIN else None
                 if kind == "block":
-                    raise _block_error(op, q)
+                    raise block_error(op.__name__, q)
                 if kind == "float":
                     raise TypeError(f"{op.__name__} takes integer formats; {q.dtype.name} is a floating format: "
                                     "dequantize it (q.dequantize()) or requantize it to an integer format first")
         b = getattr(x, "_backend", None)  # a QArray's
         if b is not None:
             if x._dtype.kind == "block" and op.__name__ not in _BLOCK_OPS:
-                raise _block_error(op, x)
+                raise block_error(op.__name__, x)
             if b is _by_name.get("numpy"):
                 return op(first, *args, **kwargs)  # the common call: NumPy's, on no device
             x = x.data

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backends as _backends
-from ..backends import on_data_device
+from ..backends import block_error, on_data_device
 from .._dtypes import qint8, qint32, quint8
 from .._params import kept, to_host
 from .._qarray import QArray
@@ -35,6 +35,8 @@ __all__ = ["matmul", "linear", "PackedWeight"]
 def _check_operand(op, name, q, *, weight):
     if not isinstance(q, QArray):
         raise TypeError(f"{op}: {name} must be a QArray, got {type(q).__name__}; quantize it first")
+    if q.dtype.kind == "block":
+        raise block_error(op, q)
     if q.dtype.bits > (8 if weight else 16):
         what = "weights of 2, 4 or 8 bits" if weight else "inputs of 2, 4, 8 or 16 bits"
         raise TypeError(
