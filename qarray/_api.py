@@ -227,8 +227,7 @@ def dequantize(q: QArray, dtype="float32"):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
     if q.dtype.kind == "block":  # scale * value + offset in float32, as the format's reference does
-        f = q.dtype.layout
-        return q._backend.map_rows(functools.partial(_block_values, f=f, ft=ft), q.data, f.block / f.nbytes, ft)
+        return q._backend.dequantize_blocks(q.data, q.dtype.layout, ft)
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
         if q.global_scale is None:
             return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)
@@ -239,12 +238,6 @@ def dequantize(q: QArray, dtype="float32"):
         with np.errstate(over="ignore"):
             return (v * wide(q.global_scale)).astype(ft, copy=False)
     return q._backend.dequantize(q.data, q.scale, q.zero_point, q.axis, q.block_size, ft)
-
-
-def _block_values(raw, f, ft):
-    """The float32 values of block-format bytes ``raw`` (rows along the last axis), as ``ft``."""
-    v = f.decode(np.ascontiguousarray(raw).reshape(-1, f.nbytes))
-    return v.reshape(*raw.shape[:-1], raw.shape[-1] // f.nbytes * f.block).astype(ft, copy=False)
 
 
 @kept

@@ -59,6 +59,9 @@ class Field:
         self.byte, self.shift, self.width, self.vshift = (runs[..., k] for k in range(4))
         self.mask = (1 << self.width) - 1
         self.bytes = np.unique(self.byte[self.width > 0])
+        # the runs as one array for compiled decoders: (byte, shift, mask, value shift) x runs x values
+        self.pieces = np.ascontiguousarray(np.stack([self.byte, self.shift, self.mask, self.vshift]).transpose(0, 2, 1),
+                                           np.int64)
         # the packer's gather: for each byte the field touches, the (value, run) pairs that land in it
         flat = [[i * p + k for i in range(count) for k in range(p) if self.mask[i, k] and self.byte[i, k] == b]
                 for b in self.bytes]
@@ -188,6 +191,34 @@ class BlockFormat:
             return self.elements(fields)
         return self.values[fields["q"]]
 
+    @property
+    def plan(self):
+        """The description as arrays for a compiled decoder (``backends._numba.block_decode``; each
+        field's runs as ``Field.pieces``: byte, shift, mask, value shift x runs x values), or None
+        for a format with decoding functions of its own. Each part of ``y = scale * value + offset`` is
+        ``dtab[d] * stab[s]`` with either factor absent: ``d`` a field read once a block (a float16 scale
+        through the table of every float16's float32 value), ``s`` one a sub-block; ``neg`` negates
+        the offset."""
+        if self.elements is not None or callable(self.scale):
+            return None
+        if "_plan" not in self.__dict__:
+            self._plan = (self.fields["q"].pieces, self.values, *self._plan_part(self.scale),
+                          *self._plan_part(self.offset[0] if self.offset else (None, None)),
+                          self.offset is not None, self.offset is not None and self.offset[1] < 0)
+        return self._plan
+
+    def _plan_part(self, spec):
+        base, sub = spec
+        none = (np.zeros((4, 0, 1), np.int64), np.ones(1, np.float32))
+        if base is None:
+            d = none
+        else:
+            f = self.fields[base]
+            table = _F16 if f.view == np.float16 else np.arange(1 << f.bits, dtype=np.float32)
+            d = (f.pieces, table)
+        s = none if sub is None else (self.fields[sub[0]].pieces, np.asarray(sub[1], np.float32))
+        return (*d, *s)
+
     def decode(self, raw) -> np.ndarray:
         """float32 values of blocks ``raw`` (uint8 ``(n, nbytes)``): ``(n, block)``."""
         f = self.unpack(raw)
@@ -201,6 +232,7 @@ class BlockFormat:
         return y.reshape(n, self.block)
 
 
+_F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 FORMATS: dict = {}  # upper-case name -> BlockFormat
 
 

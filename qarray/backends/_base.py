@@ -106,7 +106,7 @@ class Backend:
     ``quantize_mx``, ``quantize_nvfp4``, ``block_amax``, ``float_storage``), the
     integer GEMM (``pack_weight``, ``raw_matmul``, ``int_matmul``,
     ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
-    (``pack``, ``unpack``), the block formats' host codecs (``map_rows``) and
+    (``pack``, ``unpack``), the block formats' host codecs (``map_rows``, ``dequantize_blocks``) and
     the hooks ``on`` (the current device),
     ``over_batches`` (ops on independent samples: Dask runs them per chunk),
     ``empty`` (a kernel's output: NumPy aligns large ones to huge pages),
@@ -171,6 +171,15 @@ class Backend:
         on the host; here on all of ``x`` at once, a copy there and back for a device's arrays. The Dask
         backend runs it on each chunk of rows."""
         return self.asarray(fn(self.to_host(x)))
+
+    def dequantize_blocks(self, raw, fmt, dtype):
+        """float values (``dtype``) of block-format bytes ``raw`` (rows of blocks along the last axis):
+        ``fmt.decode`` on the host (``map_rows``)."""
+        def decode(r):
+            v = fmt.decode(np.ascontiguousarray(r).reshape(-1, fmt.nbytes))
+            return v.reshape(*r.shape[:-1], r.shape[-1] // fmt.nbytes * fmt.block).astype(dtype, copy=False)
+
+        return self.map_rows(decode, raw, fmt.block / fmt.nbytes, dtype)
 
     def over_batches(self, op, x, *args, **kwargs):
         """``op(x, *args, **kwargs)`` for an op whose samples (``x``'s first axis)

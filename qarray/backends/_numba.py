@@ -898,3 +898,47 @@ def block_minmax(x, step, lo, hi, start, stop):
             for i in range(i_n):
                 lo[o, b, i] = np.minimum(lo[o, b, i], x[o, l, i])
                 hi[o, b, i] = np.maximum(hi[o, b, i], x[o, l, i])
+
+
+# -- block formats (qarray._blocks): bytes -> float32 ----------------------------------------------
+
+@register_jitable
+def _block_field(raw, b, p, i):
+    """Value ``i`` of a block field whose runs are ``p`` (``Field.pieces``: byte, shift, mask, value
+    shift x runs x values) in block ``b`` of ``raw``."""
+    v = 0
+    for k in range(p.shape[1]):
+        v |= ((np.int64(raw[b, p[0, k, i]]) >> p[1, k, i]) & p[2, k, i]) << p[3, k, i]
+    return v
+
+
+@register_jitable
+def _block_factor(raw, b, j, dp, dtab, sp, stab):
+    """``dtab[d] * stab[s]``: a block's float field through its table, times sub-block ``j``'s sub-scale
+    through its; a part that is absent reads entry 0 of a table ``[1.0]`` (times 1.0: exact)."""
+    return dtab[_block_field(raw, b, dp, 0)] * stab[_block_field(raw, b, sp, j)]
+
+
+@kernel
+def block_decode(raw, out, qp, values, dp, dtab, sp, stab, odp, odtab, osp, ostab, has_off, neg, start, stop):
+    """``out[b, e] = scale * values[q] + offset`` for blocks ``start:stop`` (``BlockFormat.plan``), in
+    float32 as the formats' references compute it: the scale (and offset) an exact product, then one
+    rounding for the multiply and one for the add (none where there is no offset: -0.0 stays -0.0)."""
+    block = out.shape[1]
+    sub = block // max(sp.shape[2], osp.shape[2], 1)
+    code = np.empty(block, np.int64)
+    for b in range(start, stop):
+        code[:] = 0
+        for k in range(qp.shape[1]):  # the codes, run by run: a gather, a shift and a mask each
+            for e in range(block):
+                code[e] |= ((np.int64(raw[b, qp[0, k, e]]) >> qp[1, k, e]) & qp[2, k, e]) << qp[3, k, e]
+        for j in range(block // sub):
+            scale = _block_factor(raw, b, j, dp, dtab, sp, stab)
+            if has_off:
+                off = _block_factor(raw, b, j, odp, odtab, osp, ostab)
+                off = -off if neg else off
+                for e in range(j * sub, j * sub + sub):
+                    out[b, e] = scale * values[code[e]] + off
+            else:
+                for e in range(j * sub, j * sub + sub):
+                    out[b, e] = scale * values[code[e]]

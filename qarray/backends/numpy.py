@@ -288,6 +288,17 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype)
 
+    def dequantize_blocks(self, raw, fmt, dtype):
+        k, plan = self._fast(raw), fmt.plan
+        if k is None or plan is None:
+            return super().dequantize_blocks(raw, fmt, dtype)
+        blocks = contiguous(raw).reshape(-1, fmt.nbytes)
+        out = self.empty((len(blocks), fmt.block), np.float32)
+        k.parallel(k.block_decode, len(blocks), blocks, out, *plan, grain=k.GRAIN // fmt.block)
+        out = out.reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
+        with np.errstate(over="ignore"):
+            return out if dtype == np.float32 else out.astype(dtype)
+
     def minmax(self, x, axis, block_size):
         k = self._fast(x)
         if k is None or block_size is None or x.dtype == np.float16:
