@@ -19,11 +19,7 @@ import os
 
 import numpy as np
 
-try:  # TEMPORARY while _kquants is written
-    from . import _kquants
-except ImportError:
-    import types as _t
-    _kquants = _t.SimpleNamespace(**{f"quantize_{n}": None for n in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")})
+from . import _kquants
 from ._blocks import BlockFormat, Field, bits_at, register
 
 QK_K = 256

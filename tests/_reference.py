@@ -6,10 +6,12 @@ here, never from each other; fixtures live in conftest.py):
 * hypothesis strategies and plumbing for the exact-reference suites
   (``tests/test_exact_*.py``, ``tests/test_cuda_exact.py``);
 * test data and builders: QArrays of given or random codes, ``Requant``s,
-  format boundaries, torchao's MX vectors, a hand-written safetensors file;
+  format boundaries, torchao's MX vectors, a hand-written safetensors file, a
+  checkpoint for ``qarray.save``;
 * comparisons: ``assert_same`` (bit for bit, any backend) and one computation
   on the NumPy backend and the host-run CUDA backend (``numpy_and_host``);
-* ``run_onnx``: one ONNX node through ONNX's reference evaluator.
+* ``run_onnx``: one ONNX node through ONNX's reference evaluator;
+* the ``qarray`` command in process (``run``, ``fails``, ``rows``: tests/test_cli*.py).
 
 The exact reference (``ref_multiplier`` to ``ref_acc_out``) is written from the
 contract in DESIGN.md ("Numerics"); it calls none of qarray's arithmetic (no
@@ -42,6 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -461,6 +464,17 @@ def write_safetensors(path, tensors):
     path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
+def checkpoint(rng):
+    """A checkpoint for qarray.save: QArrays (qint4 per channel, quint8 in blocks, qint32 at its
+    extremes) and plain arrays, names with "/" and "." (tests/test_io_*.py)."""
+    w = qarray.quantize(rng.standard_normal((6, 8)).astype(np.float32), np.linspace(0.01, 0.1, 6).astype(np.float32),
+                        np.arange(-3, 3).astype(np.int32), "qint4", axis=0)
+    blocked = qarray.quantize(rng.standard_normal((4, 10)).astype(np.float32), 0.05, 0, "quint8", axis=1, block_size=4)
+    return {"encoder/fc1.weight": w, "encoder/fc1.bias": rng.standard_normal(6).astype(np.float32),
+            "head.w": blocked, "steps": np.arange(3, dtype=np.int64), "q32": qarray.QArray.from_int(
+                np.array([-(2**31), 2**31 - 1]), 1e-3, -7, "qint32")}
+
+
 # -- comparisons ------------------------------------------------------------------------
 def host_array(a) -> np.ndarray:
     """Array ``a`` of any backend (NumPy, CuPy, Dask, ...) or NumPy scalar as a NumPy array."""
@@ -559,3 +573,32 @@ def ref_bits(i, seed):
     """Stochastic rounding's random word of the element at flat index ``i``:
     Philox word 0 of counter ``(i mod 2**32, i >> 32, 0, 0)`` under the seed's key."""
     return ref_philox((i & 0xFFFFFFFF, i >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))[0]
+
+
+# -- the qarray command (tests/test_cli*.py) -----------------------------------------
+
+
+def run(capsys, *argv):
+    """``(exit status, stdout, stderr)`` of ``main(argv)``."""
+    from qarray import cli  # loaded by the tests of the CLI only
+
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def fails(capsys, status, message, *argv):
+    """``main(argv)`` returns ``status`` after exactly one line on stderr, ``qarray: error: message``
+    (``message`` a string, or a compiled pattern for text that varies with the Python version)."""
+    rc, out, err = run(capsys, *argv)
+    if isinstance(message, re.Pattern):
+        assert rc == status and re.fullmatch(f"qarray: error: {message.pattern}\n", err), err
+    else:
+        assert (rc, err) == (status, f"qarray: error: {message}\n")
+    return out
+
+
+def rows(out):
+    """The body rows of the rich tables in ``out``, as lists of cell texts."""
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]

@@ -142,3 +142,25 @@ def backend(request, monkeypatch):
     host = request.getfixturevalue("host") if name == "cuda_host" else None
     with qarray.config.using(numba=name == "numpy") if name in ("numpy", "generic") else contextlib.nullcontext():
         yield OnBackend(name, host, monkeypatch)
+
+
+@pytest.fixture
+def wide_tables(monkeypatch):
+    """rich wraps tables at COLUMNS when output is not a terminal: one row a line
+    (the CLI's test modules take it: ``pytestmark = pytest.mark.usefixtures("wide_tables")``)."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
+@pytest.fixture
+def weights(rng, tmp_path):
+    """A .npz of float and integer arrays, and its path (the CLI's tests)."""
+    arrays = {
+        "w": (rng.standard_normal((8, 40)) * 0.1).astype(np.float32),
+        "b": rng.standard_normal(8).astype(np.float64),
+        "steps": np.array([3, -7, 2**40], np.int64),
+        "mask": np.array([True, False, True]),
+        "codes": np.arange(6, dtype=np.uint8).reshape(2, 3),
+    }
+    path = tmp_path / "model.npz"
+    np.savez(path, **arrays)
+    return arrays, path

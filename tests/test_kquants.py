@@ -1,0 +1,54 @@
+"""qarray/_kquants.py (ggml's K-quant and IQ4 quantizers in NumPy) against ggml itself: the fields of
+every block equal those of the bytes ggml_quantize_chunk wrote (tests/data/ggml/kquants.npz, made by
+tests/data/ggml/make_vectors.py), read by the library's block description; and those bytes hold the
+values ggml's own to_float gives."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qarray import _blocks, _kquants
+
+DATA = Path(__file__).parent / "data" / "ggml" / "kquants.npz"
+TYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    with np.load(DATA) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_port_gives_ggml_fields(vectors, t):
+    f = _blocks.FORMATS[t.upper()]
+    x = vectors[f"{t}_x"].reshape(-1, f.block)
+    want = f.unpack(vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
+    got = getattr(_kquants, f"quantize_{t}")(x)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        field = f.fields[name]
+        g = field.check(t, got[name])  # the field's bits, as ggml stores them
+        bad = np.flatnonzero((g != w.view(field.store)).any(axis=1))
+        assert bad.size == 0, f"{t}.{name}: blocks {bad.tolist()} differ"
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_ggml_bytes_hold_ggml_values(vectors, t):
+    f = _blocks.FORMATS[t.upper()]
+    with np.errstate(all="ignore"):
+        y = f.decode(vectors[f"{t}_bytes"].reshape(-1, f.nbytes)).reshape(vectors[f"{t}_deq"].shape)
+    np.testing.assert_array_equal(y.view(np.uint32), vectors[f"{t}_deq"].view(np.uint32))
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_vectors_not_trivial(vectors, t):
+    f = _blocks.FORMATS[t.upper()]
+    fields = f.unpack(vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
+    assert set(np.unique(fields["q"])) == set(range(1 << f.fields["q"].bits))
+    d = fields["d"]
+    assert (d == 0).any() and (np.isfinite(d) & (d != 0)).sum() > len(d) // 2
+    if "scales" in fields:
+        s = fields["scales"]
+        assert len(np.unique(s)) > (1 << f.fields["scales"].bits) // 2
