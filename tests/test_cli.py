@@ -66,11 +66,11 @@ def test_version(capsys):
         (["quantize", "m.npz", "-o", "q.npz", "--block-size", "32", "--observer", "mse"],
          "--block-size takes --observer minmax only, got mse (the other observers give per-tensor or per-channel "
          "parameters)"),
-        (["quantize", "m.npz", "-o", "q.npy"], "the output must be a .npz or .safetensors file or a .zarr store, got q.npy"),
+        (["quantize", "m.npz", "-o", "q.npy"], "the output must be a .npz, .safetensors or .gguf file or a .zarr store, got q.npy"),
         (["quantize", "m.npz", "-o", "q.npz", "--plot", "p.svg"], "--plot writes a .png file, got p.svg"),
-        (["quantize", "m.txt", "-o", "q.npz"], "m.txt: expected a .npz, .npy or .safetensors file or a .zarr store"),
+        (["quantize", "m.txt", "-o", "q.npz"], "m.txt: expected a .npz, .npy, .safetensors or .gguf file or a .zarr store"),
         (["inspect"], "the following arguments are required: FILE (see 'qarray inspect --help')"),
-        (["inspect", "m.pt"], "m.pt: expected a .npz, .npy or .safetensors file or a .zarr store"),
+        (["inspect", "m.pt"], "m.pt: expected a .npz, .npy, .safetensors or .gguf file or a .zarr store"),
         (["examples", "extra"], "unrecognized arguments: extra (see 'qarray --help')"),
         (["run"], "run needs the NAME of an example; the examples are " + ", ".join(
             importlib.import_module("qarray.examples").NAMES)),

@@ -106,3 +106,30 @@ def test_inspect_plain_files(capsys, tmp_path, weights):
     st = pytest.importorskip("safetensors.numpy")
     st.save_file({"a.b": np.zeros((2, 3), np.float32)}, str(tmp_path / "m.safetensors"))
     assert rows(run(capsys, "inspect", tmp_path / "m.safetensors")[1]) == [["a.b", "2x3", "float32", "24"]]
+
+
+# -- GGUF files ----------------------------------------------------------------
+
+
+def test_a_gguf_file(capsys, tmp_path, rng):
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    qarray.save(path, {"blk.0.w": qarray.quantize(x, dtype="Q4_K"), "norm": x[0], "e": x.astype(np.float16)},
+                metadata={"general.architecture": "llama", "tokenizer.ggml.tokens": [f"t{i}" for i in range(9)],
+                          "llama.block_count": np.uint32(1), "ids": np.arange(7, dtype=np.int32)})
+    rc, out, _ = run(capsys, "inspect", path)
+    assert rc == 0
+    assert rows(out) == [
+        ["general.architecture", "string", "llama"],
+        ["tokenizer.ggml.tokens", "string[9]", "t0, t1, t2, t3, t4, ..."],
+        ["llama.block_count", "uint32", "1"],
+        ["ids", "int32[7]", "0, 1, 2, 3, 4, ..."],
+        ["blk.0.w", "4x256", "Q4_K", "4.5", "576"],
+        ["norm", "256", "F32", "32", "1024"],
+        ["e", "4x256", "F16", "16", "2048"],
+    ]
+    assert "3 tensors, 2304 values in 3648 bytes (12.7 bits per value)" in " ".join(out.split())
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(path.read_bytes()[:40])
+    fails(capsys, 1, re.compile(re.escape(f"{bad}: GGUF tensor count: 3 would need at least 96 bytes, ") + ".*"),
+          "inspect", bad)

@@ -470,3 +470,51 @@ def test_empty_and_zero_arrays(capsys, tmp_path):
     assert table["zeros"][3:6] == ["blocks of 2 along axis 0", "inf", "0"]
     back = qarray.load(tmp_path / "q.npz")
     assert back["empty"].dtype == np.float32 and back["empty"].shape == (0, 3)
+
+
+# -- to GGUF ---------------------------------------------------------------------
+
+
+def test_quantize_to_gguf_keeps_the_metadata(capsys, tmp_path, rng):
+    """A GGUF in, a GGUF out: 2-d float tensors and those of other GGUF types quantized (the latter from
+    their dequantized values), those already of the type asked for kept byte for byte, 1-d ones and rows
+    that are not whole blocks written as they are, and every metadata key and value kept."""
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    meta = {"general.architecture": "llama", "tokenizer.ggml.tokens": ["<s>", "a"], "llama.block_count": np.uint32(1),
+            "tokenizer.ggml.scores": np.array([0.5, -1.0], np.float32)}
+    src = tmp_path / "m.gguf"
+    keep = qarray.quantize(x[:, :256], dtype="Q4_K")
+    qarray.save(src, {"w": x.astype(np.float16), "q8": qarray.quantize(x, dtype="Q8_0"), "same": keep,
+                      "norm": x[0], "odd": x[:, :96], "ids": np.arange(3, dtype=np.int32)}, metadata=meta)
+    out = tmp_path / "q.gguf"
+    rc, text, _ = run(capsys, "quantize", src, "-o", out, "--dtype", "q4_k", "--skip", "ids")
+    assert rc == 0
+    assert [r[:4] for r in rows(text)] == [
+        ["w", "8x512", "Q4_K", "blocks of 256 along the last axis"],
+        ["q8", "8x512", "Q4_K", "blocks of 256 along the last axis (from Q8_0)"],
+        ["same", "8x256", "Q4_K", "kept (Q4_K)"],
+        ["norm", "512", "float32", "kept (1-d)"],
+        ["odd", "8x96", "float32", "kept (rows of 96, not whole blocks of 256)"],
+        ["ids", "3", "int32", "skipped (--skip ids)"],
+    ]
+    tensors, got = qarray.io.gguf.read(out)
+    assert got.keys() == meta.keys() and got["tokenizer.ggml.tokens"] == ["<s>", "a"]
+    np.testing.assert_array_equal(tensors["w"].data, qarray.quantize(x.astype(np.float16), dtype="Q4_K").data)
+    np.testing.assert_array_equal(tensors["q8"].data,
+                                  qarray.quantize(qarray.quantize(x, dtype="Q8_0").dequantize(), dtype="Q4_K").data)
+    np.testing.assert_array_equal(tensors["same"].data, keep.data)
+    np.testing.assert_array_equal(tensors["odd"], x[:, :96])
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing staged is left
+
+
+def test_quantize_to_gguf_usage_errors(capsys, tmp_path, weights):
+    _, path = weights
+    fails(capsys, 2, "--dtype Q4_K is a GGUF type: the output must be a .gguf file",
+          "quantize", path, "-o", tmp_path / "q.npz", "--dtype", "Q4_K")
+    fails(capsys, 2, "a .gguf output holds GGUF's types: --dtype Q8_0, Q4_K, ... (got qint4)",
+          "quantize", path, "-o", tmp_path / "q.gguf", "--dtype", "qint4")
+    fails(capsys, 2, "Q8_0 chooses its own parameters, block by block: drop --per-channel, --symmetric",
+          "quantize", path, "-o", tmp_path / "q.gguf", "--dtype", "Q8_0", "--per-channel", "0", "--symmetric")
+    fails(capsys, 2, "Q8_0 chooses its own parameters, block by block: drop --observer",
+          "quantize", path, "-o", tmp_path / "q.gguf", "--dtype", "Q8_0", "--observer", "mse")
+    assert not list(tmp_path.glob("q.*"))

@@ -6,6 +6,7 @@ and ``bench``; the parser is here, each command in its module (``examples`` and
     qarray quantize model.safetensors -o model-q.npz --dtype qint8 --per-channel 0 --symmetric
     qarray quantize model.npz -o model-q4.npz --dtype qint4 --block-size 32
     qarray inspect model-q.npz
+    qarray quantize model-f16.gguf -o model-q4_k.gguf --dtype Q4_K
     qarray examples
     qarray run digits --quick
     qarray bench --quick
@@ -88,7 +89,8 @@ def _parser() -> _Parser:
     s.add_argument("--scheduler", metavar="threads|processes|ADDRESS",
                    help="the Dask scheduler of a .zarr or .safetensors output: threads (default), processes, or a "
                    "dask.distributed scheduler's address")
-    s.add_argument("--dtype", type=_qdtype, default="qint8", help="quantized dtype (default qint8)")
+    s.add_argument("--dtype", type=_qdtype, default="qint8",
+                   help="quantized dtype (default qint8); a GGUF type (Q8_0, Q4_K, IQ4_XS, ...) writes a .gguf file")
     s.add_argument("--per-channel", metavar="AXIS", type=int,
                    help="one scale and zero point per index of AXIS, for tensors of 2 or more dimensions (1-d ones, "
                         "biases and norms, stay per tensor: one scale per element would outweigh their values)")
@@ -107,9 +109,10 @@ def _parser() -> _Parser:
     s.add_argument("--plot", metavar="FILE.png", type=Path, help="also draw the SQNR per array (needs matplotlib)")
     s.set_defaults(func=quantize.quantize)
 
-    s = sub.add_parser("inspect", help="what a .npz, .npy or .safetensors file holds",
+    s = sub.add_parser("inspect", help="what a .npz, .npy, .safetensors or .gguf file holds",
                        description="The arrays of FILE: for a qarray file, each one's dtype, scheme, scales, "
-                       "zero points and stored bytes; for other files, name, shape and dtype.")
+                       "zero points and stored bytes; for a GGUF file, its metadata and each tensor's ggml type, "
+                       "shape and bits per weight; for other files, name, shape and dtype.")
     s.add_argument("file", metavar="FILE", type=Path)
     s.set_defaults(func=inspect.inspect)
 

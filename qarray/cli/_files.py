@@ -22,8 +22,8 @@ def _read(path: Path) -> tuple[bool, dict]:
     """``(written by qarray.save, {name: array or QArray})`` from a .npz, .npy or
     .safetensors file; CliError (status 1) when it cannot be read."""
     suffix = path.suffix.lower()
-    if suffix not in (".npz", ".npy", ".safetensors", ".zarr"):
-        raise CliError(f"{path}: expected a .npz, .npy or .safetensors file or a .zarr store", 2)
+    if suffix not in (".npz", ".npy", ".safetensors", ".zarr", ".gguf"):
+        raise CliError(f"{path}: expected a .npz, .npy, .safetensors or .gguf file or a .zarr store", 2)
     if suffix == ".zarr":  # a store as quantize writes it: lazy QArrays and arrays
         if not path.is_dir():
             raise CliError(f"{path}: {'a file, not a Zarr store' if path.exists() else 'no such store'}")
@@ -37,6 +37,9 @@ def _read(path: Path) -> tuple[bool, dict]:
         raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     if suffix == ".safetensors":
         _need("safetensors", "pip install safetensors")
+    if suffix == ".gguf":
+        tensors, _ = _read_gguf(path)
+        return any(isinstance(t, qarray.QArray) for t in tensors.values()), tensors
     try:
         if suffix == ".safetensors":  # bfloat16 and float8 tensors too, which the safetensors package cannot read
             return (True, qarray.load(path)) if _written_by_qarray(path) else (False, io.st_read(path))
@@ -64,6 +67,18 @@ def _read(path: Path) -> tuple[bool, dict]:
         raise CliError(str(e) if str(e).startswith(str(path)) else f"{path}: cannot read it: {_one_line(e)}") from None
     except Exception as e:  # numpy, zipfile and safetensors raise many types
         raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+
+
+def _read_gguf(path: Path):
+    """``(tensors, metadata)`` of a GGUF file (qarray.io.gguf.read); CliError when it cannot be read."""
+    if not path.is_file():
+        raise CliError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+    try:
+        return io.gguf.read(path)
+    except ValueError as e:  # it names the file and the field
+        raise CliError(_one_line(e).removeprefix("ValueError: ")) from None
+    except ImportError as e:  # BF16 tensors need ml_dtypes
+        raise CliError(f"{path}: {e}") from None
 
 
 def _already(path: Path) -> CliError:

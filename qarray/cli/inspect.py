@@ -1,16 +1,19 @@
-"""``qarray inspect FILE``: what a .npz, .npy or .safetensors file or a .zarr
-store holds."""
+"""``qarray inspect FILE``: what a .npz, .npy, .safetensors or .gguf file or a
+.zarr store holds."""
 
 from __future__ import annotations
 
 import qarray
 from .._params import to_host
-from ._files import _read, _scheme, _stored_bytes
+from ..io import gguf
+from ._files import _read, _read_gguf, _scheme, _stored_bytes
 from ._shared import _need, _shape, _table
 
 
 def inspect(args) -> int:
     _need("rich", "pip install 'qarray[cli]'")
+    if args.file.suffix.lower() == ".gguf":
+        return _inspect_gguf(args.file)
     quantized, arrays = _read(args.file)
     if not quantized:
         _table(str(args.file), ["name", "shape", "dtype", "bytes"],
@@ -31,3 +34,27 @@ def inspect(args) -> int:
 def _span(a, fmt) -> str:
     lo, hi = a.min(), a.max()
     return fmt.format(lo) if lo == hi else f"{fmt.format(lo)} .. {fmt.format(hi)}"
+
+
+def _inspect_gguf(path) -> int:
+    """A GGUF file's tensors (ggml type, shape, bits per weight, bytes) and metadata."""
+    tensors, meta = _read_gguf(path)
+    _table(f"{path} (GGUF metadata)", ["key", "type", "value"], [(k, *_meta_value(v)) for k, v in meta.items()], left=3)
+    rows = [(n, _shape(t), gguf.type_name(t), f"{gguf.bits_per_weight(t):g}", t.nbytes) for n, t in tensors.items()]
+    total = sum(r[-1] for r in rows)
+    count = sum(t.size for t in tensors.values())
+    _table(f"{path} (GGUF tensors)", ["name", "shape", "ggml type", "bits per weight", "bytes"], rows, left=3,
+           caption=f"{len(rows)} tensors, {count} values in {total} bytes"
+           + (f" ({8 * total / count:.3g} bits per value)" if count else ""))
+    return 0
+
+
+def _meta_value(v):
+    """``(GGUF type, the value shown in a line)``: long arrays by their first items."""
+    if isinstance(v, str):
+        return "string", v if len(v) <= 60 else v[:57] + "..."
+    if isinstance(v, list):
+        return f"string[{len(v)}]", ", ".join(v[:5]) + (", ..." if len(v) > 5 else "")
+    if getattr(v, "ndim", 0):
+        return f"{v.dtype}[{v.size}]", ", ".join(map(str, v[:5].tolist())) + (", ..." if v.size > 5 else "")
+    return ("bool" if v.dtype == bool else str(v.dtype)), str(v)

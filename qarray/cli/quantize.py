@@ -11,7 +11,16 @@ scalar) too: the table says why, and stderr names those that lack the axis; an
 axis that no tensor has is a usage error. Integer and bool arrays, empty ones,
 and those whose name matches a ``--skip PATTERN``, are written unchanged.
 
-``quantize`` writes OUT (.npz, .safetensors or a .zarr store) under a temporary
+With ``--dtype`` a GGUF type (``Q4_K``, ``Q8_0``, ...: blocks along the last
+axis, parameters of their own) OUT is a .gguf file: every float tensor of two
+or more dimensions whose rows are whole blocks is quantized, as llama.cpp's
+``llama-quantize`` does (the others, 1-d norms and biases among them, are
+written as they are); IN may be a GGUF file too, whose metadata (the
+tokenizer, everything) is kept and whose tensors of other GGUF types are
+dequantized and quantized again (those of the type asked for are kept byte
+for byte).
+
+``quantize`` writes OUT (.npz, .safetensors, .gguf or a .zarr store) under a temporary
 name beside it and renames it into place only when every tensor is written: a
 run that fails or is interrupted leaves no partial output and an existing OUT
 as it was; an existing OUT is replaced by a run that succeeds; OUT may be IN
@@ -35,7 +44,7 @@ from .. import io
 from .._params import is_lazy, is_small_float
 from ..io.zarr import to_zarr
 from ..observers import observer
-from ._files import _already, _read, _scheme, _stored_bytes, _written_by_qarray
+from ._files import _already, _read, _read_gguf, _scheme, _stored_bytes, _written_by_qarray
 from ._shared import CliError, _need, _one_line, _shape, _table
 
 
@@ -46,8 +55,18 @@ def quantize(args) -> int:
     if args.reciprocal and args.dtype.kind == "float":
         raise CliError(f"--reciprocal is PyTorch's rule for integer dtypes; {args.dtype.name} is a floating format", 2)
     lazy = args.output.suffix.lower() in (".zarr", ".safetensors")
-    if not lazy and args.output.suffix.lower() != ".npz":
-        raise CliError(f"the output must be a .npz or .safetensors file or a .zarr store, got {args.output}", 2)
+    to_gguf = args.output.suffix.lower() == ".gguf"
+    if (args.dtype.kind == "block") != to_gguf:
+        raise CliError(f"--dtype {args.dtype.name} is a GGUF type: the output must be a .gguf file" if not to_gguf
+                       else f"a .gguf output holds GGUF's types: --dtype Q8_0, Q4_K, ... (got {args.dtype.name})", 2)
+    if not lazy and not to_gguf and args.output.suffix.lower() != ".npz":
+        raise CliError(f"the output must be a .npz, .safetensors or .gguf file or a .zarr store, got {args.output}", 2)
+    given = [o for o, v in (("--per-channel", args.per_channel), ("--block-size", args.block_size),
+                            ("--symmetric", args.symmetric or None), ("--reciprocal", args.reciprocal or None),
+                            ("--scheduler", args.scheduler)) if v is not None]
+    if to_gguf and (given or args.observer != "minmax"):
+        raise CliError(f"{args.dtype.name} chooses its own parameters, block by block: drop "
+                       f"{', '.join(given) or '--observer'}", 2)
     if args.scheduler is not None and not lazy:
         raise CliError("--scheduler runs the Dask graphs of a .zarr or .safetensors output; the output here is "
                        ".npz", 2)
@@ -57,7 +76,9 @@ def quantize(args) -> int:
     if args.plot is not None:
         _need("matplotlib", "pip install matplotlib")
     with _staged(args.output) as staging:
-        if lazy:
+        if to_gguf:
+            rows = _quantize_to_gguf(args, staging)
+        elif lazy:
             rows = _quantize_lazily(args, staging)
         else:
             quantized, arrays = _read(args.input)
@@ -194,6 +215,47 @@ def _quantize_lazily(args, target: Path) -> list:
                 qarray.save(target, out)
             except OSError as e:
                 raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+    return rows
+
+
+def _quantize_to_gguf(args, target: Path) -> list:
+    """Quantize IN's tensors to ``--dtype`` (a GGUF type) into the GGUF file ``target``; the table's rows."""
+    f = args.dtype.layout
+    if args.input.suffix.lower() == ".gguf":
+        tensors, meta = _read_gguf(args.input)
+    else:
+        quantized, tensors = _read(args.input)
+        if quantized:
+            raise _already(args.input)
+        meta = {}
+    out, rows = {}, []
+    for name, x in _progress(tensors.items(), "quantizing"):
+        skip = next((p for p in args.skip if fnmatch.fnmatchcase(name, p)), None)
+        block = isinstance(x, qarray.QArray)
+        why = (f"skipped (--skip {skip})" if skip is not None else
+               f"kept ({x.dtype.name})" if block and x.dtype is args.dtype else
+               "passed through" if not block and not _floating(x) else
+               "kept (1-d)" if x.ndim < 2 else
+               f"kept (rows of {x.shape[-1]}, not whole blocks of {f.block})" if x.shape[-1] % f.block else None)
+        dtype = x.dtype.name if block else str(x.dtype)
+        if why is not None:
+            out[name] = x
+            rows.append((name, _shape(x), dtype, why, None, None, x.nbytes, x.nbytes))
+            continue
+        xf = x.dequantize() if block else x.astype(np.float32, copy=False)
+        try:
+            out[name] = qarray.quantize(xf, dtype=args.dtype)
+        except ValueError as e:
+            raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
+        sqnr, err = _errors(xf, out[name])
+        rows.append((name, _shape(x), args.dtype.name, f"blocks of {f.block} along the last axis"
+                     + (f" (from {dtype})" if block else ""), sqnr, err, x.nbytes, out[name].nbytes))
+    try:
+        qarray.save(target, out, metadata=meta)
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+    except (TypeError, ValueError) as e:
+        raise CliError(f"cannot write {args.output}: {_one_line(e)}") from None
     return rows
 
 
