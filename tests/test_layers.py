@@ -3,7 +3,7 @@ downward, module-level imports make no cycle, and the imports inside functions
 (each with a reason: optional packages, a lazy backend, unpickling in a worker)
 are counted, so that new ones are a decision, not an accident.
 
-Layers, bottom up (DEVELOPERS.md): formats and dtypes; parameters, fixed point, Philox
+Layers, bottom up (docs/architecture.md): formats and dtypes; parameters, fixed point, Philox
 and config; backends; the QArray and its API; ops; the file formats' shared meta
 and row packing (io._schema, io._rows); the file formats (io.npz,
 io.safetensors, io.zarr); everything users call on top (nn, observers, io,

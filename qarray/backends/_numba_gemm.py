@@ -11,7 +11,7 @@ must guarantee.
 Compilation follows ``_numba.py``: serial ``nogil`` kernels (``_numba.kernel``)
 over a range of tasks ``start, stop``, split among threads by
 ``_numba.parallel``; helpers ``@njit(inline="always")``, closures over plain
-values only (see DEVELOPERS.md), no fastmath (integer code). Inner loops run over contiguous memory with only
+values only (see docs/architecture.md), no fastmath (integer code). Inner loops run over contiguous memory with only
 arithmetic in them so that LLVM vectorizes them.
 """
 
