@@ -200,11 +200,22 @@ def test_ops_stay_lazy():
         r = qarray.quantize(dx, 0.03, 0, "qint8")
         for y in (dq.dequantize(), r.requantize(0.1, 0), qarray.add(r, r, scale=0.1), qarray.relu(r),
                   qarray.sigmoid(r), qarray.cat([r, r], scale=0.1, zero_point=0),
-                  qarray.linear(r, w, scale=1.0, zero_point=0, dtype="qint8")):
+                  qarray.linear(r, w, scale=1.0, zero_point=0, dtype="qint8"), qarray.sum(r), qarray.sum(r, axis=1),
+                  qarray.sum(r, axis=0, scale=0.5, zero_point=0), qarray.mean(r, axis=1),
+                  qarray.quantize(da.ones((2, 64), np.float32, chunks=1), dtype="Q8_0").dequantize()):
             assert isinstance(getattr(y, "data", y), da.Array)
         assert calls == []
         qarray.quantize_dynamic(dx, "qint8", axis=1, block_size=4)
         assert len(calls) == 1
+
+
+def test_a_sum_beyond_int32_raises_when_computed():
+    """The qint32 range check of a sum without output parameters runs in the graph, chunk by chunk."""
+    big = qarray.quantize(da.full((40000, 600), 100.0, np.float32, chunks=(10000, 600)), 1.0, 0, "qint8")
+    s = qarray.sum(big)  # 2.4e9: beyond int32
+    with pytest.raises(ValueError, match="sum: the exact result reaches 2400000000, beyond qint32"):
+        s.compute()
+    assert int(qarray.sum(big[:100]).compute().int_repr()) == 100 * 600 * 100
 
 
 def test_on_a_local_cluster(client):

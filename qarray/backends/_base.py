@@ -106,8 +106,9 @@ class Backend:
     ``quantize_mx``, ``quantize_nvfp4``, ``block_amax``, ``float_storage``), the
     integer GEMM (``pack_weight``, ``raw_matmul``, ``int_matmul``,
     ``gemm_epilogue``), convolution (``im2col``, ``conv_grouped``), bit packing
-    (``pack``, ``unpack``), the block formats' host codecs (``map_rows``, ``dequantize_blocks``) and
-    the hooks ``on`` (the current device),
+    (``pack``, ``unpack``), the block formats' host codecs (``map_rows``,
+    ``dequantize_blocks``), a range check (``within``) and the hooks ``on``
+    (the current device),
     ``over_batches`` (ops on independent samples: Dask runs them per chunk),
     ``empty`` (a kernel's output: NumPy aligns large ones to huge pages),
     ``of``, ``check_together``, ``param``, ``check_nan`` and ``array_types``.
@@ -164,6 +165,15 @@ class Backend:
         do where there is one device: ``NO_DEVICE``, which ``on_data_device``
         skips): ops run inside it."""
         return NO_DEVICE
+
+    def within(self, a, lo, hi, message):
+        """``a`` if its integers lie in ``[lo, hi]``, else ValueError(``message.format(the value beyond)``):
+        here at once; the Dask backend checks each chunk as it is computed (the graph stays lazy)."""
+        if a.size:
+            least, most = (int(v) for v in self.to_host(self.xp.stack([a.min(), a.max()])))
+            if least < lo or most > hi:
+                raise ValueError(message.format(most if most > hi else least))
+        return a
 
     def map_rows(self, fn, x, ratio, dtype):
         """``fn`` (host rows to host rows, along the last axis) on ``x``, whose last axis of ``n``

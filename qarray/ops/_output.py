@@ -78,13 +78,9 @@ def finish(op, backend, acc, factors, axis, scale, zero_point, dtype, *, default
         xp = backend.xp
         if relu:
             acc = xp.maximum(acc, 0)
-        if acc.dtype != np.int32 and acc.size:
-            lo, hi = (int(v) for v in backend.to_host(xp.stack([acc.min(), acc.max()])))
-            if lo < _I32.min or hi > _I32.max:
-                raise ValueError(
-                    f"{op}: the exact result reaches {hi if hi > _I32.max else lo}, beyond qint32; "
-                    "pass output scale=, zero_point= and dtype= to requantize it instead"
-                )
+        if acc.dtype != np.int32:
+            acc = backend.within(acc, _I32.min, _I32.max, f"{op}: the exact result reaches {{}}, beyond qint32; "
+                                 "pass output scale=, zero_point= and dtype= to requantize it instead")
         s = check_scale(np.broadcast_to(product(factors, np.float32), want), want, axis)
         return QArray._new(acc.astype(np.int32, copy=False), s, np.zeros(want, np.int32), qint32, axis, None)
     rq, d, s_out, z_out = output_plan(op, factors, axis, scale, zero_point, dtype, default_dtype,
