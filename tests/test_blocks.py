@@ -157,3 +157,61 @@ def test_dask(w):
     moved = want.to("dask")
     np.testing.assert_array_equal(moved.dequantize().compute(), want.dequantize())
     np.testing.assert_array_equal(moved[1:, :, 256:].compute().data, want[1:, :, 256:].data)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_saved_and_loaded_as_the_format_bytes(tmp_path, w, suffix):
+    """A block QArray in qarray's own files: its bytes and a version-5 meta, nothing else."""
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    arrays = {"k": qa.quantize(w, dtype="Q4_K"), "lattice": QArray.from_blocks(np.arange(2 * 66, dtype=np.uint8)
+                                                                                .reshape(2, 66), "IQ2_XXS"),
+              "plain": w[0], "int": qa.quantize(w, 0.1)}
+    qa.save(tmp_path / f"m{suffix}", arrays)
+    back = qa.load(tmp_path / f"m{suffix}")
+    for name in ("k", "lattice"):
+        assert back[name].dtype is arrays[name].dtype and back[name].shape == arrays[name].shape
+        np.testing.assert_array_equal(back[name].data, arrays[name].data)
+    np.testing.assert_array_equal(back["int"].int_repr(), arrays["int"].int_repr())
+    if suffix == ".npz":
+        import zipfile
+        with zipfile.ZipFile(tmp_path / "m.npz") as z:
+            assert sorted(n for n in z.namelist() if n.startswith("k.")) == ["k.data.npy", "k.meta.npy"]
+
+
+def test_a_damaged_block_entry_is_named(tmp_path, w):
+    import json
+    import zipfile
+    path = tmp_path / "m.npz"
+    qa.save(path, {"k": qa.quantize(w, dtype="Q8_0")})
+    with zipfile.ZipFile(path) as z:
+        files = {n: np.load(z.open(n)) for n in z.namelist()}
+    for change, message in [
+        (lambda f: f.update({"k.meta.npy": np.array(json.dumps({"format": "qarray", "version": 5, "dtype": "qint8",
+                                                                 "shape": [3, 4, 512]}))}),
+         "field k.meta is invalid: dtype qint8 is not a block format, in a version 5 meta"),
+        (lambda f: f.update({"k.meta.npy": np.array(json.dumps({"format": "qarray", "version": 5, "dtype": "Q8_0",
+                                                                 "shape": [3, 4, 500]}))}),
+         r"shape \[3, 4, 500\] is not rows of whole Q8_0 blocks"),
+        (lambda f: f.update({"k.data.npy": f["k.data.npy"][..., :-34]}),
+         r"field k.data is invalid: holds uint8 of shape \(3, 4, 510\), expected uint8 of shape \(3, 4, 544\)"),
+    ]:
+        bad = dict(files)
+        change(bad)
+        np.savez(tmp_path / "bad.npz", **{n[:-4]: v for n, v in bad.items()})
+        with pytest.raises(ValueError, match=message):
+            qa.load(tmp_path / "bad.npz")
+
+
+def test_zarr_stores_the_format_bytes(tmp_path, w):
+    pytest.importorskip("zarr")
+    da = pytest.importorskip("dask.array")
+    q = qa.quantize(w, dtype="Q6_K")
+    qa.to_zarr(q, tmp_path / "q.zarr")
+    back = qa.from_zarr(tmp_path / "q.zarr")
+    assert isinstance(back.data, da.Array) and back.dtype is q.dtype and back.shape == q.shape
+    np.testing.assert_array_equal(back.data.compute(), q.data)
+    np.testing.assert_array_equal(back.dequantize().compute(), q.dequantize())
+    lazy = qa.quantize(da.from_array(w, chunks=(1, 2, 512)), dtype="Q6_K")
+    qa.to_zarr(lazy, tmp_path / "lazy.zarr", chunks=(1, 4, 210))
+    np.testing.assert_array_equal(qa.load(tmp_path / "lazy.zarr")[""].data.compute(), q.data)

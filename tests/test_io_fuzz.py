@@ -264,11 +264,11 @@ def test_missing_version(saved):
         qarray.load(saved)
 
 
-@pytest.mark.parametrize("version", [5, 0, "1", True, 1.0, None])
+@pytest.mark.parametrize("version", [6, 0, "1", True, 1.0, None])
 def test_unknown_version(saved, version):
     _meta(saved, "b", version=version)
     with pytest.raises(ValueError, match=re.escape(f"field b.meta is invalid: version {version!r} is unknown; "
-                                                   "this qarray reads version 1, 2, 3, 4")):
+                                                   "this qarray reads version 1, 2, 3, 4, 5")):
         qarray.load(saved)
 
 

@@ -94,6 +94,8 @@ def _written_by_qarray(path: Path) -> bool:
 
 
 def _scheme(q) -> str:
+    if q.dtype.kind == "block":
+        return f"{q.dtype.name} blocks of {q.block_size} along the last axis"
     if q.axis is None:
         return "per-tensor"
     if q.block_size is None:
@@ -105,6 +107,8 @@ def _scheme(q) -> str:
 def _stored_bytes(q, path: Path) -> int:
     """What the file or store ``path`` holds of ``q``: packed data (all of it in a
     .npz; row by row in a .safetensors file or a .zarr store), scale and zero point."""
+    if q.dtype.kind == "block":  # the format's bytes, parameters inside
+        return q.nbytes
     if path.suffix.lower() in (".safetensors", ".zarr"):
         dtype, shape = io.packed_rows_layout(q.dtype, q.shape)
         data = dtype.itemsize * math.prod(shape)

@@ -24,8 +24,9 @@ def inspect(args) -> int:
         if not isinstance(q, qarray.QArray):  # a NumPy array, or a Zarr store's dask array
             rows.append((name, _shape(q), str(q.dtype), "plain array", "", "", q.nbytes))
             continue
-        s, z = to_host(q.scale), to_host(q.zero_point)
-        rows.append((name, _shape(q), q.dtype.name, _scheme(q), _span(s, "{:.6g}"), _span(z, "{}"), _stored_bytes(q, args.file)))
+        s = to_host(q.scale)
+        z = "" if q.zero_point is None else _span(to_host(q.zero_point), "{}")  # a block format's: in its blocks
+        rows.append((name, _shape(q), q.dtype.name, _scheme(q), _span(s, "{:.6g}"), z, _stored_bytes(q, args.file)))
     _table(f"{args.file} (qarray file)", ["name", "shape", "dtype", "scheme", "scale", "zero point", "stored bytes"],
            rows, left=4)
     return 0

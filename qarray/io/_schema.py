@@ -14,7 +14,11 @@ its meta adds ``"scale_dtype"`` (``"float16"``, ``"bfloat16"``,
 patterns as uint16 / uint8) and ``"global_scale"`` (a number or null).
 Version 4 is version 3 for a QArray below 8 bits in a ``.safetensors`` file:
 its codes packed by rows (version 3 and before stored them one a byte, with the
-QArray's shape, and still load). ``load`` reads the versions in ``VERSIONS``.
+QArray's shape, and still load). Version 5 is a QArray of a block format (GGUF's
+``Q4_K`` and the like): ``{"format": "qarray", "version": 5, "dtype": "Q4_K",
+"shape": [4, 512]}``, its data the format's own bytes (uint8, the QArray's
+shape with the last axis in bytes: ``QArray.data``), with no scale or zero
+point beside it (the blocks hold them). ``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
 field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
@@ -36,11 +40,13 @@ from .._params import KEPT_SCALES, check_scale, normalize_axis, normalize_block_
 
 FORMAT = "qarray"
 VERSION = 2  # what save writes (3 where a QArray needs it)
-VERSIONS = (1, 2, 3, 4)  # what load reads
+VERSIONS = (1, 2, 3, 4, 5)  # what load reads
+BLOCKS = 5  # the version of a block format's meta
 _LEGACY_FORMAT = "qarray-1"  # version 1 before the version field: no "version" key
 _KEYS = {"format", "version", "dtype", "shape", "axis", "block_size"}
 _KEYS_3 = _KEYS | {"scale_dtype", "global_scale"}
 _ARRAY_KEYS = {"format", "version", "kind", "dtype", "shape"}  # a plain array (version 2)
+_BLOCK_KEYS = {"format", "version", "dtype", "shape"}  # a block format (version 5)
 _ARRAY_KINDS = "biufc"  # bool, integers, floats, complex: what save takes as plain arrays
 # What zipfile, numpy's npy header parser (tokenize, ast.literal_eval) and a damaged
 # file can raise; warnings are made errors while reading, so they are here too.
@@ -51,12 +57,19 @@ _READ_ERRORS = (ValueError, TypeError, KeyError, IndexError, SyntaxError, Runtim
 def meta_of(q, rows=False) -> dict:
     """A QArray's ``NAME.meta`` (also its safetensors metadata entry: ``rows``
     where it holds codes below 8 bits packed row by row, version 4)."""
+    if q.dtype.kind == "block":
+        return {"format": FORMAT, "version": BLOCKS, "dtype": q.dtype.name, "shape": list(q.shape)}
     meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
             "block_size": q.block_size}
     if rows or q.scale.dtype != np.float32 or q.global_scale is not None:
         gs = None if q.global_scale is None else float(q.global_scale)  # float32 -> float64 -> JSON: exact
         meta.update(version=4 if rows else 3, scale_dtype=q.scale.dtype.name, global_scale=gs)
     return meta
+
+
+def block_rows(dtype, shape) -> tuple:
+    """The shape of a block format's bytes for a QArray of ``shape``: the last axis in bytes."""
+    return (*shape[:-1], shape[-1] // dtype.layout.block * dtype.layout.nbytes)
 
 
 def scale_bits(q) -> np.ndarray:
@@ -113,7 +126,10 @@ def parse_meta(path, name, text, plain=False):
             raise bad_field(path, name, "meta", f"version {meta['version']!r} is unknown; {reads}")
     if plain and (legacy or meta.get("version") == 1):
         raise bad_field(path, name, "meta", f"version 1 has no plain arrays, but {name}.array is there")
-    want = _ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else _KEYS
+    if plain and meta.get("version") == BLOCKS:
+        raise bad_field(path, name, "meta", f"version {BLOCKS} is a block format's, but {name}.array is there")
+    want = (_ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else
+            _BLOCK_KEYS if meta["version"] == BLOCKS else _KEYS)
     if meta.keys() != want:
         raise bad_field(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
@@ -129,6 +145,15 @@ def parse_meta(path, name, text, plain=False):
         dtype = qdtype(meta["dtype"])
     except TypeError as e:
         raise bad_field(path, name, "meta", f"dtype: {e}") from None
+    if (dtype.kind == "block") != (meta.get("version") == BLOCKS):
+        raise bad_field(path, name, "meta", f"dtype {dtype.name} is {'a' if dtype.kind == 'block' else 'not a'} "
+                                            f"block format, in a version {meta.get('version', 1)} meta")
+    if dtype.kind == "block":
+        f = dtype.layout
+        if not shape or shape[-1] % f.block:
+            raise bad_field(path, name, "meta", f"shape {shape} is not rows of whole {f.name} blocks ({f.block} "
+                                                "values)")
+        return dtype, tuple(shape), None, None, None, None
     for key in ("axis", "block_size"):
         v = meta[key]
         if v is not None and type(v) is not int:

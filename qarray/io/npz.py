@@ -26,11 +26,12 @@ import numpy as np
 from .._api import packed_layout, unpack
 from .._params import check_params, param_shape, to_host
 from .._qarray import QArray
-from ._schema import (FORMAT, VERSION, _ARRAY_KINDS, _READ_ERRORS, _check_name, _stored, bad_field, meta_of,
-                      parse_meta, scale_bits)
+from ._schema import (FORMAT, VERSION, _ARRAY_KINDS, _READ_ERRORS, _check_name, _stored, bad_field, block_rows,
+                      meta_of, parse_meta, scale_bits)
 
 _FIELDS = ("data", "scale", "zero_point", "meta")
 _ARRAY_FIELDS = ("array", "meta")
+_BLOCK_FIELDS = ("data", "meta")  # a block format's (version 5): its bytes hold its parameters
 _MEMBER = re.compile(r"(.+)\.(data|scale|zero_point|array|meta)\.npy")
 _HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
@@ -53,6 +54,10 @@ def save(path, arrays: dict) -> None:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, "
                             "not a QArray or numpy.ndarray")
         meta = meta_of(q)
+        if q.dtype.kind == "block":
+            out[f"{name}.data"] = to_host(q.data)
+            out[f"{name}.meta"] = np.array(json.dumps(meta))
+            continue
         out[f"{name}.data"] = to_host(q.pack())
         out[f"{name}.scale"] = scale_bits(q)
         out[f"{name}.zero_point"] = to_host(q.zero_point)
@@ -116,7 +121,8 @@ def _members(path, fh, zf) -> dict:
                              "has inconsistent sizes; qarray.save stores members plainly")
         fields[m[2]] = info
     for name, fields in members.items():
-        want = _ARRAY_FIELDS if "array" in fields else _FIELDS
+        want = (_ARRAY_FIELDS if "array" in fields else
+                _BLOCK_FIELDS if "scale" not in fields and "zero_point" not in fields else _FIELDS)
         extra = [f for f in fields if f not in want]
         if extra:
             raise ValueError(f"{path}: unexpected member {fields[extra[0]].filename!r} "
@@ -153,6 +159,11 @@ def _load_one(path, zf, name, fields):
                  lambda dtype, shape: None if dtype.kind == "U" and shape == () else "expected a JSON string")
     plain = "array" in fields
     dtype, shape, axis, block_size, sd, gs = parse_meta(path, name, str(text[()]), plain)
+    if dtype.kind == "block":  # its bytes, as QArray.data holds them
+        raw = _read(path, zf, fields["data"], f"{name}.data", _exactly(np.dtype(np.uint8), block_rows(dtype, shape)))
+        return QArray.from_blocks(raw.copy(), dtype)
+    if "scale" not in fields and not plain:
+        raise ValueError(f"{path}: field {name}.scale is missing")
     if plain:
         a = _read(path, zf, fields["array"], f"{name}.array", _exactly(dtype, shape))
         if dtype.kind == "b" and a.size and a.view(np.uint8).max() > 1:

@@ -25,7 +25,7 @@ from .. import _formats
 from .._params import is_lazy, is_small_float, to_host
 from .._qarray import QArray
 from ._rows import pack_rows, packed_rows, packed_rows_layout, row_group, unpack_rows
-from ._schema import FORMAT, _check_name, _is_qarray_meta, _stored, meta_of, parse_meta, scale_bits
+from ._schema import FORMAT, _check_name, _is_qarray_meta, _stored, block_rows, meta_of, parse_meta, scale_bits
 
 
 def save(path, arrays: dict) -> None:
@@ -47,15 +47,18 @@ def save(path, arrays: dict) -> None:
             if name == "format":
                 raise ValueError("save: a QArray in a .safetensors file cannot be called 'format': the file's "
                                  "metadata entry 'format' says 'qarray' (as PyTorch's files say 'pt'); rename it")
-            rows = row_group(q.dtype) > 1
-            codes = q.int_repr() if is_lazy(q) else to_host(q.int_repr())
-            if rows and is_lazy(q):  # whole bytes of codes in each chunk along a row
-                x = q.data.reshape(q.shape or (1,))
-                step = -(-x.chunksize[-1] // row_group(q.dtype)) * row_group(q.dtype) or 1
-                codes = packed_rows(q.dtype, x.rechunk({x.ndim - 1: step}))
-            elif rows:
-                codes = pack_rows(q.dtype, q.data)
-            parts = {name: codes, f"{name}.scale": scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
+            rows = row_group(q.dtype) > 1 and q.dtype.kind != "block"
+            if q.dtype.kind == "block":  # the format's bytes (version 5): they hold the parameters
+                parts = {name: q.data if is_lazy(q) else to_host(q.data)}
+            else:
+                codes = q.int_repr() if is_lazy(q) else to_host(q.int_repr())
+                if rows and is_lazy(q):  # whole bytes of codes in each chunk along a row
+                    x = q.data.reshape(q.shape or (1,))
+                    step = -(-x.chunksize[-1] // row_group(q.dtype)) * row_group(q.dtype) or 1
+                    codes = packed_rows(q.dtype, x.rechunk({x.ndim - 1: step}))
+                elif rows:
+                    codes = pack_rows(q.dtype, q.data)
+                parts = {name: codes, f"{name}.scale": scale_bits(q), f"{name}.zero_point": np.asarray(q.zero_point)}
             metadata[name] = json.dumps(meta_of(q, rows))
         else:
             raise TypeError(f"save: {name!r} is a {type(q).__module__}.{type(q).__qualname__}, not a QArray or numpy.ndarray")
@@ -215,6 +218,14 @@ def load(path) -> dict:
         if not _is_qarray_meta(text):
             continue  # other tools' metadata
         d, shape, axis, block_size, sd, gs = parse_meta(path, name, text)
+        if d.kind == "block":  # the format's bytes
+            raw = tensors.pop(name, None)
+            if raw is None or raw.dtype != np.uint8 or raw.shape != block_rows(d, shape):
+                raise ValueError(f"{path}: QArray {name!r} needs a uint8 tensor of shape {list(block_rows(d, shape))} "
+                                 f"(its {d.name} bytes), got " + ("none" if raw is None else
+                                                                  f"{raw.dtype} {list(raw.shape)}"))
+            out[name] = QArray.from_blocks(raw, d)
+            continue
         missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
         if missing:
             raise ValueError(f"{path}: QArray {name!r} has no tensor {missing[0]!r}")

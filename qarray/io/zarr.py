@@ -10,7 +10,9 @@ except along its last axis, where each row is packed as ``QArray.pack`` packs
 bytes); its chunks along that axis hold whole bytes of codes (a multiple of 4,
 or of 8 // bits, codes), so every chunk is written whole by one task and
 writes from many workers never share a chunk. A 0-d QArray is stored as shape
-``(1,)``.
+``(1,)``. A block format (GGUF's ``Q4_K`` and the like) stores its bytes as
+``codes`` (``QArray.data``: chunks of whole blocks along the last axis) and
+no ``scale`` or ``zero_point``: its blocks hold them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .._api import packed_layout
 from .._params import check_params, to_host
 from .._qarray import QArray
 from ._rows import packed_rows, packed_rows_layout, row_group, unpack_rows
-from ._schema import bad_field, meta_of, parse_meta, scale_bits, scale_dtype
+from ._schema import bad_field, block_rows, meta_of, parse_meta, scale_bits, scale_dtype
 
 __all__ = ["to_zarr", "from_zarr", "load_store"]
 
@@ -54,17 +56,18 @@ def to_zarr(q: QArray, store, overwrite=False, chunks=None) -> None:
     x = data if isinstance(data, da.Array) else da.from_array(to_host(data), chunks="auto" if chunks is None else chunks)
     if chunks is not None or not isinstance(data, da.Array):
         x = x.rechunk(chunks or x.chunksize)
-    g = row_group(d)
+    g = d.layout.nbytes if d.kind == "block" else row_group(d)  # a block's bytes, or a byte's codes
     step = [max(c[0], 1) for c in x.chunks]
     step[-1] = max(g, -(-step[-1] // g) * g)
-    packed = packed_rows(d, x.rechunk(tuple(step)))  # regular chunks, whole bytes along the last axis
+    # regular chunks, whole bytes (whole blocks) along the last axis
+    packed = x.rechunk(tuple(step)) if d.kind == "block" else packed_rows(d, x.rechunk(tuple(step)))
     try:
         grp = zarr.open_group(store, mode="w" if overwrite else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
         raise ValueError(f"to_zarr: {store} already holds data; pass overwrite=True to replace it ({e})") from None
     codes = grp.create_array("codes", shape=packed.shape, chunks=tuple(step[:-1]) + (packed.chunks[-1][0],),
                              dtype=packed.dtype, fill_value=0)
-    for name, a in (("scale", scale_bits(q)), ("zero_point", to_host(q.zero_point))):
+    for name, a in (() if d.kind == "block" else (("scale", scale_bits(q)), ("zero_point", to_host(q.zero_point)))):
         arr = grp.create_array(name, shape=a.shape, dtype=a.dtype)
         arr[...] = a
     grp.attrs["qarray"] = json.dumps(meta_of(q))
@@ -92,13 +95,15 @@ def from_zarr(store) -> QArray:
         raise bad_field(store, "zarr", "meta", f"expected a JSON string, got {type(text).__name__}")
     d, shape, axis, block_size, sd, gs = parse_meta(store, "zarr", text)
     arrays = {}
-    for name in ("codes", "scale", "zero_point"):
+    for name in ("codes",) if d.kind == "block" else ("codes", "scale", "zero_point"):
         try:
             arrays[name] = grp[name]
         except KeyError:
             raise bad_field(store, "zarr", name, "missing") from None
         if not isinstance(arrays[name], zarr.Array):
             raise bad_field(store, "zarr", name, "not an array")
+    if d.kind == "block":
+        return _blocks_of(store, arrays["codes"], d, shape)
     stored = shape or (1,)
     g = row_group(d)
     want_dtype, want_shape = packed_rows_layout(d, shape)
@@ -133,6 +138,22 @@ def from_zarr(store) -> QArray:
         x = x.reshape(())
     b = _backends.get("dask")
     return QArray._new(x, s, z, d, axis, block_size, b, gs)
+
+
+def _blocks_of(store, codes, d, shape) -> QArray:
+    """A block format's QArray from its stored bytes, lazily."""
+    import dask.array as da
+
+    want = block_rows(d, shape)
+    if codes.dtype != np.uint8 or tuple(codes.shape) != want:
+        raise bad_field(store, "zarr", "codes", f"{codes.dtype} {tuple(codes.shape)}, expected uint8 {want} for "
+                                                f"{d.name} of shape {shape}")
+    if codes.chunks[-1] % d.layout.nbytes:
+        raise bad_field(store, "zarr", "codes", f"chunks of {codes.chunks[-1]} bytes along the last axis split "
+                                                f"{d.name}'s blocks of {d.layout.nbytes}")
+    x = da.from_array(_Chunks(codes, store, "codes"), chunks=codes.chunks, asarray=False,
+                      meta=np.empty((0,) * codes.ndim, codes.dtype))
+    return QArray._blocks(x, d, _backends.get("dask"))
 
 
 class _Chunks:
