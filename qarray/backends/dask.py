@@ -54,13 +54,6 @@ def _on_chunk(fn, inner, params, *chunks):
     return fn(get(inner), *chunks, *params)
 
 
-def _within(inner, lo, hi, message, chunk):
-    """:meth:`Backend.within` on one chunk, as it is computed."""
-    from . import get
-
-    return get(inner).within(chunk, lo, hi, message)
-
-
 def _on_chunk_sliced(fn, inner, axis, block_size, params, *chunks, block_info=None):
     """:func:`_on_chunk` with ``params`` sliced to the chunk (``block_info``: where it is)."""
     return _on_chunk(fn, inner, chunk_params(params, block_info[0]["array-location"], axis, block_size), *chunks)
@@ -187,9 +180,8 @@ class DaskBackend(Backend):
         return x.map_blocks(per_chunk, *others, dtype=dtype, meta=meta_from_array(x, x.ndim, dtype))
 
     def within(self, a, lo, hi, message):
-        inner = self._chunks_backend().name
-        return a.map_blocks(functools.partial(_within, inner, lo, hi, message), dtype=a.dtype,
-                            meta=meta_from_array(a, a.ndim, a.dtype))
+        check = functools.partial(_on_chunk, lambda b, c: b.within(c, lo, hi, message), self.inner, ())
+        return a.map_blocks(check, dtype=a.dtype, meta=meta_from_array(a, a.ndim, a.dtype))
 
     def map_rows(self, fn, x, ratio, dtype):
         x = da.asarray(x)
