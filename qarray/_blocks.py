@@ -37,46 +37,61 @@ class Field:
     """``count`` values of ``bits`` bits in a block; ``place(i)`` gives the
     ``(bit offset, width)`` runs of value ``i`` in the block, low bits first.
     ``view`` is how the unsigned bits read: ``float16`` for a scale, ``int8``
-    for signed codes; unsigned by default."""
+    for signed codes; unsigned by default.
+
+    The runs become ``segments``: rows ``(first value, count, first byte, byte
+    stride, shift, mask, value shift)``, each saying that values ``first ..
+    first + count - 1`` take ``((byte >> shift) & mask) << value shift`` from
+    bytes ``first byte, + stride, ...``: ggml's 4-bit codes are two segments
+    of 16 or 32 (the low and the high nibbles of a run of bytes), a float16
+    scale two of one. The unpacker, the packer and the compiled decoder walk
+    the segments, slice by slice."""
 
     def __init__(self, name, count, bits, place, view=None):
         self.name, self.count, self.bits = name, count, bits
         self.store = np.dtype(np.uint8 if bits <= 8 else np.uint16 if bits <= 16 else np.uint32)
         self.view = np.dtype(view) if view is not None else self.store
-        pieces = []  # per value: (byte, shift, width, value shift) runs inside one byte each
+        runs = []  # (run index, value, byte, shift, width, value shift): a value's bits inside one byte
         for i in range(count):
-            runs, got = [], 0
+            got, k = 0, 0
             for start, width in place(i):
                 while width:
                     w = min(width, 8 - start % 8)
-                    runs.append((start // 8, start % 8, w, got))
-                    start, width, got = start + w, width - w, got + w
+                    runs.append((k, i, start // 8, start % 8, w, got))
+                    start, width, got, k = start + w, width - w, got + w, k + 1
             if got != bits:
                 raise AssertionError(f"{name}[{i}] places {got} bits, not {bits}")
-            pieces.append(runs)
-        p = max(len(r) for r in pieces)
-        runs = np.array([r + [(0, 0, 0, 0)] * (p - len(r)) for r in pieces], dtype=np.int64)
-        self.byte, self.shift, self.width, self.vshift = (runs[..., k] for k in range(4))
-        self.mask = (1 << self.width) - 1
-        self.bytes = np.unique(self.byte[self.width > 0])
-        # the runs as one array for compiled decoders: (byte, shift, mask, value shift) x runs x values
-        self.pieces = np.ascontiguousarray(np.stack([self.byte, self.shift, self.mask, self.vshift]).transpose(0, 2, 1),
-                                           np.int64)
-        # the packer's gather: for each byte the field touches, the (value, run) pairs that land in it
-        flat = [[i * p + k for i in range(count) for k in range(p) if self.mask[i, k] and self.byte[i, k] == b]
-                for b in self.bytes]
-        slots = max(len(f) for f in flat)
-        self.gather = np.array([f + [count * p] * (slots - len(f)) for f in flat], dtype=np.int64)
+        segments = []
+        for k, i, byte, shift, w, vs in sorted(runs):
+            last = segments[-1] if segments else None
+            if last and last[7] == k and last[0] + last[1] == i and (last[4], last[5], last[6]) == (shift, (1 << w) - 1, vs) \
+                    and (last[1] == 1 or byte - last[2] == last[1] * last[3]):
+                last[3] = byte - last[2] if last[1] == 1 else last[3]
+                last[1] += 1
+                continue
+            segments.append([i, 1, byte, 1, shift, (1 << w) - 1, vs, k])
+        self.segments = np.array([g[:7] for g in segments], dtype=np.int64)
+        self.bits_used = [(b + j * st) * 8 + sh + t for i, n, b, st, sh, m, vs in self.segments for j in range(n)
+                          for t in range(int(m).bit_length())]
+        self.bytes = np.unique(np.array(self.bits_used) // 8)
+
+    def _slices(self):
+        for i, n, b, st, sh, m, vs in self.segments.tolist():
+            yield slice(i, i + n), slice(b, b + (n - 1) * st + 1, st), sh, m, vs
 
     def unpack(self, raw):
         """The field's values from blocks ``raw`` (uint8, ``(n, nbytes)``): ``(n, count)``."""
         out = np.zeros((raw.shape[0], self.count), self.store)
-        for k in range(self.byte.shape[1]):
-            if not self.mask[:, k].any():
-                continue
-            part = (raw[:, self.byte[:, k]] >> self.shift[:, k].astype(np.uint8)) & self.mask[:, k].astype(np.uint8)
-            out |= part.astype(self.store) << self.vshift[:, k].astype(self.store)
+        for values, bytes_, sh, m, vs in self._slices():
+            part = (raw[:, bytes_] >> np.uint8(sh)) & np.uint8(m)
+            out[:, values] |= part.astype(self.store) << self.store.type(vs)
         return out.view(self.view) if self.view != self.store else out
+
+    def pack_into(self, raw, v):
+        """OR the field's values ``v`` (its unsigned bits, ``(n, count)``) into blocks ``raw``."""
+        for values, bytes_, sh, m, vs in self._slices():
+            raw[:, bytes_] |= (((v[:, values] >> self.store.type(vs)) & self.store.type(m)) << self.store.type(sh)
+                               ).astype(np.uint8)
 
     def check(self, fmt, v):
         """``v`` as the field's unsigned bits, ``(n, count)``; ValueError for a wrong shape or a value that
@@ -94,14 +109,6 @@ class Field:
         if v.size and (v.min() < lo or v.max() > hi):
             raise ValueError(f"{fmt}: field {self.name!r} holds {self.bits}-bit values, got [{v.min()}, {v.max()}]")
         return (v.astype(np.int64) & ((1 << self.bits) - 1)).astype(self.store)
-
-    def contribute(self, v):
-        """The field's bits in the bytes it touches: uint8 ``(n, len(self.bytes))`` to OR into the blocks."""
-        v = v.astype(np.uint32)
-        runs = ((v[:, :, None] >> self.vshift.astype(np.uint32)) & self.mask.astype(np.uint32)) << self.shift.astype(
-            np.uint32)
-        runs = np.concatenate([runs.reshape(len(v), -1), np.zeros((len(v), 1), np.uint32)], axis=1)
-        return np.bitwise_or.reduce(runs[:, self.gather], axis=2).astype(np.uint8)
 
 
 def bits_at(offset, bits):
@@ -131,8 +138,7 @@ class BlockFormat:
         self.bits = bits if bits is not None else self.fields["q"].bits
         covered = np.zeros(8 * nbytes, int)  # every bit of the block in exactly one field
         for f in fields:
-            for b, s, w in zip(f.byte.ravel(), f.shift.ravel(), f.width.ravel()):
-                covered[8 * b + s:8 * b + s + w] += 1
+            np.add.at(covered, f.bits_used, 1)
         if (covered != 1).any():
             raise AssertionError(f"{name}: the fields cover bits {np.flatnonzero(covered != 1)[:8]} "
                                  "not exactly once")
@@ -159,7 +165,7 @@ class BlockFormat:
             v = f.check(self.name, fields[name])
             if len(v) != n:
                 raise ValueError(f"{self.name}: the fields hold {n} and {len(v)} blocks ({name!r})")
-            raw[:, f.bytes] |= f.contribute(v)
+            f.pack_into(raw, v)
         return raw
 
     def _product(self, fields, spec):
@@ -193,31 +199,22 @@ class BlockFormat:
 
     @property
     def plan(self):
-        """The description as arrays for a compiled decoder (``backends._numba.block_decode``; each
-        field's runs as ``Field.pieces``: byte, shift, mask, value shift x runs x values), or None
-        for a format with decoding functions of its own. Each part of ``y = scale * value + offset`` is
-        ``dtab[d] * stab[s]`` with either factor absent: ``d`` a field read once a block (a float16 scale
-        through the table of every float16's float32 value), ``s`` one a sub-block; ``neg`` negates
-        the offset."""
-        if self.elements is not None or callable(self.scale):
+        """The codes' description for a compiled decoder (``backends._numba.block_decode``): the code
+        field's ``Field.segments`` and the value table; None for a format with decoding functions of
+        its own (the IQ lattices)."""
+        if self.elements is not None:
             return None
-        if "_plan" not in self.__dict__:
-            self._plan = (self.fields["q"].pieces, self.values, *self._plan_part(self.scale),
-                          *self._plan_part(self.offset[0] if self.offset else (None, None)),
-                          self.offset is not None, self.offset is not None and self.offset[1] < 0)
-        return self._plan
+        return self.fields["q"].segments, self.values
 
-    def _plan_part(self, spec):
-        base, sub = spec
-        none = (np.zeros((4, 0, 1), np.int64), np.ones(1, np.float32))
-        if base is None:
-            d = none
-        else:
-            f = self.fields[base]
-            table = _F16 if f.view == np.float16 else np.arange(1 << f.bits, dtype=np.float32)
-            d = (f.pieces, table)
-        s = none if sub is None else (self.fields[sub[0]].pieces, np.asarray(sub[1], np.float32))
-        return (*d, *s)
+    def parameters(self, raw):
+        """``(scale, offset or None)`` of blocks ``raw``, float32 ``(n, block // sub)`` each, from the
+        fields they need alone (not the codes)."""
+        names = [n for n in self.fields if n != "q"] if callable(self.scale) else \
+            [n for spec in (self.scale, self.offset and self.offset[0]) if spec for n in (spec[0], spec[1] and spec[1][0])
+             if n is not None]
+        fields = {n: self.fields[n].unpack(raw) for n in names}
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self.scales(fields), self.offsets(fields)
 
     def decode(self, raw) -> np.ndarray:
         """float32 values of blocks ``raw`` (uint8 ``(n, nbytes)``): ``(n, block)``."""
@@ -232,7 +229,6 @@ class BlockFormat:
         return y.reshape(n, self.block)
 
 
-_F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 FORMATS: dict = {}  # upper-case name -> BlockFormat
 
 

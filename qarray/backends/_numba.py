@@ -902,43 +902,34 @@ def block_minmax(x, step, lo, hi, start, stop):
 
 # -- block formats (qarray._blocks): bytes -> float32 ----------------------------------------------
 
-@register_jitable
-def _block_field(raw, b, p, i):
-    """Value ``i`` of a block field whose runs are ``p`` (``Field.pieces``: byte, shift, mask, value
-    shift x runs x values) in block ``b`` of ``raw``."""
-    v = 0
-    for k in range(p.shape[1]):
-        v |= ((np.int64(raw[b, p[0, k, i]]) >> p[1, k, i]) & p[2, k, i]) << p[3, k, i]
-    return v
-
-
-@register_jitable
-def _block_factor(raw, b, j, dp, dtab, sp, stab):
-    """``dtab[d] * stab[s]``: a block's float field through its table, times sub-block ``j``'s sub-scale
-    through its; a part that is absent reads entry 0 of a table ``[1.0]`` (times 1.0: exact)."""
-    return dtab[_block_field(raw, b, dp, 0)] * stab[_block_field(raw, b, sp, j)]
-
-
 @kernel
-def block_decode(raw, out, qp, values, dp, dtab, sp, stab, odp, odtab, osp, ostab, has_off, neg, start, stop):
-    """``out[b, e] = scale * values[q] + offset`` for blocks ``start:stop`` (``BlockFormat.plan``), in
-    float32 as the formats' references compute it: the scale (and offset) an exact product, then one
-    rounding for the multiply and one for the add (none where there is no offset: -0.0 stays -0.0)."""
-    block = out.shape[1]
-    sub = block // max(sp.shape[2], osp.shape[2], 1)
-    code = np.empty(block, np.int64)
+def block_decode(raw, out, segments, values, scale, offset, has_offset, start, stop):
+    """``out[b, e] = scale[b, j] * values[q] + offset[b, j]`` for blocks ``start:stop``, the codes ``q``
+    read segment by segment (``Field.segments``: first value, count, first byte, byte stride, shift,
+    mask, value shift); in float32 as the formats' references compute it: one rounding for the multiply
+    and one for the add (none where there is no offset: -0.0 stays -0.0). The scales and offsets
+    (``BlockFormat.parameters``) are exact products."""
+    block, nsub = out.shape[1], scale.shape[1]
+    sub = block // nsub
+    code = np.empty(block, np.int32)
     for b in range(start, stop):
         code[:] = 0
-        for k in range(qp.shape[1]):  # the codes, run by run: a gather, a shift and a mask each
-            for e in range(block):
-                code[e] |= ((np.int64(raw[b, qp[0, k, e]]) >> qp[1, k, e]) & qp[2, k, e]) << qp[3, k, e]
-        for j in range(block // sub):
-            scale = _block_factor(raw, b, j, dp, dtab, sp, stab)
-            if has_off:
-                off = _block_factor(raw, b, j, odp, odtab, osp, ostab)
-                off = -off if neg else off
+        for g in range(segments.shape[0]):
+            v0, n, b0, st = segments[g, 0], segments[g, 1], segments[g, 2], segments[g, 3]
+            sh, m, vs = segments[g, 4], segments[g, 5], segments[g, 6]
+            if st == 1:  # a run of bytes (most segments): a loop LLVM vectorizes
+                row, part = raw[b, b0:b0 + n], code[v0:v0 + n]
+                for i in range(n):
+                    part[i] |= ((np.int32(row[i]) >> sh) & m) << vs
+            else:
+                for i in range(n):
+                    code[v0 + i] |= ((np.int32(raw[b, b0 + i * st]) >> sh) & m) << vs
+        for j in range(nsub):
+            s = scale[b, j]
+            if has_offset:
+                o = offset[b, j]
                 for e in range(j * sub, j * sub + sub):
-                    out[b, e] = scale * values[code[e]] + off
+                    out[b, e] = s * values[code[e]] + o
             else:
                 for e in range(j * sub, j * sub + sub):
-                    out[b, e] = scale * values[code[e]]
+                    out[b, e] = s * values[code[e]]

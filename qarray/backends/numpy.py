@@ -293,8 +293,10 @@ class NumpyBackend(Backend):
         if k is None or plan is None:
             return super().dequantize_blocks(raw, fmt, dtype)
         blocks = contiguous(raw).reshape(-1, fmt.nbytes)
+        scale, offset = fmt.parameters(blocks)
         out = self.empty((len(blocks), fmt.block), np.float32)
-        k.parallel(k.block_decode, len(blocks), blocks, out, *plan, grain=k.GRAIN // fmt.block)
+        k.parallel(k.block_decode, len(blocks), blocks, out, *plan, scale, scale if offset is None else offset,
+                   offset is not None, grain=k.GRAIN // fmt.block)
         out = out.reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
         with np.errstate(over="ignore"):
             return out if dtype == np.float32 else out.astype(dtype)
