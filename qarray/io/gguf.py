@@ -63,7 +63,7 @@ class _Header:
     """A cursor over the file's bytes that checks every read against what is left."""
 
     def __init__(self, path, buf):
-        self.path, self.buf, self.at = path, buf, 0
+        self.path, self.buf, self.at = path, memoryview(buf), 0
 
     def fail(self, field, why):
         return ValueError(f"{os.fspath(self.path)}: GGUF {field}: {why}")
@@ -77,33 +77,57 @@ class _Header:
         return b
 
     def num(self, code, field):
-        d = np.dtype("<" + code)
-        return np.frombuffer(self.take(d.itemsize, field), d)[0]
+        d = _SCALAR[code]
+        if d.size > len(self.buf) - self.at:
+            self.take(d.size, field)  # the truncation error
+        v = d.unpack_from(self.buf, self.at)[0]
+        self.at += d.size
+        return v
 
     def count(self, field, least):
         """A uint64 count of things at least ``least`` bytes each: no more than the bytes left hold."""
-        n = int(self.num("u8", field))
+        n = self.num("u8", field)
         if n * least > len(self.buf) - self.at:
             raise self.fail(field, f"{n} would need at least {n * least} bytes, {len(self.buf) - self.at} are left")
         return n
 
     def string(self, field):
-        raw = bytes(self.take(self.count(f"{field} length", 1), field))
+        raw = self.take(self.count(f"{field} length", 1), field)
         try:
-            return raw.decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError:
             raise self.fail(field, "not UTF-8") from None
 
+    def strings(self, n, field):
+        """``n`` strings: :meth:`string`'s checks in one loop (a tokenizer holds ~10^5 of them)."""
+        buf, at, out, length = self.buf, self.at, [], _SCALAR["u8"].unpack_from
+        try:
+            for _ in range(n):
+                if len(buf) - at < 8:
+                    break
+                k = length(buf, at)[0]
+                if k > len(buf) - at - 8:
+                    break
+                out.append(str(buf[at + 8:at + 8 + k], "utf-8"))
+                at += 8 + k
+        except UnicodeDecodeError:
+            self.at = at
+            raise self.fail(field, f"string {len(out)} is not UTF-8") from None
+        self.at = at
+        if len(out) < n:  # the one cut short: the truncation error
+            self.string(f"{field}[{len(out)}]")
+        return out
+
     def value(self, type_id, field, nested=False):
         if type_id in VALUE_TYPES:
-            v = self.num(VALUE_TYPES[type_id], field)
-            return np.bool_(v) if type_id == 7 else v
+            code = VALUE_TYPES[type_id]
+            return np.dtype(code).type(self.num(code, field))
         if type_id == STRING:
             return self.string(field)
         if type_id == ARRAY and not nested:
-            t = int(self.num("u4", f"{field} element type"))
+            t = self.num("u4", f"{field} element type")
             if t == STRING:
-                return [self.string(field) for _ in range(self.count(f"{field} count", 8))]
+                return self.strings(self.count(f"{field} count", 8), field)
             if t not in VALUE_TYPES:
                 raise self.fail(field, f"array element type {t} is not one of GGUF's (nested arrays are refused, "
                                        "as ggml's reader refuses them)")
@@ -111,6 +135,11 @@ class _Header:
             n = self.count(f"{field} count", d.itemsize)
             return np.frombuffer(self.take(n * d.itemsize, field), d).copy()
         raise self.fail(field, f"value type {type_id} is not one of GGUF's")
+
+
+_SCALAR = {code: struct.Struct("<" + c) for code, c in
+           {"u1": "B", "i1": "b", "u2": "H", "i2": "h", "u4": "I", "i4": "i", "f4": "f", "?": "?", "u8": "Q",
+            "i8": "q", "f8": "d"}.items()}  # VALUE_TYPES' codes, as struct reads them
 
 
 def read(path):
@@ -122,7 +151,7 @@ def read(path):
     h = _Header(path, mm)
     if bytes(h.take(4, "magic")) != MAGIC:
         raise h.fail("magic", "the file does not start with 'GGUF'")
-    version = int(h.num("u4", "version"))
+    version = h.num("u4", "version")
     if version & 0xFFFF == 0 and version:
         raise h.fail("version", f"{version:#x} is a byte-swapped (big-endian) file, which qarray does not read")
     if version not in (2, 3):
@@ -134,7 +163,7 @@ def read(path):
         key = h.string(f"key {i}")
         if key in meta:
             raise h.fail(f"key {key!r}", "appears twice")
-        meta[key] = h.value(int(h.num("u4", f"{key!r} type")), f"value of {key!r}")
+        meta[key] = h.value(h.num("u4", f"{key!r} type"), f"value of {key!r}")
     alignment = meta.get("general.alignment", np.uint32(DEFAULT_ALIGNMENT))
     if type(alignment) is not np.uint32 or alignment == 0 or alignment & (alignment - 1):
         raise h.fail("general.alignment", f"must be a uint32 power of two, got {alignment!r}")
@@ -147,15 +176,15 @@ def read(path):
             raise h.fail(field, f"the name is {len(name.encode())} bytes, ggml's limit is {MAX_NAME - 1}")
         if name in infos:
             raise h.fail(field, "appears twice")
-        n_dims = int(h.num("u4", f"{field} n_dims"))
+        n_dims = h.num("u4", f"{field} n_dims")
         if n_dims > MAX_DIMS:
             raise h.fail(f"{field} n_dims", f"{n_dims} dimensions, GGUF holds at most {MAX_DIMS}")
-        ne = [int(h.num("u8", f"{field} ne")) for _ in range(n_dims)]
-        type_id = int(h.num("u4", f"{field} type"))
+        ne = [h.num("u8", f"{field} ne") for _ in range(n_dims)]
+        type_id = h.num("u4", f"{field} type")
         if type_id not in TYPE_NAMES:
             raise h.fail(f"{field} type", f"{type_id} is no ggml type qarray reads (removed and unknown ids are "
                                           "refused)")
-        offset = int(h.num("u8", f"{field} offset"))
+        offset = h.num("u8", f"{field} offset")
         fmt = _blocks.get(TYPE_NAMES[type_id])
         block, per = (fmt.block, fmt.nbytes) if fmt is not None else (1, _plain_dtype(type_id).itemsize)
         if any(n >= 1 << 62 for n in ne) or math.prod(ne) >= 1 << 62:
