@@ -28,6 +28,8 @@ lattices, whose codes index vectors of 4 or 8 values) gives its own
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["Field", "BlockFormat", "FORMATS", "get"]
@@ -48,19 +50,24 @@ class Field:
     the segments, slice by slice."""
 
     def __init__(self, name, count, bits, place, view=None):
-        self.name, self.count, self.bits = name, count, bits
+        self.name, self.count, self.bits, self._place = name, count, bits, place
         self.store = np.dtype(np.uint8 if bits <= 8 else np.uint16 if bits <= 16 else np.uint32)
         self.view = np.dtype(view) if view is not None else self.store
+
+    @functools.cached_property
+    def segments(self) -> np.ndarray:
+        """The runs of ``place`` grouped into segments (worked out on first use: ``import qarray`` stays
+        cheap)."""
         runs = []  # (run index, value, byte, shift, width, value shift): a value's bits inside one byte
-        for i in range(count):
+        for i in range(self.count):
             got, k = 0, 0
-            for start, width in place(i):
+            for start, width in self._place(i):
                 while width:
                     w = min(width, 8 - start % 8)
                     runs.append((k, i, start // 8, start % 8, w, got))
                     start, width, got, k = start + w, width - w, got + w, k + 1
-            if got != bits:
-                raise AssertionError(f"{name}[{i}] places {got} bits, not {bits}")
+            if got != self.bits:
+                raise AssertionError(f"{self.name}[{i}] places {got} bits, not {self.bits}")
         segments = []
         for k, i, byte, shift, w, vs in sorted(runs):
             last = segments[-1] if segments else None
@@ -70,10 +77,13 @@ class Field:
                 last[1] += 1
                 continue
             segments.append([i, 1, byte, 1, shift, (1 << w) - 1, vs, k])
-        self.segments = np.array([g[:7] for g in segments], dtype=np.int64)
-        self.bits_used = [(b + j * st) * 8 + sh + t for i, n, b, st, sh, m, vs in self.segments for j in range(n)
-                          for t in range(int(m).bit_length())]
-        self.bytes = np.unique(np.array(self.bits_used) // 8)
+        return np.array([g[:7] for g in segments], dtype=np.int64)
+
+    @property
+    def bits_used(self) -> list:
+        """The bit positions in the block that the field's values take."""
+        return [(b + j * st) * 8 + sh + t for i, n, b, st, sh, m, vs in self.segments for j in range(n)
+                for t in range(int(m).bit_length())]
 
     def _slices(self):
         for i, n, b, st, sh, m, vs in self.segments.tolist():
@@ -136,12 +146,13 @@ class BlockFormat:
         self.values = None if values is None else np.asarray(values, np.float32)
         self.scale, self.offset, self.elements, self.quantize = scale, offset, elements, quantize
         self.bits = bits if bits is not None else self.fields["q"].bits
-        covered = np.zeros(8 * nbytes, int)  # every bit of the block in exactly one field
-        for f in fields:
+
+    def covered(self) -> np.ndarray:
+        """How many fields take each bit of a block: ones everywhere for a sound description."""
+        covered = np.zeros(8 * self.nbytes, int)
+        for f in self.fields.values():
             np.add.at(covered, f.bits_used, 1)
-        if (covered != 1).any():
-            raise AssertionError(f"{name}: the fields cover bits {np.flatnonzero(covered != 1)[:8]} "
-                                 "not exactly once")
+        return covered
 
     def __repr__(self):
         return f"BlockFormat({self.name}: {self.block} elements in {self.nbytes} bytes)"
