@@ -122,6 +122,9 @@ def _quantize_blocks(x, b, d, given):
     return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f), x, f.nbytes / f.block, np.uint8), d, b)
 
 
+_BLOCK_CHUNK = 1 << 15  # values quantized at a time by a block format's quantizer
+
+
 def _block_bytes(x, f):
     """The bytes of ``f`` for host values ``x`` (rows along the last axis)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -129,7 +132,12 @@ def _block_bytes(x, f):
     if bad.any():
         raise ValueError(f"quantize: {int(bad.sum())} value(s) are NaN or infinite (the first at flat index "
                          f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
-    return f.pack(f.quantize(x.reshape(-1, f.block))).reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
+    blocks = x.reshape(-1, f.block)
+    out = np.empty((len(blocks), f.nbytes), np.uint8)
+    step = max(1, _BLOCK_CHUNK // f.block)  # a chunk's temporaries stay in cache (2x on Q8_0 at 2^24 values)
+    for i in range(0, len(blocks), step):
+        out[i:i + step] = f.pack(f.quantize(blocks[i:i + step]))
+    return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
 
 
 def _stochastic(rounding, seed, reciprocal, what):
