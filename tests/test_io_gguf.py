@@ -171,3 +171,20 @@ def test_every_truncation_of_a_file_is_refused(tmp_path, rng):
         path.write_bytes(data[:n])
         with pytest.raises(ValueError, match=f"{path}: GGUF "):
             G.read(path)
+
+
+def test_chunks_give_lazy_dask_tensors_over_the_map(tmp_path, rng):
+    da = pytest.importorskip("dask.array")
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    q = qa.quantize(x, dtype="Q4_K")
+    qa.save(tmp_path / "m.gguf", {"w": q, "norm": x[0], "e": x.astype(np.float16)})
+    for chunks in ("auto", 2):
+        t = qa.load(tmp_path / "m.gguf", chunks=chunks)
+        assert isinstance(t["w"].data, da.Array) and isinstance(t["e"], da.Array) and t["w"].backend == "dask"
+        if chunks == 2:
+            assert t["w"].data.chunks == ((2, 2, 2), (288,))  # whole rows of 2 Q4_K blocks
+        np.testing.assert_array_equal(t["w"].dequantize().compute(), q.dequantize())
+        np.testing.assert_array_equal(t["norm"].compute(), x[0])
+        np.testing.assert_array_equal(t["e"].compute(), x.astype(np.float16))
+    with pytest.raises(TypeError, match="chunks= is for GGUF files"):
+        qa.load(tmp_path / "m.npz", chunks=2)

@@ -58,13 +58,14 @@ def save(path, arrays: dict, metadata=None) -> None:
     npz.save(path, arrays)
 
 
-def load(path) -> dict:
+def load(path, chunks=None) -> dict:
     """Read a file written by :func:`save` as ``{name: QArray or numpy.ndarray}``:
     a path (``NAME`` finds the ``NAME.npz`` that ``save("NAME", ...)`` wrote), a
     binary file object, or a ``.safetensors`` file; or a Zarr store (a directory,
     as ``qarray quantize -o OUT.zarr`` writes it), lazily: Dask-backed QArrays and
     dask arrays (``qarray.zarr.load_store``); or a ``.gguf`` file, from a memory
-    map (:func:`qarray.io.gguf.read` gives its metadata too).
+    map (:func:`qarray.io.gguf.read` gives its metadata too), or with ``chunks``
+    (``"auto"``, ``"64MiB"``, rows) as Dask-backed QArrays and arrays over it.
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -76,7 +77,9 @@ def load(path) -> dict:
     if _safetensors(path):
         return safetensors.load(path)
     if _suffix(path) == ".gguf":
-        return gguf.load(path)
+        return gguf.load(path, chunks)
+    if chunks is not None:
+        raise TypeError("load: chunks= is for GGUF files (a .zarr store is read in its own chunks)")
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # a Zarr store: lazy, chunk by chunk
         try:
             import zarr  # noqa: F401

@@ -142,10 +142,15 @@ _SCALAR = {code: struct.Struct("<" + c) for code, c in
             "i8": "q", "f8": "d"}.items()}  # VALUE_TYPES' codes, as struct reads them
 
 
-def read(path):
+def read(path, chunks=None):
     """``({name: QArray or ndarray}, {key: value})`` of the GGUF file ``path``, its tensors views of a
     read-only memory map (nothing of their data is read here). ValueError naming the file and the field
-    for anything ggml's C reader would refuse."""
+    for anything ggml's C reader would refuse.
+
+    ``chunks`` (Dask's spelling: ``"auto"``, a number of bytes as ``"64MiB"``, rows per chunk) gives
+    the tensors as Dask-backed QArrays and dask arrays over the same map instead, chunked along their
+    leading axes (whole rows, so every chunk holds whole blocks): lazy, and computed chunk by chunk
+    in parallel, from Dask's threads or a cluster's workers on the same file."""
     size = os.path.getsize(path)
     mm = np.memmap(path, np.uint8, "r") if size else np.zeros(0, np.uint8)
     h = _Header(path, mm)
@@ -203,25 +208,30 @@ def read(path):
         if start + offset + nbytes > size:
             raise h.fail(f"tensor {name!r} offset", f"its {nbytes} bytes at {start + offset} run past the end "
                                                     f"of the file ({size} bytes)")
-    tensors = {name: _tensor(mm, start + offset, nbytes, ne, type_id) for name, (ne, type_id, offset, nbytes)
+    tensors = {name: _tensor(mm, start + offset, nbytes, ne, type_id, chunks) for name, (ne, type_id, offset, nbytes)
                in infos.items()}
     return tensors, meta
 
 
-def _tensor(mm, at, nbytes, ne, type_id):
+def _tensor(mm, at, nbytes, ne, type_id, chunks):
     shape = tuple(reversed(ne))
     raw = mm[at:at + nbytes].view(np.ndarray)
     name = TYPE_NAMES[type_id]
-    if _blocks.get(name) is None:
-        return raw.view(_plain_dtype(type_id)).reshape(shape)
     f = _blocks.get(name)
-    rows = shape[:-1] + (shape[-1] // f.block * f.nbytes,) if shape else (0,)
-    return QArray.from_blocks(raw.reshape(rows), name)
+    a = raw.view(_plain_dtype(type_id)).reshape(shape) if f is None else \
+        raw.reshape(shape[:-1] + (shape[-1] // f.block * f.nbytes,) if shape else (0,))
+    if chunks is not None:  # whole rows a chunk: blocks run along the last axis
+        try:
+            import dask.array as da
+        except ImportError:
+            raise ImportError("read(chunks=...) gives Dask arrays: pip install 'qarray[dask]'") from None
+        a = da.from_array(a, chunks=(chunks,) * (a.ndim - 1) + (-1,) if a.ndim > 1 else -1, asarray=False)
+    return a if f is None else QArray.from_blocks(a, name)
 
 
-def load(path) -> dict:
+def load(path, chunks=None) -> dict:
     """``{name: QArray or ndarray}`` of the GGUF file ``path`` (:func:`read` without the metadata)."""
-    return read(path)[0]
+    return read(path, chunks)[0]
 
 
 def _encode(key, v) -> bytes:
