@@ -164,3 +164,14 @@ def weights(rng, tmp_path):
     path = tmp_path / "model.npz"
     np.savez(path, **arrays)
     return arrays, path
+
+
+@pytest.fixture(scope="session")
+def ggml_vectors():
+    """ggml's own bytes for hard inputs (tests/data/ggml/kquants.npz, made by make_vectors.py there):
+    ``{T}_x`` float32 rows, ``{T}_bytes`` ggml_quantize_chunk's, ``{T}_deq`` its to_float's, for the
+    K-quants and IQ4_NL/IQ4_XS."""
+    from pathlib import Path
+
+    with np.load(Path(__file__).parent / "data" / "ggml" / "kquants.npz") as z:
+        return {k: z[k] for k in z.files}

@@ -3,28 +3,19 @@ every block equal those of the bytes ggml_quantize_chunk wrote (tests/data/ggml/
 tests/data/ggml/make_vectors.py), read by the library's block description; and those bytes hold the
 values ggml's own to_float gives."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from qarray import _blocks, _kquants
 
-DATA = Path(__file__).parent / "data" / "ggml" / "kquants.npz"
 TYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 
 
-@pytest.fixture(scope="module")
-def vectors():
-    with np.load(DATA) as z:
-        return {k: z[k] for k in z.files}
-
-
 @pytest.mark.parametrize("t", TYPES)
-def test_port_gives_ggml_fields(vectors, t):
+def test_port_gives_ggml_fields(ggml_vectors, t):
     f = _blocks.FORMATS[t.upper()]
-    x = vectors[f"{t}_x"].reshape(-1, f.block)
-    want = f.unpack(vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
+    x = ggml_vectors[f"{t}_x"].reshape(-1, f.block)
+    want = f.unpack(ggml_vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
     got = getattr(_kquants, f"quantize_{t}")(x)
     assert set(got) == set(want)
     for name, w in want.items():
@@ -35,17 +26,17 @@ def test_port_gives_ggml_fields(vectors, t):
 
 
 @pytest.mark.parametrize("t", TYPES)
-def test_ggml_bytes_hold_ggml_values(vectors, t):
+def test_ggml_bytes_hold_ggml_values(ggml_vectors, t):
     f = _blocks.FORMATS[t.upper()]
     with np.errstate(all="ignore"):
-        y = f.decode(vectors[f"{t}_bytes"].reshape(-1, f.nbytes)).reshape(vectors[f"{t}_deq"].shape)
-    np.testing.assert_array_equal(y.view(np.uint32), vectors[f"{t}_deq"].view(np.uint32))
+        y = f.decode(ggml_vectors[f"{t}_bytes"].reshape(-1, f.nbytes)).reshape(ggml_vectors[f"{t}_deq"].shape)
+    np.testing.assert_array_equal(y.view(np.uint32), ggml_vectors[f"{t}_deq"].view(np.uint32))
 
 
 @pytest.mark.parametrize("t", TYPES)
-def test_vectors_not_trivial(vectors, t):
+def test_vectors_not_trivial(ggml_vectors, t):
     f = _blocks.FORMATS[t.upper()]
-    fields = f.unpack(vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
+    fields = f.unpack(ggml_vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
     assert set(np.unique(fields["q"])) == set(range(1 << f.fields["q"].bits))
     d = fields["d"]
     assert (d == 0).any() and (np.isfinite(d) & (d != 0)).sum() > len(d) // 2
