@@ -20,6 +20,7 @@ import qarray as qa
 x = np.linspace(-3, 3, 1 << 15, dtype=np.float32).reshape(128, 256)
 q = qa.quantize(x, 0.05, 3, "qint8")
 q.dequantize()
+qa.quantize(np.ones((64, 256), np.float32), dtype="Q4_K").dequantize()  # the block formats' decoder
 qa.quantize(np.zeros(1 << 22, np.float32), 0.05, 3, "qint8")  # large: the streaming kernels
 qa.QArray.from_int(np.zeros(1 << 22, np.int32), 0.5, 0, "qint32").requantize(3.0, 1, "qint8")
 qa.fake_quantize(x, 0.05, 3, "qint8", return_mask=True)

@@ -118,13 +118,13 @@ class _Header:
             self.string(f"{field}[{len(out)}]")
         return out
 
-    def value(self, type_id, field, nested=False):
+    def value(self, type_id, field):
         if type_id in VALUE_TYPES:
             code = VALUE_TYPES[type_id]
             return np.dtype(code).type(self.num(code, field))
         if type_id == STRING:
             return self.string(field)
-        if type_id == ARRAY and not nested:
+        if type_id == ARRAY:
             t = self.num("u4", f"{field} element type")
             if t == STRING:
                 return self.strings(self.count(f"{field} count", 8), field)
