@@ -234,8 +234,9 @@ def dequantize(q: QArray, dtype="float32"):
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
-    if q.dtype.kind == "block":  # scale * value + offset in float32, as the format's reference does
-        return q._backend.dequantize_blocks(q.data, q.dtype.layout, ft)
+    if q.dtype.kind == "block":  # scale * (value - zero) + offset, as the format's reference computes it
+        y = q._backend.dequantize_blocks(q.data, q.dtype.layout, ft)
+        return y if q.columns is None else y[..., np.argsort(q.columns)]  # stored column i holds columns[i]
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
         if q.global_scale is None:
             return q._backend.dequantize_float(q.data, q.scale, q.dtype, q.axis, q.block_size, ft)

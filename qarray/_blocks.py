@@ -10,10 +10,9 @@ a 16-bit field viewed as float16. So one unpacker (:meth:`Field.unpack`) and
 one packer (:meth:`BlockFormat.pack`) serve every layout: ggml's split nibbles,
 its 6-bit scales packed in 12 bytes, a fifth bit kept in another array.
 
-The values follow one formula, in float32 as the formats' own references
-compute them::
+The values follow one formula::
 
-    y = scale[sub-block] * value[code] + offset[sub-block]
+    y = scale[sub-block] * (value[code] - zero[sub-block]) + offset[sub-block]
 
 ``value`` is a table indexed by the code (``code - zero`` for integer codes,
 a codebook such as NF4 or IQ4_NL otherwise); ``scale`` is a float field, or a
@@ -21,25 +20,48 @@ float field times a table of the small integer sub-scales (the two-level
 K-quants: ``d * sc``), and ``offset`` likewise (``-dmin * m``). Each such
 product is exact in float32 (an 11-bit float16 times a code of at most 8
 bits), so ``y`` rounds once after the multiply and once after the add, as
-gguf-py and ggml compute it. A format whose values have no such form (the IQ
-lattices, whose codes index vectors of 4 or 8 values) gives its own
+gguf-py and ggml compute it. ``zero`` is an integer field (GPTQ's, AWQ's and
+compressed-tensors' zero points; 0 where a format has none). A format's
+``precision`` is the float type its reference computes in: float32 for
+ggml's types, the scales' float16 or bfloat16 for GPTQ, AWQ, MLX and
+compressed-tensors; the multiply and the add each round to it. Computing each
+operation in float32 and rounding its result to float16 or bfloat16 gives the
+same bits as computing in that type (float32 has more than twice their
+significand bits plus two, so the double rounding is innocuous).
+
+A format whose values have no such form (the IQ lattices, whose codes index vectors of 4 or 8 values) gives its own
 ``elements`` function beside its description.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
-__all__ = ["Field", "BlockFormat", "FORMATS", "get"]
+__all__ = ["Field", "BlockFormat", "FORMATS", "get", "rounded"]
+
+
+def rounded(y, precision):
+    """float32 ``y`` rounded to ``precision`` (``"float32"``, ``"float16"`` or ``"bfloat16"``: to
+    nearest, ties to even), as float32."""
+    if precision == "float32":
+        return y
+    if precision == "float16":
+        with np.errstate(over="ignore"):
+            return y.astype(np.float16).astype(np.float32)
+    u = y.view(np.uint32)  # bfloat16: the top 16 bits, rounded to nearest even; NaN stays NaN
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(y), y, r)
 
 
 class Field:
     """``count`` values of ``bits`` bits in a block; ``place(i)`` gives the
     ``(bit offset, width)`` runs of value ``i`` in the block, low bits first.
     ``view`` is how the unsigned bits read: ``float16`` for a scale, ``int8``
-    for signed codes; unsigned by default.
+    for signed codes, ``"bfloat16"`` for a bfloat16 scale (read as float32);
+    unsigned by default.
 
     The runs become ``segments``: rows ``(first value, count, first byte, byte
     stride, shift, mask, value shift)``, each saying that values ``first ..
@@ -52,7 +74,8 @@ class Field:
     def __init__(self, name, count, bits, place, view=None):
         self.name, self.count, self.bits, self._place = name, count, bits, place
         self.store = np.dtype(np.uint8 if bits <= 8 else np.uint16 if bits <= 16 else np.uint32)
-        self.view = np.dtype(view) if view is not None else self.store
+        self.bf16 = view == "bfloat16"  # NumPy has no bfloat16: its bits are the top half of a float32
+        self.view = np.dtype(np.float32 if self.bf16 else view if view is not None else self.store)
 
     @functools.cached_property
     def segments(self) -> np.ndarray:
@@ -95,6 +118,8 @@ class Field:
         for values, bytes_, sh, m, vs in self._slices():
             part = (raw[:, bytes_] >> np.uint8(sh)) & np.uint8(m)
             out[:, values] |= part.astype(self.store) << self.store.type(vs)
+        if self.bf16:
+            return (out.astype(np.uint32) << np.uint32(16)).view(np.float32)
         return out.view(self.view) if self.view != self.store else out
 
     def pack_into(self, raw, v):
@@ -111,6 +136,11 @@ class Field:
             v = v[:, None]
         if v.ndim != 2 or v.shape[1] != self.count:
             raise ValueError(f"{fmt}: field {self.name!r} has {self.count} values a block, got shape {v.shape}")
+        if self.bf16 and v.dtype in (np.float32, "bfloat16"):  # (ml_dtypes' bfloat16, where given)
+            u = v.view(np.uint16) if v.dtype.itemsize == 2 else v.view(np.uint32)
+            if u.dtype == np.uint32 and np.any(u & np.uint32(0xFFFF)):
+                raise ValueError(f"{fmt}: field {self.name!r} is bfloat16; got float32 values that are not bfloat16")
+            return (u >> np.uint32(16)).astype(np.uint16) if u.dtype == np.uint32 else u
         if v.dtype == self.view:
             return v.view(self.store)
         if v.dtype.kind not in "iu" or self.view.kind not in "iu":
@@ -134,13 +164,16 @@ class BlockFormat:
     - ``values``: float32 table indexed by the code field ``q``;
     - ``scale``: ``(float field, (sub-scale field, table) or None)``: scale = d * table[sc];
     - ``offset``: the same for an offset, or None; ``sign`` -1 for ggml's ``- dmin * m``;
+    - ``zero``: the integer field subtracted from each sub-block's values, or None;
+    - ``precision``: the float type the reference computes in (see the module's docstring);
     - ``elements(fields)``: per-element values where no table gives them (IQ lattices);
     - ``quantize(x)``: float32 ``(n, block)`` -> fields, or None where the format is read only.
     """
 
     def __init__(self, name, block, nbytes, fields, sub=None, values=None, scale=("d", None), offset=None,
-                 elements=None, quantize=None, ggml=None, bits=None):
+                 elements=None, quantize=None, ggml=None, bits=None, zero=None, precision="float32"):
         self.name, self.block, self.nbytes, self.ggml = name, block, nbytes, ggml
+        self.zero, self.precision = zero, precision
         self.fields = {f.name: f for f in fields}
         self.sub = sub or block
         self.values = None if values is None else np.asarray(values, np.float32)
@@ -218,25 +251,28 @@ class BlockFormat:
         return self.fields["q"].segments, self.values
 
     def parameters(self, raw):
-        """``(scale, offset or None)`` of blocks ``raw``, float32 ``(n, block // sub)`` each, from the
-        fields they need alone (not the codes)."""
+        """``(scale, offset or None, zero or None)`` of blocks ``raw``, float32 ``(n, block // sub)``
+        each, from the fields they need alone (not the codes)."""
         names = [n for n in self.fields if n != "q"] if callable(self.scale) else \
             [n for spec in (self.scale, self.offset and self.offset[0]) if spec for n in (spec[0], spec[1] and spec[1][0])
              if n is not None]
         fields = {n: self.fields[n].unpack(raw) for n in names}
+        zero = None if self.zero is None else self.fields[self.zero].unpack(raw).astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
-            return self.scales(fields), self.offsets(fields)
+            return self.scales(fields), self.offsets(fields), zero
 
     def decode(self, raw) -> np.ndarray:
         """float32 values of blocks ``raw`` (uint8 ``(n, nbytes)``): ``(n, block)``."""
         f = self.unpack(raw)
         n, k = len(raw), self.block // self.sub
         v = self.element_values(f).reshape(n, k, self.sub)
+        if self.zero is not None:
+            v = v - f[self.zero].astype(np.float32).reshape(n, k, 1)
         with np.errstate(over="ignore", invalid="ignore"):
-            y = self.scales(f).reshape(n, k, 1) * v
+            y = rounded(self.scales(f).reshape(n, k, 1) * v, self.precision)
             off = self.offsets(f)
             if off is not None:
-                y = y + off.reshape(n, k, 1)
+                y = rounded(y + off.reshape(n, k, 1), self.precision)
         return y.reshape(n, self.block)
 
 
@@ -249,5 +285,75 @@ def register(fmt: BlockFormat) -> BlockFormat:
 
 
 def get(name):
-    """The block format ``name`` names (case-insensitive), or None."""
-    return FORMATS.get(name.upper()) if isinstance(name, str) else None
+    """The block format ``name`` names (case-insensitive), or None: a registered one (ggml's types), or
+    one of the grouped family (:func:`grouped`)."""
+    if not isinstance(name, str):
+        return None
+    return FORMATS.get(name.upper()) or grouped(name)
+
+
+# -- the grouped family: one scale (and zero or bias) per group of codes ---------------------------------
+# What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes): a group of
+# ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their files
+# keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
+# scale, then the bias, the codes (``bits`` each, element ``i`` at bit ``i * bits`` of the code bits,
+# low bits first) and the zero point, padded to a whole byte. The name says it all:
+# ``{codes}_g{G}_{scale type}[_zp | _bias]``:
+#
+# - codes ``int{b}`` (2..8 bits): value ``code - 2^(b-1)``; ``uint{b}``: value ``code``; ``nf4`` and
+#   ``fp4bnb``: bitsandbytes' code tables; ``e4m3``: float8 e4m3 values (compressed-tensors' FP8);
+# - scale type ``f16``, ``bf16`` or ``f32``, which is also the precision the values are computed in;
+# - ``_zp``: an integer zero point of ``b`` bits, ``scale * (value - zp)``; ``_bias``: a float bias of the
+#   scale's type, ``scale * value + bias`` (MLX).
+_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3)_g(\d+)_(f16|bf16|f32)(_zp|_bias)?")
+_SCALE = {"f16": (np.float16, "float16"), "bf16": ("bfloat16", "bfloat16"), "f32": (np.float32, "float32")}
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def _fp4bnb():
+    """bitsandbytes' FP4 table (``get_4bit_type("fp4")``): its values over their largest, in float32."""
+    v = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3], np.float32)
+    return v / np.float32(12)
+
+
+def _e4m3():
+    """float8 e4m3fn's 256 values (0x7F and 0xFF are NaN)."""
+    x = np.arange(256)
+    e, m = (x >> 3) & 0xF, x & 7
+    v = np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7.0)) * np.where(x & 0x80, -1.0, 1.0)
+    return np.where((x & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
+
+
+def grouped(name):
+    """The grouped format ``name`` (see above), registered on first use; None if ``name`` is not one."""
+    m = _GROUPED.fullmatch(name.lower())
+    if m is None:
+        return None
+    name = m.group(0)
+    if name.upper() in FORMATS:
+        return FORMATS[name.upper()]
+    codes, group, stype, extra = m.group(1), int(m.group(3)), m.group(4), m.group(5)
+    bits = int(m.group(2)) if m.group(2) else 8 if codes == "e4m3" else 4
+    if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra:
+        return None  # (an offset-binary code's zero point is uint's; the tables take a scale alone)
+    if group < 1 or group % 8:
+        return None
+    c = np.arange(1 << bits)
+    values = {"nf4": NF4, "fp4bnb": _fp4bnb(), "e4m3": _e4m3()}.get(codes, c - (1 << bits - 1) if codes[0] == "i" else c)
+    view, precision = _SCALE[stype]
+    sbits = 32 if stype == "f32" else 16
+    fields = [Field("d", 1, sbits, bits_at(0, sbits), view)]
+    at = sbits
+    if extra == "_bias":
+        fields.append(Field("m", 1, sbits, lambda i: [(sbits, sbits)], view))
+        at += sbits
+    fields.append(Field("q", group, bits, lambda i, at=at: [(at + bits * i, bits)]))
+    at += group * bits
+    if extra == "_zp":
+        fields.append(Field("z", 1, bits, bits_at(at // 8, bits) if at % 8 == 0 else lambda i, at=at: [(at, bits)]))
+        at += bits
+    return register(BlockFormat(name, group, (at + 7) // 8, fields, values=values,
+                                offset=(("m", None), 1) if extra == "_bias" else None,
+                                zero="z" if extra == "_zp" else None, precision=precision))

@@ -49,7 +49,8 @@ class QArray:
     array([  50, -100], dtype=int8)
     """
 
-    __slots__ = ("_data", "_scale", "_zero_point", "_axis", "_block_size", "_dtype", "_backend", "_global_scale")
+    __slots__ = ("_data", "_scale", "_zero_point", "_axis", "_block_size", "_dtype", "_backend", "_global_scale",
+                 "_columns")
 
     def __new__(cls, *args, **kwargs):
         raise TypeError(
@@ -58,9 +59,11 @@ class QArray:
         )
 
     @classmethod
-    def _new(cls, data, scale, zero_point, dtype, axis=None, block_size=None, backend=None, global_scale=None):
+    def _new(cls, data, scale, zero_point, dtype, axis=None, block_size=None, backend=None, global_scale=None,
+             columns=None):
         self = object.__new__(cls)
         self._global_scale = global_scale  # NVFP4's float32 tensor scale over the block scales, or None
+        self._columns = columns  # a block format's column order (GPTQ's act-order), or None: see ``columns``
         self._backend = backend if backend is not None else _backends.for_array(data)
         self._data = data
         self._scale = to_host(scale)  # host metadata whatever the data's device (a no-op for NumPy)
@@ -71,13 +74,14 @@ class QArray:
         return self
 
     @classmethod
-    def _blocks(cls, raw, dtype, backend=None):
+    def _blocks(cls, raw, dtype, backend=None, columns=None):
         """A QArray of a block format (``dtype.kind == "block"``: GGUF's Q4_K and the like) holding
         ``raw``, the format's bytes: shape ``(..., n // block * nbytes)`` for ``n`` values along the
-        last axis. Its scale, offset and codes are read from those bytes (qarray._blocks)."""
+        last axis. Its scale, offset and codes are read from those bytes (qarray._blocks). ``columns``:
+        see the property."""
         self = object.__new__(cls)
         self._backend = backend if backend is not None else _backends.for_array(raw)
-        self._data, self._dtype, self._global_scale = raw, dtype, None
+        self._data, self._dtype, self._global_scale, self._columns = raw, dtype, None, columns
         self._scale = self._zero_point = None
         self._axis, self._block_size = raw.ndim - 1, dtype.layout.block
         return self
@@ -169,9 +173,17 @@ class QArray:
     fields = property(lambda self: self._block_params("fields"),
                       doc="A block format's fields as its blocks hold them, each ``(..., blocks, count)``: "
                           "``d``, ``scales``, ``q``, ... (qarray._ggml names them as ggml does).")
+    columns = property(lambda self: self._columns,
+                       doc="A block format's column order, or None where the columns are in order: int64 "
+                           "``(shape[-1],)``, the column of the values each stored column holds. GPTQ's act-order "
+                           "(``g_idx``) groups columns that are not neighbours; they are stored group by group, and "
+                           "``dequantize`` puts them back.")
     global_scale = property(lambda self: self._global_scale,
                             doc="A float32 0-d scale over the block scales (NVFP4's tensor scale), or None.")
-    zero_point = property(lambda self: self._zero_point, doc="int32 zero point, shaped like scale.")
+    zero_point = property(lambda self: self._zero_point if self._dtype.kind != "block" else
+                          self._block_params("zero_point"),
+                          doc="int32 zero point, shaped like scale; a block format's integer zero point per "
+                              "group (GPTQ's, AWQ's), read from its bytes, or None where it has none.")
     axis = property(lambda self: self._axis, doc="Parameter axis, or None for per-tensor.")
     block_size = property(lambda self: self._block_size, doc="Block length along axis, or None.")
     dtype = property(lambda self: self._dtype, doc="The QDType.")
@@ -193,7 +205,10 @@ class QArray:
         fields = f.unpack(np.ascontiguousarray(raw).reshape(-1, f.nbytes))
         if what == "fields":
             return {k: v.reshape(*lead, -1, v.shape[-1]) for k, v in fields.items()}
-        p = f.scales(fields) if what == "scale" else f.offsets(fields)
+        if what == "zero_point":
+            p = None if f.zero is None else fields[f.zero].astype(np.int32)
+        else:
+            p = f.scales(fields) if what == "scale" else f.offsets(fields)
         return None if p is None else p.reshape(*lead, -1)
     backend = property(lambda self: self._backend.name, doc="Name of the backend holding the data.")
 
@@ -270,7 +285,7 @@ class QArray:
             return b.asarray(self._backend.to_host(a))
 
         return QArray._new(move(self._data), self._scale, self._zero_point,
-                           self._dtype, self._axis, self._block_size, b, self._global_scale)
+                           self._dtype, self._axis, self._block_size, b, self._global_scale, self._columns)
 
     def get(self) -> "QArray":
         """The same QArray with NumPy storage (a copy from the device for CuPy)."""
@@ -310,13 +325,14 @@ class QArray:
         from dask.base import tokenize
 
         return tokenize(self._data, self._scale, self._zero_point, self._dtype.name, self._axis, self._block_size,
-                        self._global_scale)
+                        self._global_scale, self._columns)
 
     __dask_optimize__ = property(lambda self: self._data.__dask_optimize__)
     __dask_scheduler__ = property(lambda self: self._data.__dask_scheduler__)
 
     def _params(self):
-        return self._scale, self._zero_point, self._dtype, self._axis, self._block_size, self._global_scale
+        return self._scale, self._zero_point, self._dtype, self._axis, self._block_size, self._global_scale, \
+            self._columns
 
     def __dask_postcompute__(self):
         finish, args = self._data.__dask_postcompute__()
@@ -332,7 +348,7 @@ class QArray:
     def copy(self) -> "QArray":
         """A QArray with its own copy of the codes and parameters."""
         if self._dtype.kind == "block":
-            return QArray._blocks(self._data.copy(), self._dtype, self._backend)
+            return QArray._blocks(self._data.copy(), self._dtype, self._backend, self._columns)
         return QArray._new(self._data.copy(), self._scale.copy(), self._zero_point.copy(), self._dtype,
                            self._axis, self._block_size, self._backend, self._global_scale)
 
@@ -374,7 +390,7 @@ class QArray:
 
     def __reduce__(self):
         return (_rebuild, (self._data, self._scale, self._zero_point, self._dtype.name,
-                           self._axis, self._block_size, self._global_scale))
+                           self._axis, self._block_size, self._global_scale, self._columns))
 
     # -- shape --------------------------------------------------------------
     def __len__(self):
@@ -431,7 +447,7 @@ class QArray:
             raise ValueError(f"cannot reshape {self.shape} to {shape}: {self._dtype.name} keeps its blocks along "
                              f"the last axis (length {n}), which must stay the last dimension; dequantize first")
         raw = self._data.reshape(shape[:-1] + (self._data.shape[-1],))
-        return QArray._blocks(raw, self._dtype, self._backend)
+        return QArray._blocks(raw, self._dtype, self._backend, self._columns)
 
     def transpose(self, *axes) -> "QArray":
         """Permute dimensions (reversed when no axes are given); parameters follow."""
@@ -444,7 +460,7 @@ class QArray:
             if self.ndim and axes[-1] != self.ndim - 1:
                 raise ValueError(f"transpose {axes}: {self._dtype.name} keeps its blocks along the last axis, "
                                  "which must stay last; dequantize first")
-            return QArray._blocks(self._data.transpose(axes), self._dtype, self._backend)
+            return QArray._blocks(self._data.transpose(axes), self._dtype, self._backend, self._columns)
         data = self._data.transpose(axes)
         if self._axis is None:
             return self._with(data)
@@ -530,8 +546,11 @@ class QArray:
         if step != 1 or start % f.block or stop % f.block:
             raise ValueError(f"the slice {start}:{stop}:{step} cuts the blocks of {f.block} values of "
                              f"{self._dtype.name} along the last axis; slice at multiples of {f.block} with step 1")
+        if self._columns is not None and (start, stop) != (0, n):
+            raise IndexError(f"the columns of this {self._dtype.name} QArray are stored out of order (GPTQ's "
+                             "act-order, q.columns): its blocks are not column ranges; dequantize first")
         cut = slice(start // f.block * f.nbytes, stop // f.block * f.nbytes)
-        return QArray._blocks(self._data[key[:last] + (cut,)], self._dtype, self._backend)
+        return QArray._blocks(self._data[key[:last] + (cut,)], self._dtype, self._backend, self._columns)
 
     def _shown(self):
         """``(values, summarise)``: the dequantized values NumPy's printing shows.
@@ -604,8 +623,9 @@ def _show(backend, p) -> str:
     return f"<{h.dtype} array of shape {h.shape}>"
 
 
-def _rebuild(data, scale, zero_point, dtype_name, axis, block_size, global_scale=None):
-    return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size, global_scale=global_scale)
+def _rebuild(data, scale, zero_point, dtype_name, axis, block_size, global_scale=None, columns=None):
+    return QArray._new(data, scale, zero_point, qdtype(dtype_name), axis, block_size, global_scale=global_scale,
+                       columns=columns)
 
 
 __all__ = ["QArray"]
@@ -616,15 +636,15 @@ _protocols.install(QArray)  # the operators and NumPy's protocols, from one tabl
 
 def _computed(results, finish, args, params):
     """Dask's post-compute step: the computed codes as an in-memory QArray."""
-    scale, zero_point, dtype, axis, block_size, global_scale = params
+    scale, zero_point, dtype, axis, block_size, global_scale, columns = params
     data = finish(results, *args)
     if isinstance(data, np.generic):  # a 0-d result (qa.sum over every axis) computes to a NumPy scalar
         data = np.asarray(data)
-    return QArray._new(data, scale, zero_point, dtype, axis, block_size, None, global_scale)
+    return QArray._new(data, scale, zero_point, dtype, axis, block_size, None, global_scale, columns)
 
 
 def _persisted(dsk, rebuild, args, params, backend, rename=None):
     """Dask's post-persist step: the persisted codes, still a dask-backed QArray."""
-    scale, zero_point, dtype, axis, block_size, global_scale = params
+    scale, zero_point, dtype, axis, block_size, global_scale, columns = params
     return QArray._new(rebuild(dsk, *args, rename=rename), scale, zero_point, dtype, axis, block_size, backend,
-                       global_scale)
+                       global_scale, columns)

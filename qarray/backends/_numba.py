@@ -903,12 +903,12 @@ def block_minmax(x, step, lo, hi, start, stop):
 # -- block formats (qarray._blocks): bytes -> float32 ----------------------------------------------
 
 @kernel
-def block_decode(raw, out, segments, values, scale, offset, has_offset, start, stop):
-    """``out[b, e] = scale[b, j] * values[q] + offset[b, j]`` for blocks ``start:stop``, the codes ``q``
-    read segment by segment (``Field.segments``: first value, count, first byte, byte stride, shift,
-    mask, value shift); in float32 as the formats' references compute it: one rounding for the multiply
-    and one for the add (none where there is no offset: -0.0 stays -0.0). The scales and offsets
-    (``BlockFormat.parameters``) are exact products."""
+def block_decode(raw, out, segments, values, scale, offset, zero, has_offset, has_zero, start, stop):
+    """``out[b, e] = scale[b, j] * (values[q] - zero[b, j]) + offset[b, j]`` for blocks ``start:stop``,
+    the codes ``q`` read segment by segment (``Field.segments``: first value, count, first byte, byte
+    stride, shift, mask, value shift); in float32 as the formats' references compute it: one rounding
+    for the multiply and one for the add (none where there is no offset: -0.0 stays -0.0). The scales,
+    offsets and zeros (``BlockFormat.parameters``) are exact; ``values[q] - zero`` is an exact integer."""
     block, nsub = out.shape[1], scale.shape[1]
     sub = block // nsub
     code = np.empty(block, np.int32)
@@ -926,10 +926,14 @@ def block_decode(raw, out, segments, values, scale, offset, has_offset, start, s
                     code[v0 + i] |= ((np.int32(raw[b, b0 + i * st]) >> sh) & m) << vs
         for j in range(nsub):
             s = scale[b, j]
+            z = zero[b, j] if has_zero else np.float32(0)
             if has_offset:
                 o = offset[b, j]
                 for e in range(j * sub, j * sub + sub):
-                    out[b, e] = s * values[code[e]] + o
+                    out[b, e] = s * (values[code[e]] - z) + o
+            elif has_zero:
+                for e in range(j * sub, j * sub + sub):
+                    out[b, e] = s * (values[code[e]] - z)
             else:
                 for e in range(j * sub, j * sub + sub):
                     out[b, e] = s * values[code[e]]

@@ -15,6 +15,7 @@ import platform
 import numpy as np
 
 from .. import _formats
+from .._blocks import rounded
 from .._config import THREADS, config
 from .._fixed_point import NO_REQUANT
 from .._params import Layout
@@ -290,14 +291,14 @@ class NumpyBackend(Backend):
 
     def dequantize_blocks(self, raw, fmt, dtype):
         k, plan = self._fast(raw), fmt.plan
-        if k is None or plan is None:
-            return super().dequantize_blocks(raw, fmt, dtype)
+        if k is None or plan is None or (fmt.offset is not None and fmt.precision != "float32"):
+            return super().dequantize_blocks(raw, fmt, dtype)  # (the multiply rounds before the add: NumPy)
         blocks = contiguous(raw).reshape(-1, fmt.nbytes)
-        scale, offset = fmt.parameters(blocks)
+        scale, offset, zero = fmt.parameters(blocks)
         out = self.empty((len(blocks), fmt.block), np.float32)
         k.parallel(k.block_decode, len(blocks), blocks, out, *plan, scale, scale if offset is None else offset,
-                   offset is not None, grain=k.GRAIN // fmt.block)
-        out = out.reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
+                   scale if zero is None else zero, offset is not None, zero is not None, grain=k.GRAIN // fmt.block)
+        out = rounded(out, fmt.precision).reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
         with np.errstate(over="ignore"):
             return out if dtype == np.float32 else out.astype(dtype)
 
