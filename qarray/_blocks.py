@@ -314,7 +314,7 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
 
 def _fp4bnb():
     """bitsandbytes' FP4 table (``get_4bit_type("fp4")``): its values over their largest, in float32."""
-    v = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3], np.float32)
+    v = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3], np.float32)  # (its -0 is 0)
     return v / np.float32(12)
 
 

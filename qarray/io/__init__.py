@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from . import gguf, npz, safetensors
+from . import checkpoint, gguf, npz, safetensors
 # the names other modules took from qarray.io when it was one module
 from ._rows import pack_rows, packed_rows, packed_rows_layout, row_group, unpack_rows  # noqa: F401
 from ._schema import (FORMAT, VERSION, VERSIONS, _is_qarray_meta, bad_field, meta_of, parse_meta,  # noqa: F401
@@ -33,11 +33,14 @@ def _safetensors(path) -> bool:
     return _suffix(path) == ".safetensors"
 
 
-def save(path, arrays: dict, metadata=None) -> None:
+def save(path, arrays: dict, metadata=None, format=None) -> None:
     """Write ``{name: QArray or numpy.ndarray}`` to ``path``: an ``.npz`` file (a
     path, NumPy adding ``.npz`` where it is missing, or a binary file object),
     a ``.safetensors`` file, or a ``.gguf`` file (QArrays of GGUF's types and
-    float or integer arrays, with ``metadata``: :mod:`qarray.io.gguf`).
+    float or integer arrays, with ``metadata``: :mod:`qarray.io.gguf`); or, with
+    ``format="compressed-tensors"``, ``"mlx"`` or ``"gptq"``, a Hugging Face
+    checkpoint directory in that convention (:mod:`qarray.io.checkpoint`), its
+    QArrays of the grouped formats as the convention's tensors.
 
     Plain arrays must be numeric or bool (``load`` gives them back as ndarrays,
     dtype and shape unchanged); names are non-empty strings, not starting with
@@ -45,6 +48,10 @@ def save(path, arrays: dict, metadata=None) -> None:
     """
     if not isinstance(arrays, dict):
         raise TypeError(f"save takes a dict of name -> QArray or numpy.ndarray, got {type(arrays).__name__}")
+    if format is not None:
+        if metadata is not None:
+            raise TypeError("save: metadata is for GGUF files; a checkpoint directory takes format= alone")
+        return checkpoint.save(path, arrays, format)
     suffix = _suffix(path)
     if suffix not in ("", ".npz", ".safetensors", ".gguf"):  # NumPy would write PATH.npz: a file of another name
         raise ValueError(f"save: {os.fspath(path)} is neither .npz, .safetensors nor .gguf; name it so (a path "
@@ -65,7 +72,10 @@ def load(path, chunks=None) -> dict:
     as ``qarray quantize -o OUT.zarr`` writes it), lazily: Dask-backed QArrays and
     dask arrays (``qarray.zarr.load_store``); or a ``.gguf`` file, from a memory
     map (:func:`qarray.io.gguf.read` gives its metadata too), or with ``chunks``
-    (``"auto"``, ``"64MiB"``, rows) as Dask-backed QArrays and arrays over it.
+    (``"auto"``, ``"64MiB"``, rows) as Dask-backed QArrays and arrays over it; or a
+    Hugging Face checkpoint directory (``config.json`` beside ``.safetensors``
+    shards: GPTQ, AWQ, bitsandbytes 4-bit, compressed-tensors, MLX), its quantized
+    weights as QArrays of the float weight's shape (:mod:`qarray.io.checkpoint`).
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -78,6 +88,10 @@ def load(path, chunks=None) -> dict:
         return safetensors.load(path)
     if _suffix(path) == ".gguf":
         return gguf.load(path, chunks)
+    if checkpoint.is_checkpoint(path):  # a Hugging Face checkpoint directory
+        if chunks is not None:
+            raise TypeError("load: chunks= is for GGUF files; a checkpoint directory loads into memory")
+        return checkpoint.load(path)
     if chunks is not None:
         raise TypeError("load: chunks= is for GGUF files (a .zarr store is read in its own chunks)")
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # a Zarr store: lazy, chunk by chunk

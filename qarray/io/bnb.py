@@ -1,0 +1,63 @@
+"""bitsandbytes 4-bit checkpoints (``quant_method`` ``"bitsandbytes"``, ``load_in_4bit``):
+NF4 and FP4, with and without double quantization.
+
+A linear ``P`` stores ``P.weight`` (uint8: the row-major weight's codes two a byte, the
+first in the high nibble), ``P.weight.absmax`` (float32 per block of ``blocksize``
+codes; uint8 codes of the nested table when double-quantized, with
+``P.weight.nested_absmax``, ``P.weight.nested_quant_map`` and the JSON's
+``nested_offset``), ``P.weight.quant_map`` (the 16 code values) and
+``P.weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``: JSON of blocksize, dtype
+and shape). bitsandbytes dequantizes ``quant_map[code] * absmax`` in float32 and casts
+it to the model's dtype (``q.dequantize(dtype)`` does the same); a double-quantized
+absmax is ``nested_quant_map[c] * nested_absmax + nested_offset``, in float32, which
+qarray works out once at reading: the QArray holds it as float32 (4 bytes a block
+where the file has 1, plus the nested tables), in the grouped format
+``nf4_g{blocksize}_f32`` (``fp4bnb_...``). Blocks run over the flattened weight;
+qarray needs them within rows (the input axis a multiple of ``blocksize``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from .. import _blocks
+from .hf import Grouped, to_qarray
+
+_TABLES = {"nf4": np.array(_blocks.NF4, np.float32), "fp4": _blocks._fp4bnb()}
+
+
+def read(tensors, qc: dict) -> dict:
+    out = {}
+    for key in [n for n in tensors.names() if ".weight.quant_state.bitsandbytes__" in n]:
+        p = key.split(".weight.quant_state.")[0]
+        try:
+            state = json.loads(bytes(tensors[key]).decode("utf-8"))
+            kind, block, (n, k) = state["quant_type"], int(state["blocksize"]), state["shape"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{key}: not bitsandbytes' quant state JSON ({e})") from None
+        if kind not in _TABLES:
+            raise ValueError(f"{key}: quant_type {kind!r} is not nf4 or fp4")
+        table = tensors[f"{p}.weight.quant_map"]
+        if table.dtype != np.float32 or not np.array_equal(table.view(np.uint32), _TABLES[kind].view(np.uint32)):
+            raise ValueError(f"{p}.weight.quant_map is not bitsandbytes' {kind} table")
+        if k % block:
+            raise ValueError(f"{p}: blocks of {block} straddle rows of {k}: qarray keeps a block within a row")
+        packed = tensors[f"{p}.weight"].reshape(-1)
+        if packed.dtype != np.uint8 or packed.size != n * k // 2:
+            raise ValueError(f"{p}.weight: {packed.dtype} of {packed.size} bytes does not hold {n} x {k} 4-bit codes")
+        codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(n, k)
+        absmax = tensors[f"{p}.weight.absmax"]
+        if absmax.dtype == np.uint8:  # double quantization, worked out in float32 as bitsandbytes does
+            nested, nmap = tensors[f"{p}.weight.nested_absmax"], tensors[f"{p}.weight.nested_quant_map"]
+            nb = int(state.get("nested_blocksize", 256))
+            offset = np.float32(state["nested_offset"])
+            absmax = nmap[absmax] * np.repeat(nested, nb)[: absmax.size] + offset
+            tensors.used.update({f"{p}.weight.nested_absmax", f"{p}.weight.nested_quant_map"})
+        if absmax.dtype != np.float32 or absmax.size != n * k // block:
+            raise ValueError(f"{p}.weight.absmax: {absmax.dtype} of {absmax.size} values for {n * k // block} blocks")
+        name = "nf4" if kind == "nf4" else "fp4bnb"
+        out[f"{p}.weight"] = to_qarray(name, Grouped(codes, absmax.reshape(n, -1)), "f32", p)
+        tensors.used.update({key, f"{p}.weight", f"{p}.weight.absmax", f"{p}.weight.quant_map"})
+    return out

@@ -1,0 +1,79 @@
+"""Hugging Face checkpoint directories: ``load`` reads one by its convention
+(``quantization_config``'s ``quant_method``; MLX's ``quantization``), ``save`` writes
+compressed-tensors, MLX or GPTQ (:mod:`qarray.io.hf` and one module per convention)."""
+
+from __future__ import annotations
+
+import os
+
+from . import bnb, compressed_tensors, gptq, mlx
+from .hf import Tensors, is_checkpoint, read_json, write  # noqa: F401
+
+READERS = {"gptq": lambda t, qc, config: gptq.read(t, qc),
+           "awq": lambda t, qc, config: gptq.read_awq(t, qc),
+           "compressed-tensors": lambda t, qc, config: compressed_tensors.read(t, qc),
+           "bitsandbytes": lambda t, qc, config: bnb.read(t, qc),
+           "mlx": lambda t, qc, config: mlx.read(t, config)}
+WRITERS = {"compressed-tensors": compressed_tensors.write, "mlx": mlx.write, "gptq": gptq.write}
+_SHAPES = {"q_proj": ("heads", "hidden_size"), "k_proj": ("kv", "hidden_size"), "v_proj": ("kv", "hidden_size"),
+           "o_proj": ("hidden_size", "heads"), "gate_proj": ("intermediate_size", "hidden_size"),
+           "up_proj": ("intermediate_size", "hidden_size"), "down_proj": ("hidden_size", "intermediate_size")}
+
+
+def _method(config):
+    if "quantization_config" in config:
+        return config["quantization_config"].get("quant_method"), config["quantization_config"]
+    if "quantization" in config:  # mlx-lm's
+        return "mlx", config["quantization"]
+    return None, None
+
+
+def _check_shapes(path, config, weights):
+    """A weight whose shape disagrees with config.json's sizes raises (Llama-style module names)."""
+    heads, hd = config.get("num_attention_heads"), config.get("head_dim")
+    if heads and not hd and config.get("hidden_size"):
+        hd = config["hidden_size"] // heads
+    sizes = dict(config, heads=heads and hd and heads * hd,
+                 kv=hd and (config.get("num_key_value_heads") or heads) * hd)
+    for name, q in weights.items():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        want = _SHAPES.get(module)
+        if want and all(sizes.get(w) for w in want):
+            shape = tuple(int(sizes[w]) for w in want)
+            if tuple(q.shape) != shape:
+                raise ValueError(f"{path}: {name} is {list(q.shape)}, but config.json's "
+                                 f"{' and '.join(want)} make it {list(shape)}")
+
+
+def load(path) -> dict:
+    """``{name: QArray or numpy.ndarray}`` of the checkpoint directory ``path``: its quantized
+    weights as QArrays of the float weight's shape, every other tensor as it is stored."""
+    config = read_json(os.path.join(path, "config.json"), "config")
+    method, qc = _method(config)
+    tensors = Tensors(path)
+    if method is None:
+        out = {}
+    elif method not in READERS:
+        raise ValueError(f"{path}: quant_method {method!r}; qarray reads {', '.join(READERS)}")
+    else:
+        out = READERS[method](tensors, qc, config)
+    _check_shapes(path, config, out)
+    out.update({name: tensors[name] for name in tensors.names() if name not in tensors.used})
+    return out
+
+
+def save(path, arrays: dict, format: str, config=None) -> None:
+    """The checkpoint directory ``path`` in ``format`` (compressed-tensors, mlx, gptq): the QArrays as that
+    convention's tensors, plain arrays as they are."""
+    if format not in WRITERS:
+        raise ValueError(f"save: format {format!r}; qarray writes {', '.join(WRITERS)}")
+    weights = {k: v for k, v in arrays.items() if hasattr(v, "dtype") and getattr(v.dtype, "kind", "") == "block"}
+    tensors, qc = WRITERS[format](weights)
+    clash = set(tensors) & set(arrays)
+    if clash:
+        raise ValueError(f"save: {sorted(clash)[0]!r} is both a plain array and a {format} tensor of a QArray")
+    tensors.update({k: v for k, v in arrays.items() if k not in weights})
+    if format == "mlx":
+        write(path, tensors, qc, "quantization", dict(config or {}, quantization_config=qc))
+    else:
+        write(path, tensors, qc, config=config)

@@ -1,0 +1,140 @@
+"""GPTQ and AWQ checkpoints (``quant_method`` ``"gptq"`` / ``"awq"``): each linear ``P`` as
+``P.qweight``, ``P.qzeros``, ``P.scales`` (and GPTQ's ``P.g_idx``), read into QArrays of
+the grouped formats and written back (GPTQ).
+
+GPTQ packs the codes along the input axis (``qweight`` ``[K * bits / 32, N]``, densely:
+3-bit codes cross words) and the zero points along the output axis (``qzeros``
+``[G, N * bits / 32]``); its ``checkpoint_format`` ``"gptq"`` (v1, and a config
+without one) stores ``zero - 1``, read back field by field as AutoGPTQ does
+(``(z + 1) & maxq``), ``"gptq_v2"`` the zero itself. AWQ's GEMM packs eight 4-bit
+codes a word along the output axis in the order 0, 2, 4, 6, 1, 3, 5, 7
+(``qweight`` ``[K, N / 8]``), its GEMV along the input axis in order
+(``qweight`` ``[N, K / 8]``, zeros ``[N, ZW]`` and scales ``[N, 8 ZW]`` padded).
+Both dequantize as ``scale * (q - zero)``, in the scales' float16: the grouped
+formats ``uint{bits}_g{G}_f16_zp`` (``int{bits}_g{G}_f16`` where every zero is
+``2^(bits-1)``, GPTQ's symmetric case, which is GGUF's Q4_0 for 4 bits and
+group 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .hf import Grouped, act_order, from_qarray, g_idx_of, pack_words, scale_type, to_qarray, \
+    unpack_words, words_for
+
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def _grouped(codes, scale, zero, bits, columns=None, name="weight"):
+    """The QArray of GPTQ's or AWQ's codes (N, K), scales and zeros (N, G): the symmetric format where
+    every zero is the middle code."""
+    stype = scale_type(scale.dtype)
+    if np.all(zero == 1 << (bits - 1)):
+        return to_qarray(f"int{bits}", Grouped(codes, scale, columns=columns), stype, name)
+    return to_qarray(f"uint{bits}", Grouped(codes, scale, zero, columns=columns), stype, name)
+
+
+def _check_bits(bits, allowed, what):
+    if bits not in allowed:
+        raise ValueError(f"{what}: bits {bits} is not one of {sorted(allowed)}")
+
+
+def read(tensors, qc: dict) -> dict:
+    """``{name: QArray}`` of the GPTQ linears among ``tensors`` (``hf.Tensors``), under config ``qc``."""
+    bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+    _check_bits(bits, {2, 3, 4, 8}, "GPTQ")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r}: qarray reads 'gptq' (v1) and 'gptq_v2'")
+    maxq = (1 << bits) - 1
+    out = {}
+    for p in [n[: -len(".qweight")] for n in tensors.names() if n.endswith(".qweight")]:
+        qweight, qzeros, scales = tensors[f"{p}.qweight"], tensors[f"{p}.qzeros"], tensors[f"{p}.scales"]
+        words, n = qweight.shape
+        k = words * 32 // bits
+        groups = scales.shape[0]
+        if words != words_for(k, bits) or scales.shape[1] != n:
+            raise ValueError(f"{p}: qweight {list(qweight.shape)} and scales {list(scales.shape)} do not hold "
+                             f"{bits}-bit codes of one weight (bits {bits} in the config)")
+        g = k if group == -1 else group
+        if groups != -(-k // g):
+            raise ValueError(f"{p}: scales has {groups} groups; {k} columns in groups of {g} make {-(-k // g)}")
+        codes = unpack_words(qweight.T, bits, k)
+        zeros = unpack_words(qzeros, bits, n)
+        if fmt == "gptq":
+            zeros = (zeros.astype(np.int32) + 1) & maxq
+        g_idx = tensors[f"{p}.g_idx"] if f"{p}.g_idx" in tensors else None
+        columns = None if g_idx is None else act_order(g_idx, g, f"{p}.g_idx")
+        out[f"{p}.weight"] = _grouped(codes, scales.T, zeros.T, bits, columns, p)
+        tensors.used.update(f"{p}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx"))
+    return out
+
+
+def read_awq(tensors, qc: dict) -> dict:
+    """``{name: QArray}`` of the AWQ linears (GEMM or GEMV packing) among ``tensors``."""
+    bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
+    version = str(qc.get("version", "gemm")).lower()
+    _check_bits(bits, {4}, "AWQ")
+    if version not in ("gemm", "gemv"):
+        raise ValueError(f"AWQ version {version!r}: qarray reads 'gemm' and 'gemv'")
+    if not qc.get("zero_point", True):
+        raise ValueError("AWQ with zero_point false: its GEMM and GEMV checkpoints store zero points; this one "
+                         "has none to read")
+    out = {}
+    for p in [n[: -len(".qweight")] for n in tensors.names() if n.endswith(".qweight")]:
+        qweight, qzeros, scales = tensors[f"{p}.qweight"], tensors[f"{p}.qzeros"], tensors[f"{p}.scales"]
+        if version == "gemm":  # qweight [K, N/8], nibble i of word c: column 8c + ORDER[i]
+            k, n = qweight.shape[0], qweight.shape[1] * 8
+            order = np.argsort(AWQ_ORDER)
+            codes = unpack_words(qweight, 4, n).reshape(k, -1, 8)[..., order].reshape(k, n).T
+            zeros = unpack_words(qzeros, 4, n).reshape(-1, n // 8, 8)[..., order].reshape(-1, n).T
+            scale = scales.T
+        else:  # GEMV: qweight [N, K/8] in order; zeros and scales padded to whole words of groups
+            n, k = qweight.shape[0], qweight.shape[1] * 8
+            codes = unpack_words(qweight, 4, k)
+            zeros = unpack_words(qzeros, 4, -(-k // group))
+            scale = scales[:, : -(-k // group)]
+        if scale.shape != (n, -(-k // group)) or zeros.shape != scale.shape:
+            raise ValueError(f"{p}: scales {list(scales.shape)} and qzeros {list(qzeros.shape)} do not fit a {n} x "
+                             f"{k} weight in groups of {group} ({version})")
+        out[f"{p}.weight"] = _grouped(codes, scale, zeros, bits, None, p)
+        tensors.used.update(f"{p}.{s}" for s in ("qweight", "qzeros", "scales"))
+    return out
+
+
+def write(weights: dict, checkpoint_format="gptq") -> tuple:
+    """GPTQ's tensors and ``quantization_config`` for ``{name: QArray}`` (``P.weight`` -> ``P.qweight``
+    ...): every QArray of one grouped integer format with float16 scales. ``checkpoint_format``
+    ``"gptq"`` (v1: stored zero - 1; a zero of 0 cannot be stored, and raises) or ``"gptq_v2"``."""
+    tensors, spec = {}, None
+    for name, q in weights.items():
+        g = from_qarray(q, name)
+        f = q.dtype.layout
+        if g.bias is not None or f.values is None or f.name[:1] not in "iu" or g.scale.dtype != np.float16:
+            raise ValueError(f"{name}: GPTQ holds integer codes with float16 scales and zero points; {f.name} is not "
+                             "one (convert with --requantize, or write compressed-tensors)")
+        bits, group = f.bits, f.block
+        this = (bits, group)
+        if spec not in (None, this):
+            raise ValueError(f"{name}: GPTQ keeps one bits and group_size per checkpoint; {name} has {this}, others "
+                             f"{spec}")
+        spec = this
+        zero = g.zero if g.zero is not None else np.full(g.scale.shape, 1 << (bits - 1), np.uint8)
+        if checkpoint_format == "gptq":
+            if np.any(zero == 0):
+                raise ValueError(f"{name}: a zero point of 0 cannot be written as GPTQ v1 (which stores zero - 1); "
+                                 "write checkpoint_format='gptq_v2'")
+            zero = zero - 1
+        p = name[: -len(".weight")] if name.endswith(".weight") else name
+        tensors[f"{p}.qweight"] = pack_words(g.codes.T.copy(), bits)
+        tensors[f"{p}.qzeros"] = pack_words(zero.T.copy(), bits)
+        tensors[f"{p}.scales"] = np.ascontiguousarray(g.scale.T)
+        tensors[f"{p}.g_idx"] = g_idx_of(q, group)
+    if spec is None:
+        raise ValueError("save: no quantized weights to write as GPTQ")
+    desc_act = any(q.columns is not None for q in weights.values())
+    sym = all(q.dtype.layout.zero is None for q in weights.values())
+    qc = {"quant_method": "gptq", "bits": spec[0], "group_size": spec[1], "desc_act": desc_act, "sym": sym,
+          "checkpoint_format": checkpoint_format, "pack_dtype": "int32"}
+    return tensors, qc
