@@ -36,11 +36,10 @@ A format whose values have no such form (the IQ lattices, whose codes index vect
 from __future__ import annotations
 
 import functools
-import re
 
 import numpy as np
 
-__all__ = ["Field", "BlockFormat", "FORMATS", "get", "rounded"]
+__all__ = ["Field", "BlockFormat", "FORMATS", "get", "rounded", "convert"]
 
 
 def rounded(y, precision):
@@ -277,6 +276,7 @@ class BlockFormat:
 
 
 FORMATS: dict = {}  # upper-case name -> BlockFormat
+FAMILIES: list = []  # functions name -> BlockFormat (registered on first use) or None: qarray._grouped's
 
 
 def register(fmt: BlockFormat) -> BlockFormat:
@@ -286,74 +286,65 @@ def register(fmt: BlockFormat) -> BlockFormat:
 
 def get(name):
     """The block format ``name`` names (case-insensitive), or None: a registered one (ggml's types), or
-    one of the grouped family (:func:`grouped`)."""
+    one that a family makes (qarray._grouped's ``int4_g128_f16`` and the like)."""
     if not isinstance(name, str):
         return None
-    return FORMATS.get(name.upper()) or grouped(name)
+    return FORMATS.get(name.upper()) or next(filter(None, (family(name) for family in FAMILIES)), None)
 
 
-# -- the grouped family: one scale (and zero or bias) per group of codes ---------------------------------
-# What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes): a group of
-# ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their files
-# keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
-# scale, then the bias, the codes (``bits`` each, element ``i`` at bit ``i * bits`` of the code bits,
-# low bits first) and the zero point, padded to a whole byte. The name says it all:
-# ``{codes}_g{G}_{scale type}[_zp | _bias]``:
-#
-# - codes ``int{b}`` (2..8 bits): value ``code - 2^(b-1)``; ``uint{b}``: value ``code``; ``nf4`` and
-#   ``fp4bnb``: bitsandbytes' code tables; ``e4m3``: float8 e4m3 values (compressed-tensors' FP8);
-# - scale type ``f16``, ``bf16`` or ``f32``, which is also the precision the values are computed in;
-# - ``_zp``: an integer zero point of ``b`` bits, ``scale * (value - zp)``; ``_bias``: a float bias of the
-#   scale's type, ``scale * value + bias`` (MLX).
-_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3)_g(\d+)_(f16|bf16|f32)(_zp|_bias)?")
-_SCALE = {"f16": (np.float16, "float16"), "bf16": ("bfloat16", "bfloat16"), "f32": (np.float32, "float32")}
-NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+# -- converting between formats with the same codes and parameters -----------------------------------
 
-
-def _fp4bnb():
-    """bitsandbytes' FP4 table (``get_4bit_type("fp4")``): its values over their largest, in float32."""
-    v = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3], np.float32)  # (its -0 is 0)
-    return v / np.float32(12)
-
-
-def _e4m3():
-    """float8 e4m3fn's 256 values (0x7F and 0xFF are NaN)."""
-    x = np.arange(256)
-    e, m = (x >> 3) & 0xF, x & 7
-    v = np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7.0)) * np.where(x & 0x80, -1.0, 1.0)
-    return np.where((x & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
-
-
-def grouped(name):
-    """The grouped format ``name`` (see above), registered on first use; None if ``name`` is not one."""
-    m = _GROUPED.fullmatch(name.lower())
-    if m is None:
+def _plain(fmt):
+    """The one-level form of ``fmt``: ``(scale field, offset field or None)`` where its scale and offset
+    are float fields (not two-level) and its values a table; None otherwise (K-quants, lattices)."""
+    if fmt.elements is not None or fmt.values is None or callable(fmt.scale) or fmt.scale[1] is not None \
+            or fmt.sub != fmt.block:
         return None
-    name = m.group(0)
-    if name.upper() in FORMATS:
-        return FORMATS[name.upper()]
-    codes, group, stype, extra = m.group(1), int(m.group(3)), m.group(4), m.group(5)
-    bits = int(m.group(2)) if m.group(2) else 8 if codes == "e4m3" else 4
-    if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra:
-        return None  # (an offset-binary code's zero point is uint's; the tables take a scale alone)
-    if group < 1 or group % 8:
+    if fmt.offset is not None and (fmt.offset[0][1] is not None or fmt.offset[1] < 0):
         return None
-    c = np.arange(1 << bits)
-    values = {"nf4": NF4, "fp4bnb": _fp4bnb(), "e4m3": _e4m3()}.get(codes, c - (1 << bits - 1) if codes[0] == "i" else c)
-    view, precision = _SCALE[stype]
-    sbits = 32 if stype == "f32" else 16
-    fields = [Field("d", 1, sbits, bits_at(0, sbits), view)]
-    at = sbits
-    if extra == "_bias":
-        fields.append(Field("m", 1, sbits, lambda i: [(sbits, sbits)], view))
-        at += sbits
-    fields.append(Field("q", group, bits, lambda i, at=at: [(at + bits * i, bits)]))
-    at += group * bits
-    if extra == "_zp":
-        fields.append(Field("z", 1, bits, bits_at(at // 8, bits) if at % 8 == 0 else lambda i, at=at: [(at, bits)]))
-        at += bits
-    return register(BlockFormat(name, group, (at + 7) // 8, fields, values=values,
-                                offset=(("m", None), 1) if extra == "_bias" else None,
-                                zero="z" if extra == "_zp" else None, precision=precision))
+    return fmt.scale[0], fmt.offset and fmt.offset[0][0]
+
+
+def convert(raw, src: BlockFormat, dst: BlockFormat) -> np.ndarray:
+    """Blocks of ``dst`` holding the codes and parameters of ``src``'s blocks ``raw``: every scale,
+    offset and ``value - zero`` the same, which each format then computes in its own precision
+    (GPTQ's symmetric 4-bit groups of 32 are GGUF's Q4_0; MLX's 4-bit groups of 32 with float16 scales
+    and biases are Q4_1). ValueError saying what would change otherwise."""
+    a, b = _plain(src), _plain(dst)
+    if a is None or b is None:
+        raise ValueError(f"{src.name} -> {dst.name}: only one-level formats (a scale, a zero point or an offset, and a "
+                         "value table) carry over code for code")
+    if src.block != dst.block:
+        raise ValueError(f"{src.name} -> {dst.name}: blocks of {src.block} and {dst.block} values")
+    f = src.unpack(raw)
+    v = src.values[f["q"]] - (f[src.zero].astype(np.float32) if src.zero else np.float32(0))  # (n, block)
+    if (a[1] is None) != (b[1] is None):
+        raise ValueError(f"{src.name} -> {dst.name}: " + ("the offsets (biases) have nowhere to go" if b[1] is None
+                                                         else f"{dst.name} stores an offset that {src.name} lacks"))
+    out = {b[0]: f[a[0]]}
+    if b[1] is not None:
+        out[b[1]] = f[a[1]]
+    if dst.zero is not None:  # codes are value + zero: the source's zero, or the middle code
+        z = f[src.zero] if src.zero else np.full((len(raw), 1), (len(dst.values) // 2), dst.fields[dst.zero].store)
+        out[dst.zero] = z
+        v = v + z.astype(np.float32)
+    index = {float(x): i for i, x in reversed(list(enumerate(dst.values.tolist()))) if x == x}
+    lookup = np.array([index.get(float(x), -1) for x in np.unique(v)])
+    codes = lookup[np.searchsorted(np.unique(v), v)]
+    if codes.size and codes.min() < 0:
+        bad = v[codes < 0][0]
+        raise ValueError(f"{src.name} -> {dst.name}: a value of {bad:g} (code - zero) is not one of {dst.name}'s codes")
+    out["q"] = codes.astype(dst.fields["q"].store)
+    with np.errstate(over="ignore"):
+        for name in filter(None, b):  # the parameters in the destination's float type, checked below
+            out[name] = out[name].astype(dst.fields[name].view)
+    try:
+        result = dst.pack({k: out[k] for k in dst.fields})
+    except ValueError as e:
+        raise ValueError(f"{src.name} -> {dst.name}: {e}") from None
+    same = [x is y or x is not None and y is not None and np.array_equal(x, y, equal_nan=True)
+            for x, y in zip(src.parameters(raw)[:2], dst.parameters(result)[:2])]
+    if not all(same):
+        raise ValueError(f"{src.name} -> {dst.name}: the " + ["scales", "offsets"][same.index(False)]
+                         + f" of {src.name} do not fit {dst.name}'s fields exactly")
+    return result

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _blocks, _formats
 from . import _ggml  # noqa: F401  (registers ggml's block types with _blocks)
+from . import _grouped  # noqa: F401  (the grouped formats' family, with _blocks)
 
 __all__ = ["QDType", "qdtype", "iinfo"]
 

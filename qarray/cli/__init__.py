@@ -1,5 +1,5 @@
-"""The ``qarray`` command: ``info``, ``quantize``, ``inspect``, ``examples``, ``run``
-and ``bench``; the parser is here, each command in its module (``examples`` and
+"""The ``qarray`` command: ``info``, ``quantize``, ``convert``, ``inspect``,
+``examples``, ``run`` and ``bench``; the parser is here, each command in its module (``examples`` and
 ``run`` in one).
 
     qarray info
@@ -7,6 +7,8 @@ and ``bench``; the parser is here, each command in its module (``examples`` and
     qarray quantize model.npz -o model-q4.npz --dtype qint4 --block-size 32
     qarray inspect model-q.npz
     qarray quantize model-f16.gguf -o model-q4_k.gguf --dtype Q4_K
+    qarray convert Llama-GPTQ/ -o llama-q4_0.gguf
+    qarray convert model.gguf -o model-mlx/ --to mlx
     qarray examples
     qarray run digits --quick
     qarray bench --quick
@@ -25,7 +27,7 @@ import sys
 from pathlib import Path
 
 import qarray
-from . import bench, examples, info, inspect, quantize
+from . import bench, convert, examples, info, inspect, quantize
 from ._shared import CliError, _one_line
 from .bench import BENCHMARKS
 
@@ -109,6 +111,21 @@ def _parser() -> _Parser:
     s.add_argument("--plot", metavar="FILE.png", type=Path, help="also draw the SQNR per array (needs matplotlib)")
     s.set_defaults(func=quantize.quantize)
 
+    s = sub.add_parser("convert", help="a quantized checkpoint in another format (GGUF, compressed-tensors, MLX, "
+                       "GPTQ), code for code", description="Write the quantized checkpoint IN (a .gguf file or a "
+                       "Hugging Face checkpoint directory: GPTQ, AWQ, bitsandbytes 4-bit, compressed-tensors, MLX) "
+                       "as OUT: a .gguf file, or a directory in the convention --to names. Each quantized tensor "
+                       "goes into the first of OUT's formats that holds its codes and parameters exactly; one that "
+                       "none holds is an error naming it, unless --requantize DTYPE quantizes it again (the table "
+                       "shows its SQNR). Other tensors, names and metadata are kept.")
+    s.add_argument("input", metavar="IN", type=Path, help="a .gguf file or a Hugging Face checkpoint directory")
+    s.add_argument("-o", "--output", metavar="OUT", type=Path, required=True,
+                   help="a .gguf file, or a directory (with --to); written beside its place and renamed into it")
+    s.add_argument("--to", choices=convert.TARGETS, help="the convention of a directory output")
+    s.add_argument("--requantize", metavar="DTYPE",
+                   help="quantize the tensors that do not carry over exactly again, to DTYPE (a GGUF type for a "
+                        ".gguf output, else a format of --to's: int4_g128_f16, uint4_g64_bf16_bias, ...)")
+    s.set_defaults(func=convert.convert)
     s = sub.add_parser("inspect", help="what a .npz, .npy, .safetensors or .gguf file holds",
                        description="The arrays of FILE: for a qarray file, each one's dtype, scheme, scales, "
                        "zero points and stored bytes; for a GGUF file, its metadata and each tensor's ggml type, "

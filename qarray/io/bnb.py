@@ -22,10 +22,10 @@ import json
 
 import numpy as np
 
-from .. import _blocks
+from .. import _grouped
 from .hf import Grouped, to_qarray
 
-_TABLES = {"nf4": np.array(_blocks.NF4, np.float32), "fp4": _blocks._fp4bnb()}
+_TABLES = {"nf4": np.array(_grouped.NF4, np.float32), "fp4": _grouped._fp4bnb()}
 
 
 def read(tensors, qc: dict) -> dict:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _blocks, _formats
+from .. import _formats, _grouped
 from .._dtypes import qdtype
 from .._qarray import QArray
 from .safetensors import _stream_safetensors, st_read
@@ -154,7 +154,7 @@ def from_qarray(q: QArray, name="weight") -> Grouped:
     """The codes and parameters of a 2-d QArray of a grouped format (the inverse of :func:`to_qarray`);
     the codes in column order."""
     f = q.dtype.layout
-    if q.dtype.kind != "block" or _blocks.grouped(f.name) is None or q.ndim != 2:
+    if q.dtype.kind != "block" or _grouped.grouped(f.name) is None or q.ndim != 2:
         raise TypeError(f"{name}: a 2-d QArray of a grouped format (int4_g128_f16, ...) is needed, got "
                         f"{q.dtype.name} of shape {q.shape}")
     n = q.shape[0]

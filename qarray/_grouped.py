@@ -1,0 +1,173 @@
+"""The grouped block formats: one scale (and an integer zero point or a float bias)
+per group of codes along the last axis, the layout of the Hugging Face
+checkpoints (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes 4-bit) as block
+formats (qarray._blocks), with their round-to-nearest quantizers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ._blocks import FAMILIES, FORMATS, BlockFormat, Field, bits_at, register, rounded
+from ._formats import ml_dtypes
+
+# What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes): a group of
+# ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their files
+# keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
+# scale, then the bias, the codes (``bits`` each, element ``i`` at bit ``i * bits`` of the code bits,
+# low bits first) and the zero point, padded to a whole byte. The name says it all:
+# ``{codes}_g{G}_{scale type}[_zp | _bias]``:
+#
+# - codes ``int{b}`` (2..8 bits): value ``code - 2^(b-1)``; ``uint{b}``: value ``code``; ``nf4`` and
+#   ``fp4bnb``: bitsandbytes' code tables; ``e4m3``: float8 e4m3 values (compressed-tensors' FP8);
+# - scale type ``f16``, ``bf16`` or ``f32``, which is also the precision the values are computed in;
+# - ``_zp``: an integer zero point of ``b`` bits, ``scale * (value - zp)``; ``_bias``: a float bias of the
+#   scale's type, ``scale * value + bias`` (MLX).
+_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3)_g(\d+)_(f16|bf16|f32)(_zp|_bias)?")
+_SCALE = {"f16": (np.float16, "float16"), "bf16": ("bfloat16", "bfloat16"), "f32": (np.float32, "float32")}
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def _fp4bnb():
+    """bitsandbytes' FP4 table (``get_4bit_type("fp4")``): its values over their largest, in float32."""
+    v = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3], np.float32)  # (its -0 is 0)
+    return v / np.float32(12)
+
+
+def _e4m3():
+    """float8 e4m3fn's 256 values (0x7F and 0xFF are NaN)."""
+    x = np.arange(256)
+    e, m = (x >> 3) & 0xF, x & 7
+    v = np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7.0)) * np.where(x & 0x80, -1.0, 1.0)
+    return np.where((x & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
+
+
+def grouped(name):
+    """The grouped format ``name`` (see above), registered on first use; None if ``name`` is not one."""
+    m = _GROUPED.fullmatch(name.lower())
+    if m is None:
+        return None
+    name = m.group(0)
+    if name.upper() in FORMATS:
+        return FORMATS[name.upper()]
+    codes, group, stype, extra = m.group(1), int(m.group(3)), m.group(4), m.group(5)
+    bits = int(m.group(2)) if m.group(2) else 8 if codes == "e4m3" else 4
+    if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra:
+        return None  # (an offset-binary code's zero point is uint's; the tables take a scale alone)
+    if group < 1 or group % 8:
+        return None
+    c = np.arange(1 << bits)
+    values = {"nf4": NF4, "fp4bnb": _fp4bnb(), "e4m3": _e4m3()}.get(codes, c - (1 << bits - 1) if codes[0] == "i" else c)
+    view, precision = _SCALE[stype]
+    sbits = 32 if stype == "f32" else 16
+    fields = [Field("d", 1, sbits, bits_at(0, sbits), view)]
+    at = sbits
+    if extra == "_bias":
+        fields.append(Field("m", 1, sbits, lambda i: [(sbits, sbits)], view))
+        at += sbits
+    fields.append(Field("q", group, bits, lambda i, at=at: [(at + bits * i, bits)]))
+    at += group * bits
+    if extra == "_zp":
+        fields.append(Field("z", 1, bits, bits_at(at // 8, bits) if at % 8 == 0 else lambda i, at=at: [(at, bits)]))
+        at += bits
+    quantize = (_table(values) if codes in ("nf4", "fp4bnb") else _float8(stype) if codes == "e4m3" else
+                _affine(bits, stype) if extra == "_bias" else _zero_point(bits, stype) if extra == "_zp" else
+                _symmetric(bits, stype) if codes[0] == "i" else None)
+    return register(BlockFormat(name, group, (at + 7) // 8, fields, values=values,
+                                offset=(("m", None), 1) if extra == "_bias" else None,
+                                zero="z" if extra == "_zp" else None, precision=precision, quantize=quantize))
+
+
+# -- round to nearest, in float32, parameters rounded to the scale type before the codes are chosen -----
+
+def _stored(v, stype):
+    """float32 ``v`` as a scale field of type ``stype`` holds it (float16; bfloat16 as float32)."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16) if stype == "f16" else rounded(v.astype(np.float32), _SCALE[stype][1])
+
+
+def _divide(x, s):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(s == 0, np.float32(0), x / s.astype(np.float32)).astype(np.float32)
+
+
+def _symmetric(bits, stype):
+    """compressed-tensors' symmetric integers: ``scale = amax / ((2^b - 1) / 2)``, ``q = rint(x / scale)``
+    clamped to the signed range, stored plus ``2^(b-1)``."""
+    half = 1 << (bits - 1)
+
+    def quantize(x):
+        amax = np.abs(x).max(axis=-1, keepdims=True)
+        s = _stored(amax / np.float32((2 * half - 1) / 2), stype)
+        q = np.clip(np.rint(_divide(x, s)), -half, half - 1) + half
+        return {"d": s, "q": q.astype(np.uint8)}
+    return quantize
+
+
+def _zero_point(bits, stype):
+    """GPTQ's round to nearest (``Quantizer.find_params``): the range widened to hold 0 ([-1, 1] where
+    it is all 0), ``scale = (max - min) / (2^b - 1)``, ``zero = rint(-min / scale)``, ``q = rint(x /
+    scale) + zero`` clamped to ``[0, 2^b - 1]``."""
+    top = (1 << bits) - 1
+
+    def quantize(x):
+        lo, hi = np.minimum(x.min(axis=-1, keepdims=True), 0), np.maximum(x.max(axis=-1, keepdims=True), 0)
+        both = (lo == 0) & (hi == 0)
+        lo, hi = np.where(both, np.float32(-1), lo), np.where(both, np.float32(1), hi)
+        s = _stored((hi - lo) / np.float32(top), stype)
+        z = np.clip(np.rint(_divide(-lo, s)), 0, top)
+        q = np.clip(np.rint(_divide(x, s)) + z, 0, top)
+        return {"d": s, "z": z.astype(np.uint8), "q": q.astype(np.uint8)}
+    return quantize
+
+
+def _affine(bits, stype):
+    """MLX's affine quantizer (``mx.quantize``, float32): the edge of larger magnitude is the reference,
+    ``scale = edge / rint(edge / s0)`` with ``s0 = max((max - min) / (2^b - 1), 1e-7)`` (negative where
+    the edge is the maximum), ``bias = edge`` (0 where the edge rounds to code 0), ``q = rint((x - bias)
+    / scale)`` clamped; scale and bias stored rounded to the scale type after the codes are chosen."""
+    bins = np.float32((1 << bits) - 1)
+
+    def quantize(x):
+        lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+        s0 = np.maximum((hi - lo) / bins, np.float32(1e-7))
+        low = np.abs(lo) > np.abs(hi)
+        scale, edge = np.where(low, s0, -s0), np.where(low, lo, hi)
+        q0 = np.rint(edge / scale)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(q0 != 0, edge / q0, scale).astype(np.float32)
+        bias = np.where(q0 != 0, edge, np.float32(0)).astype(np.float32)
+        q = np.clip(np.rint((x - bias) / scale), 0, bins)
+        return {"d": _stored(scale, stype), "m": _stored(bias, stype), "q": q.astype(np.uint8)}
+    return quantize
+
+
+def _table(values):
+    """bitsandbytes' 4-bit quantizer (its CPU ``quantize_4bit``): ``absmax`` per block, ``x * (1 /
+    absmax)`` clamped to [-1, 1], the code of the nearest table value by its midpoints (a tie goes up)."""
+    values = np.asarray(values, np.float32)
+    order = np.argsort(values, kind="stable")
+    mid = (values[order[:-1]] + values[order[1:]]) / np.float32(2)
+
+    def quantize(x):
+        amax = np.abs(x).max(axis=-1, keepdims=True)
+        scaled = np.clip(x * (np.float32(1) / np.maximum(amax, np.float32(1e-38))), -1, 1)
+        return {"d": amax.astype(np.float32), "q": order[np.searchsorted(mid, scaled, side="left")].astype(np.uint8)}
+    return quantize
+
+
+def _float8(stype):
+    """compressed-tensors' FP8: ``scale = amax / 448``, ``x / scale`` clamped to +-448 and rounded to
+    float8 e4m3 (nearest, ties to even)."""
+    def quantize(x):
+        s = _stored(np.abs(x).max(axis=-1, keepdims=True) / np.float32(448), stype)
+        q = np.clip(_divide(x, s), -448, 448).astype(ml_dtypes().float8_e4m3fn)
+        return {"d": s, "q": q.view(np.uint8)}
+    return quantize
+
+
+FAMILIES.append(grouped)
