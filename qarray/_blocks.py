@@ -340,8 +340,8 @@ def convert(raw, src: BlockFormat, dst: BlockFormat) -> np.ndarray:
             out[name] = out[name].astype(dst.fields[name].view)
     try:
         result = dst.pack({k: out[k] for k in dst.fields})
-    except ValueError as e:
-        raise ValueError(f"{src.name} -> {dst.name}: {e}") from None
+    except ValueError as e:  # (its message starts with dst's name)
+        raise ValueError(f"{src.name} -> {e}") from None
     same = [x is y or x is not None and y is not None and np.array_equal(x, y, equal_nan=True)
             for x, y in zip(src.parameters(raw)[:2], dst.parameters(result)[:2])]
     if not all(same):

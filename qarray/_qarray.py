@@ -565,6 +565,12 @@ class QArray:
         e = opts["edgeitems"]
         if self.size <= opts["threshold"] or e < 1:
             return self._backend.to_host(self.dequantize()), False
+        if self._columns is not None:  # act-order: the first axis's edge rows, every column (blocks are not
+            k = self.shape[0]                # column ranges), then NumPy's edges of the other axes
+            parts = [self[:e + 1], self[k - e:]] if self.ndim > 1 and k > 2 * e else [self]
+            values = np.concatenate([self._backend.to_host(p.dequantize()) for p in parts])
+            idx = [np.r_[0:e + 1, n - e:n] if n > 2 * e else np.arange(n) for n in values.shape]
+            return values[np.ix_(*idx)], True
         if self._dtype.kind == "block":  # the edge rows, and the blocks holding each row's edge values
             B, n = self._dtype.layout.block, self.shape[-1]
             lead = tuple(np.r_[0:e + 1, k - e:k] if k > 2 * e else np.arange(k) for k in self.shape[:-1])

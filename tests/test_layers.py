@@ -17,13 +17,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "qarray"
 
 LAYERS = [
-    ("qarray._dtypes", "qarray._formats", "qarray._blocks", "qarray._ggml", "qarray._kquants"),
+    ("qarray._dtypes", "qarray._formats", "qarray._blocks", "qarray._ggml", "qarray._kquants", "qarray._grouped"),
     ("qarray._params", "qarray._fixed_point", "qarray._philox", "qarray._config"),
     ("qarray.backends",),
     ("qarray._qarray", "qarray._api", "qarray._protocols", "qarray.interop"),
     ("qarray.ops",),
     ("qarray.io._schema", "qarray.io._rows"),
     ("qarray.io.npz", "qarray.io.safetensors", "qarray.io.zarr", "qarray.io.gguf"),
+    ("qarray.io.hf",),
+    ("qarray.io.gptq", "qarray.io.compressed_tensors", "qarray.io.mlx", "qarray.io.bnb"),
+    ("qarray.io.checkpoint",),
     ("qarray.nn", "qarray.observers", "qarray.io", "qarray.zarr", "qarray.onnx", "qarray.cli", "qarray.examples",
      "qarray.__main__", "qarray"),
 ]

@@ -10,7 +10,7 @@ must guarantee.
 
 Compilation follows ``_numba.py``: serial ``nogil`` kernels (``_numba.kernel``)
 over a range of tasks ``start, stop``, split among threads by
-``_numba.parallel``; helpers ``@njit(inline="always")``, closures over plain
+``_numba.parallel``; ``_numba``'s helpers inlined (``_rq``), closures over plain
 values only (see docs/architecture.md), no fastmath (integer code). Inner loops run over contiguous memory with only
 arithmetic in them so that LLVM vectorizes them.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -146,125 +146,122 @@ def gemm_packed4(ae, ao, wp, signed, out, start, stop):
 
 def _make_conv_grouped(code, narrow):
     """``conv_grouped`` with its epilogue for one rounding code (closure
-    constants, as ``_numba.requantize``; ``narrow``: ``Requant.narrow``)."""
+    constants, as ``_numba.requantize``; ``narrow``: ``Requant.narrow``).
+    The kernel's body is written here rather than inlined from a helper:
+    Numba deep-copies an ``inline="always"`` function's IR block by block for
+    every specialization, which for a body this size took half of each
+    compile (10.5 s -> 6.4 s a specialization)."""
     source = _SOURCE
 
     @kernel
     def conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):
-        _ = source
-        _conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
-                      start, stop)
+        """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
+        its epilogue: bias and requantize (``_numba._rq``, per output channel).
+
+        - ``xpad``: (N, C, Hp, Wp) uint8 or int8, the input already padded with
+          its zero point ``za`` (so padding contributes exactly 0). Rows (last
+          axis) must be contiguous for speed; any strides work.
+        - ``xflat``: the same codes as (N, C, Hp * Wp), C-contiguous (a view of a
+          C-contiguous ``xpad``): strides 1 read its planes flat.
+        - ``za``: int, the input zero point.
+        - ``wc``: (O, C // groups, kh, kw) int16 or int32: centred weights
+          ``w - zw[o]``.
+        - ``groups``: C and O are multiples of it; output channel ``o`` reads input
+          channels ``g * cg .. g * cg + cg - 1``, ``cg = C // groups``,
+          ``g = o // (O // groups)`` (depthwise: groups == C, O a multiple of C).
+        - ``sh, sw, dh, dw``: strides and dilations, >= 1.
+        - ``bias``, ``zo``, ``m``, ``shift``, ``f``: per output channel (length O),
+          ``lo``, ``hi``: the clamp (``Requant``; ``IDENTITY`` for the sums).
+        - ``out``: (N, O, OH, OW) with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1``
+          (same for W), written whole with ``R(acc + bias[o])``, ``R`` the
+          requantize of ``code``, where::
+
+              acc[n, o, i, j] = sum_{c', p, q} (xpad[n, g*cg + c', i*sh + p*dh, j*sw + q*dw] - za)
+                                               * wc[o, c', p, q]
+
+        Exactness: the accumulation wraps in int32, so the result is exact when
+        the true sum fits in int32; e.g. with |x - za| <= 255 and |wc| <= 255
+        (centred 8-bit weights) that holds for cg * kh * kw <= 33_025 taps.
+
+        Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``. Strides
+        1: each tap adds ``wc * x`` over the whole input plane at once, seen flat
+        with its row stride ``Wp``: output ``(i, j)`` is element ``i * Wp + j`` of
+        a thread-local int32 plane that starts at ``-za * sum(wc[o])``, one loop
+        of ``(OH - 1) * Wp + OW`` elements a tap (the columns ``j >= OW`` in
+        between are computed and dropped; every read stays inside the plane),
+        2.7x faster than a loop per output row of 56 (depthwise 3x3 on 56x56).
+        Other strides: for each output row, each tap adds ``wc * x`` along the
+        input row (stride 2 as a compile-time constant) into an int32 row. Then the
+        epilogue writes ``out``.
+        """
+        _ = source  # in the cache key (see _numba._make_requantize)
+        N, C, Hp, Wp = xpad.shape
+        O, cg, kh, kw = wc.shape
+        OH = out.shape[2]
+        OW = out.shape[3]
+        if groups < 1 or C % groups or O % groups or cg * groups != C:
+            raise ValueError("conv_grouped: C and O must be multiples of groups, wc.shape[1] == C // groups")
+        if out.shape[0] != N or out.shape[1] != O:
+            raise ValueError("conv_grouped: out must be (N, O, OH, OW)")
+        if OH != (Hp - dh * (kh - 1) - 1) // sh + 1 or OW != (Wp - dw * (kw - 1) - 1) // sw + 1:
+            raise ValueError("conv_grouped: out's OH, OW do not match the input, kernel, stride and dilation")
+        og = O // groups
+        acc = np.empty(OW, np.int32)
+        flat = max((OH - 1) * Wp + OW, 0) if sh == 1 and sw == 1 else 0
+        plane = np.empty(flat, np.int32)
+        for t in range(start, stop):
+            n = t // O
+            o = t % O
+            c0 = (o // og) * cg
+            wsum = np.int64(0)
+            for c in range(cg):
+                for p in range(kh):
+                    for q in range(kw):
+                        wsum += np.int64(wc[o, c, p, q])
+            base = np.int32(-np.int64(za) * wsum)  # wraps like the sum does
+            b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
+            if sh == 1 and sw == 1:
+                plane[:] = base
+                for c in range(cg):
+                    for p in range(kh):
+                        for q in range(kw):
+                            wv = np.int32(wc[o, c, p, q])
+                            xr = xflat[n, c0 + c, p * dh * Wp + q * dw:]  # indexed from 0 (see _numba._span)
+                            for e in range(flat):
+                                plane[e] += np.int32(xr[e]) * wv
+                for i in range(OH):
+                    orow, prow = out[n, o, i], plane[i * Wp:]
+                    for j in range(OW):
+                        orow[j] = _rq(np.int64(prow[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
+                continue
+            for i in range(OH):
+                for j in range(OW):
+                    acc[j] = base
+                for c in range(cg):
+                    for p in range(kh):
+                        r = i * sh + p * dh
+                        for q in range(kw):
+                            wv = np.int32(wc[o, c, p, q])
+                            # Sliced rows indexed from 0 by the loop counter: with
+                            # xpad[..., off + j] Numba's negative-index wraparound
+                            # turns every load into a scalar gather.
+                            if sw == 1:
+                                xr = xpad[n, c0 + c, r, q * dw:]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[j]) * wv
+                            elif sw == 2:  # a constant stride: vectorized as interleaved loads
+                                xr = xpad[n, c0 + c, r, q * dw:]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[2 * j]) * wv
+                            else:
+                                xr = xpad[n, c0 + c, r, q * dw :: sw]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[j]) * wv
+                orow = out[n, o, i]
+                for j in range(OW):
+                    orow[j] = _rq(np.int64(acc[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
 
     return conv_grouped
-
-
-@njit(inline="always")
-def _conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, code, narrow, out,
-                  start, stop):
-    """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
-    its epilogue: bias and requantize (``_numba._rq``, per output channel).
-
-    - ``xpad``: (N, C, Hp, Wp) uint8 or int8, the input already padded with
-      its zero point ``za`` (so padding contributes exactly 0). Rows (last
-      axis) must be contiguous for speed; any strides work.
-    - ``xflat``: the same codes as (N, C, Hp * Wp), C-contiguous (a view of a
-      C-contiguous ``xpad``): strides 1 read its planes flat.
-    - ``za``: int, the input zero point.
-    - ``wc``: (O, C // groups, kh, kw) int16 or int32: centred weights
-      ``w - zw[o]``.
-    - ``groups``: C and O are multiples of it; output channel ``o`` reads input
-      channels ``g * cg .. g * cg + cg - 1``, ``cg = C // groups``,
-      ``g = o // (O // groups)`` (depthwise: groups == C, O a multiple of C).
-    - ``sh, sw, dh, dw``: strides and dilations, >= 1.
-    - ``bias``, ``zo``, ``m``, ``shift``, ``f``: per output channel (length O),
-      ``lo``, ``hi``: the clamp (``Requant``; ``IDENTITY`` for the sums).
-    - ``out``: (N, O, OH, OW) with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1``
-      (same for W), written whole with ``R(acc + bias[o])``, ``R`` the
-      requantize of ``code``, where::
-
-          acc[n, o, i, j] = sum_{c', p, q} (xpad[n, g*cg + c', i*sh + p*dh, j*sw + q*dw] - za)
-                                           * wc[o, c', p, q]
-
-    Exactness: the accumulation wraps in int32, so the result is exact when
-    the true sum fits in int32; e.g. with |x - za| <= 255 and |wc| <= 255
-    (centred 8-bit weights) that holds for cg * kh * kw <= 33_025 taps.
-
-    Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``. Strides
-    1: each tap adds ``wc * x`` over the whole input plane at once, seen flat
-    with its row stride ``Wp``: output ``(i, j)`` is element ``i * Wp + j`` of
-    a thread-local int32 plane that starts at ``-za * sum(wc[o])``, one loop
-    of ``(OH - 1) * Wp + OW`` elements a tap (the columns ``j >= OW`` in
-    between are computed and dropped; every read stays inside the plane),
-    2.7x faster than a loop per output row of 56 (depthwise 3x3 on 56x56).
-    Other strides: for each output row, each tap adds ``wc * x`` along the
-    input row (stride 2 as a compile-time constant) into an int32 row. Then the
-    epilogue writes ``out``.
-    """
-    N, C, Hp, Wp = xpad.shape
-    O, cg, kh, kw = wc.shape
-    OH = out.shape[2]
-    OW = out.shape[3]
-    if groups < 1 or C % groups or O % groups or cg * groups != C:
-        raise ValueError("conv_grouped: C and O must be multiples of groups, wc.shape[1] == C // groups")
-    if out.shape[0] != N or out.shape[1] != O:
-        raise ValueError("conv_grouped: out must be (N, O, OH, OW)")
-    if OH != (Hp - dh * (kh - 1) - 1) // sh + 1 or OW != (Wp - dw * (kw - 1) - 1) // sw + 1:
-        raise ValueError("conv_grouped: out's OH, OW do not match the input, kernel, stride and dilation")
-    og = O // groups
-    acc = np.empty(OW, np.int32)
-    flat = max((OH - 1) * Wp + OW, 0) if sh == 1 and sw == 1 else 0
-    plane = np.empty(flat, np.int32)
-    for t in range(start, stop):
-        n = t // O
-        o = t % O
-        c0 = (o // og) * cg
-        wsum = np.int64(0)
-        for c in range(cg):
-            for p in range(kh):
-                for q in range(kw):
-                    wsum += np.int64(wc[o, c, p, q])
-        base = np.int32(-np.int64(za) * wsum)  # wraps like the sum does
-        b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
-        if sh == 1 and sw == 1:
-            plane[:] = base
-            for c in range(cg):
-                for p in range(kh):
-                    for q in range(kw):
-                        wv = np.int32(wc[o, c, p, q])
-                        xr = xflat[n, c0 + c, p * dh * Wp + q * dw:]  # indexed from 0 (see _numba._span)
-                        for e in range(flat):
-                            plane[e] += np.int32(xr[e]) * wv
-            for i in range(OH):
-                orow, prow = out[n, o, i], plane[i * Wp:]
-                for j in range(OW):
-                    orow[j] = _rq(np.int64(prow[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
-            continue
-        for i in range(OH):
-            for j in range(OW):
-                acc[j] = base
-            for c in range(cg):
-                for p in range(kh):
-                    r = i * sh + p * dh
-                    for q in range(kw):
-                        wv = np.int32(wc[o, c, p, q])
-                        # Sliced rows indexed from 0 by the loop counter: with
-                        # xpad[..., off + j] Numba's negative-index wraparound
-                        # turns every load into a scalar gather.
-                        if sw == 1:
-                            xr = xpad[n, c0 + c, r, q * dw:]
-                            for j in range(OW):
-                                acc[j] += np.int32(xr[j]) * wv
-                        elif sw == 2:  # a constant stride: vectorized as interleaved loads
-                            xr = xpad[n, c0 + c, r, q * dw:]
-                            for j in range(OW):
-                                acc[j] += np.int32(xr[2 * j]) * wv
-                        else:
-                            xr = xpad[n, c0 + c, r, q * dw :: sw]
-                            for j in range(OW):
-                                acc[j] += np.int32(xr[j]) * wv
-            orow = out[n, o, i]
-            for j in range(OW):
-                orow[j] = _rq(np.int64(acc[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
 
 
 conv_grouped = {(code, narrow): _make_conv_grouped(code, narrow)

@@ -96,11 +96,23 @@ def _pieces(shape, axis, block_size):
             for sl, lay in Layout(shape, axis, block_size).pieces(_COLS)]
 
 
+def _column(p, n):
+    """``p`` (a scalar or an ``(n,)`` array) as the ``(n,)`` column a kernel
+    takes: C-contiguous and writable whatever ``p`` was. Numba compiles a
+    kernel once per read-only / writable combination of its arguments (the
+    same code each time, several seconds each for conv_grouped), so the
+    columns are always the writable kind."""
+    p = np.asarray(p)
+    if p.shape == (n,) and p.flags.c_contiguous and p.flags.writeable:
+        return p
+    return np.array(np.broadcast_to(p, (n,)))  # a copy: writable
+
+
 @functools.lru_cache(maxsize=256)
 def _columns(rq, n):
     """``rq``'s output parameters (zp_out, m, shift, f) as ``(n,)`` columns, the
     GEMM epilogue's: kept per plan (plans repeat call after call)."""
-    return tuple(np.ascontiguousarray(np.broadcast_to(p, (n,))) for p in rq.params[1:])
+    return tuple(_column(p, n) for p in rq.params[1:])
 
 
 _KEPT: dict = {}
@@ -411,8 +423,7 @@ class NumpyBackend(Backend):
         narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
         rq = NO_REQUANT if rq is None else rq
         out = self.empty(shape, acc_dtype if rq.qd is None else rq.out_dtype)
-        cols = [p if p.shape == (n,) and p.flags.c_contiguous else np.ascontiguousarray(np.broadcast_to(p, (n,)))
-                for p in (c, np.asarray(zw))] + list(_columns(rq, n))
+        cols = [_column(c, n), _column(zw, n), *_columns(rq, n)]
         kernel, ends = k.gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
         if not callable(raw):
             k.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=k.GRAIN // max(n, 1))
@@ -458,7 +469,7 @@ class NumpyBackend(Backend):
         dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
         rq = NO_REQUANT if rq is None else rq
         out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
-        cols = [np.ascontiguousarray(np.broadcast_to(0 if bias is None else bias, (o,))), *_columns(rq, o)]
+        cols = [_column(0 if bias is None else bias, o), *_columns(rq, o)]
         xpad = contiguous(xpad)
         flat = xpad.reshape(n, xpad.shape[1], hp * wp)  # its planes seen flat (strides 1)
         k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(za), contiguous(wc), groups,

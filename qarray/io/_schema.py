@@ -18,7 +18,8 @@ QArray's shape, and still load). Version 5 is a QArray of a block format (GGUF's
 ``Q4_K`` and the like): ``{"format": "qarray", "version": 5, "dtype": "Q4_K",
 "shape": [4, 512]}``, its data the format's own bytes (uint8, the QArray's
 shape with the last axis in bytes: ``QArray.data``), with no scale or zero
-point beside it (the blocks hold them). ``load`` reads the versions in ``VERSIONS``.
+point beside it (the blocks hold them). A QArray with act-order columns (``QArray.columns``: GPTQ's ``g_idx``) adds
+``"columns"``, the list of them. ``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
 field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
@@ -58,13 +59,20 @@ def meta_of(q, rows=False) -> dict:
     """A QArray's ``NAME.meta`` (also its safetensors metadata entry: ``rows``
     where it holds codes below 8 bits packed row by row, version 4)."""
     if q.dtype.kind == "block":
-        return {"format": FORMAT, "version": BLOCKS, "dtype": q.dtype.name, "shape": list(q.shape)}
+        meta = {"format": FORMAT, "version": BLOCKS, "dtype": q.dtype.name, "shape": list(q.shape)}
+        return meta if q.columns is None else dict(meta, columns=[int(c) for c in q.columns])
     meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
             "block_size": q.block_size}
     if rows or q.scale.dtype != np.float32 or q.global_scale is not None:
         gs = None if q.global_scale is None else float(q.global_scale)  # float32 -> float64 -> JSON: exact
         meta.update(version=4 if rows else 3, scale_dtype=q.scale.dtype.name, global_scale=gs)
     return meta
+
+
+def columns_of(text):
+    """The act-order columns (``QArray.columns``) of a block format's checked meta, or None."""
+    columns = json.loads(text).get("columns")
+    return None if columns is None else np.array(columns, np.int64)
 
 
 def block_rows(dtype, shape) -> tuple:
@@ -130,6 +138,8 @@ def parse_meta(path, name, text, plain=False):
         raise bad_field(path, name, "meta", f"version {BLOCKS} is a block format's, but {name}.array is there")
     want = (_ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else
             _BLOCK_KEYS if meta["version"] == BLOCKS else _KEYS)
+    if not plain and meta.get("version") == BLOCKS and "columns" in meta:  # act-order columns (QArray.columns)
+        want = want | {"columns"}
     if meta.keys() != want:
         raise bad_field(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
@@ -153,6 +163,8 @@ def parse_meta(path, name, text, plain=False):
         if not shape or shape[-1] % f.block:
             raise bad_field(path, name, "meta", f"shape {shape} is not rows of whole {f.name} blocks ({f.block} "
                                                 "values)")
+        if "columns" in meta and sorted(meta["columns"]) != list(range(shape[-1])):
+            raise bad_field(path, name, "meta", f"columns must be a permutation of the {shape[-1]} columns")
         return dtype, tuple(shape), None, None, None, None
     for key in ("axis", "block_size"):
         v = meta[key]

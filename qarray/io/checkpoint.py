@@ -69,10 +69,11 @@ def save(path, arrays: dict, format: str, config=None) -> None:
         raise ValueError(f"save: format {format!r}; qarray writes {', '.join(WRITERS)}")
     weights = {k: v for k, v in arrays.items() if hasattr(v, "dtype") and getattr(v.dtype, "kind", "") == "block"}
     tensors, qc = WRITERS[format](weights)
-    clash = set(tensors) & set(arrays)
+    plain = {k: v for k, v in arrays.items() if k not in weights}
+    clash = set(tensors) & set(plain)
     if clash:
         raise ValueError(f"save: {sorted(clash)[0]!r} is both a plain array and a {format} tensor of a QArray")
-    tensors.update({k: v for k, v in arrays.items() if k not in weights})
+    tensors.update(plain)
     if format == "mlx":
         write(path, tensors, qc, "quantization", dict(config or {}, quantization_config=qc))
     else:

@@ -5,8 +5,10 @@ the grouped formats and written back (GPTQ).
 GPTQ packs the codes along the input axis (``qweight`` ``[K * bits / 32, N]``, densely:
 3-bit codes cross words) and the zero points along the output axis (``qzeros``
 ``[G, N * bits / 32]``); its ``checkpoint_format`` ``"gptq"`` (v1, and a config
-without one) stores ``zero - 1``, read back field by field as AutoGPTQ does
-(``(z + 1) & maxq``), ``"gptq_v2"`` the zero itself. AWQ's GEMM packs eight 4-bit
+without one) stores ``zero - 1``, read back as GPTQModel reads it: 1 added to
+each 32-bit word's fields at once (``+ 0x11111111`` for 4 bits: a carry crosses
+fields, undoing the borrow its writer left where a zero point is 0), field by
+field for 3 bits; ``"gptq_v2"`` stores the zero itself. AWQ's GEMM packs eight 4-bit
 codes a word along the output axis in the order 0, 2, 4, 6, 1, 3, 5, 7
 (``qweight`` ``[K, N / 8]``), its GEMV along the input axis in order
 (``qweight`` ``[N, K / 8]``, zeros ``[N, ZW]`` and scales ``[N, 8 ZW]`` padded).
@@ -61,8 +63,10 @@ def read(tensors, qc: dict) -> dict:
         if groups != -(-k // g):
             raise ValueError(f"{p}: scales has {groups} groups; {k} columns in groups of {g} make {-(-k // g)}")
         codes = unpack_words(qweight.T, bits, k)
+        if fmt == "gptq" and 32 % bits == 0:  # v1: GPTQModel adds 1 to every field of a whole word at once
+            qzeros = (qzeros.view(np.uint32) + np.uint32(sum(1 << (bits * j) for j in range(32 // bits))))
         zeros = unpack_words(qzeros, bits, n)
-        if fmt == "gptq":
+        if fmt == "gptq" and 32 % bits:  # (3 bits: field by field)
             zeros = (zeros.astype(np.int32) + 1) & maxq
         g_idx = tensors[f"{p}.g_idx"] if f"{p}.g_idx" in tensors else None
         columns = None if g_idx is None else act_order(g_idx, g, f"{p}.g_idx")
@@ -103,10 +107,13 @@ def read_awq(tensors, qc: dict) -> dict:
     return out
 
 
-def write(weights: dict, checkpoint_format="gptq") -> tuple:
+def write(weights: dict) -> tuple:
     """GPTQ's tensors and ``quantization_config`` for ``{name: QArray}`` (``P.weight`` -> ``P.qweight``
-    ...): every QArray of one grouped integer format with float16 scales. ``checkpoint_format``
-    ``"gptq"`` (v1: stored zero - 1; a zero of 0 cannot be stored, and raises) or ``"gptq_v2"``."""
+    ...): every QArray of one grouped integer format with float16 scales. ``checkpoint_format`` is
+    ``"gptq"`` (v1, stored zero - 1: what transformers and AutoGPTQ read by default) where every zero
+    point is at least 1, else ``"gptq_v2"``: v1 has no sound form of a zero point of 0."""
+    v1 = all(q.dtype.layout.zero is None or np.all(from_qarray(q, n).zero > 0) for n, q in weights.items())
+    checkpoint_format = "gptq" if v1 else "gptq_v2"
     tensors, spec = {}, None
     for name, q in weights.items():
         g = from_qarray(q, name)
@@ -122,12 +129,9 @@ def write(weights: dict, checkpoint_format="gptq") -> tuple:
         spec = this
         zero = g.zero if g.zero is not None else np.full(g.scale.shape, 1 << (bits - 1), np.uint8)
         if checkpoint_format == "gptq":
-            if np.any(zero == 0):
-                raise ValueError(f"{name}: a zero point of 0 cannot be written as GPTQ v1 (which stores zero - 1); "
-                                 "write checkpoint_format='gptq_v2'")
             zero = zero - 1
         p = name[: -len(".weight")] if name.endswith(".weight") else name
-        tensors[f"{p}.qweight"] = pack_words(g.codes.T.copy(), bits)
+        tensors[f"{p}.qweight"] = np.ascontiguousarray(pack_words(g.codes, bits).T)
         tensors[f"{p}.qzeros"] = pack_words(zero.T.copy(), bits)
         tensors[f"{p}.scales"] = np.ascontiguousarray(g.scale.T)
         tensors[f"{p}.g_idx"] = g_idx_of(q, group)

@@ -26,7 +26,7 @@ import numpy as np
 from .._api import packed_layout, unpack
 from .._params import check_params, param_shape, to_host
 from .._qarray import QArray
-from ._schema import (FORMAT, VERSION, _ARRAY_KINDS, _READ_ERRORS, _check_name, _stored, bad_field, block_rows,
+from ._schema import (FORMAT, VERSION, _ARRAY_KINDS, _READ_ERRORS, _check_name, _stored, bad_field, block_rows, columns_of,
                       meta_of, parse_meta, scale_bits)
 
 _FIELDS = ("data", "scale", "zero_point", "meta")
@@ -161,7 +161,7 @@ def _load_one(path, zf, name, fields):
     dtype, shape, axis, block_size, sd, gs = parse_meta(path, name, str(text[()]), plain)
     if dtype.kind == "block":  # its bytes, as QArray.data holds them
         raw = _read(path, zf, fields["data"], f"{name}.data", _exactly(np.dtype(np.uint8), block_rows(dtype, shape)))
-        return QArray.from_blocks(raw.copy(), dtype)
+        return QArray._blocks(raw.copy(), dtype, None, columns_of(str(text[()])))
     if "scale" not in fields and not plain:
         raise ValueError(f"{path}: field {name}.scale is missing")
     if plain:

@@ -25,7 +25,7 @@ from .. import _formats
 from .._params import is_lazy, is_small_float, to_host
 from .._qarray import QArray
 from ._rows import pack_rows, packed_rows, packed_rows_layout, row_group, unpack_rows
-from ._schema import FORMAT, _check_name, _is_qarray_meta, _stored, block_rows, meta_of, parse_meta, scale_bits
+from ._schema import FORMAT, _check_name, _is_qarray_meta, _stored, block_rows, columns_of, meta_of, parse_meta, scale_bits
 
 
 def save(path, arrays: dict) -> None:
@@ -224,7 +224,7 @@ def load(path) -> dict:
                 raise ValueError(f"{path}: QArray {name!r} needs a uint8 tensor of shape {list(block_rows(d, shape))} "
                                  f"(its {d.name} bytes), got " + ("none" if raw is None else
                                                                   f"{raw.dtype} {list(raw.shape)}"))
-            out[name] = QArray.from_blocks(raw, d)
+            out[name] = QArray._blocks(raw, d, None, columns_of(text))
             continue
         missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
         if missing:

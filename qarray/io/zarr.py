@@ -28,7 +28,7 @@ from .._api import packed_layout
 from .._params import check_params, to_host
 from .._qarray import QArray
 from ._rows import packed_rows, packed_rows_layout, row_group, unpack_rows
-from ._schema import bad_field, block_rows, meta_of, parse_meta, scale_bits, scale_dtype
+from ._schema import bad_field, block_rows, columns_of, meta_of, parse_meta, scale_bits, scale_dtype
 
 __all__ = ["to_zarr", "from_zarr", "load_store"]
 
@@ -103,7 +103,7 @@ def from_zarr(store) -> QArray:
         if not isinstance(arrays[name], zarr.Array):
             raise bad_field(store, "zarr", name, "not an array")
     if d.kind == "block":
-        return _blocks_of(store, arrays["codes"], d, shape)
+        return _blocks_of(store, arrays["codes"], d, shape, columns_of(text))
     stored = shape or (1,)
     g = row_group(d)
     want_dtype, want_shape = packed_rows_layout(d, shape)
@@ -140,7 +140,7 @@ def from_zarr(store) -> QArray:
     return QArray._new(x, s, z, d, axis, block_size, b, gs)
 
 
-def _blocks_of(store, codes, d, shape) -> QArray:
+def _blocks_of(store, codes, d, shape, columns) -> QArray:
     """A block format's QArray from its stored bytes, lazily."""
     import dask.array as da
 
@@ -153,7 +153,7 @@ def _blocks_of(store, codes, d, shape) -> QArray:
                                                 f"{d.name}'s blocks of {d.layout.nbytes}")
     x = da.from_array(_Chunks(codes, store, "codes"), chunks=codes.chunks, asarray=False,
                       meta=np.empty((0,) * codes.ndim, codes.dtype))
-    return QArray._blocks(x, d, _backends.get("dask"))
+    return QArray._blocks(x, d, _backends.get("dask"), columns)
 
 
 class _Chunks:

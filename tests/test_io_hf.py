@@ -1,0 +1,408 @@
+"""Hugging Face checkpoints (qarray/io/hf.py, checkpoint.py and a module per convention)
+against the conventions' own libraries, bit for bit: compressed-tensors 0.20, MLX 0.32
+and bitsandbytes 0.50 run here (CI installs them); GPTQ and AWQ against the vectors
+in tests/data/hf (made by their libraries: see its README)."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+import qarray as qa
+from qarray import _blocks
+from qarray.io import hf
+from qarray.io.hf import from_qarray, pack_words, unpack_words, write
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bitsandbytes asks the Hub for kernels it does not need on the CPU
+
+
+def _hard(rng, n, k):
+    """Rows that reach the codes' ends: zeros, a tiny constant, ties, a ramp both ways, a constant, a wide
+    spread."""
+    x = rng.normal(size=(n, k)).astype(np.float32) * 0.05
+    x[0], x[1], x[2, ::2], x[5] = 0, 1e-4, -3, 7.0
+    x[3] = np.linspace(-1, 2, k)
+    x[4] = -x[3]
+    x[6] = rng.normal(size=k) * 1e4
+    return x
+
+
+def _bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+# -- packing in 32-bit words -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dense", [True, False])
+def test_words_against_a_bit_stream(rng, bits, dense):
+    """Element i at bit i * bits of the little-endian stream (dense), or 32 // bits a word (per word):
+    against a loop over Python integers."""
+    codes = rng.integers(0, 1 << bits, (3, 77)).astype(np.uint8)
+    codes[0] = (1 << bits) - 1
+    words = pack_words(codes, bits, dense)
+    per = 32 // bits
+    for r in range(3):
+        stream = 0
+        for i, c in enumerate(codes[r].tolist()):
+            at = i * bits if dense else (i // per) * 32 + (i % per) * bits
+            stream |= c << at
+        want = [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(words.shape[1])]
+        assert words[r].view(np.uint32).tolist() == want
+    assert np.array_equal(unpack_words(words, bits, 77, dense), codes)
+
+
+# -- MLX -------------------------------------------------------------------------------------------
+
+mx = None
+
+
+def _mlx():
+    global mx
+    mx = pytest.importorskip("mlx.core")
+    return mx
+
+
+def _mx_numpy(a):
+    ml = pytest.importorskip("ml_dtypes")
+    return np.array(a.view(mx.uint16)).view(ml.bfloat16) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_mlx_read_quantize_write(rng, tmp_path, bits, group, dtype):
+    """mx.quantize's files load as MLX dequantizes them (scales * q, rounded, + biases, rounded, in the
+    model's type); qa.quantize picks MLX's codes, scales and biases; qa.save(format="mlx") writes what
+    mx.dequantize reads back to the same values."""
+    _mlx()
+    t = getattr(mx, dtype)
+    x = mx.array(_hard(rng, 8, 256)).astype(t)
+    wq, s, b = mx.quantize(x, group_size=group, bits=bits)
+    ref = np.array(mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32))
+    write(tmp_path / "in", {"l.weight": _mx_numpy(wq), "l.scales": _mx_numpy(s), "l.biases": _mx_numpy(b)},
+          {"group_size": group, "bits": bits, "mode": "affine"}, "quantization")
+    q = qa.load(tmp_path / "in")["l.weight"]
+    st = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]
+    assert q.dtype.name == f"uint{bits}_g{group}_{st}_bias" and q.shape == (8, 256)
+    assert np.array_equal(_bits(q.dequantize()), _bits(ref))
+    mine = qa.quantize(np.array(x.astype(mx.float32)), dtype=q.dtype.name)
+    assert np.array_equal(mine.data, q.data)
+    qa.save(tmp_path / "out", {"l.weight": mine}, format="mlx")
+    back = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    assert cfg == {"group_size": group, "bits": bits, "mode": "affine"}
+    again = mx.dequantize(back["l.weight"], back["l.scales"], back["l.biases"], group_size=group, bits=bits)
+    assert np.array_equal(_bits(np.array(again.astype(mx.float32))), _bits(ref))
+
+
+# -- compressed-tensors ----------------------------------------------------------------------------
+
+def _ct():
+    pytest.importorskip("compressed_tensors")
+    torch = pytest.importorskip("torch")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    return torch, BaseCompressor, QuantizationArgs, QuantizationScheme
+
+
+def _torch_numpy(t):
+    torch = pytest.importorskip("torch")
+    ml = pytest.importorskip("ml_dtypes")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml.float8_e4m3fn)
+    return t.numpy()
+
+
+def _ct_checkpoint(path, fmt, args, n=48, k=256, dtype="float16", seed=0):
+    """A one-layer checkpoint ``l`` compressed by compressed-tensors from chosen parameters and codes
+    at both ends, and the library's own decompression of it."""
+    torch, BaseCompressor, QuantizationArgs, QuantizationScheme = _ct()
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    a = QuantizationArgs(**args)
+    groups = {"tensor": 1, "channel": 1, "group": k // (args.get("group_size") or k), "block": None}[a.strategy]
+    if a.strategy == "block":
+        rows, cols = args["block_structure"]
+        scale = torch.rand(-(-n // rows), k // cols, generator=g) * 0.01 + 1e-3
+    else:
+        scale = torch.rand(1 if a.strategy == "tensor" else n, groups, generator=g) * 0.01 + 1e-3
+        scale = scale.reshape(1) if a.strategy == "tensor" else scale
+    scale[(0,) * scale.ndim] = 6e-5  # near float16's smallest normal
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[1] = 1e3  # saturates: the top code
+    w[2] = -1e3
+    sd = {"weight": w.to(dt), "weight_scale": scale.to(dt)}
+    if not a.symmetric:
+        lo, hi = -(1 << a.num_bits - 1), (1 << a.num_bits - 1) - 1
+        zp = torch.randint(lo, hi + 1, scale.shape, generator=g).to(torch.int8)
+        zp.view(-1)[0], zp.view(-1)[-1] = lo, hi
+        sd["weight_zero_point"] = zp
+    scheme = QuantizationScheme(targets=["Linear"], weights=a)
+    comp = BaseCompressor.get_value_from_registry(fmt)
+    c = comp.compress(dict(sd), scheme)
+    ref = comp.decompress({key: v.clone() for key, v in c.items()}, scheme)["weight"]
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": a.model_dump(), "format": fmt}}}
+    write(path, {f"l.{key}": _torch_numpy(v) for key, v in c.items() if v is not None}, qc)
+    return ref.float().numpy()
+
+
+CT_PACKED = [dict(num_bits=b, type="int", symmetric=sym, strategy=s, group_size=gs)
+             for b in (2, 3, 4, 5, 6, 7, 8) for sym in (True, False)
+             for s, gs in (("group", 32), ("group", 128), ("channel", None))]
+
+
+@pytest.mark.parametrize("args", CT_PACKED, ids=lambda a: f"{a['num_bits']}b-{'sym' if a['symmetric'] else 'asym'}-"
+                         f"{a['strategy']}{a['group_size'] or ''}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ct_pack_quantized(tmp_path, args, dtype):
+    """pack-quantized (0.20's dense packing), every bit width, symmetric and not, groups and channels:
+    the values compressed-tensors decompresses, in the scales' type."""
+    ref = _ct_checkpoint(tmp_path, "pack-quantized", args, dtype=dtype)
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.shape == (48, 256)
+    assert np.array_equal(_bits(q.dequantize()), _bits(ref))
+
+
+@pytest.mark.parametrize("fmt", ["int-quantized", "naive-quantized"])
+@pytest.mark.parametrize("sym", [True, False])
+def test_ct_int8(tmp_path, fmt, sym):
+    ref = _ct_checkpoint(tmp_path, fmt, dict(num_bits=8, type="int", symmetric=sym, strategy="channel"),
+                         dtype="bfloat16")
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.dtype.name == ("int8_g256_bf16" if sym else "uint8_g256_bf16_zp")
+    assert np.array_equal(_bits(q.dequantize()), _bits(ref))
+
+
+@pytest.mark.parametrize("args", [dict(strategy="tensor"), dict(strategy="channel"),
+                                  dict(strategy="block", block_structure=[16, 128])], ids=lambda a: a["strategy"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ct_fp8(tmp_path, args, dtype):
+    """float-quantized: float8 e4m3 codes times a tensor, channel or block scale, in the scales' type."""
+    ref = _ct_checkpoint(tmp_path, "float-quantized", dict(num_bits=8, type="float", symmetric=True, **args),
+                         dtype=dtype)
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.dtype.name.startswith("e4m3_g")
+    assert np.array_equal(_bits(q.dequantize()), _bits(ref))
+
+
+def _ct_decompress(path):
+    """compressed-tensors' own decompression of a checkpoint qarray wrote: each config group's args
+    parsed by the library, each layer's tensors through its format's compressor."""
+    torch, BaseCompressor, QuantizationArgs, QuantizationScheme = _ct()
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    sd = load_file(str(path / "model.safetensors"))
+    out = {}
+    for group in cfg["config_groups"].values():
+        args = QuantizationArgs(**group["weights"])
+        comp = BaseCompressor.get_value_from_registry(group["format"])
+        for t in group["targets"]:
+            p = re.fullmatch(r"re:\^(.*)\$", t).group(1).replace("\\", "")
+            own = {k[len(p) + 1:]: v for k, v in sd.items() if k.startswith(p + ".")}
+            out[p + ".weight"] = comp.decompress(own, QuantizationScheme(targets=[t], weights=args))["weight"]
+    return out
+
+
+def test_ct_write(rng, tmp_path):
+    """qa.save(format="compressed-tensors"): int4 groups, int8 channels, 3-bit zero points, FP8: what
+    compressed-tensors decompresses is qarray's values, and the directory loads back byte for byte."""
+    x = _hard(rng, 48, 256)
+    tensors = {"a.weight": qa.quantize(x, dtype="int4_g128_f16"), "b.weight": qa.quantize(x[:32], dtype="uint4_g32_bf16_zp"),
+               "c.weight": qa.quantize(x, dtype="e4m3_g256_bf16"), "d.weight": qa.quantize(x[:, :128], dtype="int8_g128_f16"),
+               "e.weight": qa.quantize(x, dtype="uint3_g128_f16_zp"), "norm": np.ones(4, np.float32)}
+    qa.save(tmp_path / "ct", tensors, format="compressed-tensors")
+    ref = _ct_decompress(tmp_path / "ct")
+    back = qa.load(tmp_path / "ct")
+    for name, q in tensors.items():
+        if isinstance(q, np.ndarray):
+            assert np.array_equal(back[name], q)
+            continue
+        assert np.array_equal(_bits(ref[name].float().numpy()), _bits(q.dequantize())), name
+        assert back[name].dtype == q.dtype and np.array_equal(back[name].data, q.data)
+
+
+def test_ct_legacy_and_dense_packing(tmp_path):
+    """3-bit rows of 256 take 24 words packed densely and 26 per word (before 0.18): both read; where
+    the two take as many words and differ, it is an error that says so."""
+    codes = np.arange(256 * 4, dtype=np.uint8).reshape(4, 256) % 8
+    scale = np.full((4, 2), 0.5, np.float16)
+    for dense in (True, False):
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "config_groups": {"g": {"targets": ["Linear"], "format": "pack-quantized",
+                                      "weights": {"num_bits": 3, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": 128}}}}
+        write(tmp_path / str(dense), {"l.weight_packed": pack_words(codes, 3, dense),
+                                      "l.weight_shape": np.array([4, 256]), "l.weight_scale": scale}, qc)
+        q = qa.load(tmp_path / str(dense))["l.weight"]
+        assert np.array_equal(from_qarray(q).codes, codes)
+    write(tmp_path / "odd", {"l.weight_packed": pack_words(codes[:, :11], 3, True),
+                             "l.weight_shape": np.array([4, 11]), "l.weight_scale": scale[:, :1]}, qc)
+    with pytest.raises(ValueError, match=r"l: 11 3-bit codes take 2 words packed densely \(compressed-tensors 0.18 "
+                       r"and later\) and per word \(before\): the file does not say which, so it cannot be read"):
+        qa.load(tmp_path / "odd")
+
+
+# -- bitsandbytes ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("block", [64, 128])
+def test_bnb_4bit(rng, tmp_path, kind, double, block):
+    """Linear4bit's state dict loads as bitsandbytes dequantizes it (float32, then the model's type);
+    qa.quantize gives its codes and absmax."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    F = pytest.importorskip("bitsandbytes.functional")
+    x = _hard(rng, 16, 256)
+    w = torch.from_numpy(x).to(torch.bfloat16)
+    p = bnb.nn.Params4bit(w, requires_grad=False, quant_type=kind, compress_statistics=double, blocksize=block)
+    lin = bnb.nn.Linear4bit(256, 16, bias=False, compute_dtype=torch.bfloat16, compress_statistics=double,
+                            quant_type=kind)
+    lin.weight = p
+    lin = lin.to("cpu")
+    ref = F.dequantize_4bit(lin.weight.data, lin.weight.quant_state).float().numpy()
+    write(tmp_path, {f"l.{k}": _torch_numpy(v) for k, v in lin.state_dict().items()},
+          {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.dtype.name == f"{'nf4' if kind == 'nf4' else 'fp4bnb'}_g{block}_f32"
+    ml = pytest.importorskip("ml_dtypes")
+    assert np.array_equal(q.dequantize().astype(ml.bfloat16).astype(np.float32), ref)
+    packed, state = F.quantize_4bit(torch.from_numpy(x), blocksize=block, quant_type=kind)
+    mine = from_qarray(qa.quantize(x, dtype=q.dtype.name))
+    b = packed.numpy().reshape(-1)
+    assert np.array_equal(np.stack([b >> 4, b & 15], -1).reshape(16, 256), mine.codes)
+    assert np.array_equal(state.absmax.numpy(), mine.scale.reshape(-1))
+
+
+# -- GPTQ and AWQ: the libraries' vectors (tests/data/hf) ------------------------------------------
+
+HF_DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
+CASES = sorted(d for d in os.listdir(HF_DATA) if os.path.isfile(os.path.join(HF_DATA, d, "config.json"))) \
+    if os.path.isdir(HF_DATA) else []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_library_vectors(case):
+    """Each checkpoint made by GPTQModel, AutoGPTQ, AutoAWQ or compressed-tensors 0.17 loads to the values
+    its library dequantizes, bit for bit."""
+    st = pytest.importorskip("safetensors.numpy")
+    path = os.path.join(HF_DATA, case)
+    loaded = qa.load(path)
+    want = st.load_file(os.path.join(path, "expected.safetensors"))
+    assert want
+    for name, ref in want.items():
+        assert np.array_equal(_bits(loaded[name].dequantize()), _bits(ref.astype(np.float32))), name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("zero0", [False, True])
+def test_gptq_write_read(rng, tmp_path, bits, zero0):
+    """qa.save(format="gptq") and back: the same codes, zero points, scales and act-order columns. It
+    writes v1 (stored zero - 1, what transformers reads by default) unless a zero point is 0, which v1
+    cannot hold: then gptq_v2."""
+    x = _hard(rng, 32, 256)
+    x[:, 32:64] = -np.abs(x[:, 32:64])  # negatives: the top zero point
+    if zero0:
+        x[:, :32] = np.abs(x[:, :32])  # a group of positives gets zero point 0
+    else:
+        x[:, ::32] = -np.abs(x).max(axis=1, keepdims=True)  # every group reaches as far below 0 as above
+    q = qa.quantize(x, dtype=f"uint{bits}_g32_f16_zp")
+    z = from_qarray(q).zero
+    assert np.any(z == 0) == zero0 and np.any(z == (1 << bits) - 1)
+    columns = rng.permutation(256)
+    q = qa.QArray._blocks(q.data, q.dtype, None, columns)
+    qa.save(tmp_path, {"l.weight": q}, format="gptq")
+    back = qa.load(tmp_path)["l.weight"]
+    assert back.dtype == q.dtype and np.array_equal(hf.g_idx_of(back, 32), hf.g_idx_of(q, 32))
+    assert np.array_equal(_bits(back.dequantize()), _bits(q.dequantize()))
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["desc_act"] and cfg["bits"] == bits and cfg["checkpoint_format"] == ("gptq_v2" if zero0 else "gptq")
+    assert repr(back).startswith("QArray(")
+
+
+def test_gptq_act_order_values(rng, tmp_path):
+    """desc_act: W[k, n] = scales[g_idx[k], n] * (q[k, n] - zeros[g_idx[k], n]), against that formula in
+    float16 (the integer difference exact, one rounding of the product)."""
+    k, n, group, bits = 128, 16, 32, 4
+    codes = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    codes[0], codes[1] = 0, 15
+    zeros = rng.integers(0, 16, (k // group, n)).astype(np.uint8)
+    zeros[0, 0], zeros[-1, -1] = 0, 15
+    scales = (rng.random((k // group, n)) * 0.1).astype(np.float16)
+    scales[0, 0] = np.float16(6e-8)
+    g_idx = rng.permutation(np.arange(k) // group).astype(np.int32)
+    write(tmp_path, {"l.qweight": pack_words(codes.T, bits).T.copy(), "l.qzeros": pack_words(zeros, bits),
+                     "l.scales": scales, "l.g_idx": g_idx},
+          {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": True, "sym": False,
+           "checkpoint_format": "gptq_v2"})
+    q = qa.load(tmp_path)["l.weight"]
+    want = (scales[g_idx].astype(np.float32) * (codes.astype(np.float32) - zeros[g_idx])).astype(np.float16)
+    assert np.array_equal(q.dequantize(), want.T.astype(np.float32))
+    assert q.columns is not None
+    with pytest.raises(IndexError, match=r"stored out of order \(GPTQ's act-order, q.columns\)"):
+        q[:, :32]
+    assert np.array_equal(q[3:5].dequantize(), q.dequantize()[3:5])
+
+
+# -- convert ---------------------------------------------------------------------------------------
+
+def test_convert_exact(rng):
+    """GPTQ's symmetric 4-bit groups of 32 are Q4_0 and back, byte for byte; MLX's 4-bit groups of 32
+    with float16 scales are Q4_1; what has no such form says so."""
+    x = _hard(rng, 8, 64)
+    q40 = qa.quantize(x, dtype="Q4_0")
+    raw = np.asarray(q40.data).reshape(-1, 18)
+    g = _blocks.convert(raw, _blocks.get("Q4_0"), _blocks.get("int4_g32_f16"))
+    assert np.array_equal(_blocks.convert(g, _blocks.get("int4_g32_f16"), _blocks.get("Q4_0")), raw)
+    z = _blocks.convert(g, _blocks.get("int4_g32_f16"), _blocks.get("uint4_g32_f16_zp"))
+    assert np.all(_blocks.get("uint4_g32_f16_zp").unpack(z)["z"] == 8)
+    assert np.array_equal(_blocks.convert(z, _blocks.get("uint4_g32_f16_zp"), _blocks.get("Q4_0")), raw)
+    q41 = np.asarray(qa.quantize(x, dtype="Q4_1").data).reshape(-1, 20)
+    m = _blocks.convert(q41, _blocks.get("Q4_1"), _blocks.get("uint4_g32_f16_bias"))
+    assert np.array_equal(_blocks.convert(m, _blocks.get("uint4_g32_f16_bias"), _blocks.get("Q4_1")), q41)
+    for src, dst, why in [("Q4_1", "Q4_0", "the offsets \\(biases\\) have nowhere to go"),
+                          ("Q4_0", "int4_g32_bf16", "field 'd' is bfloat16; got float32 values that are not bfloat16"),
+                          ("Q4_0", "int4_g64_f16", "blocks of 32 and 64 values"),
+                          ("Q4_K", "Q4_0", "only one-level formats")]:
+        data = np.asarray(qa.quantize(_hard(rng, 8, 256)[:, :64 if src != "Q4_K" else 256], dtype=src).data).reshape(-1, _blocks.get(src).nbytes)
+        with pytest.raises(ValueError, match=f"{src} -> {dst}: {why}"):
+            _blocks.convert(data, _blocks.get(src), _blocks.get(dst))
+    asym = np.asarray(qa.quantize(x, dtype="uint4_g32_f16_zp").data).reshape(-1, 19)
+    with pytest.raises(ValueError, match=r"uint4_g32_f16_zp -> Q4_0: a value of -?\d+ \(code - zero\) is not one"):
+        _blocks.convert(asym, _blocks.get("uint4_g32_f16_zp"), _blocks.get("Q4_0"))
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".zarr"])
+def test_grouped_in_qarray_files(rng, tmp_path, suffix):
+    """A grouped QArray, act-order columns and all, through qarray's own files: the same bytes, columns
+    and values; columns that are not a permutation are refused."""
+    q = qa.quantize(_hard(rng, 8, 128), dtype="uint3_g32_bf16_zp")
+    q = qa.QArray._blocks(q.data, q.dtype, None, rng.permutation(128))
+    path = tmp_path / f"w{suffix}"
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+        pytest.importorskip("dask")
+        qa.zarr.to_zarr(q, path)
+        back = qa.zarr.from_zarr(path).compute()
+    else:
+        pytest.importorskip("safetensors")
+        qa.save(path, {"w": q})
+        back = qa.load(path)["w"]
+    assert back.dtype == q.dtype and np.array_equal(back.data, q.data) and np.array_equal(back.columns, q.columns)
+    assert np.array_equal(back.dequantize(), q.dequantize())
+
+
+def test_columns_meta_checked():
+    from qarray.io._schema import parse_meta
+
+    meta = json.dumps({"format": "qarray", "version": 5, "dtype": "int4_g32_f16", "shape": [2, 64],
+                       "columns": list(range(63)) + [0]})
+    with pytest.raises(ValueError, match="columns must be a permutation of the 64 columns"):
+        parse_meta("f.npz", "w", meta)
