@@ -406,3 +406,48 @@ def test_columns_meta_checked():
                        "columns": list(range(63)) + [0]})
     with pytest.raises(ValueError, match="columns must be a permutation of the 64 columns"):
         parse_meta("f.npz", "w", meta)
+
+
+def test_checkpoint_errors(rng, tmp_path):
+    """A missing shard, a weight whose shape disagrees with config.json, and bits that do not match the
+    data each give a ValueError that says so."""
+    q = qa.quantize(_hard(rng, 32, 128), dtype="int4_g32_f16")
+    qa.save(tmp_path / "c", {"model.layers.0.mlp.up_proj.weight": q}, format="gptq")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps(dict(cfg, hidden_size=128, intermediate_size=48)))
+    with pytest.raises(ValueError, match=r"c: model.layers.0.mlp.up_proj.weight is \[32, 128\], but config.json's "
+                       r"intermediate_size and hidden_size make it \[48, 128\]"):
+        qa.load(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(json.dumps(dict(cfg, quantization_config=dict(
+        cfg["quantization_config"], bits=8))))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj: qweight \[16, 32\] and scales \[4, 32\] do not "
+                       r"hold 8-bit codes of one weight \(bits 8 in the config\)|scales has 4 groups"):
+        qa.load(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    os.rename(tmp_path / "c" / "model.safetensors", tmp_path / "c" / "model-00001-of-00002.safetensors")
+    (tmp_path / "c" / hf.INDEX).write_text(json.dumps({"weight_map": {
+        "model.layers.0.mlp.up_proj.qweight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.up_proj.scales": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="the shard model-00002-of-00002.safetensors named by "
+                       "model.safetensors.index.json is missing"):
+        qa.load(tmp_path / "c")
+    (tmp_path / "c" / hf.INDEX).write_text(json.dumps({"weight_map": {
+        name: "model-00001-of-00002.safetensors" for name in ("model.layers.0.mlp.up_proj.qweight",
+                                                              "model.layers.0.mlp.up_proj.qzeros",
+                                                              "model.layers.0.mlp.up_proj.scales",
+                                                              "model.layers.0.mlp.up_proj.g_idx")}}))
+    assert np.array_equal(qa.load(tmp_path / "c")["model.layers.0.mlp.up_proj.weight"].data, q.data)
+    (tmp_path / "c" / "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": "hqq"})))
+    with pytest.raises(ValueError, match="quant_method 'hqq'; qarray reads gptq, awq, compressed-tensors, "
+                       "bitsandbytes, mlx"):
+        qa.load(tmp_path / "c")
+
+
+def test_bnb_blocks_across_rows(tmp_path):
+    state = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "float16", "shape": [4, 96]}).encode()
+    write(tmp_path, {"l.weight": np.zeros((192, 1), np.uint8), "l.weight.absmax": np.ones(6, np.float32),
+                     "l.weight.quant_map": np.array(qa._grouped.NF4, np.float32),
+                     "l.weight.quant_state.bitsandbytes__nf4": np.frombuffer(state, np.uint8)},
+          {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match="l: blocks of 64 straddle rows of 96: qarray keeps a block within a row"):
+        qa.load(tmp_path)

@@ -21,10 +21,10 @@ _SHAPES = {"q_proj": ("heads", "hidden_size"), "k_proj": ("kv", "hidden_size"), 
 
 
 def _method(config):
+    if "quantization" in config:  # mlx-lm's (which mirrors it as quantization_config, without a quant_method)
+        return "mlx", config["quantization"]
     if "quantization_config" in config:
         return config["quantization_config"].get("quant_method"), config["quantization_config"]
-    if "quantization" in config:  # mlx-lm's
-        return "mlx", config["quantization"]
     return None, None
 
 
