@@ -119,13 +119,18 @@ def _quantize_blocks(x, b, d, given):
         raise ValueError(f"quantize: {d.name} quantizes blocks of {f.block} values along the last axis, whose "
                          f"length {x.shape[-1] if x.ndim else 'of a 0-d array'} is not a multiple of {f.block}; pad "
                          "or choose a format with smaller blocks")
-    return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f), x, f.nbytes / f.block, np.uint8), d, b)
+    g = None
+    if f.tensor_scale is not None:  # NVFP4's tensor scale, from the largest magnitude (1 where it is 0)
+        amax = float(to_host(b.xp.abs(x).max())) if x.size else 0.0
+        g = f.quantize.tensor_scale(amax or 1.0) if np.isfinite(amax) else np.float32(1)
+    return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f, g=g), x, f.nbytes / f.block, np.uint8), d,
+                          b, None, g)
 
 
 _BLOCK_CHUNK = 1 << 15  # values quantized at a time by a block format's quantizer
 
 
-def _block_bytes(x, f):
+def _block_bytes(x, f, g=None):
     """The bytes of ``f`` for host values ``x`` (rows along the last axis)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     bad = ~np.isfinite(x)
@@ -136,7 +141,8 @@ def _block_bytes(x, f):
     out = np.empty((len(blocks), f.nbytes), np.uint8)
     step = max(1, _BLOCK_CHUNK // f.block)  # a chunk's temporaries stay in cache (2x on Q8_0 at 2^24 values)
     for i in range(0, len(blocks), step):
-        out[i:i + step] = f.pack(f.quantize(blocks[i:i + step]))
+        part = blocks[i:i + step]
+        out[i:i + step] = f.pack(f.quantize(part) if g is None else f.quantize(part, g))
     return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
 
 
@@ -235,7 +241,7 @@ def dequantize(q: QArray, dtype="float32"):
         raise TypeError(f"dequantize takes a QArray, got {type(q).__name__}")
     ft = float_dtype(dtype)
     if q.dtype.kind == "block":  # scale * (value - zero) + offset, as the format's reference computes it
-        y = q._backend.dequantize_blocks(q.data, q.dtype.layout, ft)
+        y = q._backend.dequantize_blocks(q.data, q.dtype.layout, ft, q.global_scale)
         return y if q.columns is None else y[..., np.argsort(q.columns)]  # stored column i holds columns[i]
     if q.dtype.kind == "float":  # element * scale in float32 (float64 on request)
         if q.global_scale is None:

@@ -165,14 +165,17 @@ class BlockFormat:
     - ``offset``: the same for an offset, or None; ``sign`` -1 for ggml's ``- dmin * m``;
     - ``zero``: the integer field subtracted from each sub-block's values, or None;
     - ``precision``: the float type the reference computes in (see the module's docstring);
+    - ``tensor_scale``: ``"divide"`` or ``"multiply"``: each scale divided or multiplied (float32) by
+      the tensor's one scale (``QArray.global_scale``: NVFP4's second level), or None;
     - ``elements(fields)``: per-element values where no table gives them (IQ lattices);
     - ``quantize(x)``: float32 ``(n, block)`` -> fields, or None where the format is read only.
     """
 
     def __init__(self, name, block, nbytes, fields, sub=None, values=None, scale=("d", None), offset=None,
-                 elements=None, quantize=None, ggml=None, bits=None, zero=None, precision="float32"):
+                 elements=None, quantize=None, ggml=None, bits=None, zero=None, precision="float32",
+                 tensor_scale=None):
         self.name, self.block, self.nbytes, self.ggml = name, block, nbytes, ggml
-        self.zero, self.precision = zero, precision
+        self.zero, self.precision, self.tensor_scale = zero, precision, tensor_scale
         self.fields = {f.name: f for f in fields}
         self.sub = sub or block
         self.values = None if values is None else np.asarray(values, np.float32)
@@ -222,9 +225,15 @@ class BlockFormat:
         s = np.asarray(table, np.float32)[fields[name].view(self.fields[name].store)]
         return s if d is None else d * s
 
-    def scales(self, fields) -> np.ndarray:
-        """float32 scale of each sub-block, ``(n, block // sub)``."""
-        return self._product(fields, self.scale)
+    def scales(self, fields, g=None) -> np.ndarray:
+        """float32 scale of each sub-block, ``(n, block // sub)`` (``g``: the tensor's scale, where the
+        format has one)."""
+        s = self._product(fields, self.scale)
+        if self.tensor_scale is None:
+            return s
+        if g is None:
+            raise ValueError(f"{self.name} needs the tensor's scale (QArray.global_scale)")
+        return s / np.float32(g) if self.tensor_scale == "divide" else s * np.float32(g)
 
     def offsets(self, fields):
         """float32 offset of each sub-block, or None."""
@@ -249,7 +258,7 @@ class BlockFormat:
             return None
         return self.fields["q"].segments, self.values
 
-    def parameters(self, raw):
+    def parameters(self, raw, g=None):
         """``(scale, offset or None, zero or None)`` of blocks ``raw``, float32 ``(n, block // sub)``
         each, from the fields they need alone (not the codes)."""
         names = [n for n in self.fields if n != "q"] if callable(self.scale) else \
@@ -257,18 +266,19 @@ class BlockFormat:
              if n is not None]
         fields = {n: self.fields[n].unpack(raw) for n in names}
         zero = None if self.zero is None else self.fields[self.zero].unpack(raw).astype(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return self.scales(fields), self.offsets(fields), zero
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self.scales(fields, g), self.offsets(fields), zero
 
-    def decode(self, raw) -> np.ndarray:
-        """float32 values of blocks ``raw`` (uint8 ``(n, nbytes)``): ``(n, block)``."""
+    def decode(self, raw, g=None) -> np.ndarray:
+        """float32 values of blocks ``raw`` (uint8 ``(n, nbytes)``): ``(n, block)`` (``g``: the tensor's
+        scale, where the format has one)."""
         f = self.unpack(raw)
         n, k = len(raw), self.block // self.sub
         v = self.element_values(f).reshape(n, k, self.sub)
         if self.zero is not None:
             v = v - f[self.zero].astype(np.float32).reshape(n, k, 1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            y = rounded(self.scales(f).reshape(n, k, 1) * v, self.precision)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            y = rounded(self.scales(f, g).reshape(n, k, 1) * v, self.precision)
             off = self.offsets(f)
             if off is not None:
                 y = rounded(y + off.reshape(n, k, 1), self.precision)

@@ -13,20 +13,25 @@ import numpy as np
 from ._blocks import FAMILIES, FORMATS, BlockFormat, Field, bits_at, register, rounded
 from ._formats import ml_dtypes
 
-# What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes): a group of
-# ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their files
-# keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
+# What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes, ModelOpt): a
+# group of ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their
+# files keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
 # scale, then the bias, the codes (``bits`` each, element ``i`` at bit ``i * bits`` of the code bits,
 # low bits first) and the zero point, padded to a whole byte. The name says it all:
-# ``{codes}_g{G}_{scale type}[_zp | _bias]``:
+# ``{codes}_g{G}_{scale type}[_zp | _bias | _gdiv | _gmul]``:
 #
 # - codes ``int{b}`` (2..8 bits): value ``code - 2^(b-1)``; ``uint{b}``: value ``code``; ``nf4`` and
 #   ``fp4bnb``: bitsandbytes' code tables; ``e4m3``: float8 e4m3 values (compressed-tensors' FP8);
-# - scale type ``f16``, ``bf16`` or ``f32``, which is also the precision the values are computed in;
+#   ``e2m1``: FP4 (MXFP4, NVFP4: bit 3 the sign);
+# - scale type ``f16``, ``bf16`` or ``f32``, which is also the precision the values are computed in; for
+#   ``e2m1``, ``e8m0`` (MX: 2^(s - 127)) or ``e4m3`` (NVFP4), values in float32;
 # - ``_zp``: an integer zero point of ``b`` bits, ``scale * (value - zp)``; ``_bias``: a float bias of the
-#   scale's type, ``scale * value + bias`` (MLX).
-_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3)_g(\d+)_(f16|bf16|f32)(_zp|_bias)?")
+#   scale's type, ``scale * value + bias`` (MLX); ``_gdiv`` / ``_gmul``: NVFP4's tensor scale
+#   (``QArray.global_scale``), by which each float32 block scale is divided (compressed-tensors'
+#   ``weight_global_scale``) or multiplied (ModelOpt's ``weight_scale_2``) before the values.
+_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3|e2m1)_g(\d+)_(f16|bf16|f32|e8m0|e4m3)(_zp|_bias|_gdiv|_gmul)?")
 _SCALE = {"f16": (np.float16, "float16"), "bf16": ("bfloat16", "bfloat16"), "f32": (np.float32, "float32")}
+E2M1 = (0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6)
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
@@ -46,6 +51,25 @@ def _e4m3():
     return np.where((x & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
 
 
+def _e8m0():
+    """2^(s - 127) for s = 0..254 (2^-127 a subnormal float32), NaN for 255."""
+    s = np.arange(256, dtype=np.float64)
+    return np.where(s == 255, np.nan, 2.0 ** (s - 127)).astype(np.float32)
+
+
+def _fp4(name, group, stype, extra):
+    """An FP4 format: a byte of scale (E8M0 or E4M3, by table) and ``group`` e2m1 codes."""
+    table = _e8m0() if stype == "e8m0" else _e4m3()
+    fields = [Field("d", 1, 8, bits_at(0, 8)), Field("q", group, 4, lambda i: [(8 + 4 * i, 4)])]
+    tensor = {"_gdiv": "divide", "_gmul": "multiply"}.get(extra)
+    quantize = _mx(table) if stype == "e8m0" else _nv(tensor)
+    values = np.array(E2M1, np.float32)
+    if extra == "_gmul":
+        values[8] = 0  # ModelOpt's table (e2m1_values) has +0 at code 8, where the others have -0
+    return register(BlockFormat(name, group, 1 + group // 2, fields, values=values, scale=(None, ("d", table)),
+                                tensor_scale=tensor, quantize=quantize))
+
+
 def grouped(name):
     """The grouped format ``name`` (see above), registered on first use; None if ``name`` is not one."""
     m = _GROUPED.fullmatch(name.lower())
@@ -56,10 +80,14 @@ def grouped(name):
         return FORMATS[name.upper()]
     codes, group, stype, extra = m.group(1), int(m.group(3)), m.group(4), m.group(5)
     bits = int(m.group(2)) if m.group(2) else 8 if codes == "e4m3" else 4
-    if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra:
+    if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra \
+            or (codes == "e2m1") != (stype in ("e8m0", "e4m3")) or extra in ("_gdiv", "_gmul") and stype != "e4m3" \
+            or codes == "e2m1" and extra in ("_zp", "_bias"):
         return None  # (an offset-binary code's zero point is uint's; the tables take a scale alone)
     if group < 1 or group % 8:
         return None
+    if codes == "e2m1":
+        return _fp4(name, group, stype, extra)
     c = np.arange(1 << bits)
     values = {"nf4": NF4, "fp4bnb": _fp4bnb(), "e4m3": _e4m3()}.get(codes, c - (1 << bits - 1) if codes[0] == "i" else c)
     view, precision = _SCALE[stype]
@@ -171,3 +199,69 @@ def _float8(stype):
 
 
 FAMILIES.append(grouped)
+
+
+# -- FP4 ----------------------------------------------------------------------------------------------
+
+def _nearest_first(v):
+    """MLX's FP4 element: the first of E2M1's 16 values nearest ``v`` (ties toward zero, +0 for -0)."""
+    return np.abs(v[..., None] - np.array(E2M1, np.float32)).argmin(axis=-1).astype(np.uint8)
+
+
+def _nearest_even(v):
+    """The e2m1 code of ``v`` rounded to nearest, ties to even (compressed-tensors' ``cast_to_fp4``,
+    ModelOpt's ``_cast_fp4``: thresholds 0.25 <, 0.75 <=, 1.25 <, 1.75 <=, 2.5 <, 3.5 <=, 5 <), code 8 up
+    for ``v < 0`` (a negative value that rounds to 0 is -0; -0.0 itself is 0)."""
+    a = np.abs(v)
+    m = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5))
+    return (m + 8 * (v < 0)).astype(np.uint8)
+
+
+def _mx(table):
+    """MLX's mxfp4 (``mx.quantize(mode="mxfp4")``): the scale 2^ceil(log2(amax / 6)) (E8M0: the
+    smallest power of two that puts amax within 6; a group of zeros 1), the elements
+    :func:`_nearest_first` of ``x / scale``."""
+    def quantize(x):
+        m, e = np.frexp((np.abs(x).max(axis=-1, keepdims=True) / np.float32(6)).astype(np.float64))
+        e = np.where(m == 0.5, e - 1, e)  # ceil(log2): m in [0.5, 1)
+        byte = np.clip(np.where(m == 0, 127, e + 127), 0, 254).astype(np.uint8)  # (zeros: scale 1)
+        return {"d": byte, "q": _nearest_first(x / table[byte])}
+    return quantize
+
+
+def _nv(tensor):
+    """NVFP4, as each library picks it: E4M3 block scales from each block's ``amax`` and the float32
+    elements of ``x`` over the block's scale, rounded to e2m1.
+
+    - no tensor scale (MLX's ``mode="nvfp4"``): the scale ``e4m3(amax / 6)``, the elements
+      :func:`_nearest_first`;
+    - ``"divide"`` (compressed-tensors): the tensor scale ``g = 448 * 6 / amax`` of the whole tensor,
+      block scales ``e4m3(g * (amax / 6))`` clamped to +-448 (0.125 where that is 0), the elements of
+      ``x / (scale / g)`` :func:`_nearest_even`;
+    - ``"multiply"`` (ModelOpt): ``g = amax / (6 * 448)``, block scales ``e4m3(amax / (6 * g))`` (1 where
+      0) clamped to [2^-9, 448], the elements of ``x / (scale * g)`` :func:`_nearest_even`.
+    """
+    e4m3, f8 = _e4m3(), ml_dtypes().float8_e4m3fn
+
+    def quantize(x, g=None):
+        amax = np.abs(x).max(axis=-1, keepdims=True)
+        if tensor is None:
+            s = np.minimum(amax / np.float32(6), np.float32(448))
+        elif tensor == "divide":
+            s = np.clip(np.float32(g) * (amax / np.float32(6)), -448, 448)
+        else:
+            s = amax / (np.float32(6) * np.float32(g))
+            s = np.clip(np.where(s == 0, np.float32(1), s), np.float32(2.0**-9), np.float32(448))
+        d = s.astype(np.float32).astype(f8).view(np.uint8)
+        if tensor == "divide":
+            d = np.where(e4m3[d] == 0, np.float32(0.125).astype(f8).view(np.uint8), d)
+        eff = e4m3[d] if tensor is None else e4m3[d] / np.float32(g) if tensor == "divide" else e4m3[d] * np.float32(g)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = np.where(eff == 0, np.float32(0), x / eff)
+        q = _nearest_first(v) if tensor is None else _nearest_even(v)
+        return {"d": d, "q": q}
+
+    if tensor is not None:  # the tensor's scale, from its largest magnitude
+        quantize.tensor_scale = (lambda amax: np.float32(448 * 6) / np.float32(amax)) if tensor == "divide" else \
+            (lambda amax: np.float32(amax) / np.float32(448 * 6))
+    return quantize

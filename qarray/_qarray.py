@@ -74,23 +74,28 @@ class QArray:
         return self
 
     @classmethod
-    def _blocks(cls, raw, dtype, backend=None, columns=None):
+    def _blocks(cls, raw, dtype, backend=None, columns=None, global_scale=None):
         """A QArray of a block format (``dtype.kind == "block"``: GGUF's Q4_K and the like) holding
         ``raw``, the format's bytes: shape ``(..., n // block * nbytes)`` for ``n`` values along the
-        last axis. Its scale, offset and codes are read from those bytes (qarray._blocks). ``columns``:
-        see the property."""
+        last axis. Its scale, offset and codes are read from those bytes (qarray._blocks). ``columns``
+        and ``global_scale`` (a float32 0-d tensor scale, for a format whose blocks' scales it divides or
+        multiplies: NVFP4 in compressed-tensors and ModelOpt checkpoints): see the properties."""
         self = object.__new__(cls)
         self._backend = backend if backend is not None else _backends.for_array(raw)
-        self._data, self._dtype, self._global_scale, self._columns = raw, dtype, None, columns
+        self._data, self._dtype, self._global_scale, self._columns = raw, dtype, global_scale, columns
+        if (dtype.layout.tensor_scale is None) != (global_scale is None):
+            raise ValueError(f"{dtype.name} " + ("takes no tensor scale" if global_scale is not None else
+                                                 "needs its tensor scale (global_scale)"))
         self._scale = self._zero_point = None
         self._axis, self._block_size = raw.ndim - 1, dtype.layout.block
         return self
 
     @classmethod
-    def from_blocks(cls, raw, dtype) -> "QArray":
+    def from_blocks(cls, raw, dtype, global_scale=None) -> "QArray":
         """Wrap the bytes of a block format (``"Q4_K"``, GGUF's types), as a GGUF file or ggml
         holds them: uint8, shape ``(..., row_bytes)`` with ``row_bytes`` a multiple of the format's
-        block bytes. Nothing is copied.
+        block bytes. Nothing is copied. ``global_scale``: the tensor's scale of a format that has one
+        (``e2m1_g16_e4m3_gdiv``: NVFP4 as compressed-tensors stores it), a positive finite number.
 
         >>> raw = qarray.quantize(numpy.ones((2, 32), numpy.float32), dtype="Q8_0").data
         >>> QArray.from_blocks(raw, "q8_0").dequantize()[0, :4]
@@ -106,7 +111,9 @@ class QArray:
         if raw.shape[-1] % d.layout.nbytes:
             raise ValueError(f"from_blocks: a row of {raw.shape[-1]} bytes is not a whole number of {d.name} blocks "
                              f"({d.layout.nbytes} bytes each)")
-        return cls._blocks(raw, d, b)
+        if global_scale is not None:
+            global_scale = check_scale(global_scale)
+        return cls._blocks(raw, d, b, None, global_scale)
 
     @classmethod
     def from_int(cls, ints, scale, zero_point=0, dtype="qint8", axis=None, block_size=None, *,
@@ -348,7 +355,8 @@ class QArray:
     def copy(self) -> "QArray":
         """A QArray with its own copy of the codes and parameters."""
         if self._dtype.kind == "block":
-            return QArray._blocks(self._data.copy(), self._dtype, self._backend, self._columns)
+            return QArray._blocks(self._data.copy(), self._dtype, self._backend, self._columns,
+                              self._global_scale)
         return QArray._new(self._data.copy(), self._scale.copy(), self._zero_point.copy(), self._dtype,
                            self._axis, self._block_size, self._backend, self._global_scale)
 
@@ -447,7 +455,8 @@ class QArray:
             raise ValueError(f"cannot reshape {self.shape} to {shape}: {self._dtype.name} keeps its blocks along "
                              f"the last axis (length {n}), which must stay the last dimension; dequantize first")
         raw = self._data.reshape(shape[:-1] + (self._data.shape[-1],))
-        return QArray._blocks(raw, self._dtype, self._backend, self._columns)
+        return QArray._blocks(raw, self._dtype, self._backend, self._columns,
+                              self._global_scale)
 
     def transpose(self, *axes) -> "QArray":
         """Permute dimensions (reversed when no axes are given); parameters follow."""
@@ -460,7 +469,8 @@ class QArray:
             if self.ndim and axes[-1] != self.ndim - 1:
                 raise ValueError(f"transpose {axes}: {self._dtype.name} keeps its blocks along the last axis, "
                                  "which must stay last; dequantize first")
-            return QArray._blocks(self._data.transpose(axes), self._dtype, self._backend, self._columns)
+            return QArray._blocks(self._data.transpose(axes), self._dtype, self._backend, self._columns,
+                              self._global_scale)
         data = self._data.transpose(axes)
         if self._axis is None:
             return self._with(data)
@@ -550,7 +560,8 @@ class QArray:
             raise IndexError(f"the columns of this {self._dtype.name} QArray are stored out of order (GPTQ's "
                              "act-order, q.columns): its blocks are not column ranges; dequantize first")
         cut = slice(start // f.block * f.nbytes, stop // f.block * f.nbytes)
-        return QArray._blocks(self._data[key[:last] + (cut,)], self._dtype, self._backend, self._columns)
+        return QArray._blocks(self._data[key[:last] + (cut,)], self._dtype, self._backend, self._columns,
+                              self._global_scale)
 
     def _shown(self):
         """``(values, summarise)``: the dequantized values NumPy's printing shows.

@@ -439,7 +439,7 @@ def test_checkpoint_errors(rng, tmp_path):
     assert np.array_equal(qa.load(tmp_path / "c")["model.layers.0.mlp.up_proj.weight"].data, q.data)
     (tmp_path / "c" / "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": "hqq"})))
     with pytest.raises(ValueError, match="quant_method 'hqq'; qarray reads gptq, awq, compressed-tensors, "
-                       "bitsandbytes, mlx"):
+                       "bitsandbytes, modelopt, mlx"):
         qa.load(tmp_path / "c")
 
 
@@ -451,3 +451,76 @@ def test_bnb_blocks_across_rows(tmp_path):
           {"quant_method": "bitsandbytes", "load_in_4bit": True})
     with pytest.raises(ValueError, match="l: blocks of 64 straddle rows of 96: qarray keeps a block within a row"):
         qa.load(tmp_path)
+
+
+# -- FP4: MXFP4 and NVFP4 --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,name", [("mxfp4", "e2m1_g32_e8m0"), ("nvfp4", "e2m1_g16_e4m3")])
+def test_mlx_fp4(rng, tmp_path, mode, name):
+    """MLX's mxfp4 and nvfp4 modes: read as mx.dequantize computes them, quantized with mx.quantize's
+    codes and scale bytes, written back for mx.dequantize."""
+    _mlx()
+    x = _hard(rng, 8, 256)
+    x[7, :16] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, 6, 0, -0.0, 0, 0, 0, 0]  # the ties
+    wq, s = mx.quantize(mx.array(x), mode=mode)
+    ref = np.array(mx.dequantize(wq, s, mode=mode, dtype=mx.float32))
+    group = 32 if mode == "mxfp4" else 16
+    write(tmp_path / "in", {"l.weight": np.array(wq), "l.scales": np.array(s)},
+          {"mode": mode, "group_size": group, "bits": 4}, "quantization")
+    q = qa.load(tmp_path / "in")["l.weight"]
+    assert q.dtype.name == name and np.array_equal(_bits(q.dequantize()), _bits(ref))
+    mine = qa.quantize(x, dtype=name)
+    assert np.array_equal(mine.data, q.data)
+    qa.save(tmp_path / "out", {"l.weight": mine}, format="mlx")
+    back = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    again = mx.dequantize(back["l.weight"], back["l.scales"], mode=mode, dtype=mx.float32)
+    assert np.array_equal(_bits(np.array(again)), _bits(ref))
+
+
+@pytest.mark.parametrize("preset,name", [("NVFP4", "e2m1_g16_e4m3_gdiv"), ("MXFP4", "e2m1_g32_e8m0")])
+def test_ct_fp4(rng, tmp_path, preset, name):
+    """compressed-tensors' nvfp4- and mxfp4-pack-quantized: read as its decompressor computes them
+    (float32, returned as bfloat16); NVFP4's tensor scale, block scales and codes as its quantizer picks
+    them (generate_gparam, calculate_qparams with the preset's E4M3 scales, compress)."""
+    torch, BaseCompressor, QuantizationArgs, QuantizationScheme = _ct()
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    ml = pytest.importorskip("ml_dtypes")
+    x = _hard(rng, 8, 256)
+    x[7, :16] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, 6, 0, -0.0, 0, 0, 0, 0]
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    a, w = scheme.weights, torch.from_numpy(x)
+    group = a.group_size
+    blocks = w.reshape(8, -1, group)
+    gs = generate_gparam(w.min(), w.max()) if preset == "NVFP4" else None
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), a, global_scale=gs)
+    sd = {"weight": w, "weight_scale": scale}
+    if gs is not None:
+        sd["weight_global_scale"] = gs.reshape(1)
+    fmt = f"{preset.lower()}-pack-quantized"
+    comp = BaseCompressor.get_value_from_registry(fmt)
+    c = comp.compress(dict(sd), scheme)
+    ref = comp.decompress({k: v.clone() for k, v in c.items()}, scheme)["weight"].float().numpy()
+    qc = {"quant_method": "compressed-tensors", "format": fmt,
+          "config_groups": {"g": {"targets": ["Linear"], "weights": a.model_dump(), "format": fmt}}}
+    write(tmp_path, {f"l.{k}": _torch_numpy(v) for k, v in c.items()}, qc)
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.dtype.name == name
+    assert np.array_equal(_bits(q.dequantize().astype(ml.bfloat16).astype(np.float32)), _bits(ref))
+    if preset == "NVFP4":  # (MXFP4's scale rule is MLX's here: compressed-tensors' differs)
+        mine = qa.quantize(x, dtype=name)
+        assert mine.global_scale == np.float32(gs.item()) and np.array_equal(mine.data, q.data)
+
+
+MODELOPT = os.path.join(HF_DATA, "modelopt_nvfp4")
+
+
+def test_modelopt_nvfp4_quantize():
+    """ModelOpt's NVFP4QTensor.quantize, recorded (tests/data/hf/modelopt_nvfp4/quantized.npz): the
+    tensor scale, block scales and codes of qa.quantize(x, dtype="e2m1_g16_e4m3_gmul")."""
+    v = np.load(os.path.join(MODELOPT, "quantized.npz"))
+    q = qa.quantize(v["x"], dtype="e2m1_g16_e4m3_gmul")
+    g = from_qarray(q)
+    assert q.global_scale == v["weight_scale_2"] and np.array_equal(g.scale, v["weight_scale"])
+    assert np.array_equal(g.codes, v["codes"])

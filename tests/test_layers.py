@@ -25,7 +25,7 @@ LAYERS = [
     ("qarray.io._schema", "qarray.io._rows"),
     ("qarray.io.npz", "qarray.io.safetensors", "qarray.io.zarr", "qarray.io.gguf"),
     ("qarray.io.hf",),
-    ("qarray.io.gptq", "qarray.io.compressed_tensors", "qarray.io.mlx", "qarray.io.bnb"),
+    ("qarray.io.gptq", "qarray.io.compressed_tensors", "qarray.io.mlx", "qarray.io.bnb", "qarray.io.modelopt"),
     ("qarray.io.checkpoint",),
     ("qarray.nn", "qarray.observers", "qarray.io", "qarray.zarr", "qarray.onnx", "qarray.cli", "qarray.examples",
      "qarray.__main__", "qarray"),

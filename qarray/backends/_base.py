@@ -182,11 +182,11 @@ class Backend:
         backend runs it on each chunk of rows."""
         return self.asarray(fn(self.to_host(x)))
 
-    def dequantize_blocks(self, raw, fmt, dtype):
+    def dequantize_blocks(self, raw, fmt, dtype, g=None):
         """float values (``dtype``) of block-format bytes ``raw`` (rows of blocks along the last axis):
-        ``fmt.decode`` on the host (``map_rows``)."""
+        ``fmt.decode`` on the host (``map_rows``); ``g`` the tensor's scale, where the format has one."""
         def decode(r):
-            v = fmt.decode(np.ascontiguousarray(r).reshape(-1, fmt.nbytes))
+            v = fmt.decode(np.ascontiguousarray(r).reshape(-1, fmt.nbytes), g)
             return v.reshape(*r.shape[:-1], r.shape[-1] // fmt.nbytes * fmt.block).astype(dtype, copy=False)
 
         return self.map_rows(decode, raw, fmt.block / fmt.nbytes, dtype)

@@ -134,7 +134,13 @@ def parallel(k, tasks, *args, grain=1, parts=PARTS):
     return results
 
 register_jitable(inline="always")(_fixed_point.wide)  # what rescale calls, compiled where a kernel calls it
-_rescale = njit(inline="always")(_fixed_point.rescale)
+# rescale is called, not inlined into Numba's IR: the rounding code and narrow
+# reach it as literals (closure constants), so each (code, narrow) compiles
+# without the other branches, once a process, and LLVM inlines it into the
+# kernel's loops (the same instructions). Inlined at the IR level, Numba copied
+# its branches' IR into every call site of every specialization: half of each
+# requantize, conv or epilogue compile (requantize int32 -> int8: 12 s -> 5 s).
+_rescale = njit(_fixed_point.rescale)
 _rescale_stochastic = njit(inline="always")(_fixed_point.rescale_stochastic)
 for _f in (_philox._round, _philox.philox4x32):  # what _philox.bits calls, compiled where a kernel calls it
     register_jitable(inline="always")(_f)

@@ -191,11 +191,11 @@ class DaskBackend(Backend):
         return x.map_blocks(functools.partial(inner.map_rows, fn, ratio=ratio, dtype=dtype), dtype=dtype,
                             chunks=chunks, meta=meta_from_array(x, x.ndim, dtype))
 
-    def dequantize_blocks(self, raw, fmt, dtype):
+    def dequantize_blocks(self, raw, fmt, dtype, g=None):
         inner = self._chunks_backend()
         raw = self.aligned(da.asarray(raw), raw.ndim - 1, fmt.nbytes)  # whole blocks in each chunk
         chunks = raw.chunks[:-1] + (tuple(c // fmt.nbytes * fmt.block for c in raw.chunks[-1]),)
-        return raw.map_blocks(functools.partial(inner.dequantize_blocks, fmt=fmt, dtype=dtype), dtype=dtype,
+        return raw.map_blocks(functools.partial(inner.dequantize_blocks, fmt=fmt, dtype=dtype, g=g), dtype=dtype,
                               chunks=chunks, meta=meta_from_array(raw, raw.ndim, dtype))
 
     # -- the primitives: the inner backend's, chunk by chunk ----------------

@@ -301,12 +301,12 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype)
 
-    def dequantize_blocks(self, raw, fmt, dtype):
+    def dequantize_blocks(self, raw, fmt, dtype, g=None):
         k, plan = self._fast(raw), fmt.plan
         if k is None or plan is None or (fmt.offset is not None and fmt.precision != "float32"):
-            return super().dequantize_blocks(raw, fmt, dtype)  # (the multiply rounds before the add: NumPy)
+            return super().dequantize_blocks(raw, fmt, dtype, g)  # (the multiply rounds before the add: NumPy)
         blocks = contiguous(raw).reshape(-1, fmt.nbytes)
-        scale, offset, zero = fmt.parameters(blocks)
+        scale, offset, zero = fmt.parameters(blocks, g)
         out = self.empty((len(blocks), fmt.block), np.float32)
         k.parallel(k.block_decode, len(blocks), blocks, out, *plan, scale, scale if offset is None else offset,
                    scale if zero is None else zero, offset is not None, zero is not None, grain=k.GRAIN // fmt.block)

@@ -36,8 +36,9 @@ def candidates(target, src) -> list:
     names = {"gguf": [f.name for f in _blocks.FORMATS.values() if f.ggml is not None],
              "gptq": [f"int{b}_g{g}_f16", f"uint{b}_g{g}_f16_zp"],
              "compressed-tensors": [n for t in types for n in (f"int{b}_g{g}_{t}", f"uint{b}_g{g}_{t}_zp",
-                                                                f"e4m3_g{g}_{t}")],
-             "mlx": [f"uint{b}_g{g}_{t}_bias" for t in types]}[target]
+                                                                f"e4m3_g{g}_{t}")] + ["e2m1_g16_e4m3_gdiv",
+                                                                                      "e2m1_g32_e8m0"],
+             "mlx": [f"uint{b}_g{g}_{t}_bias" for t in types] + ["e2m1_g32_e8m0", "e2m1_g16_e4m3"]}[target]
     return [f for f in map(_blocks.get, names) if f is not None]
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
-from . import bnb, compressed_tensors, gptq, mlx
+from . import bnb, compressed_tensors, gptq, mlx, modelopt
 from .hf import Tensors, is_checkpoint, read_json, write  # noqa: F401
 
 READERS = {"gptq": lambda t, qc, config: gptq.read(t, qc),
            "awq": lambda t, qc, config: gptq.read_awq(t, qc),
            "compressed-tensors": lambda t, qc, config: compressed_tensors.read(t, qc),
            "bitsandbytes": lambda t, qc, config: bnb.read(t, qc),
+           "modelopt": lambda t, qc, config: modelopt.read(t, qc),
            "mlx": lambda t, qc, config: mlx.read(t, config)}
 WRITERS = {"compressed-tensors": compressed_tensors.write, "mlx": mlx.write, "gptq": gptq.write}
 _SHAPES = {"q_proj": ("heads", "hidden_size"), "k_proj": ("kv", "hidden_size"), "v_proj": ("kv", "hidden_size"),

@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from .. import _formats
-from .hf import Grouped, act_order, from_qarray, g_idx_of, pack_words, scale_type, stored, to_qarray, \
+from .hf import Grouped, act_order, from_qarray, g_idx_of, nibbles, pack_words, scale_type, stored, to_qarray, \
     unpack_words, words_for
 
 
@@ -88,10 +88,22 @@ def read(tensors, qc: dict) -> dict:
         scale = tensors[f"{p}.weight_scale"]
         half = 1 << (bits - 1)
         zp = tensors[f"{p}.weight_zero_point"] if f"{p}.weight_zero_point" in tensors else None
+        if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):  # e2m1 codes, two a byte (the even low)
+            packed = tensors[f"{p}.weight_packed"]
+            n, k = packed.shape[0], packed.shape[1] * 2
+            codes = nibbles(packed, n, k)
+            if fmt == "mxfp4-pack-quantized":
+                out[f"{p}.weight"] = to_qarray("e2m1", Grouped(codes, scale.view(np.uint8)), "e8m0", p)
+            else:
+                gs = tensors[f"{p}.weight_global_scale"].reshape(-1)[0]
+                out[f"{p}.weight"] = to_qarray("e2m1", Grouped(codes, scale.view(np.uint8)), "e4m3", p,
+                                               ("_gdiv", gs))
+            tensors.used.update(f"{p}.{x}" for x in ("weight_packed", "weight_scale", "weight_global_scale"))
+            continue
         if f"{p}.weight_packed" in tensors:
             if fmt != "pack-quantized" or kind != "int":
-                raise ValueError(f"{p}: format {fmt!r} ({kind}): qarray reads pack-quantized integers; NVFP4 and MXFP4 "
-                                 "checkpoints are not read yet")
+                raise ValueError(f"{p}: format {fmt!r} ({kind}) of packed weights: qarray reads pack-quantized "
+                                 "integers, nvfp4-pack-quantized and mxfp4-pack-quantized")
             n, k = (int(v) for v in tensors[f"{p}.weight_shape"])
             packed = tensors[f"{p}.weight_packed"]
             dense = _packing(packed.shape[-1], bits, k, p)
@@ -135,20 +147,41 @@ def read(tensors, qc: dict) -> dict:
     return out
 
 
+_FP4_WRITTEN = {  # grouped format's tail -> format, weights args (as the presets NVFP4 and MXFP4 dump)
+    "g16_e4m3_gdiv": ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
+                                                   "strategy": "tensor_group", "dynamic": False,
+                                                   "scale_dtype": "torch.float8_e4m3fn"}),
+    "g32_e8m0": ("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
+                                              "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}),
+}
+
+
 def write(weights: dict) -> tuple:
     """compressed-tensors' tensors and ``quantization_config`` for ``{name: QArray}``: grouped integer
     formats as ``pack-quantized`` (dense packing, compressed-tensors 0.18 and later), ``e4m3`` ones as
-    ``float-quantized``; one config group per distinct quantization."""
+    ``float-quantized``, NVFP4 (``e2m1_g16_e4m3_gdiv``) as ``nvfp4-pack-quantized`` and MXFP4
+    (``e2m1_g32_e8m0``) as ``mxfp4-pack-quantized``; one config group per distinct quantization."""
     tensors, groups = {}, {}
     for name, q in weights.items():
         g = from_qarray(q, name)
         f = q.dtype.layout
         p = name[: -len(".weight")] if name.endswith(".weight") else name
-        if g.bias is not None or f.name[:1] not in "iue":
-            raise ValueError(f"{name}: compressed-tensors holds integer codes (with zero points) or float8; {f.name} "
-                             "is not one (convert with --requantize)")
         n, k = q.shape
         group = "channel" if f.block == k else "group"
+        fp4 = _FP4_WRITTEN.get(f.name.split("_", 1)[-1] if f.name.startswith("e2m1") else None)
+        if fp4 is not None:  # e2m1 codes two a byte, the even one low
+            fmt, args = fp4[0], dict(fp4[1])
+            tensors[f"{p}.weight_packed"] = (g.codes[:, 0::2] | g.codes[:, 1::2] << 4).astype(np.uint8)
+            tensors[f"{p}.weight_scale"] = g.scale.view(np.uint8) if fmt.startswith("mx") else \
+                g.scale.view(_formats.ml_dtypes().float8_e4m3fn)
+            if q.global_scale is not None:
+                tensors[f"{p}.weight_global_scale"] = np.array([q.global_scale], np.float32)
+            groups.setdefault((fmt, repr(args)), (fmt, args, []))[2].append(p)
+            continue
+        if g.bias is not None or f.name[:1] not in "iue" or f.name.startswith("e2m1"):
+            raise ValueError(f"{name}: compressed-tensors holds integer codes (with zero points), float8, NVFP4 "
+                             f"(e2m1_g16_e4m3_gdiv) or MXFP4 (e2m1_g32_e8m0); {f.name} is not one (convert with "
+                             "--requantize)")
         if f.name.startswith("e4m3"):
             if group != "channel":
                 raise ValueError(f"{name}: float-quantized weights have one scale a row (or a tensor, or a block); "

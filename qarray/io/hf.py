@@ -123,18 +123,27 @@ def as_scale(a):
     return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
 
+def nibbles(packed, n, k):
+    """FP4 codes ``(n, k)`` from bytes two a code, the even element in the low nibble."""
+    packed = np.asarray(packed).view(np.uint8).reshape(n, -1)
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"{packed.shape[1]} bytes a row do not hold {k} 4-bit codes")
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k)
+
+
 def stored(v, precision):
     """Scales or biases as a checkpoint stores them: bfloat16 (ml_dtypes') for a bfloat16 format."""
     return np.ascontiguousarray(v.astype(_formats.ml_dtypes().bfloat16) if precision == "bfloat16" else v)
 
 
-def to_qarray(codes_name, g: Grouped, stype, name="weight") -> QArray:
-    """The QArray of format ``{codes_name}_g{G}_{stype}[_zp|_bias]`` holding ``g``."""
+def to_qarray(codes_name, g: Grouped, stype, name="weight", tensor_scale=None) -> QArray:
+    """The QArray of format ``{codes_name}_g{G}_{stype}[_zp|_bias]`` holding ``g``; ``tensor_scale``
+    ``("_gdiv" or "_gmul", value)`` for NVFP4's, whose blocks' scales (``g.scale``) are E4M3 bytes."""
     n, k = g.codes.shape
     groups = g.scale.shape[1]
     if groups == 0 or k % groups:
         raise ValueError(f"{name}: {k} columns do not split into {groups} groups")
-    extra = "_zp" if g.zero is not None else "_bias" if g.bias is not None else ""
+    extra = "_zp" if g.zero is not None else "_bias" if g.bias is not None else tensor_scale[0] if tensor_scale else ""
     d = qdtype(f"{codes_name}_g{k // groups}_{stype}{extra}")
     f = d.layout
     codes = g.codes if g.columns is None else g.codes[:, g.columns]
@@ -147,7 +156,10 @@ def to_qarray(codes_name, g: Grouped, stype, name="weight") -> QArray:
         raw = f.pack(fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name}: {e}") from None
-    return QArray._blocks(raw.reshape(n, groups * f.nbytes), d, None, g.columns)
+    gs = None if tensor_scale is None else np.float32(tensor_scale[1])
+    if gs is not None and not (np.isfinite(gs) and gs > 0):
+        raise ValueError(f"{name}: the tensor scale {gs} is not a positive finite number")
+    return QArray._blocks(raw.reshape(n, groups * f.nbytes), d, None, g.columns, gs)
 
 
 def from_qarray(q: QArray, name="weight") -> Grouped:

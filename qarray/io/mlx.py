@@ -1,5 +1,7 @@
 """MLX checkpoints (mlx-lm's: ``config.json`` ``"quantization": {"group_size", "bits",
-"mode"}``, with per-module overrides keyed by the module's path), affine mode.
+"mode"}``, with per-module overrides keyed by the module's path): the affine mode,
+and the mxfp4 and nvfp4 modes (``P.weight`` uint32 of e2m1 codes, the first lowest,
+``P.scales`` a byte a group: E8M0 over 32, E4M3 over 16; no tensor scale).
 
 A linear ``P`` stores ``P.weight`` (uint32 ``[N, K * bits / 32]``: element ``i`` of a
 row at bit ``i * bits`` of its little-endian words), ``P.scales`` and ``P.biases``
@@ -22,21 +24,34 @@ def _spec(config: dict, module: str):
     if own is False:
         return None
     own = own if isinstance(own, dict) else q
-    if own.get("mode", "affine") != "affine":
-        raise ValueError(f"{module}: MLX mode {own.get('mode')!r}: qarray reads the affine mode")
-    return int(own.get("bits", 4)), int(own.get("group_size", 64))
+    mode = own.get("mode", "affine")
+    if mode not in _FP4 and mode != "affine":
+        raise ValueError(f"{module}: MLX mode {mode!r}: qarray reads affine, mxfp4 and nvfp4")
+    return mode, int(own.get("bits", 4)), int(own.get("group_size", _FP4.get(mode, (64,))[0]))
+
+
+_FP4 = {"mxfp4": (32, "e8m0"), "nvfp4": (16, "e4m3")}  # group, scale type: no biases
 
 
 def read(tensors, config: dict) -> dict:
     out = {}
     for p in sorted(n[: -len(".scales")] for n in tensors.names() if n.endswith(".scales")):
-        if f"{p}.biases" not in tensors or f"{p}.weight" not in tensors:
-            raise ValueError(f"{p}: an MLX affine layer has weight, scales and biases; this one lacks "
-                             + ("biases" if f"{p}.biases" not in tensors else "weight"))
         spec = _spec(config, p)
         if spec is None:
             continue
-        bits, group = spec
+        mode, bits, group = spec
+        if mode in _FP4:  # e2m1 codes, 8 a word (the first lowest), a scale byte a group
+            w, s = tensors[f"{p}.weight"], tensors[f"{p}.scales"]
+            n, k = s.shape[0], s.shape[1] * group
+            if w.dtype != np.uint32 or w.shape != (n, k // 8) or s.dtype != np.uint8 or group != _FP4[mode][0]:
+                raise ValueError(f"{p}: weight {w.dtype} {list(w.shape)} and scales {s.dtype} {list(s.shape)} are not "
+                                 f"MLX's {mode} (groups of {_FP4[mode][0]})")
+            out[f"{p}.weight"] = to_qarray("e2m1", Grouped(unpack_words(w, 4, k), s), _FP4[mode][1], p)
+            tensors.used.update(f"{p}.{x}" for x in ("weight", "scales"))
+            continue
+        if f"{p}.biases" not in tensors or f"{p}.weight" not in tensors:
+            raise ValueError(f"{p}: an MLX affine layer has weight, scales and biases; this one lacks "
+                             + ("biases" if f"{p}.biases" not in tensors else "weight"))
         w, s, b = tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"]
         n, groups = s.shape
         k = groups * group
@@ -51,20 +66,28 @@ def read(tensors, config: dict) -> dict:
 
 def write(weights: dict) -> tuple:
     """mlx-lm's tensors and quantization config for ``{name: QArray}`` of ``uint{bits}_g{G}_{type}_bias``
-    formats (MLX's own: a per-module entry where one differs from the first)."""
+    formats (affine), ``e2m1_g32_e8m0`` (mxfp4) or ``e2m1_g16_e4m3`` (nvfp4, no tensor scale): a
+    per-module entry where one differs from the first."""
     tensors, qc = {}, {}
+    modes = {f"g{g}_{t}": m for m, (g, t) in _FP4.items()}
     for name, q in weights.items():
         g = from_qarray(q, name)
         f = q.dtype.layout
-        if g.bias is None or not f.name.startswith("uint") or q.columns is not None:
-            raise ValueError(f"{name}: MLX holds unsigned codes with a scale and a bias per group; {f.name} is not "
-                             "one (convert with --requantize)")
+        mode = "affine" if g.bias is not None and f.name.startswith("uint") else \
+            modes.get(f.name.split("_", 1)[-1]) if f.name.startswith("e2m1") else None
+        if mode is None or q.columns is not None:
+            raise ValueError(f"{name}: MLX holds unsigned codes with a scale and a bias per group, mxfp4 "
+                             f"(e2m1_g32_e8m0) or nvfp4 (e2m1_g16_e4m3); {f.name} is not one (convert with "
+                             "--requantize)")
         p = name[: -len(".weight")] if name.endswith(".weight") else name
-        spec = {"group_size": f.block, "bits": f.bits, "mode": "affine"}
+        spec = {"group_size": f.block, "bits": f.bits, "mode": mode}
         if not qc:
             qc.update(spec)
         elif spec != {k: qc[k] for k in spec}:
             qc[p] = spec
         tensors[f"{p}.weight"] = pack_words(g.codes, f.bits).view(np.uint32)
-        tensors[f"{p}.scales"], tensors[f"{p}.biases"] = stored(g.scale, f.precision), stored(g.bias, f.precision)
+        if mode == "affine":
+            tensors[f"{p}.scales"], tensors[f"{p}.biases"] = stored(g.scale, f.precision), stored(g.bias, f.precision)
+        else:
+            tensors[f"{p}.scales"] = np.ascontiguousarray(g.scale.astype(np.uint8))
     return tensors, qc
