@@ -167,15 +167,18 @@ class BlockFormat:
     - ``precision``: the float type the reference computes in (see the module's docstring);
     - ``tensor_scale``: ``"divide"`` or ``"multiply"``: each scale divided or multiplied (float32) by
       the tensor's one scale (``QArray.global_scale``: NVFP4's second level), or None;
+    - ``factor``: a float32 constant the product is multiplied by, rounded (bitsandbytes' LLM.int8:
+      ``q * SCB * (1 / 127)``), or None;
     - ``elements(fields)``: per-element values where no table gives them (IQ lattices);
     - ``quantize(x)``: float32 ``(n, block)`` -> fields, or None where the format is read only.
     """
 
     def __init__(self, name, block, nbytes, fields, sub=None, values=None, scale=("d", None), offset=None,
                  elements=None, quantize=None, ggml=None, bits=None, zero=None, precision="float32",
-                 tensor_scale=None):
+                 tensor_scale=None, factor=None):
         self.name, self.block, self.nbytes, self.ggml = name, block, nbytes, ggml
         self.zero, self.precision, self.tensor_scale = zero, precision, tensor_scale
+        self.factor = None if factor is None else np.float32(factor)
         self.fields = {f.name: f for f in fields}
         self.sub = sub or block
         self.values = None if values is None else np.asarray(values, np.float32)
@@ -279,6 +282,8 @@ class BlockFormat:
             v = v - f[self.zero].astype(np.float32).reshape(n, k, 1)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             y = rounded(self.scales(f, g).reshape(n, k, 1) * v, self.precision)
+            if self.factor is not None:
+                y = rounded(y * self.factor, self.precision)
             off = self.offsets(f)
             if off is not None:
                 y = rounded(y + off.reshape(n, k, 1), self.precision)

@@ -28,8 +28,10 @@ from ._formats import ml_dtypes
 # - ``_zp``: an integer zero point of ``b`` bits, ``scale * (value - zp)``; ``_bias``: a float bias of the
 #   scale's type, ``scale * value + bias`` (MLX); ``_gdiv`` / ``_gmul``: NVFP4's tensor scale
 #   (``QArray.global_scale``), by which each float32 block scale is divided (compressed-tensors'
-#   ``weight_global_scale``) or multiplied (ModelOpt's ``weight_scale_2``) before the values.
-_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3|e2m1)_g(\d+)_(f16|bf16|f32|e8m0|e4m3)(_zp|_bias|_gdiv|_gmul)?")
+#   ``weight_global_scale``) or multiplied (ModelOpt's ``weight_scale_2``) before the values; ``_scb``:
+#   bitsandbytes' LLM.int8 (``int8_g{K}_f32_scb``), a row's absmax ``SCB`` as the scale, the product then
+#   multiplied by float32(1 / 127): ``q * SCB * 7.874015718698502e-3``, two roundings.
+_GROUPED = re.compile(r"(u?int([2-8])|nf4|fp4bnb|e4m3|e2m1)_g(\d+)_(f16|bf16|f32|e8m0|e4m3)(_zp|_bias|_gdiv|_gmul|_scb)?")
 _SCALE = {"f16": (np.float16, "float16"), "bf16": ("bfloat16", "bfloat16"), "f32": (np.float32, "float32")}
 E2M1 = (0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6)
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -82,7 +84,7 @@ def grouped(name):
     bits = int(m.group(2)) if m.group(2) else 8 if codes == "e4m3" else 4
     if codes.startswith("int") and extra == "_zp" or codes in ("nf4", "fp4bnb", "e4m3") and extra \
             or (codes == "e2m1") != (stype in ("e8m0", "e4m3")) or extra in ("_gdiv", "_gmul") and stype != "e4m3" \
-            or codes == "e2m1" and extra in ("_zp", "_bias"):
+            or codes == "e2m1" and extra in ("_zp", "_bias") or extra == "_scb" and (codes, stype) != ("int8", "f32"):
         return None  # (an offset-binary code's zero point is uint's; the tables take a scale alone)
     if group < 1 or group % 8:
         return None
@@ -103,11 +105,13 @@ def grouped(name):
         fields.append(Field("z", 1, bits, bits_at(at // 8, bits) if at % 8 == 0 else lambda i, at=at: [(at, bits)]))
         at += bits
     quantize = (_table(values) if codes in ("nf4", "fp4bnb") else _float8(stype) if codes == "e4m3" else
+                _llm_int8 if extra == "_scb" else
                 _affine(bits, stype) if extra == "_bias" else _zero_point(bits, stype) if extra == "_zp" else
                 _symmetric(bits, stype) if codes[0] == "i" else None)
     return register(BlockFormat(name, group, (at + 7) // 8, fields, values=values,
                                 offset=(("m", None), 1) if extra == "_bias" else None,
-                                zero="z" if extra == "_zp" else None, precision=precision, quantize=quantize))
+                                zero="z" if extra == "_zp" else None, precision=precision, quantize=quantize,
+                                factor=7.874015718698502e-3 if extra == "_scb" else None))
 
 
 # -- round to nearest, in float32, parameters rounded to the scale type before the codes are chosen -----
@@ -172,6 +176,15 @@ def _affine(bits, stype):
         q = np.clip(np.rint((x - bias) / scale), 0, bins)
         return {"d": _stored(scale, stype), "m": _stored(bias, stype), "q": q.astype(np.uint8)}
     return quantize
+
+
+def _llm_int8(x):
+    """bitsandbytes' LLM.int8 (``int8_vectorwise_quant``): ``SCB = max |row|``, ``q = rint(x * (127 /
+    SCB))`` (a row of zeros: codes 0), stored plus 128."""
+    scb = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(x * (np.float32(127) / scb))
+    return {"d": scb, "q": (np.nan_to_num(q, nan=0) + 128).astype(np.uint8)}
 
 
 def _table(values):

@@ -524,3 +524,23 @@ def test_modelopt_nvfp4_quantize():
     g = from_qarray(q)
     assert q.global_scale == v["weight_scale_2"] and np.array_equal(g.scale, v["weight_scale"])
     assert np.array_equal(g.codes, v["codes"])
+
+
+def test_bnb_llm_int8(rng, tmp_path):
+    """LLM.int8 (Linear8bitLt's state dict): q * SCB * float32(1/127), two float32 roundings, as
+    int8_vectorwise_dequant computes it; quantized as int8_vectorwise_quant does."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    F = pytest.importorskip("bitsandbytes.functional")
+    x = _hard(rng, 16, 256)
+    x[1] = 1e-30
+    lin = bnb.nn.Linear8bitLt(256, 16, bias=False, has_fp16_weights=False)
+    lin.weight = bnb.nn.Int8Params(torch.from_numpy(x.copy()), requires_grad=False, has_fp16_weights=False)
+    sd = lin.to("cpu").state_dict()
+    ref = F.int8_vectorwise_dequant(sd["weight"], sd["SCB"]).numpy()
+    write(tmp_path, {f"l.{k}": v.numpy() for k, v in sd.items()}, {"quant_method": "bitsandbytes", "load_in_8bit": True})
+    q = qa.load(tmp_path)["l.weight"]
+    assert q.dtype.name == "int8_g256_f32_scb" and np.array_equal(_bits(q.dequantize()), _bits(ref))
+    codes, scb, _ = F.int8_vectorwise_quant(torch.from_numpy(x))
+    mine = from_qarray(qa.quantize(x, dtype="int8_g256_f32_scb"))
+    assert np.array_equal(mine.codes.astype(int) - 128, codes.numpy()) and np.array_equal(mine.scale[:, 0], scb.numpy())

@@ -303,14 +303,17 @@ class NumpyBackend(Backend):
 
     def dequantize_blocks(self, raw, fmt, dtype, g=None):
         k, plan = self._fast(raw), fmt.plan
-        if k is None or plan is None or (fmt.offset is not None and fmt.precision != "float32"):
+        if k is None or plan is None or fmt.offset is not None and (fmt.precision != "float32" or fmt.factor is not None):
             return super().dequantize_blocks(raw, fmt, dtype, g)  # (the multiply rounds before the add: NumPy)
         blocks = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blocks, g)
         out = self.empty((len(blocks), fmt.block), np.float32)
         k.parallel(k.block_decode, len(blocks), blocks, out, *plan, scale, scale if offset is None else offset,
                    scale if zero is None else zero, offset is not None, zero is not None, grain=k.GRAIN // fmt.block)
-        out = rounded(out, fmt.precision).reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
+        out = rounded(out, fmt.precision)
+        if fmt.factor is not None:  # (a second rounding, as the format's reference has it)
+            out = rounded(out * fmt.factor, fmt.precision)
+        out = out.reshape(*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block)
         with np.errstate(over="ignore"):
             return out if dtype == np.float32 else out.astype(dtype)
 

@@ -1,5 +1,5 @@
-"""bitsandbytes 4-bit checkpoints (``quant_method`` ``"bitsandbytes"``, ``load_in_4bit``):
-NF4 and FP4, with and without double quantization.
+"""bitsandbytes checkpoints (``quant_method`` ``"bitsandbytes"``): 4-bit NF4 and FP4,
+with and without double quantization, and LLM.int8.
 
 A linear ``P`` stores ``P.weight`` (uint8: the row-major weight's codes two a byte, the
 first in the high nibble), ``P.weight.absmax`` (float32 per block of ``blocksize``
@@ -14,6 +14,11 @@ qarray works out once at reading: the QArray holds it as float32 (4 bytes a bloc
 where the file has 1, plus the nested tables), in the grouped format
 ``nf4_g{blocksize}_f32`` (``fp4bnb_...``). Blocks run over the flattened weight;
 qarray needs them within rows (the input axis a multiple of ``blocksize``).
+
+LLM.int8 (``load_in_8bit``) stores ``P.weight`` (int8 ``[N, K]``), ``P.SCB`` (float32,
+each row's absmax) and ``P.weight_format`` (0, "row"); bitsandbytes dequantizes
+``q * SCB * 7.874015718698502e-3`` in float32, two roundings: the grouped format
+``int8_g{K}_f32_scb``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ _TABLES = {"nf4": np.array(_grouped.NF4, np.float32), "fp4": _grouped._fp4bnb()}
 
 def read(tensors, qc: dict) -> dict:
     out = {}
+    for p in [n[: -len(".SCB")] for n in tensors.names() if n.endswith(".SCB")]:  # LLM.int8
+        w, scb = tensors[f"{p}.weight"], tensors[f"{p}.SCB"]
+        fmt = int(np.asarray(tensors[f"{p}.weight_format"]).reshape(-1)[0]) if f"{p}.weight_format" in tensors else 0
+        if fmt != 0:
+            raise ValueError(f"{p}.weight_format is {fmt}; bitsandbytes saves (and qarray reads) the row format, 0")
+        if w.dtype != np.int8 or w.ndim != 2 or scb.shape != (w.shape[0],) or scb.dtype != np.float32:
+            raise ValueError(f"{p}: LLM.int8 holds an int8 weight [N, K] and float32 SCB [N]; got {w.dtype} "
+                             f"{list(w.shape)} and {scb.dtype} {list(scb.shape)}")
+        codes = (w.astype(np.int16) + 128).astype(np.uint8)
+        out[f"{p}.weight"] = to_qarray("int8", Grouped(codes, scb.reshape(-1, 1)), "f32", p, ("_scb", None))
+        tensors.used.update({f"{p}.weight", f"{p}.SCB", f"{p}.weight_format"})
     for key in [n for n in tensors.names() if ".weight.quant_state.bitsandbytes__" in n]:
         p = key.split(".weight.quant_state.")[0]
         try:

@@ -138,7 +138,8 @@ def stored(v, precision):
 
 def to_qarray(codes_name, g: Grouped, stype, name="weight", tensor_scale=None) -> QArray:
     """The QArray of format ``{codes_name}_g{G}_{stype}[_zp|_bias]`` holding ``g``; ``tensor_scale``
-    ``("_gdiv" or "_gmul", value)`` for NVFP4's, whose blocks' scales (``g.scale``) are E4M3 bytes."""
+    ``("_gdiv" or "_gmul", value)`` for NVFP4's, whose blocks' scales (``g.scale``) are E4M3 bytes
+    (``("_scb", None)``: LLM.int8's name, which has none)."""
     n, k = g.codes.shape
     groups = g.scale.shape[1]
     if groups == 0 or k % groups:
@@ -156,7 +157,7 @@ def to_qarray(codes_name, g: Grouped, stype, name="weight", tensor_scale=None) -
         raw = f.pack(fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name}: {e}") from None
-    gs = None if tensor_scale is None else np.float32(tensor_scale[1])
+    gs = None if tensor_scale is None or tensor_scale[1] is None else np.float32(tensor_scale[1])
     if gs is not None and not (np.isfinite(gs) and gs > 0):
         raise ValueError(f"{name}: the tensor scale {gs} is not a positive finite number")
     return QArray._blocks(raw.reshape(n, groups * f.nbytes), d, None, g.columns, gs)
