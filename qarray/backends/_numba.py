@@ -448,16 +448,27 @@ def lut(u, table, out, start, stop):
         orow[i] = table[ur[i]]
 
 
-@njit(inline="always")
-def _rq(d, zo, m, sh, f, lo, hi, code, narrow):
-    """One requantized value from ``d = q - zp_in`` (``qarray._fixed_point.Requant``)."""
-    if code == FLOAT:  # clamp in float64: a huge product must not overflow int64
-        return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
-    if code == IDENTITY:
-        return min(max(d + zo, lo), hi)
-    if narrow:  # d fits in int32: saying so lets LLVM use a 32 x 32 -> 64-bit multiply
-        d = np.int64(np.int32(d))
-    return min(max(_rescale(d, m, sh, code, narrow) + zo, lo), hi)
+def _make_rq(rescale):
+    """``_rq`` with ``rescale`` (``_fixed_point.rescale`` compiled one way or the other)."""
+
+    @njit(inline="always")
+    def rq(d, zo, m, sh, f, lo, hi, code, narrow):
+        """One requantized value from ``d = q - zp_in`` (``qarray._fixed_point.Requant``)."""
+        if code == FLOAT:  # clamp in float64: a huge product must not overflow int64
+            return np.int64(min(max(np.rint(np.float64(d) * f + zo), lo), hi))
+        if code == IDENTITY:
+            return min(max(d + zo, lo), hi)
+        if narrow:  # d fits in int32: saying so lets LLVM use a 32 x 32 -> 64-bit multiply
+            d = np.int64(np.int32(d))
+        return min(max(rescale(d, m, sh, code, narrow) + zo, lo), hi)
+
+    return rq
+
+
+_rq = _make_rq(_rescale)
+# binary's operands: their narrow flags are run-time values there, not literals, and
+# its kernel keeps rescale inlined into Numba's IR (the machine code it had)
+_rq_inlined = _make_rq(njit(inline="always")(_fixed_point.rescale))
 
 
 @njit(inline="always")
@@ -568,10 +579,10 @@ def _make_binary(op, ca, cb, code):
         e0, e1 = start * BINARY_RUN, min(stop * BINARY_RUN, a.shape[0])
         ar, br, orow = a[e0:e1], b[e0:e1], out[e0:e1]  # indexed from 0 (see _span)
         for i in range(e1 - e0):
-            x = _rq(np.int64(ar[i]) - za, 0, ma, sa, fa, _I64_MIN, _I64_MAX, ca, na)
-            y = _rq(np.int64(br[i]) - zb, 0, mb, sb, fb, _I64_MIN, _I64_MAX, cb, nb)
+            x = _rq_inlined(np.int64(ar[i]) - za, 0, ma, sa, fa, _I64_MIN, _I64_MAX, ca, na)
+            y = _rq_inlined(np.int64(br[i]) - zb, 0, mb, sb, fb, _I64_MIN, _I64_MAX, cb, nb)
             v = x + y if op == 0 else (x - y if op == 1 else x * y)
-            orow[i] = _rq(v, zo, m, sh, f, lo, hi, code, False)
+            orow[i] = _rq_inlined(v, zo, m, sh, f, lo, hi, code, False)
 
     return binary
 
