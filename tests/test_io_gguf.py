@@ -186,5 +186,5 @@ def test_chunks_give_lazy_dask_tensors_over_the_map(tmp_path, rng):
         np.testing.assert_array_equal(t["w"].dequantize().compute(), q.dequantize())
         np.testing.assert_array_equal(t["norm"].compute(), x[0])
         np.testing.assert_array_equal(t["e"].compute(), x.astype(np.float16))
-    with pytest.raises(TypeError, match="chunks= is for GGUF files"):
+    with pytest.raises(TypeError, match="chunks= is for GGUF files and checkpoint directories"):
         qa.load(tmp_path / "m.npz", chunks=2)

@@ -544,3 +544,40 @@ def test_bnb_llm_int8(rng, tmp_path):
     codes, scb, _ = F.int8_vectorwise_quant(torch.from_numpy(x))
     mine = from_qarray(qa.quantize(x, dtype="int8_g256_f32_scb"))
     assert np.array_equal(mine.codes.astype(int) - 128, codes.numpy()) and np.array_equal(mine.scale[:, 0], scb.numpy())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("gptq_v2_b3", "gptq_v1_b4_asym_g32_descact",
+                                                                    "awq_gemm_g32", "awq_gemv_g32", "ct_b5",
+                                                                    "modelopt"))])
+def test_lazy_checkpoint(case, monkeypatch):
+    """qa.load(directory, chunks=rows): Dask-backed QArrays whose chunks are rows read when computed
+    (nothing of the codes read before), the same bytes, columns and tensor scale as the eager load."""
+    pytest.importorskip("dask")
+    path = os.path.join(HF_DATA, case)
+    eager = qa.load(path)
+    reads = []
+    real = hf.Tensors.read
+    monkeypatch.setattr(hf.Tensors, "read", lambda self, name, key=Ellipsis: reads.append(name) or real(self, name, key))
+    lazy = qa.load(path, chunks=8)
+    code_reads = lambda: sum(n.endswith((".qweight", ".weight_packed", ".weight")) for n in reads)  # noqa: E731
+    layers = [q for q in eager.values() if isinstance(q, qa.QArray)]
+    assert code_reads() == len(layers)  # one probe a layer (its format and row bytes), no more
+    for name, q in eager.items():
+        z = lazy[name]
+        if not isinstance(q, qa.QArray):
+            assert np.array_equal(np.asarray(z), q)
+            continue
+        assert z.backend == "dask" and len(z.data.chunks[0]) == -(-q.shape[0] // 8) and max(z.data.chunks[0]) <= 8
+        before = code_reads()
+        got = z.compute()
+        assert code_reads() - before == len(z.data.chunks[0])  # a read of the codes a chunk
+        assert got.dtype == q.dtype and np.array_equal(got.data, q.data)
+        assert (got.columns is None) == (q.columns is None) and (q.columns is None or np.array_equal(got.columns, q.columns))
+        assert got.global_scale == q.global_scale
+        assert np.array_equal(_bits(z.dequantize().compute()), _bits(q.dequantize()))
+
+
+def test_lazy_chunks_checked():
+    pytest.importorskip("dask")
+    with pytest.raises(ValueError, match="load: chunks must be a positive number of rows or 'auto', got 0"):
+        qa.load(os.path.join(HF_DATA, "modelopt_nvfp4"), chunks=0)

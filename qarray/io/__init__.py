@@ -75,7 +75,8 @@ def load(path, chunks=None) -> dict:
     (``"auto"``, ``"64MiB"``, rows) as Dask-backed QArrays and arrays over it; or a
     Hugging Face checkpoint directory (``config.json`` beside ``.safetensors``
     shards: GPTQ, AWQ, bitsandbytes 4-bit, compressed-tensors, MLX), its quantized
-    weights as QArrays of the float weight's shape (:mod:`qarray.io.checkpoint`).
+    weights as QArrays of the float weight's shape (:mod:`qarray.io.checkpoint`); with
+    ``chunks`` (rows, or ``"auto"``) lazily, chunks of rows read as Dask computes them.
 
     Anything off raises ValueError naming the file and the member or field
     (``NAME.meta``, ``NAME.data``, ...): a damaged, truncated or extended archive,
@@ -89,11 +90,10 @@ def load(path, chunks=None) -> dict:
     if _suffix(path) == ".gguf":
         return gguf.load(path, chunks)
     if checkpoint.is_checkpoint(path):  # a Hugging Face checkpoint directory
-        if chunks is not None:
-            raise TypeError("load: chunks= is for GGUF files; a checkpoint directory loads into memory")
-        return checkpoint.load(path)
+        return checkpoint.load(path, chunks)
     if chunks is not None:
-        raise TypeError("load: chunks= is for GGUF files (a .zarr store is read in its own chunks)")
+        raise TypeError("load: chunks= is for GGUF files and checkpoint directories (a .zarr store is read in its "
+                        "own chunks)")
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # a Zarr store: lazy, chunk by chunk
         try:
             import zarr  # noqa: F401

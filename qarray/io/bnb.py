@@ -28,23 +28,27 @@ import json
 import numpy as np
 
 from .. import _grouped
-from .hf import Grouped, to_qarray
+from .hf import Grouped, Layer, to_qarray
 
 _TABLES = {"nf4": np.array(_grouped.NF4, np.float32), "fp4": _grouped._fp4bnb()}
 
 
 def read(tensors, qc: dict) -> dict:
+    """``{name: hf.Layer}`` of the quantized linears among ``tensors`` (``hf.Tensors``)."""
     out = {}
     for p in [n[: -len(".SCB")] for n in tensors.names() if n.endswith(".SCB")]:  # LLM.int8
-        w, scb = tensors[f"{p}.weight"], tensors[f"{p}.SCB"]
+        (dtype, shape), scb = (tensors.dtype(f"{p}.weight"), tensors.shape(f"{p}.weight")), tensors[f"{p}.SCB"]
         fmt = int(np.asarray(tensors[f"{p}.weight_format"]).reshape(-1)[0]) if f"{p}.weight_format" in tensors else 0
         if fmt != 0:
             raise ValueError(f"{p}.weight_format is {fmt}; bitsandbytes saves (and qarray reads) the row format, 0")
-        if w.dtype != np.int8 or w.ndim != 2 or scb.shape != (w.shape[0],) or scb.dtype != np.float32:
-            raise ValueError(f"{p}: LLM.int8 holds an int8 weight [N, K] and float32 SCB [N]; got {w.dtype} "
-                             f"{list(w.shape)} and {scb.dtype} {list(scb.shape)}")
-        codes = (w.astype(np.int16) + 128).astype(np.uint8)
-        out[f"{p}.weight"] = to_qarray("int8", Grouped(codes, scb.reshape(-1, 1)), "f32", p, ("_scb", None))
+        if dtype != np.int8 or len(shape) != 2 or scb.shape != shape[:1] or scb.dtype != np.float32:
+            raise ValueError(f"{p}: LLM.int8 holds an int8 weight [N, K] and float32 SCB [N]; got {dtype} "
+                             f"{list(shape)} and {scb.dtype} {list(scb.shape)}")
+
+        def make(rows, p=p, scb=scb):
+            codes = (tensors.read(f"{p}.weight", rows).astype(np.int16) + 128).astype(np.uint8)
+            return to_qarray("int8", Grouped(codes, scb[rows, None]), "f32", p, ("_scb", None))
+        out[f"{p}.weight"] = Layer(shape[0], make)
         tensors.used.update({f"{p}.weight", f"{p}.SCB", f"{p}.weight_format"})
     for key in [n for n in tensors.names() if ".weight.quant_state.bitsandbytes__" in n]:
         p = key.split(".weight.quant_state.")[0]
@@ -60,10 +64,9 @@ def read(tensors, qc: dict) -> dict:
             raise ValueError(f"{p}.weight.quant_map is not bitsandbytes' {kind} table")
         if k % block:
             raise ValueError(f"{p}: blocks of {block} straddle rows of {k}: qarray keeps a block within a row")
-        packed = tensors[f"{p}.weight"].reshape(-1)
-        if packed.dtype != np.uint8 or packed.size != n * k // 2:
-            raise ValueError(f"{p}.weight: {packed.dtype} of {packed.size} bytes does not hold {n} x {k} 4-bit codes")
-        codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(n, k)
+        dtype, shape = tensors.dtype(f"{p}.weight"), tensors.shape(f"{p}.weight")
+        if dtype != np.uint8 or len(shape) > 2 or shape[0] != n * k // 2:
+            raise ValueError(f"{p}.weight: {dtype} {list(shape)} does not hold {n} x {k} 4-bit codes")
         absmax = tensors[f"{p}.weight.absmax"]
         if absmax.dtype == np.uint8:  # double quantization, worked out in float32 as bitsandbytes does
             nested, nmap = tensors[f"{p}.weight.nested_absmax"], tensors[f"{p}.weight.nested_quant_map"]
@@ -73,7 +76,12 @@ def read(tensors, qc: dict) -> dict:
             tensors.used.update({f"{p}.weight.nested_absmax", f"{p}.weight.nested_quant_map"})
         if absmax.dtype != np.float32 or absmax.size != n * k // block:
             raise ValueError(f"{p}.weight.absmax: {absmax.dtype} of {absmax.size} values for {n * k // block} blocks")
-        name = "nf4" if kind == "nf4" else "fp4bnb"
-        out[f"{p}.weight"] = to_qarray(name, Grouped(codes, absmax.reshape(n, -1)), "f32", p)
+        name, absmax = "nf4" if kind == "nf4" else "fp4bnb", absmax.reshape(n, -1)
+
+        def make(rows, p=p, k=k, absmax=absmax, name=name):  # (rows of the flat bytes: k / 2 a row)
+            packed = tensors.read(f"{p}.weight", slice(rows.start * k // 2, rows.stop * k // 2)).reshape(-1)
+            codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1, k)
+            return to_qarray(name, Grouped(codes, absmax[rows]), "f32", p)
+        out[f"{p}.weight"] = Layer(n, make)
         tensors.used.update({key, f"{p}.weight", f"{p}.weight.absmax", f"{p}.weight.quant_map"})
     return out

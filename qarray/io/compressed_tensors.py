@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from .. import _formats
-from .hf import Grouped, act_order, from_qarray, g_idx_of, nibbles, pack_words, scale_type, stored, to_qarray, \
+from .hf import Grouped, Layer, act_order, from_qarray, g_idx_of, nibbles, pack_words, scale_type, stored, to_qarray, \
     unpack_words, words_for
 
 
@@ -79,71 +79,72 @@ def _packing(words, bits, k, name):
 
 
 def read(tensors, qc: dict) -> dict:
-    """``{name: QArray}`` of the quantized linears among ``tensors`` (``hf.Tensors``)."""
+    """``{name: hf.Layer}`` of the quantized linears among ``tensors`` (``hf.Tensors``): the scales and
+    zero points read now, the codes by rows when the layer is made."""
     out = {}
-    names = tensors.names()
-    for p in sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(".weight_scale")}):
+    for p in sorted({n.rsplit(".", 1)[0] for n in tensors.names() if n.endswith(".weight_scale")}):
         args = _args_for(qc, p)
         fmt, bits, kind = args["format"], int(args.get("num_bits", 8)), args.get("type", "int")
-        scale = tensors[f"{p}.weight_scale"]
-        half = 1 << (bits - 1)
+        scale, half = tensors[f"{p}.weight_scale"], 1 << (bits - 1)
         zp = tensors[f"{p}.weight_zero_point"] if f"{p}.weight_zero_point" in tensors else None
+        tensors.used.update(f"{p}.{x}" for x in ("weight", "weight_packed", "weight_shape", "weight_scale",
+                                                  "weight_zero_point", "weight_g_idx", "weight_global_scale"))
         if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):  # e2m1 codes, two a byte (the even low)
-            packed = tensors[f"{p}.weight_packed"]
-            n, k = packed.shape[0], packed.shape[1] * 2
-            codes = nibbles(packed, n, k)
-            if fmt == "mxfp4-pack-quantized":
-                out[f"{p}.weight"] = to_qarray("e2m1", Grouped(codes, scale.view(np.uint8)), "e8m0", p)
-            else:
-                gs = tensors[f"{p}.weight_global_scale"].reshape(-1)[0]
-                out[f"{p}.weight"] = to_qarray("e2m1", Grouped(codes, scale.view(np.uint8)), "e4m3", p,
-                                               ("_gdiv", gs))
-            tensors.used.update(f"{p}.{x}" for x in ("weight_packed", "weight_scale", "weight_global_scale"))
+            n, k = tensors.shape(f"{p}.weight_packed")[0], tensors.shape(f"{p}.weight_packed")[1] * 2
+            mx = fmt == "mxfp4-pack-quantized"
+            gs = None if mx else ("_gdiv", tensors[f"{p}.weight_global_scale"].reshape(-1)[0])
+
+            def make(rows, p=p, k=k, scale=scale.view(np.uint8), mx=mx, gs=gs):
+                codes = tensors.read(f"{p}.weight_packed", rows)
+                codes = nibbles(codes, len(codes), k)
+                return to_qarray("e2m1", Grouped(codes, scale[rows]), "e8m0" if mx else "e4m3", p, gs)
+            out[f"{p}.weight"] = Layer(n, make)
             continue
+        dense = None
         if f"{p}.weight_packed" in tensors:
             if fmt != "pack-quantized" or kind != "int":
                 raise ValueError(f"{p}: format {fmt!r} ({kind}) of packed weights: qarray reads pack-quantized "
                                  "integers, nvfp4-pack-quantized and mxfp4-pack-quantized")
             n, k = (int(v) for v in tensors[f"{p}.weight_shape"])
-            packed = tensors[f"{p}.weight_packed"]
-            dense = _packing(packed.shape[-1], bits, k, p)
-            codes = unpack_words(packed, bits, k, dense)
+            dense = _packing(tensors.shape(f"{p}.weight_packed")[-1], bits, k, p)
             if zp is not None:  # packed along the output axis, as the codes are (one version wrote both)
                 if zp.shape[0] != words_for(n, bits, dense):
                     raise ValueError(f"{p}.weight_zero_point: {zp.shape[0]} words do not hold {n} {bits}-bit zero "
                                      "points packed as the weight is")
                 zp = unpack_words(np.ascontiguousarray(zp.T), bits, n, dense).T
         else:
-            w = tensors[f"{p}.weight"]
-            n, k = w.shape
-            if kind == "float":
-                if w.dtype.name != "float8_e4m3fn":
-                    raise ValueError(f"{p}: float-quantized weights are float8_e4m3fn, got {w.dtype}")
-                s = _per_row(scale, n, k, args, p)
-                out[f"{p}.weight"] = to_qarray("e4m3", Grouped(w.view(np.uint8), s), scale_type(s.dtype), p)
-                tensors.used.update(f"{p}.{x}" for x in ("weight", "weight_scale"))
-                continue
-            if w.dtype != np.int8 or fmt not in ("int-quantized", "naive-quantized"):
-                raise ValueError(f"{p}: {fmt} weight of {w.dtype}: qarray reads int8 codes")
-            if w.min(initial=0) < -half or w.max(initial=0) >= half:
-                raise ValueError(f"{p}: codes in [{w.min()}, {w.max()}] do not fit num_bits {bits}")
-            codes = (w.astype(np.int16) + half).astype(np.uint8)
+            n, k = tensors.shape(f"{p}.weight")
+            dtype = tensors.dtype(f"{p}.weight")
+            if kind == "float" and dtype.name != "float8_e4m3fn":
+                raise ValueError(f"{p}: float-quantized weights are float8_e4m3fn, got {dtype}")
+            if kind != "float" and (dtype != np.int8 or fmt not in ("int-quantized", "naive-quantized")):
+                raise ValueError(f"{p}: {fmt} weight of {dtype}: qarray reads int8 codes")
             if zp is not None:
-                zp = (np.asarray(zp).astype(np.int16) + half)
+                zp = np.asarray(zp).astype(np.int16) + half
         s = _per_row(scale, n, k, args, p)
         columns = None
         if f"{p}.weight_g_idx" in tensors:
             columns = act_order(tensors[f"{p}.weight_g_idx"], k // s.shape[1], f"{p}.weight_g_idx")
-        if zp is not None and np.any(zp.reshape(-1) != half):
+        z = None
+        if kind != "float" and zp is not None and np.any(zp.reshape(-1) != half):
             z = np.broadcast_to(np.asarray(zp).reshape(-1, 1) if np.size(zp) == 1 else zp, s.shape)
             if np.any(z < 0) or np.any(z >= 2 * half):
                 raise ValueError(f"{p}: zero points out of the {bits}-bit range")
-            q = to_qarray(f"uint{bits}", Grouped(codes, s, z.astype(np.uint8), columns=columns), scale_type(s.dtype), p)
-        else:
-            q = to_qarray(f"int{bits}", Grouped(codes, s, columns=columns), scale_type(s.dtype), p)
-        out[f"{p}.weight"] = q
-        tensors.used.update(f"{p}.{x}" for x in ("weight", "weight_packed", "weight_shape", "weight_scale",
-                                                  "weight_zero_point", "weight_g_idx"))
+            z = z.astype(np.uint8)
+        name = "e4m3" if kind == "float" else f"uint{bits}" if z is not None else f"int{bits}"
+
+        def make(rows, p=p, k=k, s=s, z=z, dense=dense, columns=columns, name=name, bits=bits, half=half):
+            if dense is not None:
+                codes = unpack_words(tensors.read(f"{p}.weight_packed", rows), bits, k, dense)
+            else:
+                codes = tensors.read(f"{p}.weight", rows).view(np.int8 if name != "e4m3" else np.uint8)
+                if name != "e4m3":
+                    if codes.min(initial=0) < -half or codes.max(initial=0) >= half:
+                        raise ValueError(f"{p}: codes in [{codes.min()}, {codes.max()}] do not fit num_bits {bits}")
+                    codes = (codes.astype(np.int16) + half).astype(np.uint8)
+            return to_qarray(name, Grouped(codes, s[rows], None if z is None else z[rows], columns=columns),
+                             scale_type(s.dtype), p)
+        out[f"{p}.weight"] = Layer(n, make)
     return out
 
 

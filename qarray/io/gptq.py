@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hf import Grouped, act_order, from_qarray, g_idx_of, pack_words, scale_type, to_qarray, \
+from .hf import Grouped, Layer, act_order, from_qarray, g_idx_of, pack_words, scale_type, to_qarray, \
     unpack_words, words_for
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 
 
-def _grouped(codes, scale, zero, bits, columns=None, name="weight"):
+def _grouped(codes, scale, zero, bits, sym, columns=None, name="weight"):
     """The QArray of GPTQ's or AWQ's codes (N, K), scales and zeros (N, G): the symmetric format where
-    every zero is the middle code."""
-    stype = scale_type(scale.dtype)
-    if np.all(zero == 1 << (bits - 1)):
-        return to_qarray(f"int{bits}", Grouped(codes, scale, columns=columns), stype, name)
-    return to_qarray(f"uint{bits}", Grouped(codes, scale, zero, columns=columns), stype, name)
+    every zero of the weight is the middle code (``sym``)."""
+    if sym:
+        return to_qarray(f"int{bits}", Grouped(codes, scale, columns=columns), scale_type(scale.dtype), name)
+    return to_qarray(f"uint{bits}", Grouped(codes, scale, zero, columns=columns), scale_type(scale.dtype), name)
 
 
 def _check_bits(bits, allowed, what):
@@ -43,7 +42,7 @@ def _check_bits(bits, allowed, what):
 
 
 def read(tensors, qc: dict) -> dict:
-    """``{name: QArray}`` of the GPTQ linears among ``tensors`` (``hf.Tensors``), under config ``qc``."""
+    """``{name: hf.Layer}`` of the GPTQ linears among ``tensors`` (``hf.Tensors``), under config ``qc``."""
     bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
     _check_bits(bits, {2, 3, 4, 8}, "GPTQ")
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
@@ -52,31 +51,34 @@ def read(tensors, qc: dict) -> dict:
     maxq = (1 << bits) - 1
     out = {}
     for p in [n[: -len(".qweight")] for n in tensors.names() if n.endswith(".qweight")]:
-        qweight, qzeros, scales = tensors[f"{p}.qweight"], tensors[f"{p}.qzeros"], tensors[f"{p}.scales"]
-        words, n = qweight.shape
+        (words, n), scales = tensors.shape(f"{p}.qweight"), tensors.shape(f"{p}.scales")
         k = words * 32 // bits
-        groups = scales.shape[0]
-        if words != words_for(k, bits) or scales.shape[1] != n:
-            raise ValueError(f"{p}: qweight {list(qweight.shape)} and scales {list(scales.shape)} do not hold "
-                             f"{bits}-bit codes of one weight (bits {bits} in the config)")
+        if words != words_for(k, bits) or len(scales) != 2 or scales[1] != n:
+            raise ValueError(f"{p}: qweight {[words, n]} and scales {list(scales)} do not hold {bits}-bit codes of "
+                             f"one weight (bits {bits} in the config)")
         g = k if group == -1 else group
-        if groups != -(-k // g):
-            raise ValueError(f"{p}: scales has {groups} groups; {k} columns in groups of {g} make {-(-k // g)}")
-        codes = unpack_words(qweight.T, bits, k)
+        if scales[0] != -(-k // g):
+            raise ValueError(f"{p}: scales has {scales[0]} groups; {k} columns in groups of {g} make {-(-k // g)}")
+        qzeros = tensors[f"{p}.qzeros"]  # (small: a word per group and 32 / bits outputs)
         if fmt == "gptq" and 32 % bits == 0:  # v1: GPTQModel adds 1 to every field of a whole word at once
             qzeros = (qzeros.view(np.uint32) + np.uint32(sum(1 << (bits * j) for j in range(32 // bits))))
-        zeros = unpack_words(qzeros, bits, n)
+        zeros = unpack_words(qzeros, bits, n).T
         if fmt == "gptq" and 32 % bits:  # (3 bits: field by field)
             zeros = (zeros.astype(np.int32) + 1) & maxq
-        g_idx = tensors[f"{p}.g_idx"] if f"{p}.g_idx" in tensors else None
-        columns = None if g_idx is None else act_order(g_idx, g, f"{p}.g_idx")
-        out[f"{p}.weight"] = _grouped(codes, scales.T, zeros.T, bits, columns, p)
+        columns = None if f"{p}.g_idx" not in tensors else act_order(tensors[f"{p}.g_idx"], g, f"{p}.g_idx")
+        sym = bool(np.all(zeros == 1 << (bits - 1)))
+
+        def make(rows, p=p, k=k, zeros=zeros, columns=columns, sym=sym):
+            codes = unpack_words(tensors.read(f"{p}.qweight", (slice(None), rows)).T, bits, k)
+            scale = tensors.read(f"{p}.scales", (slice(None), rows)).T
+            return _grouped(codes, scale, zeros[rows], bits, sym, columns, p)
+        out[f"{p}.weight"] = Layer(n, make)
         tensors.used.update(f"{p}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx"))
     return out
 
 
 def read_awq(tensors, qc: dict) -> dict:
-    """``{name: QArray}`` of the AWQ linears (GEMM or GEMV packing) among ``tensors``."""
+    """``{name: hf.Layer}`` of the AWQ linears (GEMM or GEMV packing) among ``tensors``."""
     bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
     version = str(qc.get("version", "gemm")).lower()
     _check_bits(bits, {4}, "AWQ")
@@ -85,24 +87,33 @@ def read_awq(tensors, qc: dict) -> dict:
     if not qc.get("zero_point", True):
         raise ValueError("AWQ with zero_point false: its GEMM and GEMV checkpoints store zero points; this one "
                          "has none to read")
+    order = np.argsort(AWQ_ORDER)
     out = {}
     for p in [n[: -len(".qweight")] for n in tensors.names() if n.endswith(".qweight")]:
-        qweight, qzeros, scales = tensors[f"{p}.qweight"], tensors[f"{p}.qzeros"], tensors[f"{p}.scales"]
+        (a, b), qzeros = tensors.shape(f"{p}.qweight"), tensors[f"{p}.qzeros"]
         if version == "gemm":  # qweight [K, N/8], nibble i of word c: column 8c + ORDER[i]
-            k, n = qweight.shape[0], qweight.shape[1] * 8
-            order = np.argsort(AWQ_ORDER)
-            codes = unpack_words(qweight, 4, n).reshape(k, -1, 8)[..., order].reshape(k, n).T
+            k, n = a, b * 8
             zeros = unpack_words(qzeros, 4, n).reshape(-1, n // 8, 8)[..., order].reshape(-1, n).T
-            scale = scales.T
+            scales = (n, tensors.shape(f"{p}.scales")[0])
         else:  # GEMV: qweight [N, K/8] in order; zeros and scales padded to whole words of groups
-            n, k = qweight.shape[0], qweight.shape[1] * 8
-            codes = unpack_words(qweight, 4, k)
+            n, k = a, b * 8
             zeros = unpack_words(qzeros, 4, -(-k // group))
-            scale = scales[:, : -(-k // group)]
-        if scale.shape != (n, -(-k // group)) or zeros.shape != scale.shape:
-            raise ValueError(f"{p}: scales {list(scales.shape)} and qzeros {list(qzeros.shape)} do not fit a {n} x "
-                             f"{k} weight in groups of {group} ({version})")
-        out[f"{p}.weight"] = _grouped(codes, scale, zeros, bits, None, p)
+            scales = (tensors.shape(f"{p}.scales")[0], -(-k // group))
+        if scales != (n, -(-k // group)) or zeros.shape != scales:
+            raise ValueError(f"{p}: scales {list(tensors.shape(f'{p}.scales'))} and qzeros {list(qzeros.shape)} do "
+                             f"not fit a {n} x {k} weight in groups of {group} ({version})")
+        sym = bool(np.all(zeros == 1 << (bits - 1)))
+
+        def make(rows, p=p, k=k, n=n, zeros=zeros, sym=sym):
+            if version == "gemm":
+                words = tensors.read(f"{p}.qweight", (slice(None), slice(rows.start // 8, rows.stop // 8)))
+                codes = unpack_words(words, 4, 8 * words.shape[1]).reshape(k, -1, 8)[..., order].reshape(k, -1).T
+                scale = tensors.read(f"{p}.scales", (slice(None), rows)).T
+            else:
+                codes = unpack_words(tensors.read(f"{p}.qweight", rows), 4, k)
+                scale = tensors.read(f"{p}.scales", rows)[:, : -(-k // group)]
+            return _grouped(codes, scale, zeros[rows], bits, sym, None, p)
+        out[f"{p}.weight"] = Layer(n, make, 8 if version == "gemm" else 1)
         tensors.used.update(f"{p}.{s}" for s in ("qweight", "qzeros", "scales"))
     return out
 

@@ -18,14 +18,14 @@ import json
 import os
 import shutil
 import tempfile
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from .. import _formats, _grouped
 from .._dtypes import qdtype
 from .._qarray import QArray
-from .safetensors import _stream_safetensors, st_read
+from .safetensors import _StTensor, _stream_safetensors, st_read
 
 INDEX = "model.safetensors.index.json"
 
@@ -63,7 +63,7 @@ class Tensors:
                 raise ValueError(f"{self.path}: a checkpoint directory needs model.safetensors, or shards listed by "
                                  f"{INDEX}; found neither")
             where = {name: os.path.basename(f) for f in files for name in st_read(f, key=None)}
-        self._readers = {}
+        self._readers, self._files = {}, {}
         for shard in sorted(set(where.values())):
             file = os.path.join(self.path, shard)
             if not os.path.isfile(file):
@@ -76,13 +76,21 @@ class Tensors:
                 if s == shard:
                     if name not in readers:
                         raise ValueError(f"{file}: has no tensor {name!r}, which {INDEX} places there")
-                    self._readers[name] = readers[name]
+                    self._readers[name], self._files[name] = readers[name], file
 
     def __contains__(self, name):
         return name in self._readers
 
     def names(self):
         return list(self._readers)
+
+    def lazy(self, name):
+        """Tensor ``name`` as a dask array read slice by slice from its shard's memory map."""
+        import dask.array as da
+
+        shape, dtype, read = self._readers[name]
+        t = _StTensor(self._files[name], name, shape, dtype, read)
+        return da.from_array(t, chunks="auto", asarray=False, meta=np.empty((0,) * len(shape), dtype))
 
     def shape(self, name):
         return self._readers[name][0]
@@ -96,6 +104,16 @@ class Tensors:
         return self._readers[name][2](key)
 
     __getitem__ = read
+
+
+class Layer(NamedTuple):
+    """A quantized weight as a convention reads it: ``n`` rows, ``make(rows)`` the QArray of a slice of
+    them (read from the files then), whose start and stop ``align`` divides (AWQ's GEMM packs 8 rows
+    in a word): eagerly ``make(slice(0, n))``, lazily a chunk of rows each."""
+
+    n: int
+    make: Callable
+    align: int = 1
 
 
 class Grouped(NamedTuple):

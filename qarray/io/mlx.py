@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hf import Grouped, from_qarray, pack_words, scale_type, stored, to_qarray, unpack_words
+from .hf import Grouped, Layer, from_qarray, pack_words, scale_type, stored, to_qarray, unpack_words
 
 
 def _spec(config: dict, module: str):
@@ -34,33 +34,31 @@ _FP4 = {"mxfp4": (32, "e8m0"), "nvfp4": (16, "e4m3")}  # group, scale type: no b
 
 
 def read(tensors, config: dict) -> dict:
+    """``{name: hf.Layer}`` of the quantized linears among ``tensors`` (``hf.Tensors``)."""
     out = {}
     for p in sorted(n[: -len(".scales")] for n in tensors.names() if n.endswith(".scales")):
         spec = _spec(config, p)
         if spec is None:
             continue
         mode, bits, group = spec
-        if mode in _FP4:  # e2m1 codes, 8 a word (the first lowest), a scale byte a group
-            w, s = tensors[f"{p}.weight"], tensors[f"{p}.scales"]
-            n, k = s.shape[0], s.shape[1] * group
-            if w.dtype != np.uint32 or w.shape != (n, k // 8) or s.dtype != np.uint8 or group != _FP4[mode][0]:
-                raise ValueError(f"{p}: weight {w.dtype} {list(w.shape)} and scales {s.dtype} {list(s.shape)} are not "
-                                 f"MLX's {mode} (groups of {_FP4[mode][0]})")
-            out[f"{p}.weight"] = to_qarray("e2m1", Grouped(unpack_words(w, 4, k), s), _FP4[mode][1], p)
-            tensors.used.update(f"{p}.{x}" for x in ("weight", "scales"))
-            continue
-        if f"{p}.biases" not in tensors or f"{p}.weight" not in tensors:
+        if f"{p}.weight" not in tensors or mode == "affine" and f"{p}.biases" not in tensors:
             raise ValueError(f"{p}: an MLX affine layer has weight, scales and biases; this one lacks "
-                             + ("biases" if f"{p}.biases" not in tensors else "weight"))
-        w, s, b = tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"]
-        n, groups = s.shape
+                             + ("weight" if f"{p}.weight" not in tensors else "biases"))
+        s, b = tensors[f"{p}.scales"], tensors[f"{p}.biases"] if mode == "affine" else None
+        (n, groups), w = s.shape, (tensors.dtype(f"{p}.weight"), tensors.shape(f"{p}.weight"))
         k = groups * group
-        if w.dtype != np.uint32 or w.shape != (n, k * bits // 32) or b.shape != s.shape:
-            raise ValueError(f"{p}: weight {w.dtype} {list(w.shape)} with scales {list(s.shape)} is not {bits}-bit "
-                             f"codes in groups of {group} (bits and group_size of config.json)")
-        codes = unpack_words(w, bits, k)
-        out[f"{p}.weight"] = to_qarray(f"uint{bits}", Grouped(codes, s, bias=b), scale_type(s.dtype), p)
+        if mode in _FP4 and (group != _FP4[mode][0] or s.dtype != np.uint8) or w != (np.uint32, (n, k * bits // 32)) \
+                or b is not None and b.shape != s.shape:
+            raise ValueError(f"{p}: weight {w[0]} {list(w[1])} with scales {s.dtype} {list(s.shape)} is not MLX's {mode} "
+                             f"of {bits}-bit codes in groups of {group} (bits, group_size and mode of config.json)")
         tensors.used.update(f"{p}.{x}" for x in ("weight", "scales", "biases"))
+
+        def make(rows, p=p, bits=bits, k=k, s=s, b=b, mode=mode):
+            codes = unpack_words(tensors.read(f"{p}.weight", rows), bits, k)
+            if mode in _FP4:  # e2m1 codes, 8 a word (the first lowest), a scale byte a group
+                return to_qarray("e2m1", Grouped(codes, s[rows]), _FP4[mode][1], p)
+            return to_qarray(f"uint{bits}", Grouped(codes, s[rows], bias=b[rows]), scale_type(s.dtype), p)
+        out[f"{p}.weight"] = Layer(n, make)
     return out
 
 

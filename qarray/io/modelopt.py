@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hf import Grouped, nibbles, to_qarray
+from .hf import Grouped, Layer, nibbles, to_qarray
 
 
 def read(tensors, qc: dict) -> dict:
@@ -24,13 +24,15 @@ def read(tensors, qc: dict) -> dict:
         raise ValueError(f"ModelOpt NVFP4 with group_size {group}: NVFP4's blocks are 16")
     out = {}
     for p in sorted(n[: -len(".weight_scale_2")] for n in tensors.names() if n.endswith(".weight_scale_2")):
-        packed, scale = tensors[f"{p}.weight"], tensors[f"{p}.weight_scale"]
-        n, k = packed.shape[0], packed.shape[1] * 2
-        if packed.dtype != np.uint8 or scale.shape != (n, k // 16):
-            raise ValueError(f"{p}: weight {packed.dtype} {list(packed.shape)} and weight_scale {list(scale.shape)} "
-                             "are not NVFP4's codes and block scales")
+        (dtype, (n, half)), scale = (tensors.dtype(f"{p}.weight"), tensors.shape(f"{p}.weight")), tensors[f"{p}.weight_scale"]
+        if dtype != np.uint8 or scale.shape != (n, half // 8):
+            raise ValueError(f"{p}: weight {dtype} {[n, half]} and weight_scale {list(scale.shape)} are not NVFP4's "
+                             "codes and block scales")
         g = np.asarray(tensors[f"{p}.weight_scale_2"], np.float32).reshape(-1)[0]
-        out[f"{p}.weight"] = to_qarray("e2m1", Grouped(nibbles(packed, n, k), scale.view(np.uint8)), "e4m3", p,
-                                       ("_gmul", g))
+
+        def make(rows, p=p, k=2 * half, scale=scale.view(np.uint8), g=g):
+            codes = tensors.read(f"{p}.weight", rows)
+            return to_qarray("e2m1", Grouped(nibbles(codes, len(codes), k), scale[rows]), "e4m3", p, ("_gmul", g))
+        out[f"{p}.weight"] = Layer(n, make)
         tensors.used.update(f"{p}.{x}" for x in ("weight", "weight_scale", "weight_scale_2"))
     return out
