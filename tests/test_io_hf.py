@@ -385,18 +385,21 @@ def test_grouped_in_qarray_files(rng, tmp_path, suffix):
     and values; columns that are not a permutation are refused."""
     q = qa.quantize(_hard(rng, 8, 128), dtype="uint3_g32_bf16_zp")
     q = qa.QArray._blocks(q.data, q.dtype, None, rng.permutation(128))
+    nv = qa.quantize(_hard(rng, 8, 128), dtype="e2m1_g16_e4m3_gdiv")  # a tensor scale
     path = tmp_path / f"w{suffix}"
     if suffix == ".zarr":
         pytest.importorskip("zarr")
         pytest.importorskip("dask")
         qa.zarr.to_zarr(q, path)
-        back = qa.zarr.from_zarr(path).compute()
+        qa.zarr.to_zarr(nv, tmp_path / "nv.zarr")
+        back, back_nv = qa.zarr.from_zarr(path).compute(), qa.zarr.from_zarr(tmp_path / "nv.zarr").compute()
     else:
         pytest.importorskip("safetensors")
-        qa.save(path, {"w": q})
-        back = qa.load(path)["w"]
+        qa.save(path, {"w": q, "nv": nv})
+        back, back_nv = qa.load(path)["w"], qa.load(path)["nv"]
     assert back.dtype == q.dtype and np.array_equal(back.data, q.data) and np.array_equal(back.columns, q.columns)
     assert np.array_equal(back.dequantize(), q.dequantize())
+    assert back_nv.global_scale == nv.global_scale and np.array_equal(back_nv.dequantize(), nv.dequantize())
 
 
 def test_columns_meta_checked():
@@ -405,6 +408,13 @@ def test_columns_meta_checked():
     meta = json.dumps({"format": "qarray", "version": 5, "dtype": "int4_g32_f16", "shape": [2, 64],
                        "columns": list(range(63)) + [0]})
     with pytest.raises(ValueError, match="columns must be a permutation of the 64 columns"):
+        parse_meta("f.npz", "w", meta)
+    meta = json.dumps({"format": "qarray", "version": 5, "dtype": "e2m1_g16_e4m3_gdiv", "shape": [2, 64]})
+    with pytest.raises(ValueError, match="e2m1_g16_e4m3_gdiv needs its tensor scale: global_scale is missing"):
+        parse_meta("f.npz", "w", meta)
+    meta = json.dumps({"format": "qarray", "version": 5, "dtype": "int4_g32_f16", "shape": [2, 64],
+                       "global_scale": 2.0})
+    with pytest.raises(ValueError, match="int4_g32_f16 has no global_scale"):
         parse_meta("f.npz", "w", meta)
 
 
@@ -581,3 +591,19 @@ def test_lazy_chunks_checked():
     pytest.importorskip("dask")
     with pytest.raises(ValueError, match="load: chunks must be a positive number of rows or 'auto', got 0"):
         qa.load(os.path.join(HF_DATA, "modelopt_nvfp4"), chunks=0)
+
+
+def test_checkpoint_written_in_place_or_not_at_all(rng, tmp_path):
+    """qa.save(directory, format=...) stages beside it: a save that fails leaves the old directory as
+    it was; one that succeeds replaces it whole."""
+    q = qa.quantize(_hard(rng, 8, 64), dtype="int4_g32_f16")
+    qa.save(tmp_path / "c", {"a.weight": q}, format="gptq")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="b.weight: GPTQ holds integer codes with float16 scales"):
+        qa.save(tmp_path / "c", {"a.weight": q, "b.weight": qa.quantize(_hard(rng, 8, 64), dtype="uint4_g32_bf16_bias")},
+                format="gptq")
+    assert sorted(os.listdir(tmp_path)) == before and np.array_equal(qa.load(tmp_path / "c")["a.weight"].data, q.data)
+    (tmp_path / "c" / "stale.txt").write_text("old")
+    qa.save(tmp_path / "c", {"a.weight": q}, format="compressed-tensors")
+    assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == before

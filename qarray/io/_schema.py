@@ -19,7 +19,8 @@ QArray's shape, and still load). Version 5 is a QArray of a block format (GGUF's
 "shape": [4, 512]}``, its data the format's own bytes (uint8, the QArray's
 shape with the last axis in bytes: ``QArray.data``), with no scale or zero
 point beside it (the blocks hold them). A QArray with act-order columns (``QArray.columns``: GPTQ's ``g_idx``) adds
-``"columns"``, the list of them. ``load`` reads the versions in ``VERSIONS``.
+``"columns"``, the list of them, and one with a tensor scale (NVFP4's
+``global_scale``) adds ``"global_scale"``. ``load`` reads the versions in ``VERSIONS``.
 Version 1 had QArrays only, names without dots; files written before the version
 field existed say ``{"format": "qarray-1"}`` with no version and are read as version 1.
 """
@@ -60,7 +61,11 @@ def meta_of(q, rows=False) -> dict:
     where it holds codes below 8 bits packed row by row, version 4)."""
     if q.dtype.kind == "block":
         meta = {"format": FORMAT, "version": BLOCKS, "dtype": q.dtype.name, "shape": list(q.shape)}
-        return meta if q.columns is None else dict(meta, columns=[int(c) for c in q.columns])
+        if q.columns is not None:
+            meta["columns"] = [int(c) for c in q.columns]
+        if q.global_scale is not None:  # float32 -> float64 -> JSON: exact
+            meta["global_scale"] = float(q.global_scale)
+        return meta
     meta = {"format": FORMAT, "version": VERSION, "dtype": q.dtype.name, "shape": list(q.shape), "axis": q.axis,
             "block_size": q.block_size}
     if rows or q.scale.dtype != np.float32 or q.global_scale is not None:
@@ -70,9 +75,11 @@ def meta_of(q, rows=False) -> dict:
 
 
 def columns_of(text):
-    """The act-order columns (``QArray.columns``) of a block format's checked meta, or None."""
-    columns = json.loads(text).get("columns")
-    return None if columns is None else np.array(columns, np.int64)
+    """``(columns, global_scale)`` of a block format's checked meta: its act-order columns
+    (``QArray.columns``) and its tensor scale, each None where it has none."""
+    meta = json.loads(text)
+    columns, gs = meta.get("columns"), meta.get("global_scale")
+    return None if columns is None else np.array(columns, np.int64), None if gs is None else check_scale(gs)
 
 
 def block_rows(dtype, shape) -> tuple:
@@ -138,8 +145,8 @@ def parse_meta(path, name, text, plain=False):
         raise bad_field(path, name, "meta", f"version {BLOCKS} is a block format's, but {name}.array is there")
     want = (_ARRAY_KEYS if plain else _KEYS - {"version"} if legacy else _KEYS_3 if meta["version"] in (3, 4) else
             _BLOCK_KEYS if meta["version"] == BLOCKS else _KEYS)
-    if not plain and meta.get("version") == BLOCKS and "columns" in meta:  # act-order columns (QArray.columns)
-        want = want | {"columns"}
+    if not plain and meta.get("version") == BLOCKS:  # act-order columns, NVFP4's tensor scale, where there
+        want = want | ({"columns", "global_scale"} & meta.keys())
     if meta.keys() != want:
         raise bad_field(path, name, "meta", f"keys are {sorted(meta)}, expected {sorted(want)}")
     if plain and meta["kind"] != "ndarray":
@@ -165,6 +172,16 @@ def parse_meta(path, name, text, plain=False):
                                                 "values)")
         if "columns" in meta and sorted(meta["columns"]) != list(range(shape[-1])):
             raise bad_field(path, name, "meta", f"columns must be a permutation of the {shape[-1]} columns")
+        if (f.tensor_scale is None) == ("global_scale" in meta):
+            raise bad_field(path, name, "meta", f"{f.name} " + ("needs its tensor scale: global_scale is missing"
+                                                                if f.tensor_scale else "has no global_scale"))
+        if "global_scale" in meta:
+            if type(meta["global_scale"]) not in (int, float):
+                raise bad_field(path, name, "meta", f"global_scale must be a number, got {meta['global_scale']!r}")
+            try:
+                check_scale(meta["global_scale"])
+            except ValueError as e:
+                raise bad_field(path, name, "meta", f"global_scale: {e}") from None
         return dtype, tuple(shape), None, None, None, None
     for key in ("axis", "block_size"):
         v = meta[key]

@@ -161,7 +161,7 @@ def _load_one(path, zf, name, fields):
     dtype, shape, axis, block_size, sd, gs = parse_meta(path, name, str(text[()]), plain)
     if dtype.kind == "block":  # its bytes, as QArray.data holds them
         raw = _read(path, zf, fields["data"], f"{name}.data", _exactly(np.dtype(np.uint8), block_rows(dtype, shape)))
-        return QArray._blocks(raw.copy(), dtype, None, columns_of(str(text[()])))
+        return QArray._blocks(raw.copy(), dtype, None, *columns_of(str(text[()])))
     if "scale" not in fields and not plain:
         raise ValueError(f"{path}: field {name}.scale is missing")
     if plain:

@@ -224,7 +224,7 @@ def load(path) -> dict:
                 raise ValueError(f"{path}: QArray {name!r} needs a uint8 tensor of shape {list(block_rows(d, shape))} "
                                  f"(its {d.name} bytes), got " + ("none" if raw is None else
                                                                   f"{raw.dtype} {list(raw.shape)}"))
-            out[name] = QArray._blocks(raw, d, None, columns_of(text))
+            out[name] = QArray._blocks(raw, d, None, *columns_of(text))
             continue
         missing = [k for k in (name, f"{name}.scale", f"{name}.zero_point") if k not in tensors]
         if missing:

@@ -103,7 +103,7 @@ def from_zarr(store) -> QArray:
         if not isinstance(arrays[name], zarr.Array):
             raise bad_field(store, "zarr", name, "not an array")
     if d.kind == "block":
-        return _blocks_of(store, arrays["codes"], d, shape, columns_of(text))
+        return _blocks_of(store, arrays["codes"], d, shape, *columns_of(text))
     stored = shape or (1,)
     g = row_group(d)
     want_dtype, want_shape = packed_rows_layout(d, shape)
@@ -140,7 +140,7 @@ def from_zarr(store) -> QArray:
     return QArray._new(x, s, z, d, axis, block_size, b, gs)
 
 
-def _blocks_of(store, codes, d, shape, columns) -> QArray:
+def _blocks_of(store, codes, d, shape, columns, global_scale) -> QArray:
     """A block format's QArray from its stored bytes, lazily."""
     import dask.array as da
 
@@ -153,7 +153,7 @@ def _blocks_of(store, codes, d, shape, columns) -> QArray:
                                                 f"{d.name}'s blocks of {d.layout.nbytes}")
     x = da.from_array(_Chunks(codes, store, "codes"), chunks=codes.chunks, asarray=False,
                       meta=np.empty((0,) * codes.ndim, codes.dtype))
-    return QArray._blocks(x, d, _backends.get("dask"), columns)
+    return QArray._blocks(x, d, _backends.get("dask"), columns, global_scale)
 
 
 class _Chunks:
