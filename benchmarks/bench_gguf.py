@@ -17,6 +17,12 @@ gguf.h); without one, ggml's rows are skipped. The rows:
   quantizer), Q8_0 and Q4_0 (and ``gguf.quantize``);
 - convert a ~1 GB F16 GGUF to Q8_0, file to file: qarray's read + quantize + save, gguf-py's
   GGUFReader + quantize + GGUFWriter;
+- convert a ~1 GB GPTQ checkpoint (4-bit, symmetric, groups of 32: TinyLlama-1.1B's shapes, the
+  embeddings float16) to a Q4_0 GGUF:
+  ``qarray convert``'s path (``qarray.load`` + ``io.checkpoint``'s exact carry-over + ``qarray.save``:
+  the same codes and float16 scales), against what llama.cpp's converter does (its
+  ``dequant_gptq``, in NumPy, then ``gguf.quantize`` to Q4_0 and ``GGUFWriter``: a lossy
+  requantization, not the same bytes; the table gives the share of its codes that differ);
 - ggml's C reader accepts qarray's files (every type, every metadata value type): PASS/FAIL.
 
 Each contender's first result is checked (identical float32 bits, identical bytes), then they
@@ -49,6 +55,8 @@ import gguf  # noqa: E402
 import numba  # noqa: E402
 import qarray  # noqa: E402
 import qarray.io.gguf as qgguf  # noqa: E402
+import qarray.io.hf  # noqa: E402
+from qarray.cli.convert import carry_over  # noqa: E402
 from qarray._config import THREADS  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -288,6 +296,80 @@ def bench_convert(tmp, quick, rng):
           times)
 
 
+def gptq_checkpoint(tmp, quick, rng):
+    """A GPTQ checkpoint directory (v1, 4-bit, symmetric, groups of 32) of llama shapes: random codes,
+    positive float16 scales; and its float tensors (norms)."""
+    shapes = llama(*((1, 256, 512, 2000) if quick else (22, 2048, 5632, 32000)))  # TinyLlama-1.1B's shapes
+    arrays = {}
+    for name, s, kind in shapes:
+        if kind == "norm" or name.startswith(("token_embd", "output.")):
+            arrays[name] = np.ones(s, np.float16)
+            continue
+        n, k = s
+        p = name[: -len(".weight")]
+        arrays[f"{p}.qweight"] = rng.integers(-2**31, 2**31, (k // 8, n), dtype=np.int64).astype(np.int32)
+        arrays[f"{p}.qzeros"] = np.full((k // 32, n // 8), 0x77777777, np.int32)  # v1: 8 - 1 in every field
+        arrays[f"{p}.scales"] = (rng.random((k // 32, n), np.float32) * 0.01 + 1e-3).astype(np.float16)
+        arrays[f"{p}.g_idx"] = np.arange(k, dtype=np.int32) // 32
+    path = tmp / "gptq"
+    qarray.io.hf.write(path, arrays, {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                      "desc_act": False, "checkpoint_format": "gptq"})
+    return path
+
+
+def dequant_gptq(qweight, qzeros, scales, g_idx, bits=4):
+    """llama.cpp's ``dequant_gptq`` (convert_hf_to_gguf), in NumPy: the float32 weight [N, K]."""
+    wf = np.arange(0, 32, bits, dtype=np.int32)[None, :, None]
+    mask = (1 << bits) - 1
+    weight = ((qweight[:, None, :] >> wf) & mask).reshape(-1, qweight.shape[1])
+    zeros = ((qzeros[:, :, None] >> wf[0].T[None]) & mask).reshape(qzeros.shape[0], -1) + 1
+    return (scales[g_idx].astype(np.float32) * (weight - zeros[g_idx]).astype(np.float32)).T
+
+
+def convert_gptq_qarray(src, dst):
+    tensors = qarray.load(src)
+    qarray.save(dst, {k: carry_over(t, "gguf") if isinstance(t, qarray.QArray) else t for k, t in tensors.items()},
+                metadata={"general.architecture": "llama"})
+
+
+def convert_gptq_llamacpp(src, dst):
+    st = qarray.io.hf.Tensors(src)
+    w = gguf.GGUFWriter(dst, arch="llama")
+    for name in st.names():
+        if name.endswith((".qzeros", ".scales", ".g_idx")):
+            continue
+        if name.endswith(".qweight"):
+            p = name[: -len(".qweight")]
+            x = dequant_gptq(st[name], st[f"{p}.qzeros"], st[f"{p}.scales"], st[f"{p}.g_idx"])
+            w.add_tensor(f"{p}.weight", gguf.quantize(x, T.Q4_0), raw_dtype=T.Q4_0)
+        else:
+            w.add_tensor(name, st[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def bench_convert_gptq(tmp, quick, rng):
+    src = gptq_checkpoint(tmp, quick, rng)
+    size = sum(f.stat().st_size for f in src.iterdir())
+    outs = {"qarray load + exact carry-over + save": tmp / "q40_qarray.gguf",
+            "llama.cpp's dequant_gptq (NumPy) + gguf-py quantize + GGUFWriter": tmp / "q40_llamacpp.gguf"}
+    convert = dict(zip(outs, (convert_gptq_qarray, convert_gptq_llamacpp)))
+    times, _ = turns(3, {k: lambda k=k: convert[k](src, outs[k]) for k in outs})
+    a, b = (qgguf.read(p)[0] for p in outs.values())
+    ours = qarray.load(src)
+    differ = []
+    for name, q in ours.items():
+        if isinstance(q, qarray.QArray):
+            g = qarray.io.hf.from_qarray(q)
+            assert np.array_equal(a[name].int_repr(), g.codes) and \
+                np.array_equal(a[name].fields["d"].reshape(g.scale.shape), g.scale), f"{name}: not carried over"
+            differ.append(np.mean(b[name].int_repr() != g.codes))
+    table(f"convert a GPTQ checkpoint of {size / 1e6:.0f} MB to Q4_0 GGUF (qarray: the same codes and scales; "
+          f"llama.cpp's way requantizes: {100 * np.mean(differ):.1f}% of its codes differ)", times)
+
+
 def check_ggml_reads_qarray(tmp, ggml, rng):
     """ggml's C reader opens a qarray-written GGUF of every type qarray writes and metadata of every value
     type, alignment 64; its counts, keys, value types, tensor names, types and offsets agree."""
@@ -389,6 +471,7 @@ def main():
         bench_dequantize(ggml, args.quick, rng)
         bench_quantize(ggml, args.quick, rng)
         bench_convert(tmp, args.quick, rng)
+        bench_convert_gptq(tmp, args.quick, rng)
     info["load_avg_1m_end"] = os.getloadavg()[0]
     say(f"total {time.perf_counter() - start:.0f} s; load average (1 min) {info['load_avg_1m']:.2f} at the start, "
         f"{info['load_avg_1m_end']:.2f} at the end")

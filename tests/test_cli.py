@@ -20,7 +20,7 @@ from _reference import fails, rows, run
 pytest.importorskip("rich")
 pytestmark = pytest.mark.usefixtures("wide_tables")
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["info", "quantize", "inspect", "examples", "run", "bench"]
+COMMANDS = ["info", "quantize", "convert", "inspect", "examples", "run", "bench"]
 
 
 def choices(*names):
