@@ -16,8 +16,8 @@ from ._formats import ml_dtypes
 # What the Hugging Face checkpoints store (GPTQ, AWQ, compressed-tensors, MLX, bitsandbytes, ModelOpt): a
 # group of ``G`` codes along the last axis shares a scale, and an integer zero point or a float bias. Their
 # files keep the codes and the parameters in separate arrays; a QArray keeps each group as one block: the
-# scale, then the bias, the codes (``bits`` each, element ``i`` at bit ``i * bits`` of the code bits,
-# low bits first) and the zero point, padded to a whole byte. The name says it all:
+# scale, then the bias, the codes (in bit planes: see ``_planes``) and the zero point, padded to a whole
+# byte. The name says it all:
 # ``{codes}_g{G}_{scale type}[_zp | _bias | _gdiv | _gmul]``:
 #
 # - codes ``int{b}`` (2..8 bits): value ``code - 2^(b-1)``; ``uint{b}``: value ``code``; ``nf4`` and
@@ -51,6 +51,24 @@ def _e4m3():
     e, m = (x >> 3) & 0xF, x & 7
     v = np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7.0)) * np.where(x & 0x80, -1.0, 1.0)
     return np.where((x & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
+
+
+def _planes(at, bits, group):
+    """``place`` of ``group`` codes of ``bits`` bits from byte ``at // 8``, in planes of 4, 2 and 1 bits
+    (7 = 4 + 2 + 1, 3 = 2 + 1, 8 one plane of bytes), each ggml's way: a plane of ``w``-bit parts is
+    ``group * w / 8`` bytes, part ``i`` in byte ``i % bytes`` at bit ``w * (i // bytes)``. A plane is
+    then ``8 / w`` runs of bytes (``Field.segments``): the packer, unpacker and decoder walk a few long
+    runs, not a segment a code."""
+    widths = [8] if bits == 8 else [w for w in (4, 2, 1) if bits & w]
+    starts = np.cumsum([at] + [group * w for w in widths])
+
+    def place(i):
+        runs = []
+        for w, start in zip(widths, starts):
+            n = group * w // 8
+            runs.append((int(start) + 8 * (i % n) + w * (i // n), w))
+        return runs
+    return place
 
 
 def _e8m0():
@@ -99,7 +117,7 @@ def grouped(name):
     if extra == "_bias":
         fields.append(Field("m", 1, sbits, lambda i: [(sbits, sbits)], view))
         at += sbits
-    fields.append(Field("q", group, bits, lambda i, at=at: [(at + bits * i, bits)]))
+    fields.append(Field("q", group, bits, _planes(at, bits, group)))
     at += group * bits
     if extra == "_zp":
         fields.append(Field("z", 1, bits, bits_at(at // 8, bits) if at % 8 == 0 else lambda i, at=at: [(at, bits)]))
