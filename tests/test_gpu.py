@@ -89,6 +89,22 @@ def test_block_formats(dtype, rng):
     np.testing.assert_array_equal(got[2:, 256:].dequantize().get(), want[2:, 256:].dequantize())
 
 
+@pytest.mark.parametrize("dtype", ["uint3_g32_bf16_zp", "e2m1_g16_e4m3_gdiv"])
+def test_grouped_formats(dtype, rng):
+    """The Hugging Face checkpoints' grouped formats with device data: act-order columns and NVFP4's
+    tensor scale move with the bytes, and the values are the host's."""
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    want = qarray.quantize(x, dtype=dtype)
+    if dtype.startswith("uint"):
+        want = qarray.QArray._blocks(want.data, want.dtype, None, rng.permutation(512))
+    got = want.to("cupy")
+    assert got.backend == "cupy" and isinstance(got.data, cupy.ndarray) and got.global_scale == want.global_scale
+    assert (got.columns is None) == (want.columns is None)
+    d = got.dequantize()
+    assert isinstance(d, cupy.ndarray)
+    np.testing.assert_array_equal(d.get(), want.dequantize())
+
+
 @pytest.mark.parametrize("dtype", ["qint4", "quint8", "qint8", "qint16", "qint32"])
 @pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("shape,axis,block_size", [(((1 << 20) + 3,), None, None), ((33, 65), 1, None),
