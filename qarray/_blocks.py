@@ -331,23 +331,26 @@ def convert(raw, src: BlockFormat, dst: BlockFormat) -> np.ndarray:
                          "value table) carry over code for code")
     if src.block != dst.block:
         raise ValueError(f"{src.name} -> {dst.name}: blocks of {src.block} and {dst.block} values")
-    f = src.unpack(raw)
-    v = src.values[f["q"]] - (f[src.zero].astype(np.float32) if src.zero else np.float32(0))  # (n, block)
     if (a[1] is None) != (b[1] is None):
         raise ValueError(f"{src.name} -> {dst.name}: " + ("the offsets (biases) have nowhere to go" if b[1] is None
                                                          else f"{dst.name} stores an offset that {src.name} lacks"))
+    f = src.unpack(raw)
     out = {b[0]: f[a[0]]}
     if b[1] is not None:
         out[b[1]] = f[a[1]]
+    # the destination's code of each (source code, source zero): the one whose value - zero is the same
+    zs = np.arange(1 << src.fields[src.zero].bits) if src.zero else np.zeros(1, int)
+    target = src.values[:, None] - zs[None, :].astype(np.float32)  # value - zero, by (code, zero)
     if dst.zero is not None:  # codes are value + zero: the source's zero, or the middle code
-        z = f[src.zero] if src.zero else np.full((len(raw), 1), (len(dst.values) // 2), dst.fields[dst.zero].store)
-        out[dst.zero] = z
-        v = v + z.astype(np.float32)
+        mid = len(dst.values) // 2
+        out[dst.zero] = f[src.zero] if src.zero else np.full((len(raw), 1), mid, dst.fields[dst.zero].store)
+        target = target + (zs if src.zero else np.full(1, mid))[None, :].astype(np.float32)
     index = {float(x): i for i, x in reversed(list(enumerate(dst.values.tolist()))) if x == x}
-    lookup = np.array([index.get(float(x), -1) for x in np.unique(v)])
-    codes = lookup[np.searchsorted(np.unique(v), v)]
+    table = np.array([index.get(float(x), -1) for x in target.ravel()]).reshape(target.shape)
+    codes = table[f["q"], f[src.zero] if src.zero else 0]
     if codes.size and codes.min() < 0:
-        bad = v[codes < 0][0]
+        at = np.argwhere(codes < 0)[0]
+        bad = src.values[f["q"][tuple(at)]] - (f[src.zero][at[0], 0] if src.zero else 0)
         raise ValueError(f"{src.name} -> {dst.name}: a value of {bad:g} (code - zero) is not one of {dst.name}'s codes")
     out["q"] = codes.astype(dst.fields["q"].store)
     with np.errstate(over="ignore"):

@@ -86,3 +86,14 @@ def test_usage_errors(tmp_path, capsys):
           "convert", tmp_path, "-o", tmp_path / "o.gguf", "--requantize", "int4_g32_f16")
     fails(capsys, 2, f"{tmp_path / 'x.npz'}: expected a .gguf file or a checkpoint directory (config.json and "
           ".safetensors)", "convert", tmp_path / "x.npz", "-o", tmp_path / "o.gguf")
+
+
+def test_inspect_checkpoint(rng, tmp_path, capsys):
+    """qarray inspect DIR: each quantized weight's grouped format, shape and bits per weight."""
+    q = qa.QArray._blocks(qa.quantize(_x(rng), dtype="uint4_g32_f16_zp").data, qa.qdtype("uint4_g32_f16_zp"), None,
+                          rng.permutation(256))
+    qa.save(tmp_path / "c", {"l.weight": q, "norm": np.ones(4, np.float32)}, format="gptq")
+    rc, out, err = run(capsys, "inspect", tmp_path / "c")
+    assert rc == 0, err
+    assert rows(out)[:2] == [["l.weight", "8x256", "uint4_g32_f16_zp", "4.75", "act-order", "1216"],
+                             ["norm", "4", "float32", "", "", "16"]]

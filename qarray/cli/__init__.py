@@ -126,10 +126,12 @@ def _parser() -> _Parser:
                    help="quantize the tensors that do not carry over exactly again, to DTYPE (a GGUF type for a "
                         ".gguf output, else a format of --to's: int4_g128_f16, uint4_g64_bf16_bias, ...)")
     s.set_defaults(func=convert.convert)
-    s = sub.add_parser("inspect", help="what a .npz, .npy, .safetensors or .gguf file holds",
-                       description="The arrays of FILE: for a qarray file, each one's dtype, scheme, scales, "
-                       "zero points and stored bytes; for a GGUF file, its metadata and each tensor's ggml type, "
-                       "shape and bits per weight; for other files, name, shape and dtype.")
+    s = sub.add_parser("inspect", help="what a .npz, .npy, .safetensors or .gguf file or a checkpoint directory "
+                       "holds", description="The arrays of FILE: for a qarray file, each one's dtype, scheme, "
+                       "scales, zero points and stored bytes; for a GGUF file, its metadata and each tensor's ggml "
+                       "type, shape and bits per weight; for a Hugging Face checkpoint directory (GPTQ, AWQ, "
+                       "bitsandbytes, compressed-tensors, MLX, ModelOpt), each quantized weight's format, shape and "
+                       "bits per weight; for other files, name, shape and dtype.")
     s.add_argument("file", metavar="FILE", type=Path)
     s.set_defaults(func=inspect.inspect)
 

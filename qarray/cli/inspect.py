@@ -1,19 +1,21 @@
-"""``qarray inspect FILE``: what a .npz, .npy, .safetensors or .gguf file or a
-.zarr store holds."""
+"""``qarray inspect FILE``: what a .npz, .npy, .safetensors or .gguf file, a
+.zarr store or a Hugging Face checkpoint directory holds."""
 
 from __future__ import annotations
 
 import qarray
 from .._params import to_host
-from ..io import gguf
+from ..io import checkpoint, gguf
 from ._files import _read, _read_gguf, _scheme, _stored_bytes
-from ._shared import _need, _shape, _table
+from ._shared import CliError, _need, _one_line, _shape, _table
 
 
 def inspect(args) -> int:
     _need("rich", "pip install 'qarray[cli]'")
     if args.file.suffix.lower() == ".gguf":
         return _inspect_gguf(args.file)
+    if checkpoint.is_checkpoint(args.file):
+        return _inspect_checkpoint(args.file)
     quantized, arrays = _read(args.file)
     if not quantized:
         _table(str(args.file), ["name", "shape", "dtype", "bytes"],
@@ -48,6 +50,39 @@ def _inspect_gguf(path) -> int:
            caption=f"{len(rows)} tensors, {count} values in {total} bytes"
            + (f" ({8 * total / count:.3g} bits per value)" if count else ""))
     return 0
+
+
+def _inspect_checkpoint(path) -> int:
+    """A checkpoint directory's convention and tensors: each quantized weight's grouped format, shape
+    and bits per weight (read lazily where Dask is there: only the probes of each layer)."""
+    config = checkpoint.read_json(path / "config.json", "config")
+    method, qc = checkpoint.quant_method(config)
+    try:
+        tensors = qarray.load(path, chunks="auto" if _has_dask() else None)
+    except ValueError as e:
+        raise CliError(f"{path}: cannot read it: {_one_line(e)}") from None
+    rows = []
+    for name, t in tensors.items():
+        if isinstance(t, qarray.QArray):
+            f = t.dtype.layout
+            extra = ("act-order " if t.columns is not None else "") + \
+                ("" if t.global_scale is None else f"tensor scale {float(t.global_scale):.6g}")
+            rows.append((name, _shape(t), t.dtype.name, f"{f.bits_per_weight:g}", extra.strip(), t.nbytes))
+        else:
+            rows.append((name, _shape(t), str(t.dtype), "", "", t.nbytes))
+    _table(f"{path} ({method or 'not quantized'} checkpoint)", ["name", "shape", "dtype", "bits per weight", "",
+                                                                "bytes"], rows, left=5,
+           caption=f"{sum(isinstance(t, qarray.QArray) for t in tensors.values())} quantized of {len(rows)} tensors"
+           + (f"; quantization_config {dict((k, v) for k, v in qc.items() if not isinstance(v, dict))}" if qc else ""))
+    return 0
+
+
+def _has_dask() -> bool:
+    try:
+        import dask.array  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _meta_value(v):

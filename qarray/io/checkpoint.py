@@ -31,7 +31,8 @@ def tokenize_path(path, st) -> str:
     return hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def _method(config):
+def quant_method(config):
+    """``(quant_method, its config)`` of a checkpoint's config.json, or ``(None, None)``."""
     if "quantization" in config:  # mlx-lm's (which mirrors it as quantization_config, without a quant_method)
         return "mlx", config["quantization"]
     if "quantization_config" in config:
@@ -62,7 +63,7 @@ def load(path, chunks=None) -> dict:
     ``chunks`` (rows, or ``"auto"``: about 64 MiB of bytes a chunk), Dask-backed QArrays and dask
     arrays instead, each chunk read from the files (and its groups made blocks) as Dask computes it."""
     config = read_json(os.path.join(path, "config.json"), "config")
-    method, qc = _method(config)
+    method, qc = quant_method(config)
     tensors = Tensors(path)
     if method is None:
         layers = {}
