@@ -607,3 +607,19 @@ def test_checkpoint_written_in_place_or_not_at_all(rng, tmp_path):
     qa.save(tmp_path / "c", {"a.weight": q}, format="compressed-tensors")
     assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qarray_gptq")])
+def test_gptq_written_by_qarray(case, tmp_path):
+    """The checkpoints in tests/data/hf/qarray_gptq_* were written by qa.save(format="gptq"), and their
+    expected.safetensors is GPTQModel's dequantization of them (test_library_vectors: qarray's values);
+    qarray writes the same tensors again from what it loads."""
+    st = pytest.importorskip("safetensors.numpy")
+    path = os.path.join(HF_DATA, case)
+    qa.save(tmp_path / "again", {k: v for k, v in qa.load(path).items()}, format="gptq")
+    want, got = st.load_file(os.path.join(path, "model.safetensors")), st.load_file(str(tmp_path / "again" /
+                                                                                          "model.safetensors"))
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    cfg = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    with open(os.path.join(path, "config.json")) as f:
+        assert cfg == json.load(f)["quantization_config"]

@@ -161,9 +161,8 @@ def st_lazy(path) -> dict:
 def _stream_safetensors(path, tensors, metadata):
     """The safetensors layout (an 8-byte header length, the JSON header, the data
     in header order) written with dask arrays computed chunk by chunk into a
-    memory map of their place in the file: memory stays bounded whatever their size."""
-    import dask.array as da
-
+    memory map of their place in the file: memory stays bounded whatever their size (NumPy arrays
+    are written as they are: Dask is needed only for dask arrays)."""
     header, offset = {}, 0
     for key in sorted(tensors):
         a = tensors[key]
@@ -183,6 +182,8 @@ def _stream_safetensors(path, tensors, metadata):
         if stop > start:
             place = _Place(str(path), a.dtype, 8 + len(text) + start, tuple(a.shape))
             if is_lazy(a):
+                import dask.array as da
+
                 da.store(a, place, lock=False)
             else:
                 place[...] = a
