@@ -11,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from cuda_host.harness import SHARED_BUILDS, session_folder
+
 TESTS = Path(__file__).parent
 
 
-def test_gpu_tests_pass_on_the_host_harness():
+def test_gpu_tests_pass_on_the_host_harness(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    # the kernels' host build is this session's (built once, shared: cuda_host.harness.shared_build)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+           SHARED_BUILDS: str(session_folder(tmp_path_factory))}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cuda_host.gpu_dryrun", "-p", "no:cacheprovider",
                         "-m", "gpu", "-k", "not beyond_2_31", str(TESTS / "test_gpu.py"), str(TESTS / "test_gpu_dask.py")],
                        capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=900)

@@ -19,7 +19,7 @@ import qarray.backends as qb  # noqa: E402
 from qarray.backends.cupy import CupyBackend  # noqa: E402
 
 from . import cublas_host  # noqa: E402
-from .harness import HostCupyBackend, build  # noqa: E402
+from .harness import HostCupyBackend, session_folder, shared_build  # noqa: E402
 
 assert cupy.__version__ == "0+fake", cupy.__file__
 
@@ -65,7 +65,7 @@ class HostModule:
 
 @pytest.fixture(autouse=True, scope="session")
 def fake_device(tmp_path_factory):
-    host = HostCupyBackend(build(tmp_path_factory.mktemp("cuda_host") / "kernels.so"))
+    host = HostCupyBackend(shared_build(session_folder(tmp_path_factory)))  # the parent session's build
     host.devices = []
     cupy.RawModule = lambda *, code, options: HostModule(host, code, options)  # as the backend calls it
     cupy.cuda.cublas = cublas_host  # gemmEx on the host, under cuBLAS's rules

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -163,13 +166,45 @@ _ONE_LAUNCH = threading.Lock()
 _BUILT = {}
 
 
+SHARED_BUILDS = "QA_HOST_BUILDS"  # a folder where the processes of one test session share the build
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """The folder every process of this test session shares: ``QA_HOST_BUILDS``
+    where a parent session set it (the GPU dry run's pytest), else the xdist
+    workers' common base, or this process's own temporary base."""
+    if os.environ.get(SHARED_BUILDS):
+        return Path(os.environ[SHARED_BUILDS])
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_build(folder: Path) -> ctypes.CDLL:
+    """``build()`` of every kernel, compiled once in ``folder`` for all the
+    processes that share it (each xdist worker, the GPU dry run's pytest): the
+    first compiles under a file lock, the others wait for it and load its
+    library. A build is named by a hash of all it reads, so none is stale."""
+    key = hashlib.sha256(" ".join(CXX).encode())
+    for f in sorted([*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cuh"), HOST_HEADER, Path(__file__)]):
+        key.update(f.name.encode() + b"\0" + f.read_bytes())
+    here = folder / f"cuda_host_{key.hexdigest()[:16]}"
+    here.mkdir(parents=True, exist_ok=True)
+    lib = here / "kernels.so"
+    with open(here / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        if not lib.exists():
+            build(here / "build" / "kernels.so")
+            os.replace(here / "build" / "kernels.so", lib)  # whole or not at all
+    return ctypes.CDLL(str(lib))
+
+
 @pytest.fixture(scope="session")
 def host_lib(tmp_path_factory):
     """All kernels, built once per test session (for every module that imports this)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
     if "all" not in _BUILT:
-        _BUILT["all"] = build(tmp_path_factory.mktemp("cuda_host") / "kernels.so")
+        _BUILT["all"] = shared_build(session_folder(tmp_path_factory))
     return _BUILT["all"]
 
 
