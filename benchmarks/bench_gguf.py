@@ -29,6 +29,7 @@ Each contender's first result is checked (identical float32 bits, identical byte
 take turns as in _timing.timeit: 5 turns (3 for Q4_K quantize and the conversion), a fast one
 timed 3 calls a turn. Medians with min-max; ratios qarray / peer of medians. Results go to
 OUTDIR/bench_gguf.{json,txt} (default benchmarks/results). ``--quick``: a few MB, small shapes.
+``--only convert_gptq``: that row alone, to OUTDIR/bench_gguf_convert_gptq.{json,txt}.
 """
 
 from __future__ import annotations
@@ -452,6 +453,7 @@ def main():
     p.add_argument("outdir", nargs="?", type=Path, default=RESULTS, help="where the .json and .txt go")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds, not a measurement")
     p.add_argument("--ggml", default=os.environ.get("QARRAY_GGML_LIB"), help="libggml-base shared library")
+    p.add_argument("--only", choices=["convert_gptq"], help="one row alone, to bench_gguf_ROW.{json,txt}")
     args = p.parse_args()
     ggml = Ggml(args.ggml) if args.ggml else None
     info = machine(ggml, args.ggml, args.quick)
@@ -466,16 +468,18 @@ def main():
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        ok = check_ggml_reads_qarray(tmp, ggml, rng) if ggml else None
-        bench_open(tmp, ggml, args.quick, rng)
-        bench_dequantize(ggml, args.quick, rng)
-        bench_quantize(ggml, args.quick, rng)
-        bench_convert(tmp, args.quick, rng)
+        ok = None
+        if args.only is None:
+            ok = check_ggml_reads_qarray(tmp, ggml, rng) if ggml else None
+            bench_open(tmp, ggml, args.quick, rng)
+            bench_dequantize(ggml, args.quick, rng)
+            bench_quantize(ggml, args.quick, rng)
+            bench_convert(tmp, args.quick, rng)
         bench_convert_gptq(tmp, args.quick, rng)
     info["load_avg_1m_end"] = os.getloadavg()[0]
     say(f"total {time.perf_counter() - start:.0f} s; load average (1 min) {info['load_avg_1m']:.2f} at the start, "
         f"{info['load_avg_1m_end']:.2f} at the end")
-    write(args.outdir, "bench_gguf", LINES, machine=info, rows=ROWS)
+    write(args.outdir, "bench_gguf" + (f"_{args.only}" if args.only else ""), LINES, machine=info, rows=ROWS)
     sys.exit(0 if ok in (None, True) else 1)
 
 
