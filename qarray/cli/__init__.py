@@ -113,7 +113,7 @@ def _parser() -> _Parser:
 
     s = sub.add_parser("convert", help="a quantized checkpoint in another format (GGUF, compressed-tensors, MLX, "
                        "GPTQ), code for code", description="Write the quantized checkpoint IN (a .gguf file or a "
-                       "Hugging Face checkpoint directory: GPTQ, AWQ, bitsandbytes 4-bit, compressed-tensors, MLX) "
+                       "Hugging Face checkpoint directory: GPTQ, AWQ, bitsandbytes, compressed-tensors, MLX, ModelOpt) "
                        "as OUT: a .gguf file, or a directory in the convention --to names. Each quantized tensor "
                        "goes into the first of OUT's formats that holds its codes and parameters exactly; one that "
                        "none holds is an error naming it, unless --requantize DTYPE quantizes it again (the table "
