@@ -1,7 +1,7 @@
 """``qarray convert IN -o OUT``: a quantized checkpoint in another format.
 
 IN is a GGUF file or a Hugging Face checkpoint directory (GPTQ, AWQ, ModelOpt,
-bitsandbytes 4-bit, compressed-tensors, MLX); OUT a ``.gguf`` file, or a
+bitsandbytes, compressed-tensors, MLX); OUT a ``.gguf`` file, or a
 directory written as ``--to compressed-tensors``, ``mlx`` or ``gptq``. Each
 quantized tensor goes into the first of the output's formats that holds its
 codes and parameters exactly (``qarray._blocks.convert``): GPTQ's symmetric
