@@ -55,6 +55,7 @@ class Tensors:
             where = read_json(index, "safetensors index").get("weight_map")
             if not isinstance(where, dict):
                 raise ValueError(f"{index}: no 'weight_map' of tensor names to shard files")
+            shards = sorted(set(where.values()))
         else:
             single = os.path.join(self.path, "model.safetensors")
             files = [single] if os.path.isfile(single) else sorted(
@@ -62,9 +63,9 @@ class Tensors:
             if not files:
                 raise ValueError(f"{self.path}: a checkpoint directory needs model.safetensors, or shards listed by "
                                  f"{INDEX}; found neither")
-            where = {name: os.path.basename(f) for f in files for name in st_read(f, key=None)}
+            where, shards = None, [os.path.basename(f) for f in files]  # (every tensor of each file)
         self._readers, self._files = {}, {}
-        for shard in sorted(set(where.values())):
+        for shard in shards:
             file = os.path.join(self.path, shard)
             if not os.path.isfile(file):
                 raise ValueError(f"{self.path}: the shard {shard} named by {INDEX} is missing")
@@ -72,11 +73,10 @@ class Tensors:
                 readers = st_read(file, key=None)
             except Exception as e:  # the safetensors package's own error types
                 raise ValueError(f"{file}: not a readable safetensors file: {e}") from None
-            for name, s in where.items():
-                if s == shard:
-                    if name not in readers:
-                        raise ValueError(f"{file}: has no tensor {name!r}, which {INDEX} places there")
-                    self._readers[name], self._files[name] = readers[name], file
+            for name in readers if where is None else [n for n, s in where.items() if s == shard]:
+                if name not in readers:
+                    raise ValueError(f"{file}: has no tensor {name!r}, which {INDEX} places there")
+                self._readers[name], self._files[name] = readers[name], file
 
     def __contains__(self, name):
         return name in self._readers
