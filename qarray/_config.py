@@ -31,7 +31,7 @@ def check_numba(value):
     return bool(value)
 
 
-GEMMS = ("auto", "u8s8", "u8u8", "blas")
+GEMMS = ("auto", "qarray", "u8s8", "u8u8", "blas")
 
 
 def check_gemm(value):
@@ -80,12 +80,14 @@ class Config:
     numba : bool
         Use the Numba kernels of the NumPy backend when Numba is installed.
         ``False`` runs the generic NumPy code (same results, slower).
-    gemm : {"auto", "u8s8", "u8u8", "blas"}
+    gemm : {"auto", "qarray", "u8s8", "u8u8", "blas"}
         The CPU engine of integer matmul, linear and conv2d (NumPy arrays):
-        onnxruntime's MLAS int8 kernels (``u8s8``, ``u8u8``; extra ``fast``) or
-        float32 BLAS in exact chunks. "auto" (default) takes the first that is
-        exact on this CPU (``qarray.backends.gemm_engine()`` says which and
-        why); forcing one that is not raises ValueError when it would run.
+        qarray's own kernels (``qarray``: AMX, AVX-512 VNNI, AVX-VNNI or
+        portable loops, by the CPU; extra ``fast``), onnxruntime's MLAS int8
+        kernels (``u8s8``, ``u8u8``; extra ``fast``) or float32 BLAS in exact
+        chunks. "auto" (default) takes the first that is exact on this CPU
+        (``qarray.backends.gemm_engine()`` says which and why); forcing one
+        that is not raises ValueError when it would run.
         ``nn`` layers pack their weights for the engine in use when built.
 
     Assigning an attribute sets the default for every thread; ``using(...)``

@@ -15,7 +15,7 @@ from qarray._config import THREADS
 from qarray.backends import _gemm
 from qarray.ops import conv2d, linear, matmul
 
-ENGINES = ["u8s8", "u8u8", "blas"]
+ENGINES = ["qarray", "u8s8", "u8u8", "blas"]
 DTYPES = ["qint8", "quint8", "qint4", "quint4", "qint2", "quint2"]
 
 

@@ -34,7 +34,7 @@ from .._config import THREADS
 
 log = logging.getLogger("qarray")
 
-ENGINES = ("u8s8", "u8u8", "blas")
+ENGINES = ("qarray", "u8s8", "u8u8", "blas")
 _KMAX = {"u8s8": (2**31 - 1) // (255 * 128), "u8u8": (2**31 - 1) // (255 * 255)}
 _state: dict = {}  # engine name -> (usable, reason); filled at first use
 _sessions: dict = {}  # (weight type, threads) -> session taking the weights as an input
@@ -127,6 +127,8 @@ def status(name) -> tuple[bool, str]:
     """``(usable, why)`` for engine ``name``, decided once per process."""
     if name == "blas":
         return True, "float32 BLAS in exact chunks"
+    if name == "qarray":
+        return _own_status()
     if name not in _state:
         try:
             ort = _ort()[0]
@@ -144,6 +146,17 @@ def status(name) -> tuple[bool, str]:
         if not _state[name][0]:
             log.warning("qarray: int8 GEMM engine %s not used: %s", name, _state[name][1])
     return _state[name]
+
+
+def _own_status() -> tuple[bool, str]:
+    """qarray's own kernels (``qarray.backends.cpu.gemm``): where Numba is
+    installed, on the best instruction set not turned off."""
+    try:
+        from .cpu import isa
+    except ImportError as e:
+        return False, f"Numba not installed ({e.name}); pip install 'qarray[fast]'"
+    best = isa.best()
+    return True, f"qarray's own kernels on {best}: {isa.usable(best)[1]}"
 
 
 def engine(choice: str = "auto") -> str:
@@ -233,11 +246,12 @@ class Packed:
     session per K chunk. 4-bit weights also keep ``nibbles``, two codes to a
     byte, for small M (``packed4_kernel``). Pickled as its codes (:func:`_repack`)."""
 
-    __slots__ = ("name", "w", "shift", "colsum", "sessions", "one_thread", "nibbles", "signed", "qd", "keep", "token")
+    __slots__ = ("name", "w", "shift", "colsum", "sessions", "one_thread", "nibbles", "signed", "qd", "keep", "token",
+                 "panels")
 
     def __init__(self, name, codes, qd, keep, numba=True):
         self.name, self.signed, self.qd, self.keep, self.token = name, qd.signed, qd, keep, uuid.uuid4().hex
-        to_signed = name == "u8s8"
+        to_signed = name in ("u8s8", "qarray")
         if qd.signed == to_signed or (to_signed and qd.bits < 8):  # in range: qint8 or quint4 as s8, quint8 as u8
             self.shift, self.w = 0, codes.astype(np.int8 if to_signed else np.uint8, copy=False)
         elif codes.dtype.itemsize == 1 and codes.dtype.kind in "iu":  # flip the sign bit: +-128, exactly
@@ -249,11 +263,15 @@ class Packed:
         self.colsum = self.w.sum(axis=-2, dtype=np.int64)
         self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
-        self.nibbles = None
+        self.nibbles = self.panels = self.sessions = self.one_thread = None
+        if name == "qarray":  # one packing for every instruction set, a 2-D weight at a time
+            from .cpu import gemm
+
+            self.panels = [gemm.pack(w) for w in self.w.reshape(-1, *self.w.shape[-2:])]
+            return
         if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
             kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
             self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
-        self.sessions = self.one_thread = None
         if keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
@@ -286,6 +304,8 @@ class Packed:
         int64 when K is split; on ``threads`` threads (default: one for small
         products, else ``qarray.set_num_threads``')."""
         k = a.shape[-1]
+        if self.panels is not None:
+            return self._own(a, threads)
         if self.nibbles is not None and a.ndim == 2 and a.shape[0] <= SMALL_M and k * 255 * 15 < 2**31:
             halves = np.zeros((2, a.shape[0], self.nibbles.shape[1]), np.uint8)  # even k, odd k; zero-padded
             halves[0, :, : (k + 1) // 2], halves[1, :, : k // 2] = a[:, 0::2], a[:, 1::2]
@@ -313,6 +333,24 @@ class Packed:
                 return part
             out = part.astype(np.int64) if out is None else out + part
         return out
+
+
+    def _own(self, a, threads):
+        """:meth:`raw` on qarray's own kernels: each pair of the broadcast batch
+        in turn (``qarray.backends.cpu.gemm``, with no epilogue)."""
+        from .._fixed_point import IDENTITY
+        from .cpu import gemm
+
+        (k, n), m = self.w.shape[-2:], a.shape[-2]
+        batch = np.broadcast_shapes(a.shape[:-2], self.w.shape[:-2])
+        a = np.broadcast_to(a, batch + (m, k)).reshape(-1, m, k)
+        which = np.broadcast_to(np.arange(len(self.panels)).reshape(self.w.shape[:-2]), batch).ravel()
+        out = np.empty((len(a), m, n), np.int32 if k <= gemm.KMAX else np.int64)
+        zero, ends = np.zeros(n, np.int64), np.iinfo(out.dtype)
+        for ai, pi, oi in zip(a, which, out):
+            gemm.run(gemm.best(), IDENTITY, False, ai, self.panels[pi], None, (zero,) * 5 + (np.zeros(n),),
+                     ends.min, ends.max, oi, threads)
+        return out.reshape(batch + (m, n))
 
 
 def to_unsigned(a, signed):

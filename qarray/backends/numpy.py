@@ -118,17 +118,20 @@ def _columns(rq, n):
 _KEPT: dict = {}
 
 
-def _param(p, dtype, pshape):
+def _param(p, dtype, pshape, f=None):
     """Parameter array ``p`` as the kernels take it: ``dtype``, ``pshape``,
-    C-contiguous and writable (one Numba signature). An array that owns its
+    C-contiguous and writable (one Numba signature), and ``f`` of that if given
+    (quantize's reciprocal). An array that owns its
     data and is read-only (``check_params``' and ``plan``'s: the same objects
     call after call) is converted once and kept, keyed by its id while the
     entry holds it (so no other array has that id)."""
-    key = (id(p), dtype, pshape)
+    key = (id(p), dtype, pshape, f)
     kept = _KEPT.get(key)
     if kept is not None:
         return kept[1]
     c = np.array(p, dtype).reshape(pshape)
+    if f is not None:
+        c = f(c)
     if p.base is None and not p.flags.writeable:
         if len(_KEPT) >= 1024:
             _KEPT.clear()
@@ -255,18 +258,20 @@ class NumpyBackend(Backend):
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         ct, lo, hi = _bounds(qd, x.dtype)
+        bound = k.mul_bound(x.dtype, lo, hi)  # the multiply by 1 / scale, checked (_numba._q_mul)
         out = self.empty(x.shape, qd.storage) if fake is None else fake
 
         def params(pshape):
-            return _param(scale, x.dtype, pshape), _param(zero_point, ct, pshape)
+            return (_param(scale, x.dtype, pshape), _param(zero_point, ct, pshape),
+                    _param(scale, x.dtype, pshape, k.reciprocal))
 
         if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(k, x, out):
-            s, z = np.float32(scale.reshape(-1)[0]), np.float32(zero_point.reshape(-1)[0])
-            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, lo, hi, out.reshape(-1),
-                               grain=k.GRAIN // 64)
+            s, z, r = (p.reshape(()) for p in params((1, 1, 1)))
+            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s[()], z[()], r[()], lo, hi,
+                               *bound, out.reshape(-1), grain=k.GRAIN // 64)
         else:
-            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, None if fake is None else True,
-                              mask=mask, key=key)
+            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, *bound,
+                              None if fake is None else True, mask=mask, key=key)
         bad = sum(parts)
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
@@ -398,6 +403,16 @@ class NumpyBackend(Backend):
         return pw.raw(np.ascontiguousarray(au)), off
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+        fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1
+        if fused and a.size and self._fast(a):  # qarray's own kernels: the epilogue in each block's store
+            from .cpu import gemm
+
+            shape = (a.shape[0], pw.w.shape[1])
+            au, off = _gemm.to_unsigned(a, qd.signed)
+            rowsum, c, zw = self._gemm_terms(a, off, za, pw, zw, bias, shape)
+            out, columns, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
+            return gemm.run(gemm.best(), rq.rounding, self._narrow(rq, acc_dtype), au, pw.panels[0], rowsum, columns,
+                            rq.lo, rq.hi, out)
         k = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
         if not k:
             return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
@@ -423,10 +438,8 @@ class NumpyBackend(Backend):
         cache, instead of the engine's threads computing all of them and the
         pool's threads reading them back (``_gemm.BY_ROWS``)."""
         m, n = shape
-        narrow = acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
-        rq = NO_REQUANT if rq is None else rq
-        out = self.empty(shape, acc_dtype if rq.qd is None else rq.out_dtype)
-        cols = [_column(c, n), _column(zw, n), *_columns(rq, n)]
+        narrow = self._narrow(rq, acc_dtype)
+        out, cols, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
         kernel, ends = k.gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
         if not callable(raw):
             k.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=k.GRAIN // max(n, 1))
@@ -438,6 +451,18 @@ class NumpyBackend(Backend):
 
         k.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
         return out
+
+    @staticmethod
+    def _narrow(rq, acc_dtype):
+        """Whether every total of the epilogue fits in int32 (``Requant.narrow``)."""
+        return acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
+
+    def _epilogue_plan(self, shape, c, zw, rq, acc_dtype):
+        """The epilogue's output array, its (N,) columns ``c, zw, zo, m, sh, f``
+        and its ``Requant`` (``NO_REQUANT`` for None)."""
+        rq = NO_REQUANT if rq is None else rq
+        out = self.empty(shape, acc_dtype if rq.qd is None else rq.out_dtype)
+        return out, [_column(c, shape[1]), _column(zw, shape[1]), *_columns(rq, shape[1])], rq
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
     def _gemm_kernels(self, x):

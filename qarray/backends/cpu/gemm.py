@@ -1,0 +1,367 @@
+"""The int8 GEMM: ``a @ w`` for unsigned 8-bit activations and signed 8-bit
+weights, with the exact epilogue fused into each block's store.
+
+The weights are packed once (:func:`pack`) into panels of 16 columns; within
+a panel, each step of 64 k holds 16 rows of 64 bytes, row ``k4`` holding, for
+each of the 16 columns, its 4 weights ``k = 4 k4 .. 4 k4 + 3``. That is the
+layout of an AMX B tile, and each row is one AVX-512 VNNI operand (two for
+AVX-VNNI's 256 bits), so every instruction set reads the same bytes.
+
+The result is computed in blocks of 32 rows by 32 columns, one task each
+(column blocks outer, so consecutive tasks share their weights). A block's
+products are summed in int32 over at most ``KMAX`` k (``255 * 128 * KMAX <
+2**31``: exact, as every instruction here adds without saturating), then in
+int64 over longer K, and the epilogue (``_numba._rq``: zero-point terms, bias,
+requantize by any rounding, clamp to the output dtype) writes the block from
+that scratch, 4 KB the thread keeps in its cache: an int8-out layer writes
+its int32 products nowhere.
+
+A block's products, by instruction set (``isa.best``; each gives the same
+integers, which the tests check with each turned off in turn):
+
+- ``amx``: four 16 x 16 int32 tiles, each step two A tiles (16 rows x 64 k)
+  and two B tiles, four ``tdpbusd``;
+- ``avx512vnni`` / ``avxvnni``: rows of ``vpdpbusd`` on 512 / 256 bits, each
+  row's 4 bytes of ``a`` broadcast against a row of the panel;
+- ``portable``: the same sums in plain Numba loops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
+
+from .._numba import _SOURCE, _row_term, _rq, kernel, parallel
+from .isa import best, usable
+
+BM = BN = 32  # a block's rows and columns
+BK = 64  # k a step
+KMAX = (2**31 - 1) // (255 * 128) // BK * BK  # k summed in int32: 65,792
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_P8 = _I8.as_pointer()
+
+
+def pack(w):
+    """Signed 8-bit weights ``(K, N)`` as panels of 16 columns, ``(ceil(N / 32) * 2,
+    ceil(K / 64) * 1024)`` int8, zero-padded (the module's docstring)."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.dtype != np.int8:
+        raise TypeError(f"pack takes (K, N) int8 weights, got {w.dtype} {w.shape}")
+    k, n = w.shape
+    kp, n_p = -(-k // BK) * BK, -(-n // BN) * BN
+    padded = np.zeros((kp, n_p), np.int8)
+    padded[:k, :n] = w
+    panels = padded.reshape(kp // BK, 16, 4, n_p // 16, 16).transpose(3, 0, 1, 4, 2)  # panel, step, k4, column, i
+    return np.ascontiguousarray(panels).reshape(n_p // 16, kp * 16)
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _at(builder, base, offset):
+    return builder.gep(base, [offset])
+
+
+def _operands(context, builder, sig, args):
+    """The block intrinsics' arguments as ``(a's row pointer, its row stride,
+    rows, the first panel's pointer, the panel stride, k0, k1, c)``, pointers
+    to bytes."""
+    a, r0, rows, b, p0, k0, k1, c = args
+    a_ = context.make_array(sig.args[0])(context, builder, a)
+    b_ = context.make_array(sig.args[3])(context, builder, b)
+    c_ = context.make_array(sig.args[7])(context, builder, c)
+    astride = builder.extract_value(a_.strides, 0)
+    bstride = builder.extract_value(b_.strides, 0)
+    arow = _at(builder, builder.bitcast(a_.data, _P8), builder.mul(r0, astride))
+    panel = _at(builder, builder.bitcast(b_.data, _P8), builder.mul(p0, bstride))
+    return arow, astride, rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8)
+
+
+def _signature(a, r0, rows, b, p0, k0, k1, c):
+    return types.void(a, r0, rows, b, p0, k0, k1, c)
+
+
+def _const(v):
+    return ir.Constant(_I64, v)
+
+
+@intrinsic
+def _tiles_begin(typingctx, cfg):
+    """``ldtilecfg``: eight tiles of 16 rows x 64 bytes (``_CONFIG``)."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        builder.call(_fn(builder, "llvm.x86.ldtilecfg", ir.VoidType(), [_P8]), [builder.bitcast(data, _P8)])
+        return context.get_dummy_value()
+
+    return types.void(cfg), codegen
+
+
+@intrinsic
+def _tiles_end(typingctx):
+    """``tilerelease``: the tile state back to its initial (unused) state."""
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _config():
+    cfg = np.zeros(64, np.uint8)  # palette 1; bytes per row of tiles 0..7 (u16), then their rows (u8)
+    cfg[0] = 1
+    cfg[16:32].view(np.uint16)[:] = 64
+    cfg[48:56] = 16
+    return cfg
+
+
+_CONFIG = _config()
+
+
+def _amx_steps(builder, arow, astride, panel, bstride, k0, k1, c, halves):
+    """The tiles of :func:`_block_amx` for ``halves`` (1 or 2) A tiles of 16 rows."""
+    load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
+    dot = _fn(builder, "llvm.x86.tdpbusd", ir.VoidType(), [_I8, _I8, _I8])
+    tile = functools.partial(ir.Constant, _I8)
+    pairs = [(ta, tb) for ta in range(4, 4 + halves) for tb in (6, 7)]  # C tile 2 * (ta - 4) + (tb - 6)
+    for t in range(len(pairs)):
+        builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [_I8]), [tile(t)])
+    with cgutils.for_range_slice(builder, k0, k1, _const(1)) as (k, _):
+        a0 = _at(builder, arow, builder.mul(k, _const(BK)))
+        b0 = _at(builder, panel, builder.mul(k, _const(1024)))
+        for h in range(halves):
+            builder.call(load, [tile(4 + h), _at(builder, a0, builder.mul(astride, _const(16 * h))), astride])
+        builder.call(load, [tile(6), b0, _const(64)])
+        builder.call(load, [tile(7), _at(builder, b0, bstride), _const(64)])
+        for t, (ta, tb) in enumerate(pairs):
+            builder.call(dot, [tile(t), tile(ta), tile(tb)])
+    store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
+    for t, offset in enumerate((0, 64, 16 * 128, 16 * 128 + 64)[:len(pairs)]):  # bytes of (row, column) (0|16, 0|16)
+        builder.call(store, [tile(t), _at(builder, c, _const(offset)), _const(BN * 4)])
+
+
+@intrinsic
+def _block_amx(typingctx, a, r0, rows, b, p0, k0, k1, c):
+    """``c`` (32 x 32 int32, row-major) = rows ``r0 .. r0 + 31`` of ``a`` times
+    panels ``p0, p0 + 1`` over steps ``k0 .. k1`` (its rows from ``rows`` on:
+    undefined): C tiles 0..3, A tiles 4, 5, B tiles 6, 7; 16 rows (C tiles
+    0, 1 and A tile 4) where ``rows <= 16``. Tiles read 16 or 32 rows of
+    ``a``, whatever ``rows``."""
+    def codegen(context, builder, sig, args):
+        arow, astride, rows, panel, bstride, k0, k1, c = _operands(context, builder, sig, args)
+        with builder.if_else(builder.icmp_signed(">", rows, _const(16))) as (two, one):
+            for halves, branch in ((2, two), (1, one)):
+                with branch:
+                    _amx_steps(builder, arow, astride, panel, bstride, k0, k1, c, halves)
+        return context.get_dummy_value()
+
+    return _signature(a, r0, rows, b, p0, k0, k1, c), codegen
+
+
+def _make_block_vnni(width, rows_at_once):
+    """The block of :func:`_block_amx` by ``vpdpbusd`` on ``width`` int32 lanes
+    (16: AVX-512 VNNI, 8: AVX-VNNI): ``rows_at_once`` rows at a time while
+    that many are left (``rows_at_once * 32 / width`` accumulators, as many as
+    the registers hold beside the panel's ``32 / width`` vectors and a
+    broadcast), then one at a time. Reads only rows below ``rows``."""
+    vec = ir.VectorType(_I32, width)
+    per_row = BN // width  # vectors in a row of the block
+    name = f"llvm.x86.avx512.vpdpbusd.{width * 32}"
+
+    def rows_from(builder, arow, astride, panel, bstride, k0, k1, c, first, count):
+        """Block rows ``first .. first + count - 1`` (``count`` a constant)."""
+        dot = _fn(builder, name, vec, [vec] * 3)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(per_row)]
+                for _ in range(count)]
+        with cgutils.for_range_slice(builder, builder.mul(k0, _const(16)), builder.mul(k1, _const(16)),
+                                     _const(1)) as (k4, _):
+            wv = []
+            for v in range(per_row):  # panel v * width // 16, from byte (v * width % 16) * 4 of its row k4
+                p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
+                                                    builder.add(builder.mul(k4, _const(64)),
+                                                                _const(v * width % 16 * 4))))
+                wv.append(builder.load(builder.bitcast(p, vec.as_pointer()), align=1))
+            for r in range(count):
+                pa = _at(builder, arow, builder.add(builder.mul(astride, builder.add(first, _const(r))),
+                                                    builder.mul(k4, _const(4))))
+                word = builder.load(builder.bitcast(pa, _I32.as_pointer()), align=1)
+                av = builder.insert_element(ir.Constant(vec, None), word, ir.Constant(_I32, 0))
+                av = builder.shuffle_vector(av, ir.Constant(vec, None), ir.Constant(vec, None))
+                for v in range(per_row):
+                    builder.store(builder.call(dot, [builder.load(accs[r][v]), av, wv[v]]), accs[r][v])
+        for r in range(count):
+            for v in range(per_row):
+                off = builder.add(builder.mul(builder.add(first, _const(r)), _const(BN * 4)), _const(v * width * 4))
+                builder.store(builder.load(accs[r][v]), builder.bitcast(_at(builder, c, off), vec.as_pointer()),
+                              align=1)
+
+    @intrinsic
+    def block(typingctx, a, r0, rows, b, p0, k0, k1, c):
+        def codegen(context, builder, sig, args):
+            arow, astride, rows, panel, bstride, k0, k1, c = _operands(context, builder, sig, args)
+            full = builder.mul(builder.sdiv(rows, _const(rows_at_once)), _const(rows_at_once))
+            for begin, end, step in ((_const(0), full, rows_at_once), (full, rows, 1)):
+                with cgutils.for_range_slice(builder, begin, end, _const(step)) as (first, _):
+                    rows_from(builder, arow, astride, panel, bstride, k0, k1, c, first, step)
+            return context.get_dummy_value()
+
+        return _signature(a, r0, rows, b, p0, k0, k1, c), codegen
+
+    return block
+
+
+@njit(inline="always")
+def _block_portable(a, r0, rows, b, p0, k0, k1, c):
+    """The block of :func:`_block_amx` in plain loops."""
+    for r in range(rows):
+        arow = a[r0 + r]
+        for h in range(2):
+            brow = b[p0 + h]
+            crow = c[r * BN + h * 16:]
+            crow[:16] = 0
+            for k4 in range(k0 * 16, k1 * 16):
+                a4 = arow[k4 * 4:]
+                w = brow[k4 * 64:]
+                for j in range(16):
+                    s = np.int32(0)
+                    for i in range(4):
+                        s += np.int32(a4[i]) * np.int32(w[j * 4 + i])
+                    crow[j] += s
+
+
+_BLOCKS = {"amx": _block_amx, "avx512vnni": _make_block_vnni(16, 8), "avxvnni": _make_block_vnni(8, 2),
+           "portable": _block_portable}
+# AMX's blocks of 8 rows or fewer run on AVX-512 VNNI (every CPU with AMX has
+# it): a tile's 16 rows cost the same whatever is in them
+# (M = 1 x 4096 x 4096: ... ms against ...)
+SMALL_ROWS = 8
+
+
+@njit(inline="always")
+def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow):
+    """The epilogue of one block: ``out[m0 + i, n0 + j] = R(blk[i, j] + c[n] -
+    zw[n] * rowsum[m])`` for ``i < rows``, ``j < cols`` (``_numba.gemm_epilogue``'s).
+    Every array is sliced and indexed from 0 (``_numba._span``: an index from
+    ``n0`` keeps Numba checking for wraparound, and the loop from vectorizing)."""
+    c, zw, zo, m, sh, f = c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:], f[n0:]
+    for i in range(rows):
+        rs = _row_term(rowsum, m0 + i)
+        orow = out[m0 + i, n0:]
+        brow = blk[i * BN:]
+        for j in range(cols):
+            d = np.int64(brow[j]) + c[j] - zw[j] * rs
+            orow[j] = _rq(d, zo[j], m[j], sh[j], f[j], lo, hi, code, narrow)
+
+
+def _make_gemm(isa, code, narrow):
+    """The GEMM kernel of instruction set ``isa`` with the epilogue of one
+    rounding code (closure constants: their branches fold away)."""
+    block, amx, few, source = _BLOCKS[isa], isa == "amx", _BLOCKS["avx512vnni"], _SOURCE
+
+    @kernel
+    def gemm(a, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
+        """``out = R(a @ w + c - zw * rowsum)`` on tasks (32 x 32 blocks)
+        ``start .. stop``: ``a`` (M, Kp) uint8, C-contiguous, Kp a multiple of
+        64, zero beyond K; ``panels`` :func:`pack`'s; ``rowsum`` (M,) int64 or
+        None; ``c``, ``zw``, ``zo``, ``m``, ``sh``, ``f``: (N,) columns;
+        ``out`` (M, N)."""
+        _ = source
+        mlen, kp = a.shape
+        nlen = out.shape[1]
+        steps = kp // BK
+        chunk = KMAX // BK
+        mblocks = (mlen + BM - 1) // BM
+        part = np.empty(BM * BN, np.int32)
+        total = np.empty(BM * BN, np.int64)
+        tail = np.zeros((BM if amx else 0, kp), np.uint8)  # AMX's last rows, padded: no tile reads past a
+        last = -1
+        if amx:
+            _tiles_begin(cfg)
+        for t in range(start, stop):
+            nb, mb = t // mblocks, t % mblocks
+            m0, n0 = mb * BM, nb * BN
+            rows, cols = min(BM, mlen - m0), min(BN, nlen - n0)
+            src, r0 = a, m0
+            if amx and SMALL_ROWS < rows < BM:
+                if last != mb:
+                    tail[:rows] = a[m0:]
+                    last = mb
+                src, r0 = tail, 0
+            for k0 in range(0, steps, chunk):  # int32 holds KMAX k at most: longer K adds up in int64
+                if amx and rows <= SMALL_ROWS:
+                    few(src, r0, rows, panels, 2 * nb, k0, min(k0 + chunk, steps), part)
+                else:
+                    block(src, r0, rows, panels, 2 * nb, k0, min(k0 + chunk, steps), part)
+                if steps > chunk:
+                    for i in range(BM * BN):
+                        total[i] = part[i] + (total[i] if k0 else 0)
+            if steps > chunk:
+                _store(total, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow)
+            else:
+                _store(part, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow)
+        if amx:
+            _tiles_end()
+
+    return gemm
+
+
+def gemm(isa, code, narrow):
+    """The kernel of :func:`_make_gemm`, made once a process (compiled at first
+    call). Raises ValueError where ``isa`` cannot run (AMX instructions before
+    Linux grants the tile state, which ``isa.usable`` asks for, would end the
+    process)."""
+    if code not in (FLOAT, IDENTITY, *ROUNDINGS.values()):
+        raise ValueError(f"unknown rounding code {code}")
+    ok, why = usable(isa)
+    if not ok:
+        raise ValueError(f"the int8 GEMM cannot run on {isa} here: {why}")
+    return _kernel(isa, code, narrow)
+
+
+_kernel = functools.cache(_make_gemm)
+
+
+def tasks(m, n):
+    """The blocks of an ``(m, n)`` result: ``gemm``'s task count."""
+    return -(-m // BM) * -(-n // BN)
+
+
+def padded(au):
+    """Activations ``(M, K)`` uint8 as ``gemm`` takes them: C-contiguous, K
+    zero-padded to a multiple of 64 (no copy when it is one already)."""
+    k = au.shape[1]
+    kp = -(-k // BK) * BK
+    if kp == k:
+        return np.ascontiguousarray(au)
+    out = np.zeros((au.shape[0], kp), np.uint8)
+    out[:, :k] = au
+    return out
+
+
+# products (M * K * N) from which a call wakes the pool: waking it costs as
+# much as ~2**24 products (``_gemm.SMALL_WORK``)
+SMALL_WORK = 1 << 24
+
+
+def run(isa, code, narrow, a, panels, rowsum, columns, lo, hi, out, threads=None):
+    """``out = R(a @ w + c - zw * rowsum)`` (``gemm``'s kernel): ``a`` (M, K)
+    uint8, ``panels`` :func:`pack`'s of ``w``, ``columns`` the (N,) ``c, zw,
+    zo, m, sh, f``, ``lo, hi`` the clamp; on the pool's threads, or one
+    (``threads=1``)."""
+    a = padded(a)
+    kernel = gemm(isa, code, narrow)
+    count = tasks(*out.shape)
+    args = (a, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    if threads == 1:
+        kernel(*args, 0, count)
+    else:
+        parallel(kernel, count, *args, grain=-(-SMALL_WORK // (BM * BN * a.shape[1])))
+    return out

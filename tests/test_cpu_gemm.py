@@ -1,0 +1,147 @@
+"""qarray's own int8 GEMM (``qarray.backends.cpu.gemm``): every instruction set
+(AMX, AVX-512 VNNI, AVX-VNNI, portable loops) gives int64's products exactly,
+at the extremes of u8 x s8, on every block shape (rows and columns past 32,
+AMX's 16-row and VNNI's 8-row branches, K past 64 and past int32's reach);
+the epilogue fused into each block's store equals the accumulator requantized
+on its own; and the dispatch picks each instruction set in turn as the ones
+above it are turned off."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import qarray
+from qarray import QArray
+from qarray._fixed_point import IDENTITY
+from qarray.backends import _gemm
+from qarray.ops import linear
+
+pytest.importorskip("numba")
+from qarray.backends.cpu import gemm, isa  # noqa: E402
+
+
+@pytest.fixture(params=isa.ORDER)
+def only(request, monkeypatch):
+    """Instruction set ``request.param``, the ones above it turned off (skipped
+    where this CPU lacks it)."""
+    ok, why = isa.usable(request.param)
+    if not ok:
+        pytest.skip(f"{request.param}: {why}")
+    monkeypatch.setattr(isa, "OFF", set(isa.ORDER[:isa.ORDER.index(request.param)]))
+    assert isa.best() == request.param
+    return request.param
+
+
+def raw(name, a, w, threads=None):
+    """``a @ w`` (uint8 x int8) on instruction set ``name``, no epilogue."""
+    k, n = w.shape
+    out = np.empty((a.shape[0], n), np.int32 if k <= gemm.KMAX else np.int64)
+    zero, ends = np.zeros(n, np.int64), np.iinfo(out.dtype)
+    return gemm.run(name, IDENTITY, False, a, gemm.pack(w), None, (zero,) * 5 + (np.zeros(n),), ends.min, ends.max,
+                    out, threads)
+
+
+def extreme(rng, shape, lo, hi):
+    """Random codes, half of them at ``lo`` or ``hi``."""
+    c = rng.integers(lo, hi + 1, shape)
+    return np.where(rng.random(shape) < 0.5, rng.choice([lo, hi], shape), c)
+
+
+# rows: VNNI's passes of 8 and single rows, AMX's 16-row branch, a second block;
+# columns: a part block, a second block; K: one step, a part step, several
+SHAPES = [(1, 1, 1), (7, 64, 32), (8, 65, 31), (9, 200, 33), (16, 128, 64), (17, 63, 1), (31, 130, 70),
+          (32, 64, 32), (33, 192, 40), (100, 300, 77)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_products_are_exact_at_the_extremes(m, k, n, only, rng):
+    a = extreme(rng, (m, k), 0, 255).astype(np.uint8)
+    w = extreme(rng, (k, n), -128, 127).astype(np.int8)
+    a[0], w[:, 0] = 255, -128  # the most negative sum of the shape
+    if m > 1:
+        w[:, -1] = 127
+        a[-1] = 255  # and the most positive
+    want = a.astype(np.int64) @ w.astype(np.int64)
+    np.testing.assert_array_equal(raw(only, a, w), want)
+    np.testing.assert_array_equal(raw(only, a, w, threads=1), want)
+
+
+def test_k_beyond_int32_sums_in_int64(only):
+    """u8 x s8 sums pass int32 beyond K = 65,793: blocks sum ``KMAX`` k in int32
+    each, then in int64, and the result, beyond 2**31, is exact."""
+    k = gemm.KMAX + 2 * 64 + 5
+    a = np.full((3, k), 255, np.uint8)
+    a[1, ::2] = 0
+    w = np.full((k, 2), -128, np.int8)
+    w[::3, 1] = 127
+    got = raw(only, a, w)
+    want = a.astype(np.int64) @ w.astype(np.int64)
+    assert got.dtype == np.int64 and np.abs(want).max() > 2**31
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rounding", ["half_even", "half_away", "half_up", "tflite"])
+@pytest.mark.parametrize("adt,wdt", [("qint8", "qint8"), ("quint8", "quint8"), ("qint8", "quint4")])
+def test_fused_epilogue_equals_requantizing_the_accumulator(adt, wdt, rounding, only, rng):
+    """Through ``linear`` (the fused path: zero points at both ends, per-channel
+    weights, bias, ReLU, int8 out) == the exact accumulator requantized alone."""
+    da, dw = qarray.qdtype(adt), qarray.qdtype(wdt)
+    a = QArray.from_int(extreme(rng, (45, 130), da.qmin, da.qmax).astype(da.storage), 0.02, da.qmax, adt)
+    zw = np.array([dw.qmin, dw.qmax] * 18 + [0])
+    s_w = rng.uniform(0.01, 0.05, 37).astype(np.float32)
+    w = QArray.from_int(extreme(rng, (37, 130), dw.qmin, dw.qmax).astype(dw.storage), s_w, zw, wdt, axis=0)
+    bias = rng.uniform(-3, 3, 37).astype(np.float32)
+    with qarray.config.using(gemm="qarray"):
+        acc = linear(a, w, bias)  # int32 out: the fused kernel's IDENTITY epilogue
+        want = (a.int_repr().astype(np.int64) - da.qmax) @ (w.int_repr().astype(np.int64) - zw[:, None]).T
+        np.testing.assert_array_equal(acc.int_repr() - want, np.broadcast_to(acc.int_repr()[0] - want[0], want.shape))
+        for mode in ("fixed", "float"):
+            for relu in (False, True):
+                got = linear(a, w, bias, scale=0.3, zero_point=-3, dtype="qint8", relu=relu, mode=mode,
+                             rounding=rounding)
+                r = acc.requantize(0.3, -3, "qint8", mode=mode, rounding=rounding).int_repr()
+                np.testing.assert_array_equal(got.int_repr(), np.maximum(r, -3) if relu else r,
+                                              err_msg=f"{mode} relu={relu}")
+
+
+def test_dispatch_names_the_instruction_set(only):
+    assert qarray.backends.gemm_engine().startswith(f"qarray: qarray's own kernels on {only}:")
+
+
+def test_amx_refused_falls_back_logged(monkeypatch, caplog):
+    """Linux may refuse the tile state (an old kernel, a seccomp filter): AMX is
+    then not usable, logged once, and the next instruction set runs."""
+    monkeypatch.setattr(isa, "_granted", [])
+    isa._probe.cache_clear()
+
+    class Refusing:
+        def syscall(self, *args):
+            return -1
+
+    monkeypatch.setattr(isa, "_libc", lambda: Refusing())
+    try:
+        with caplog.at_level(logging.WARNING, logger="qarray"):
+            ok, why = isa._amx_permission()
+        assert not ok and "arch_prctl(ARCH_REQ_XCOMP_PERM) refused" in why
+        assert "AMX tiles not used" in caplog.text
+    finally:
+        isa._probe.cache_clear()
+
+
+def test_an_unusable_instruction_set_raises(monkeypatch):
+    monkeypatch.setattr(isa, "OFF", {"avxvnni"})
+    with pytest.raises(ValueError, match="cannot run on avxvnni here: turned off"):
+        gemm.gemm("avxvnni", IDENTITY, False)
+    with pytest.raises(ValueError, match="unknown instruction set 'sse'"):
+        isa.usable("sse")
+
+
+def test_pack_checks_its_input():
+    with pytest.raises(TypeError, match=r"pack takes \(K, N\) int8 weights, got uint8 \(3, 4\)"):
+        gemm.pack(np.zeros((3, 4), np.uint8))
+
+
+def test_engine_status():
+    ok, why = _gemm.status("qarray")
+    assert ok and why.startswith(f"qarray's own kernels on {isa.best()}")
