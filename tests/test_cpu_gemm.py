@@ -38,8 +38,8 @@ def raw(name, a, w, threads=None):
     k, n = w.shape
     out = np.empty((a.shape[0], n), np.int32 if k <= gemm.KMAX else np.int64)
     zero, ends = np.zeros(n, np.int64), np.iinfo(out.dtype)
-    return gemm.run(name, IDENTITY, False, a, gemm.pack(w), None, (zero,) * 5 + (np.zeros(n),), ends.min, ends.max,
-                    out, threads)
+    return gemm.run(name, IDENTITY, False, a, False, gemm.pack(w), None, (zero,) * 5 + (np.zeros(n),), ends.min,
+                    ends.max, out, threads)
 
 
 def extreme(rng, shape, lo, hi):
@@ -50,7 +50,7 @@ def extreme(rng, shape, lo, hi):
 
 # rows: VNNI's passes of 8 and single rows, AMX's 16-row branch, a second block;
 # columns: a part block, a second block; K: one step, a part step, several
-SHAPES = [(1, 1, 1), (7, 64, 32), (8, 65, 31), (9, 200, 33), (16, 128, 64), (17, 63, 1), (31, 130, 70),
+SHAPES = [(1, 1, 1), (40, 1100, 300), (7, 64, 32), (8, 65, 31), (9, 200, 33), (16, 128, 64), (17, 63, 1), (31, 130, 70),
           (32, 64, 32), (33, 192, 40), (100, 300, 77)]
 
 

@@ -348,7 +348,7 @@ class Packed:
         out = np.empty((len(a), m, n), np.int32 if k <= gemm.KMAX else np.int64)
         zero, ends = np.zeros(n, np.int64), np.iinfo(out.dtype)
         for ai, pi, oi in zip(a, which, out):
-            gemm.run(gemm.best(), IDENTITY, False, ai, self.panels[pi], None, (zero,) * 5 + (np.zeros(n),),
+            gemm.run(gemm.best(), IDENTITY, False, ai, False, self.panels[pi], None, (zero,) * 5 + (np.zeros(n),),
                      ends.min, ends.max, oi, threads)
         return out.reshape(batch + (m, n))
 

@@ -72,22 +72,18 @@ def _at(builder, base, offset):
 
 
 def _operands(context, builder, sig, args):
-    """The block intrinsics' arguments as ``(a's row pointer, its row stride,
-    rows, the first panel's pointer, the panel stride, k0, k1, c)``, pointers
-    to bytes."""
-    a, r0, rows, b, p0, k0, k1, c = args
-    a_ = context.make_array(sig.args[0])(context, builder, a)
-    b_ = context.make_array(sig.args[3])(context, builder, b)
-    c_ = context.make_array(sig.args[7])(context, builder, c)
-    astride = builder.extract_value(a_.strides, 0)
+    """The block intrinsics' arguments as ``(a, rows, the first panel, the
+    panel stride, k0, k1, c, keep)``: pointers to bytes, ``keep`` an i1."""
+    a, rows, b, p0, k0, k1, c, keep = args
+    a_, b_, c_ = (context.make_array(sig.args[i])(context, builder, x) for i, x in ((0, a), (2, b), (6, c)))
     bstride = builder.extract_value(b_.strides, 0)
-    arow = _at(builder, builder.bitcast(a_.data, _P8), builder.mul(r0, astride))
     panel = _at(builder, builder.bitcast(b_.data, _P8), builder.mul(p0, bstride))
-    return arow, astride, rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8)
+    keep = builder.icmp_signed("!=", keep, ir.Constant(keep.type, 0))
+    return builder.bitcast(a_.data, _P8), rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8), keep
 
 
-def _signature(a, r0, rows, b, p0, k0, k1, c):
-    return types.void(a, r0, rows, b, p0, k0, k1, c)
+def _signature(a, rows, b, p0, k0, k1, c, keep):
+    return types.void(a, rows, b, p0, k0, k1, c, keep)
 
 
 def _const(v):
@@ -115,6 +111,18 @@ def _tiles_end(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def _vectors_512(typingctx):
+    """Let LLVM vectorize the calling kernel on 512 bits: it prefers 256 on
+    Intel's AVX-512 CPUs (``prefer-vector-width``), and the epilogue's int64
+    arithmetic then takes twice the instructions."""
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # a string attribute: no check for it
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 def _config():
     cfg = np.zeros(64, np.uint8)  # palette 1; bytes per row of tiles 0..7 (u16), then their rows (u8)
     cfg[0] = 1
@@ -126,44 +134,49 @@ def _config():
 _CONFIG = _config()
 
 
-def _amx_steps(builder, arow, astride, panel, bstride, k0, k1, c, halves):
+def _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves):
     """The tiles of :func:`_block_amx` for ``halves`` (1 or 2) A tiles of 16 rows."""
     load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
     dot = _fn(builder, "llvm.x86.tdpbusd", ir.VoidType(), [_I8, _I8, _I8])
     tile = functools.partial(ir.Constant, _I8)
     pairs = [(ta, tb) for ta in range(4, 4 + halves) for tb in (6, 7)]  # C tile 2 * (ta - 4) + (tb - 6)
-    for t in range(len(pairs)):
-        builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [_I8]), [tile(t)])
+    offsets = (0, 64, 16 * 128, 16 * 128 + 64)[:len(pairs)]  # bytes of C tile t's (row, column): (0|16, 0|16)
+    with builder.if_else(keep) as (then, otherwise):
+        with then:
+            for t, offset in enumerate(offsets):
+                builder.call(load, [tile(t), _at(builder, c, _const(offset)), _const(BN * 4)])
+        with otherwise:
+            for t in range(len(pairs)):
+                builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [_I8]), [tile(t)])
     with cgutils.for_range_slice(builder, k0, k1, _const(1)) as (k, _):
-        a0 = _at(builder, arow, builder.mul(k, _const(BK)))
+        a0 = _at(builder, a, builder.mul(k, _const(BM * BK)))
         b0 = _at(builder, panel, builder.mul(k, _const(1024)))
         for h in range(halves):
-            builder.call(load, [tile(4 + h), _at(builder, a0, builder.mul(astride, _const(16 * h))), astride])
+            builder.call(load, [tile(4 + h), _at(builder, a0, _const(16 * h * BK)), _const(BK)])
         builder.call(load, [tile(6), b0, _const(64)])
         builder.call(load, [tile(7), _at(builder, b0, bstride), _const(64)])
         for t, (ta, tb) in enumerate(pairs):
             builder.call(dot, [tile(t), tile(ta), tile(tb)])
     store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
-    for t, offset in enumerate((0, 64, 16 * 128, 16 * 128 + 64)[:len(pairs)]):  # bytes of (row, column) (0|16, 0|16)
+    for t, offset in enumerate(offsets):
         builder.call(store, [tile(t), _at(builder, c, _const(offset)), _const(BN * 4)])
 
 
 @intrinsic
-def _block_amx(typingctx, a, r0, rows, b, p0, k0, k1, c):
-    """``c`` (32 x 32 int32, row-major) = rows ``r0 .. r0 + 31`` of ``a`` times
-    panels ``p0, p0 + 1`` over steps ``k0 .. k1`` (its rows from ``rows`` on:
-    undefined): C tiles 0..3, A tiles 4, 5, B tiles 6, 7; 16 rows (C tiles
-    0, 1 and A tile 4) where ``rows <= 16``. Tiles read 16 or 32 rows of
-    ``a``, whatever ``rows``."""
+def _block_amx(typingctx, a, rows, b, p0, k0, k1, c, keep):
+    """``c`` (32 x 32 int32, row-major) = ``a`` (:func:`_pack_rows`'s) times
+    panels ``p0, p0 + 1`` over steps ``k0 .. k1``, plus ``c`` where ``keep``
+    (its rows from ``rows`` on: undefined): C tiles 0..3, A tiles 4, 5, B
+    tiles 6, 7; 16 rows (C tiles 0, 1 and A tile 4) where ``rows <= 16``."""
     def codegen(context, builder, sig, args):
-        arow, astride, rows, panel, bstride, k0, k1, c = _operands(context, builder, sig, args)
+        a, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
         with builder.if_else(builder.icmp_signed(">", rows, _const(16))) as (two, one):
             for halves, branch in ((2, two), (1, one)):
                 with branch:
-                    _amx_steps(builder, arow, astride, panel, bstride, k0, k1, c, halves)
+                    _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves)
         return context.get_dummy_value()
 
-    return _signature(a, r0, rows, b, p0, k0, k1, c), codegen
+    return _signature(a, rows, b, p0, k0, k1, c, keep), codegen
 
 
 def _make_block_vnni(width, rows_at_once):
@@ -176,11 +189,19 @@ def _make_block_vnni(width, rows_at_once):
     per_row = BN // width  # vectors in a row of the block
     name = f"llvm.x86.avx512.vpdpbusd.{width * 32}"
 
-    def rows_from(builder, arow, astride, panel, bstride, k0, k1, c, first, count):
+    def at(builder, c, first, r, v):
+        """Where vector ``v`` of block row ``first + r`` lies in ``c``."""
+        off = builder.add(builder.mul(builder.add(first, _const(r)), _const(BN * 4)), _const(v * width * 4))
+        return builder.bitcast(_at(builder, c, off), vec.as_pointer())
+
+    def rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, count):
         """Block rows ``first .. first + count - 1`` (``count`` a constant)."""
         dot = _fn(builder, name, vec, [vec] * 3)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(per_row)]
-                for _ in range(count)]
+        accs = [[cgutils.alloca_once(builder, vec) for _ in range(per_row)] for _ in range(count)]
+        for r in range(count):
+            for v in range(per_row):
+                kept = builder.load(at(builder, c, first, r, v), align=1)
+                builder.store(builder.select(keep, kept, ir.Constant(vec, None)), accs[r][v])
         with cgutils.for_range_slice(builder, builder.mul(k0, _const(16)), builder.mul(k1, _const(16)),
                                      _const(1)) as (k4, _):
             wv = []
@@ -190,8 +211,10 @@ def _make_block_vnni(width, rows_at_once):
                                                                 _const(v * width % 16 * 4))))
                 wv.append(builder.load(builder.bitcast(p, vec.as_pointer()), align=1))
             for r in range(count):
-                pa = _at(builder, arow, builder.add(builder.mul(astride, builder.add(first, _const(r))),
-                                                    builder.mul(k4, _const(4))))
+                # a[k4 // 16, first + r, k4 % 16 * 4]
+                pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), _const(BM * BK)),
+                                                 builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
+                                                             builder.mul(builder.and_(k4, _const(15)), _const(4)))))
                 word = builder.load(builder.bitcast(pa, _I32.as_pointer()), align=1)
                 av = builder.insert_element(ir.Constant(vec, None), word, ir.Constant(_I32, 0))
                 av = builder.shuffle_vector(av, ir.Constant(vec, None), ir.Constant(vec, None))
@@ -199,36 +222,34 @@ def _make_block_vnni(width, rows_at_once):
                     builder.store(builder.call(dot, [builder.load(accs[r][v]), av, wv[v]]), accs[r][v])
         for r in range(count):
             for v in range(per_row):
-                off = builder.add(builder.mul(builder.add(first, _const(r)), _const(BN * 4)), _const(v * width * 4))
-                builder.store(builder.load(accs[r][v]), builder.bitcast(_at(builder, c, off), vec.as_pointer()),
-                              align=1)
+                builder.store(builder.load(accs[r][v]), at(builder, c, first, r, v), align=1)
 
     @intrinsic
-    def block(typingctx, a, r0, rows, b, p0, k0, k1, c):
+    def block(typingctx, a, rows, b, p0, k0, k1, c, keep):
         def codegen(context, builder, sig, args):
-            arow, astride, rows, panel, bstride, k0, k1, c = _operands(context, builder, sig, args)
+            a, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
             full = builder.mul(builder.sdiv(rows, _const(rows_at_once)), _const(rows_at_once))
             for begin, end, step in ((_const(0), full, rows_at_once), (full, rows, 1)):
                 with cgutils.for_range_slice(builder, begin, end, _const(step)) as (first, _):
-                    rows_from(builder, arow, astride, panel, bstride, k0, k1, c, first, step)
+                    rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, step)
             return context.get_dummy_value()
 
-        return _signature(a, r0, rows, b, p0, k0, k1, c), codegen
+        return _signature(a, rows, b, p0, k0, k1, c, keep), codegen
 
     return block
 
 
 @njit(inline="always")
-def _block_portable(a, r0, rows, b, p0, k0, k1, c):
+def _block_portable(a, rows, b, p0, k0, k1, c, keep):
     """The block of :func:`_block_amx` in plain loops."""
     for r in range(rows):
-        arow = a[r0 + r]
         for h in range(2):
             brow = b[p0 + h]
             crow = c[r * BN + h * 16:]
-            crow[:16] = 0
+            if not keep:
+                crow[:16] = 0
             for k4 in range(k0 * 16, k1 * 16):
-                a4 = arow[k4 * 4:]
+                a4 = a[k4 // 16, r, k4 % 16 * 4:]
                 w = brow[k4 * 64:]
                 for j in range(16):
                     s = np.int32(0)
@@ -243,6 +264,29 @@ _BLOCKS = {"amx": _block_amx, "avx512vnni": _make_block_vnni(16, 8), "avxvnni": 
 # it): a tile's 16 rows cost the same whatever is in them
 # (M = 1 x 4096 x 4096: ... ms against ...)
 SMALL_ROWS = 8
+GROUP = 4  # column blocks a task
+STEPS = 8  # steps of 64 k a block takes at a time: 32 rows of 512 k of a, 16 KB, stay in the L1 cache
+
+
+@kernel
+def pack_rows(a, flip, out, start, stop):
+    """``a`` (M, K) uint8 XOR ``flip`` (0, or 0x80: signed codes made unsigned,
+    ``a + 128``) as ``out`` (ceil(M / 32), steps, 32, 64): for each block of 32
+    rows, each step's 32 rows of 64 k one after the other, zero beyond M and
+    K (an A tile of 16 rows is 1 KB in a row, where rows K bytes apart could
+    share one set of the L1 cache). Tasks: blocks of rows."""
+    mlen, klen = a.shape
+    for mb in range(start, stop):
+        for r in range(BM):
+            row = a[min(mb * BM + r, mlen - 1)]
+            for s in range(out.shape[1]):
+                d = out[mb, s, r]
+                span = min(BK, klen - s * BK) if mb * BM + r < mlen else 0
+                src = row[s * BK:]
+                for i in range(span):
+                    d[i] = src[i] ^ flip
+                for i in range(span, BK):
+                    d[i] = 0
 
 
 @njit(inline="always")
@@ -261,52 +305,66 @@ def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, co
             orow[j] = _rq(d, zo[j], m[j], sh[j], f[j], lo, hi, code, narrow)
 
 
-def _make_gemm(isa, code, narrow):
+def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
     """The GEMM kernel of instruction set ``isa`` with the epilogue of one
-    rounding code (closure constants: their branches fold away)."""
+    rounding code (closure constants: their branches fold away, and they are
+    in Numba's cache key, as ``GROUP`` and ``STEPS`` are, held here)."""
     block, amx, few, source = _BLOCKS[isa], isa == "amx", _BLOCKS["avx512vnni"], _SOURCE
+    group, steps_at_once = group or GROUP, steps_at_once or STEPS
+    wide = isa in ("amx", "avx512vnni")
 
     @kernel
     def gemm(a, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
-        """``out = R(a @ w + c - zw * rowsum)`` on tasks (32 x 32 blocks)
-        ``start .. stop``: ``a`` (M, Kp) uint8, C-contiguous, Kp a multiple of
-        64, zero beyond K; ``panels`` :func:`pack`'s; ``rowsum`` (M,) int64 or
-        None; ``c``, ``zw``, ``zo``, ``m``, ``sh``, ``f``: (N,) columns;
-        ``out`` (M, N)."""
+        """``out = R(a @ w + c - zw * rowsum)`` on tasks ``start .. stop``, each
+        ``group`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
+        activations as :func:`pack_rows` packs them; ``panels``
+        :func:`pack`'s; ``rowsum`` (M,) int64 or None; ``c``, ``zw``, ``zo``,
+        ``m``, ``sh``, ``f``: (N,) columns; ``out`` (M, N).
+
+        A task's rows of ``a`` are read ``STEPS`` steps at a time, from the
+        L1 cache, for each of its ``GROUP`` column blocks in turn; tasks of the same
+        columns follow each other, so their weights stay in the cache too."""
         _ = source
-        mlen, kp = a.shape
-        nlen = out.shape[1]
-        steps = kp // BK
+        mlen, nlen = out.shape
+        steps = a.shape[1]
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
-        part = np.empty(BM * BN, np.int32)
-        total = np.empty(BM * BN, np.int64)
-        tail = np.zeros((BM if amx else 0, kp), np.uint8)  # AMX's last rows, padded: no tile reads past a
-        last = -1
+        nblocks = (nlen + BN - 1) // BN
+        part = np.empty(group * BM * BN, np.int32)
+        total = np.empty(group * BM * BN, np.int64)
+        part[:] = 0  # K = 0: no step writes it
         if amx:
             _tiles_begin(cfg)
+        if wide:
+            _vectors_512()
         for t in range(start, stop):
-            nb, mb = t // mblocks, t % mblocks
-            m0, n0 = mb * BM, nb * BN
-            rows, cols = min(BM, mlen - m0), min(BN, nlen - n0)
-            src, r0 = a, m0
-            if amx and SMALL_ROWS < rows < BM:
-                if last != mb:
-                    tail[:rows] = a[m0:]
-                    last = mb
-                src, r0 = tail, 0
+            g, mb = t // mblocks, t % mblocks
+            nb0, nb1 = g * group, min(g * group + group, nblocks)
+            m0 = mb * BM
+            rows = min(BM, mlen - m0)
+            rows_of_a = a[mb]
             for k0 in range(0, steps, chunk):  # int32 holds KMAX k at most: longer K adds up in int64
-                if amx and rows <= SMALL_ROWS:
-                    few(src, r0, rows, panels, 2 * nb, k0, min(k0 + chunk, steps), part)
-                else:
-                    block(src, r0, rows, panels, 2 * nb, k0, min(k0 + chunk, steps), part)
+                k1 = min(k0 + chunk, steps)
+                for s0 in range(k0, k1, steps_at_once):
+                    s1 = min(s0 + steps_at_once, k1)
+                    for nb in range(nb0, nb1):
+                        blk = part[(nb - nb0) * BM * BN:]
+                        if amx and rows <= SMALL_ROWS:
+                            few(rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
+                        else:
+                            block(rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
                 if steps > chunk:
-                    for i in range(BM * BN):
+                    for i in range((nb1 - nb0) * BM * BN):
                         total[i] = part[i] + (total[i] if k0 else 0)
-            if steps > chunk:
-                _store(total, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow)
-            else:
-                _store(part, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow)
+            for nb in range(nb0, nb1):
+                n0 = nb * BN
+                cols = min(BN, nlen - n0)
+                if steps > chunk:
+                    _store(total[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
+                           code, narrow)
+                else:
+                    _store(part[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
+                           code, narrow)
         if amx:
             _tiles_end()
 
@@ -329,21 +387,10 @@ def gemm(isa, code, narrow):
 _kernel = functools.cache(_make_gemm)
 
 
-def tasks(m, n):
-    """The blocks of an ``(m, n)`` result: ``gemm``'s task count."""
-    return -(-m // BM) * -(-n // BN)
-
-
-def padded(au):
-    """Activations ``(M, K)`` uint8 as ``gemm`` takes them: C-contiguous, K
-    zero-padded to a multiple of 64 (no copy when it is one already)."""
-    k = au.shape[1]
-    kp = -(-k // BK) * BK
-    if kp == k:
-        return np.ascontiguousarray(au)
-    out = np.zeros((au.shape[0], kp), np.uint8)
-    out[:, :k] = au
-    return out
+def tasks(m, n, group=None):
+    """``gemm``'s task count for an ``(m, n)`` result: blocks of 32 rows by
+    ``GROUP`` blocks of 32 columns."""
+    return -(-m // BM) * -(-n // (BN * (group or GROUP)))
 
 
 # products (M * K * N) from which a call wakes the pool: waking it costs as
@@ -351,17 +398,21 @@ def padded(au):
 SMALL_WORK = 1 << 24
 
 
-def run(isa, code, narrow, a, panels, rowsum, columns, lo, hi, out, threads=None):
-    """``out = R(a @ w + c - zw * rowsum)`` (``gemm``'s kernel): ``a`` (M, K)
-    uint8, ``panels`` :func:`pack`'s of ``w``, ``columns`` the (N,) ``c, zw,
-    zo, m, sh, f``, ``lo, hi`` the clamp; on the pool's threads, or one
-    (``threads=1``)."""
-    a = padded(a)
+def run(isa, code, narrow, a, signed, panels, rowsum, columns, lo, hi, out, threads=None):
+    """``out = R(a' @ w + c - zw * rowsum)`` (``gemm``'s kernel): ``a`` (M, K)
+    8-bit codes, ``a' = a + 128`` where ``signed``, else ``a``; ``panels``
+    :func:`pack`'s of ``w``; ``columns`` the (N,) ``c, zw, zo, m, sh, f``;
+    ``lo, hi`` the clamp; on the pool's threads, or one (``threads=1``)."""
+    (mlen, klen), nlen = a.shape, out.shape[1]
+    packed = np.empty((-(-mlen // BM), -(-klen // BK), BM, BK), np.uint8)
+    rows = np.ascontiguousarray(a).view(np.uint8)
+    flip = np.uint8(0x80 if signed else 0)
     kernel = gemm(isa, code, narrow)
-    count = tasks(*out.shape)
-    args = (a, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    args = (packed, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
     if threads == 1:
-        kernel(*args, 0, count)
+        pack_rows(rows, flip, packed, 0, len(packed))
+        kernel(*args, 0, tasks(mlen, nlen))
     else:
-        parallel(kernel, count, *args, grain=-(-SMALL_WORK // (BM * BN * a.shape[1])))
+        parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 20) // (BM * max(klen, 1))))
+        parallel(kernel, tasks(mlen, nlen), *args, grain=-(-SMALL_WORK // (BM * BN * GROUP * max(klen, 1))))
     return out
