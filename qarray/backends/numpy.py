@@ -403,16 +403,16 @@ class NumpyBackend(Backend):
         return pw.raw(np.ascontiguousarray(au)), off
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
-        fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1
+        fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1 \
+            and a.dtype.itemsize == 1
         if fused and a.size and self._fast(a):  # qarray's own kernels: the epilogue in each block's store
             from .cpu import gemm
 
             shape = (a.shape[0], pw.w.shape[1])
-            au, off = _gemm.to_unsigned(a, qd.signed)
-            rowsum, c, zw = self._gemm_terms(a, off, za, pw, zw, bias, shape)
+            rowsum, c, zw = self._gemm_terms(a, 128 * qd.signed, za, pw, zw, bias, shape)
             out, columns, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
-            return gemm.run(gemm.best(), rq.rounding, self._narrow(rq, acc_dtype), au, pw.panels[0], rowsum, columns,
-                            rq.lo, rq.hi, out)
+            return gemm.run(gemm.best(), rq.rounding, self._narrow(rq, acc_dtype), a, qd.signed, pw.panels[0], rowsum,
+                            columns, rq.lo, rq.hi, out)
         k = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
         if not k:
             return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
