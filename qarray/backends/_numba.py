@@ -38,7 +38,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, register_jitable
+from numba.extending import intrinsic, overload, register_jitable
 
 from .. import _fixed_point, _philox
 from .._config import THREADS
@@ -175,6 +175,73 @@ def _q(v, s, z, lo, hi, key, index):
     return min(max(w, lo), hi), w
 
 
+# Quantize by the reciprocal. The division of every value cost quantize's
+# kernels as much as the rest of their loop. Instead, ``reciprocals`` gives
+# ``rl <= 1/s <= rh``, the neighbours of ``fl(1/s)`` (which is within half an
+# ulp of 1/s), and ``_q_mul`` computes ``n = rint(v * rl)`` and flags the value
+# unless ``rint(v * rh) == n``. Rounding to float and rint are monotone, and
+# q = v/s lies between v*rl and v*rh, so rint(Q) of the division's quotient
+# Q = fl(v/s) lies between rint(fl(v*rl)) and rint(fl(v*rh)): where they are
+# equal, rint(Q) is n (as a float: a zero of either sign gives the same
+# ``n + z``), so the code, the straight-through mask and fake_quantize's value
+# are the division's bit for bit. This holds for every v, with no error bound:
+# ties, overflow to inf (monotone too), subnormals and -0.0 included. NaN (NaN
+# input, 0 * inf) compares unequal: flagged. Each run of ``RUN`` values with a
+# flagged one is computed again by the division (``_q_run``), which also
+# sums v - v, the NaN check (NaN and inf are flagged). Where 1/s is not a
+# normal number (s 0, subnormal with 1/s beyond the range, huge, inf, NaN)
+# ``reciprocals`` gives NaN: every value of that scale is flagged.
+#
+# How close (it sets how often a value flags, not whether a code is right): y =
+# fl(v fl(1/s)) is within (2u + u^2)|v/s| of v/s (u = 2**-24 float32, 2**-53
+# float64; one rounding of 1/s, one of the product), under 2.0001 ulp(y) as u|y|
+# < ulp(y); fl(v rl) and fl(v rh) are 2 ulp(fl(1/s)) |v|, 2u|y| to 4u|y|, apart,
+# so a value flags with probability under 4u|y| (2.4e-7|y| in float32: 3e-5 at
+# |y| = 127; 2% of runs of 4096 at |y| ~ 20). Where codes reach far (16 and 32
+# bits from float32: up to 4u * 65535 = 1.6% of values, every run) ``multiplies``
+# says no: the division alone. Stochastic rounding keeps the division: it
+# compares Q's exact fraction with a random word.
+RUN = 4096  # values a flag covers, computed twice if one flags (runs of 1024: 1.25x the time)
+
+
+def reciprocals(s):
+    """``[rl, rh]`` (``s``'s float type, stacked) with ``rl <= 1/s <= rh``: the
+    neighbours of ``fl(1/s)``, or NaN where that is not a normal number."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        r = 1 / s
+    r = np.where((np.abs(r) >= np.finfo(r.dtype).tiny) & (np.abs(r) <= np.finfo(r.dtype).max), r, np.nan)
+    return np.stack([np.nextafter(r, -np.inf), np.nextafter(r, np.inf)]).astype(s.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def multiplies(dtype, lo, hi):
+    """Whether quantize multiplies (``_q_mul``) for ``dtype`` input and the
+    clamp ``[lo, hi]``: not where values flag too often (see above)."""
+    return bool(2 * np.finfo(dtype).eps * (float(hi) - float(lo)) <= 2 ** -12)
+
+
+@njit(inline="always")
+def _q_mul(v, rl, rh, z, lo, hi):
+    """``_q``'s code and ``w`` by ``v * rl``, and whether they might not be the
+    division's (``rint(v * rh)`` differs, or NaN: see above)."""
+    n = np.rint(v * rl)
+    w = n + z
+    return min(max(w, lo), hi), w, np.rint(v * rh) != n
+
+
+@intrinsic
+def _wide(typingctx):
+    """Let LLVM vectorize the calling kernel's loops 512 bits wide (AVX-512;
+    none elsewhere): it stops at 256 on Intel's server cores by default
+    (``prefer-256-bit``). quantize's loop on 16 lanes a step: 1.45x the speed
+    on 8 (2^16 float32 -> qint8 in L2, Emerald Rapids)."""
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # llvmlite knows no such name
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @njit(inline="always")
 def _put(out, mask, k, c, w, z, s, lo, hi, fake):
     """Store code ``c`` at ``out[k]``, or (``fake`` not None) the code dequantized
@@ -183,34 +250,103 @@ def _put(out, mask, k, c, w, z, s, lo, hi, fake):
     whether the unclamped ``w`` was inside ``[lo, hi]``. A None argument prunes
     its branch as Numba compiles."""
     if fake is None:
-        out[k] = c
+        out[k] = np.int32(c)  # through int32: LLVM's float -> int8 conversion of a vector is 2x slower
     else:
         out[k] = c - z
         out[k] *= s
-    if mask is not None:
-        mask[k] = (w >= lo) & (w <= hi)
+    _set(mask, k, (w >= lo) & (w <= hi))
+
+
+def _set(a, k, v):
+    """``a[k] = v``, nothing for None (chosen by type: Numba's pruning of an
+    ``is None`` branch does not reach through the kernels' nested inlined calls)."""
+
+
+@overload(_set)
+def _set_impl(a, k, v):
+    if isinstance(a, types.NoneType):
+        return lambda a, k, v: None
+
+    def impl(a, k, v):
+        a[k] = v
+
+    return impl
+
+
+def _at(a, idx, j):
+    """Element ``j``'s parameter: ``a`` (a scalar), ``a[j]``, or ``a[idx[j]]``."""
+
+
+@overload(_at)
+def _at_impl(a, idx, j):
+    if not isinstance(a, types.Array):
+        return lambda a, idx, j: a
+    if idx is None or isinstance(idx, types.NoneType):
+        return lambda a, idx, j: a[j]
+    return lambda a, idx, j: a[idx[j]]
 
 
 @njit(inline="always")
-def _q_row(x, s, z, o, l, po, b, lo, hi, key, base, out, mask, fake):
-    """Quantize row ``x[o, l, :]`` (``_q``, ``_put``), its elements' flat indices
-    from ``base``; returns the sum of ``v - v`` (NaN flags NaN/inf)."""
+def _q_run(x, s, z, rl, rh, idx, j0, j1, lo, hi, mul, key, base, out, mask, fake, shift):
+    """Quantize ``x[j0:j1]`` into ``out[j0 - shift:j1 - shift]`` (and ``mask``'s)
+    (``_q``, ``_put``), element ``j``'s scale, zero point and reciprocal ``_at(s,
+    idx, j)`` and so on, its flat index ``base + j - j0``: by ``_q_mul``, then
+    again by the division if it flagged an element (or with ``key``). The
+    indices are unsigned (no wraparound test to keep the loops from
+    vectorizing) and the arrays whole (a slice a run would cost a reference
+    count, an atomic both threads contend for). Returns the sum of ``v - v``
+    over the division's run (NaN flags NaN/inf), 0 after the multiply alone
+    (which flags NaN and inf)."""
+    if key is None and mul:
+        unsure = False
+        for j in range(j0, j1):
+            c, w, u = _q_mul(x[j], _at(rl, idx, j), _at(rh, idx, j), _at(z, idx, j), lo, hi)
+            unsure |= u
+            _put(out, mask, j - shift, c, w, _at(z, idx, j), _at(s, idx, j), lo, hi, fake)
+        if not unsure:
+            return x.dtype.type(0)
     acc = x.dtype.type(0)
-    if s.shape[2] > 1:
-        for i in range(x.shape[2]):
-            v = x[o, l, i]
-            acc += v - v
-            c, w = _q(v, s[po, b, i], z[po, b, i], lo, hi, key, base + np.uint64(i))
-            _put(out, mask, (o, l, i), c, w, z[po, b, i], s[po, b, i], lo, hi, fake)
-    else:
-        sr = s[po, b, 0]
-        zr = z[po, b, 0]
-        for i in range(x.shape[2]):
-            v = x[o, l, i]
-            acc += v - v
-            c, w = _q(v, sr, zr, lo, hi, key, base + np.uint64(i))
-            _put(out, mask, (o, l, i), c, w, zr, sr, lo, hi, fake)
+    for j in range(j0, j1):
+        v = x[j]
+        acc += v - v
+        c, w = _q(v, _at(s, idx, j), _at(z, idx, j), lo, hi, key, base + (j - j0))
+        _put(out, mask, j - shift, c, w, _at(z, idx, j), _at(s, idx, j), lo, hi, fake)
     return acc
+
+
+@njit(inline="always")
+def _q_runs(x, s, z, rl, rh, idx, lo, hi, mul, key, base, out, mask, fake):
+    """``_q_run`` over 1-D ``x`` in runs of ``RUN`` elements (each flagged alone)."""
+    acc = x.dtype.type(0)
+    n = np.uint64(x.shape[0])
+    for j0 in range(np.uint64(0), n, np.uint64(RUN)):
+        acc += _q_run(x, s, z, rl, rh, idx, j0, min(j0 + np.uint64(RUN), n), lo, hi, mul, key, base + j0, out, mask,
+                      fake, np.uint64(0))
+    return acc
+
+
+@njit(inline="always")
+def _flat_or_none(a, i0, i1):
+    if a is None:
+        return None
+    return a.reshape(-1)[i0:i1]
+
+
+@njit(inline="always")
+def _row_or_none(a, o, l):
+    if a is None:
+        return None
+    return a[o, l]
+
+
+@njit(inline="always")
+def _q_row(x, s, z, rl, rh, o, l, po, b, lo, hi, mul, key, base, out, mask, fake):
+    """Quantize row ``x[o, l, :]`` (``_q_runs``), its elements' flat indices from ``base``."""
+    if s.shape[2] > 1:
+        return _q_runs(x[o, l], s[po, b], z[po, b], rl[po, b], rh[po, b], None, lo, hi, mul, key, base, out[o, l],
+                       _row_or_none(mask, o, l), fake)
+    return _q_runs(x[o, l], s[po, b, 0], z[po, b, 0], rl[po, b, 0], rh[po, b, 0], None, lo, hi, mul, key, base, out[o, l],
+                   _row_or_none(mask, o, l), fake)
 
 
 @njit(inline="always")
@@ -229,27 +365,18 @@ def _span_or_none(a, o, l0, l1):
 
 
 @njit(inline="always")
-def _q_col(x, s, z, o, po, bidx, l0, l1, lo, hi, key, base, out, mask, fake):
-    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it (``_q``),
+def _q_col(x, s, z, rl, rh, o, po, bidx, l0, l1, lo, hi, mul, key, base, out, mask, fake):
+    """Quantize ``x[o, l0:l1, 0]`` whose parameters change along it (``_q_runs``),
     its elements' flat indices from ``base``."""
-    acc = x.dtype.type(0)
     xr, orow, mrow = _span(x, o, l0, l1), _span(out, o, l0, l1), _span_or_none(mask, o, l0, l1)
     if s.shape[1] == x.shape[1]:  # per-axis: parameter l for element l
-        sr, zr = _span(s, po, l0, l1), _span(z, po, l0, l1)
-        for j in range(l1 - l0):
-            v = xr[j]
-            acc += v - v
-            c, w = _q(v, sr[j], zr[j], lo, hi, key, base + np.uint64(j))
-            _put(orow, mrow, j, c, w, zr[j], sr[j], lo, hi, fake)
-    else:
-        br = bidx[l0:l1]
-        for j in range(l1 - l0):
-            v = xr[j]
-            acc += v - v
-            sj, zj = s[po, br[j], 0], z[po, br[j], 0]
-            c, w = _q(v, sj, zj, lo, hi, key, base + np.uint64(j))
-            _put(orow, mrow, j, c, w, zj, sj, lo, hi, fake)
-    return acc
+        return _q_runs(xr, _span(s, po, l0, l1), _span(z, po, l0, l1), _span(rl, po, l0, l1),
+                       _span(rh, po, l0, l1), None, lo, hi, mul,
+                       key, base, orow, mrow, fake)
+    p = s.shape[0]  # blocked: parameter bidx[l] for element l
+    return _q_runs(xr, s.reshape(p, s.shape[1])[po], z.reshape(p, s.shape[1])[po],
+                   rl.reshape(p, s.shape[1])[po], rh.reshape(p, s.shape[1])[po],
+                   bidx[l0:l1], lo, hi, mul, key, base, orow, mrow, fake)
 
 
 @njit(inline="always")
@@ -266,28 +393,34 @@ def _make_quantize(source):
     # fastmath "reassoc" only lets the sum of ``v - v`` (0, or NaN for NaN and inf
     # input) vectorize; it allows no other change of the arithmetic.
     @njit(**_KERNEL, fastmath={"reassoc"})
-    def quantize(x, s, z, bidx, lo, hi, fake, key, out, mask, start, stop):
-        """``out = clamp(rint(x / s) + z, lo, hi)`` (with ``key``, ``(k0, k1,
+    def quantize(x, s, z, rl, rh, bidx, lo, hi, mul, fake, key, out, mask, start, stop):
+        """``out = clamp(rint(x / s) + z, lo, hi)``, with ``mul`` (``multiplies``)
+        by ``rl, rh = reciprocals(s)`` (``_q_run``) (with ``key``, ``(k0, k1,
         first)``: stochastic rounding, each element's random word Philox's of
         its flat index, ``first`` plus its C-order index in ``x``); with
         ``fake`` (not None) that code dequantized into float ``out``, and with
         ``mask`` whether each value was inside ``[lo, hi]`` before the clamp
         (``_q``). Returns NaN if ``x`` had NaN or inf."""
         _ = source
+        _wide()
         first = _first(key)
         o_n, n, i_n = x.shape
         pos = np.int64(s.shape[0] > 1)
         bad = x.dtype.type(0)
+        if s.size == 1:  # one scale (per-tensor): the tasks' rows are one run of memory
+            a, b = start * i_n, stop * i_n
+            return _q_runs(x.reshape(-1)[a:b], s[0, 0, 0], z[0, 0, 0], rl[0, 0, 0], rh[0, 0, 0], None, lo, hi, mul,
+                           key, first + np.uint64(a), out.reshape(-1)[a:b], _flat_or_none(mask, a, b), fake)
         if i_n == 1:  # parameters change along the contiguous axis: runs along it
             o0, o1 = _outer(n, start, stop)
             for o in range(o0, o1):
                 l0, l1 = max(start - o * n, 0), min(stop - o * n, n)
-                bad += _q_col(x, s, z, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, key, first + np.uint64(o * n + l0),
-                              out, mask, fake)
+                bad += _q_col(x, s, z, rl, rh, o, np.int64(o) * pos, bidx, l0, l1, lo, hi, mul, key,
+                              first + np.uint64(o * n + l0), out, mask, fake)
         else:
             for t in range(start, stop):
                 o = t // n
-                bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, key,
+                bad += _q_row(x, s, z, rl, rh, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, mul, key,
                               first + np.uint64(t) * np.uint64(i_n), out, mask, fake)
         return bad
 
@@ -322,19 +455,19 @@ STREAM = 1 << 22
 
 
 @intrinsic
-def _store_line(typingctx, out, offset, line):
-    """``out[offset:offset + 64] = line`` (64 bytes) by a non-temporal store:
-    ``out`` 8-bit, ``offset`` at a 64-byte boundary. The caller fences
+def _store_line(typingctx, out, offset, line, at):
+    """``out[offset:offset + 64] = line[at:at + 64]`` (64 bytes) by a non-temporal
+    store: ``out`` 8-bit, ``offset`` at a 64-byte boundary. The caller fences
     (``_fence``) before another thread reads ``out``."""
     def codegen(context, builder, sig, args):
-        src = context.make_array(sig.args[2])(context, builder, args[2]).data
+        src = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
         dst = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
         value = builder.load(builder.bitcast(src, _V64.as_pointer()), align=1)
         hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
         builder.store(value, builder.bitcast(dst, _V64.as_pointer()), align=64).set_metadata("nontemporal", hint)
         return context.get_dummy_value()
 
-    return types.void(out, offset, line), codegen
+    return types.void(out, offset, line, at), codegen
 
 
 @intrinsic
@@ -349,28 +482,25 @@ def _fence(typingctx):
 
 
 @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: quantize's sum of x - x vectorizes (NaN check)
-def quantize_stream(x, s, z, lo, hi, out, start, stop):
+def quantize_stream(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
     """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
-    boundary) with one scale and zero point (float32): blocks of 64 elements
-    ``start..stop``, each stored by ``_store_line`` (a short last block as
+    boundary) with one scale, zero point and reciprocals (float32; ``mul`` as
+    quantize's): blocks of 64 elements ``start..stop``, computed ``RUN`` at a
+    time (``_q_run``), each stored by ``_store_line`` (a short last block as
     usual). Returns NaN if ``x`` had NaN or inf, as quantize's kernel does."""
-    line = np.empty(64, out.dtype)
+    _wide()
+    run = np.empty(RUN, out.dtype)
     bad = x.dtype.type(0)
     full = min(stop, x.size // 64)
-    for b in range(start, full):
-        xs = x[b * 64:b * 64 + 64]  # indexed from 0 (see _span)
-        for j in range(64):  # 64, not a variable count: LLVM vectorizes it whole
-            v = xs[j]
-            bad += v - v
-            c, _ = _q(v, s, z, lo, hi, None, 0)
-            line[j] = c
-        _store_line(out, np.int64(b * 64), line)
+    for b0 in range(start, full, RUN // 64):
+        b1 = min(b0 + RUN // 64, full)
+        j0 = np.uint64(b0 * 64)
+        bad += _q_run(x, s, z, rl, rh, None, j0, np.uint64(b1 * 64), lo, hi, mul, None, j0, run, None, None, j0)
+        for b in range(b0, b1):
+            _store_line(out, np.int64(b * 64), run, np.int64((b - b0) * 64))
     _fence()
-    for i in range(max(start, full) * 64, min(stop * 64, x.size)):
-        bad += x[i] - x[i]
-        c, _ = _q(x[i], s, z, lo, hi, None, 0)
-        out[i] = c
-    return bad
+    t0, t1 = np.uint64(max(start, full) * 64), np.uint64(min(stop * 64, x.size))
+    return bad + _q_run(x, s, z, rl, rh, None, t0, t1, lo, hi, mul, None, t0, out, None, None, np.uint64(0))
 
 
 def _make_requantize_stream(code, narrow):
@@ -388,7 +518,7 @@ def _make_requantize_stream(code, narrow):
             qs = q[b * 64:b * 64 + 64]
             for j in range(64):
                 line[j] = _rq(np.int64(qs[j]) - zi, zo, m, sh, f, lo, hi, code, narrow)
-            _store_line(out, np.int64(b * 64), line)
+            _store_line(out, np.int64(b * 64), line, np.int64(0))
         _fence()
         for i in range(max(start, full) * 64, min(stop * 64, q.size)):
             out[i] = _rq(np.int64(q[i]) - zi, zo, m, sh, f, lo, hi, code, narrow)
@@ -919,6 +1049,24 @@ def block_minmax(x, step, lo, hi, start, stop):
 
 # -- block formats (qarray._blocks): bytes -> float32 ----------------------------------------------
 
+@njit(inline="always")
+def block_codes(raw, b, segments, code):
+    """The codes of block ``b`` of ``raw`` (uint8 ``(blocks, nbytes)``) into ``code`` (int32, a block's
+    length), read segment by segment (``Field.segments``: first value, count, first byte, byte stride,
+    shift, mask, value shift): :func:`block_decode`'s and ``cpu.blocks``' decoders."""
+    code[:] = 0
+    for g in range(segments.shape[0]):
+        v0, n, b0, st = segments[g, 0], segments[g, 1], segments[g, 2], segments[g, 3]
+        sh, m, vs = segments[g, 4], segments[g, 5], segments[g, 6]
+        if st == 1:  # a run of bytes (most segments): a loop LLVM vectorizes
+            row, part = raw[b, b0:b0 + n], code[v0:v0 + n]
+            for i in range(n):
+                part[i] |= ((np.int32(row[i]) >> sh) & m) << vs
+        else:
+            for i in range(n):
+                code[v0 + i] |= ((np.int32(raw[b, b0 + i * st]) >> sh) & m) << vs
+
+
 @kernel
 def block_decode(raw, out, segments, values, scale, offset, zero, has_offset, has_zero, start, stop):
     """``out[b, e] = scale[b, j] * (values[q] - zero[b, j]) + offset[b, j]`` for blocks ``start:stop``,
@@ -926,31 +1074,28 @@ def block_decode(raw, out, segments, values, scale, offset, zero, has_offset, ha
     stride, shift, mask, value shift); in float32 as the formats' references compute it: one rounding
     for the multiply and one for the add (none where there is no offset: -0.0 stays -0.0). The scales,
     offsets and zeros (``BlockFormat.parameters``) are exact; ``values[q] - zero`` is an exact integer."""
-    block, nsub = out.shape[1], scale.shape[1]
-    sub = block // nsub
-    code = np.empty(block, np.int32)
+    code = np.empty(out.shape[1], np.int32)
     for b in range(start, stop):
-        code[:] = 0
-        for g in range(segments.shape[0]):
-            v0, n, b0, st = segments[g, 0], segments[g, 1], segments[g, 2], segments[g, 3]
-            sh, m, vs = segments[g, 4], segments[g, 5], segments[g, 6]
-            if st == 1:  # a run of bytes (most segments): a loop LLVM vectorizes
-                row, part = raw[b, b0:b0 + n], code[v0:v0 + n]
-                for i in range(n):
-                    part[i] |= ((np.int32(row[i]) >> sh) & m) << vs
-            else:
-                for i in range(n):
-                    code[v0 + i] |= ((np.int32(raw[b, b0 + i * st]) >> sh) & m) << vs
-        for j in range(nsub):
-            s = scale[b, j]
-            z = zero[b, j] if has_zero else np.float32(0)
-            if has_offset:
-                o = offset[b, j]
-                for e in range(j * sub, j * sub + sub):
-                    out[b, e] = s * (values[code[e]] - z) + o
-            elif has_zero:
-                for e in range(j * sub, j * sub + sub):
-                    out[b, e] = s * (values[code[e]] - z)
-            else:
-                for e in range(j * sub, j * sub + sub):
-                    out[b, e] = s * values[code[e]]
+        block_values(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, code, out[b])
+
+
+@njit(inline="always")
+def block_values(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, code, out):
+    """Block ``b``'s values into ``out`` (float32, a block's length): :func:`block_decode`'s
+    arithmetic, which ``cpu.blocks`` shares."""
+    block, nsub = out.shape[0], scale.shape[1]
+    sub = block // nsub
+    block_codes(raw, b, segments, code)
+    for j in range(nsub):
+        s = scale[b, j]
+        z = zero[b, j] if has_zero else np.float32(0)
+        if has_offset:
+            o = offset[b, j]
+            for e in range(j * sub, j * sub + sub):
+                out[e] = s * (values[code[e]] - z) + o
+        elif has_zero:
+            for e in range(j * sub, j * sub + sub):
+                out[e] = s * (values[code[e]] - z)
+        else:
+            for e in range(j * sub, j * sub + sub):
+                out[e] = s * values[code[e]]

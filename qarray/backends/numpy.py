@@ -121,7 +121,7 @@ _KEPT: dict = {}
 def _param(p, dtype, pshape, f=None):
     """Parameter array ``p`` as the kernels take it: ``dtype``, ``pshape``,
     C-contiguous and writable (one Numba signature), and ``f`` of that if given
-    (quantize's reciprocal). An array that owns its
+    (quantize's reciprocals). An array that owns its
     data and is read-only (``check_params``' and ``plan``'s: the same objects
     call after call) is converted once and kept, keyed by its id while the
     entry holds it (so no other array has that id)."""
@@ -258,19 +258,19 @@ class NumpyBackend(Backend):
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         ct, lo, hi = _bounds(qd, x.dtype)
-        bound = k.mul_bound(x.dtype, lo, hi)  # the multiply by 1 / scale, checked (_numba._q_mul)
+        mul = k.multiplies(x.dtype, lo, hi)  # by 1 / scale, checked (_numba._q_mul)
         out = self.empty(x.shape, qd.storage) if fake is None else fake
 
         def params(pshape):
             return (_param(scale, x.dtype, pshape), _param(zero_point, ct, pshape),
-                    _param(scale, x.dtype, pshape, k.reciprocal))
+                    *_param(scale, x.dtype, pshape, k.reciprocals))
 
         if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(k, x, out):
-            s, z, r = (p.reshape(()) for p in params((1, 1, 1)))
-            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s[()], z[()], r[()], lo, hi,
-                               *bound, out.reshape(-1), grain=k.GRAIN // 64)
+            s, z, rl, rh = (p.reshape(-1)[0] for p in params((1, 1, 1)))
+            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
+                               out.reshape(-1), grain=k.GRAIN // 64)
         else:
-            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, *bound,
+            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, mul,
                               None if fake is None else True, mask=mask, key=key)
         bad = sum(parts)
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
