@@ -145,3 +145,17 @@ def test_pack_checks_its_input():
 def test_engine_status():
     ok, why = _gemm.status("qarray")
     assert ok and why.startswith(f"qarray's own kernels on {isa.best()}")
+
+
+def test_without_numba_auto_takes_the_next_engine(monkeypatch):
+    """Where Numba is missing, qarray's own kernels say so and "auto" goes on
+    to MLAS or BLAS."""
+    import sys
+
+    import qarray.backends.cpu as cpu
+
+    monkeypatch.delattr(cpu, "isa")
+    monkeypatch.setitem(sys.modules, "qarray.backends.cpu.isa", None)
+    ok, why = _gemm.status("qarray")
+    assert not ok and why.endswith("pip install 'qarray[fast]'")
+    assert _gemm.engine() in ("u8s8", "u8u8", "blas")

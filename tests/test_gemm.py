@@ -1,8 +1,9 @@
 """The CPU integer GEMM engines (``qarray.backends._gemm``): each forced in turn
-(onnxruntime MLAS u8s8, u8u8, float32 BLAS) must give int64's exact answer on
-every dtype pair, at the extremes, with K split beyond int32; the engine is
-chosen by CPU features and a self-check, and a failing one is logged once and
-bypassed."""
+(qarray's own kernels, onnxruntime MLAS u8s8, u8u8, float32 BLAS) must give
+int64's exact answer on every dtype pair, at the extremes, with K split beyond
+int32; the engine is chosen by CPU features and a self-check, and a failing
+one is logged once and bypassed. (qarray's own kernels, instruction set by
+instruction set: test_cpu_gemm.py.)"""
 
 import logging
 
@@ -36,9 +37,21 @@ def needs_onnxruntime():
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """Forget which engines were checked (restored after the test)."""
+    """Forget which engines were checked (restored after the test), and leave
+    qarray's own out of "auto": these tests follow MLAS's fallbacks."""
     monkeypatch.setattr(_gemm, "_state", {})
     monkeypatch.setattr(_gemm, "_sessions", {})
+    monkeypatch.setattr(_gemm, "_own_status", lambda: (False, "left out by this test"))
+
+
+@pytest.fixture
+def mlas(monkeypatch):
+    """The first usable MLAS engine, forced (skipped without onnxruntime)."""
+    name = next((e for e in ("u8s8", "u8u8") if _gemm.status(e)[0]), None)
+    if name is None:
+        pytest.skip("no onnxruntime engine here")
+    with qarray.config.using(gemm=name):
+        yield name
 
 
 def codes(rng, d, shape, extreme=True):
@@ -212,18 +225,16 @@ def test_an_engine_that_crashes_is_bypassed(fresh_state, monkeypatch):
 
 
 def test_config_gemm_is_checked():
-    with pytest.raises(ValueError, match=r"gemm must be one of \('auto', 'u8s8', 'u8u8', 'blas'\), got 'mkl'"):
+    with pytest.raises(ValueError, match=r"gemm must be one of \('auto', 'qarray', 'u8s8', 'u8u8', 'blas'\), got 'mkl'"):
         qarray.config.gemm = "mkl"
     assert qarray.config.gemm == "auto"
     assert "gemm='auto'" in repr(qarray.config)
 
 
-def test_small_products_run_on_a_one_thread_session(rng):
+def test_small_products_run_on_a_one_thread_session(mlas, rng):
     """Below SMALL_WORK products a layer's GEMM runs on a one-thread session,
     made on the first such call (a pool's wake-up costs more than the work);
     larger calls keep the layer's sessions on every thread; both exact."""
-    if _gemm.engine("auto") == "blas":
-        pytest.skip("no onnxruntime engine here")
     k, n = 64, 48
     wc = rng.integers(-128, 128, (n, k)).astype(np.int8)
     lin = qarray.nn.Linear(QArray.from_int(wc, 0.5, 0, "qint8"))
@@ -238,7 +249,7 @@ def test_small_products_run_on_a_one_thread_session(rng):
 
 
 @pytest.mark.parametrize("adt,za", [("quint8", 0), ("quint8", 255), ("qint8", -128), ("qint8", 127)])
-def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypatch):
+def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypatch, mlas):
     """From ``BY_ROWS`` rows a thread (with ``BY_ROWS_N`` columns and ``SMALL_WORK``
     products) a layer's GEMM runs one share of rows a thread on a one-thread
     session, each share's epilogue right after it (``NumpyBackend.int_matmul``):
@@ -246,7 +257,7 @@ def test_rows_split_among_threads_each_with_its_epilogue(adt, za, rng, monkeypat
     (the int64 epilogue, every rounding; one session holds K <= 65793, so
     4.28e9 is this path's largest); asymmetric weights need the row sums
     (each share its own); K = 30000 gives int32 accumulators as the output."""
-    if _gemm.engine("auto") != "u8s8" or qarray.backends.get("numpy")._fast(np.zeros(1)) is None:
+    if mlas != "u8s8" or qarray.backends.get("numpy")._fast(np.zeros(1)) is None:
         pytest.skip("needs the u8s8 engine (one session for K = 65000) and Numba")
     from _reference import RULES, bias_ints, ref_acc_out, rounding_kw
 

@@ -1,25 +1,30 @@
-"""The CPU int8 GEMM engine: onnxruntime's MLAS kernels, used only where exact.
+"""The CPU int8 GEMM engines: qarray's own kernels, and onnxruntime's MLAS
+kernels, used only where exact.
 
-``NumpyBackend.int_matmul`` runs ``A @ W`` for 8-bit (and narrower) codes on
-onnxruntime's ``MatMulInteger`` (one-node sessions, cached; weights that an
-``nn`` layer keeps are session initializers, which MLAS packs once). Every
-operand pair is first mapped onto one unsigned-times-X pair exactly: signed
-activations become unsigned by flipping the sign bit (``a + 128``, zero point
-``+ 128``); the weight side is ``s8`` (``u8s8``) or ``u8`` (``u8u8``), moved the
-same way. The zero-point terms are the caller's (its epilogue), so the engine
-computes raw products of codes only.
+``NumpyBackend.int_matmul`` runs ``A @ W`` for 8-bit (and narrower) codes.
+Every operand pair is first mapped onto one unsigned-times-X pair exactly:
+signed activations become unsigned by flipping the sign bit (``a + 128``, zero
+point ``+ 128``); the weight side is ``s8`` (``qarray``, ``u8s8``) or ``u8``
+(``u8u8``), moved the same way. The zero-point terms are the caller's (its
+epilogue).
+
+- ``qarray`` (first where Numba is installed): ``qarray.backends.cpu.gemm``,
+  on AMX tiles, AVX-512 VNNI, AVX-VNNI or portable loops by the CPU
+  (``cpu.isa``), the epilogue fused into each block's store.
+- ``u8s8``, ``u8u8``: onnxruntime's ``MatMulInteger`` (one-node sessions,
+  cached; weights that an ``nn`` layer keeps are session initializers, which
+  MLAS packs once), computing raw products of codes only.
 
 Exactness: raw ``u8 * s8`` products sum in int32, exact for ``K <= 65793``
 (``u8 * u8``: ``K <= 33025``); longer ``K`` is split and the parts are summed
 in int64. x86 kernels that use ``vpmaddubsw`` (AVX2 ``u8s8`` without VNNI)
 saturate pairs of products at int16, so ``u8s8`` runs only where the CPU has
-VNNI or AMX-INT8 (or is not x86), and every candidate passes a self-check on
-extreme values (255 x -128, 255 x 127, 255 x 255) at first use; one that fails
-to load or fails the check is logged once (logger ``"qarray"``) and bypassed:
-``u8s8``, then ``u8u8``, then ``"blas"``, the float32 BLAS path of the generic
-backend, which is always exact. ``qarray.config.gemm`` forces one.
+VNNI or AMX-INT8 (or is not x86), and every MLAS candidate passes a self-check
+on extreme values (255 x -128, 255 x 127, 255 x 255) at first use; one that
+fails to load or fails the check is logged once (logger ``"qarray"``) and
+bypassed: ``u8s8``, then ``u8u8``, then ``"blas"``, the float32 BLAS path of
+the generic backend, which is always exact. ``qarray.config.gemm`` forces one.
 """
-
 from __future__ import annotations
 
 import logging
@@ -241,10 +246,12 @@ def _repack(token, codes, qd, keep):
 
 class Packed:
     """Weight codes ``(..., K, N)`` mapped for engine ``name``: ``w`` (int8 for
-    u8s8, uint8 for u8u8) equals the codes minus ``shift``; ``colsum`` is its
-    int64 column sums; ``sessions`` (``keep``: 2-D weights only) one packed
-    session per K chunk. 4-bit weights also keep ``nibbles``, two codes to a
-    byte, for small M (``packed4_kernel``). Pickled as its codes (:func:`_repack`)."""
+    qarray and u8s8, uint8 for u8u8) equals the codes minus ``shift``;
+    ``colsum`` is its int64 column sums; ``panels`` (qarray) each 2-D weight
+    as ``cpu.gemm.pack`` lays it out; ``sessions`` (MLAS, ``keep``: 2-D weights
+    only) one packed session per K chunk. 4-bit weights also keep
+    ``nibbles``, two codes to a byte, for small M (``packed4_kernel``).
+    Pickled as its codes (:func:`_repack`)."""
 
     __slots__ = ("name", "w", "shift", "colsum", "sessions", "one_thread", "nibbles", "signed", "qd", "keep", "token",
                  "panels")
@@ -264,15 +271,14 @@ class Packed:
         self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
         self.nibbles = self.panels = self.sessions = self.one_thread = None
+        if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
+            kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
+            self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
         if name == "qarray":  # one packing for every instruction set, a 2-D weight at a time
             from .cpu import gemm
 
             self.panels = [gemm.pack(w) for w in self.w.reshape(-1, *self.w.shape[-2:])]
-            return
-        if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
-            kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
-            self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
-        if keep and codes.ndim == 2:
+        elif keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
 
@@ -304,15 +310,15 @@ class Packed:
         int64 when K is split; on ``threads`` threads (default: one for small
         products, else ``qarray.set_num_threads``')."""
         k = a.shape[-1]
-        if self.panels is not None:
-            return self._own(a, threads)
-        if self.nibbles is not None and a.ndim == 2 and a.shape[0] <= SMALL_M and k * 255 * 15 < 2**31:
+        if self.packed4(a):
             halves = np.zeros((2, a.shape[0], self.nibbles.shape[1]), np.uint8)  # even k, odd k; zero-padded
             halves[0, :, : (k + 1) // 2], halves[1, :, : k // 2] = a[:, 0::2], a[:, 1::2]
             out = np.empty((a.shape[0], self.w.shape[1]), np.int32)
             k4 = packed4_kernel()
             k4.parallel(k4.gemm_packed4, len(self.nibbles), halves[0], halves[1], self.nibbles, self.signed, out)
             return out
+        if self.panels is not None:
+            return self._own(a, threads)
         step = _KMAX[self.name]
         if threads is None:
             threads = 1 if math.prod(a.shape[:-1]) * k * self.w.shape[-1] < SMALL_WORK else THREADS[0]
@@ -334,6 +340,12 @@ class Packed:
             out = part.astype(np.int64) if out is None else out + part
         return out
 
+
+    def packed4(self, a):
+        """Whether ``a @ w`` runs on the 4-bit codes two to a byte (``nibbles``):
+        for at most ``SMALL_M`` rows, which read half the bytes of the int8 codes."""
+        return (self.nibbles is not None and a.ndim == 2 and a.shape[0] <= SMALL_M
+                and a.shape[-1] * 255 * 15 < 2**31)
 
     def _own(self, a, threads):
         """:meth:`raw` on qarray's own kernels: each pair of the broadcast batch
