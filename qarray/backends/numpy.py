@@ -404,7 +404,7 @@ class NumpyBackend(Backend):
 
     def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
         fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1 \
-            and a.dtype.itemsize == 1
+            and a.dtype.itemsize == 1 and not pw.packed4(a)
         if fused and a.size and self._fast(a):  # qarray's own kernels: the epilogue in each block's store
             from .cpu import gemm
 
