@@ -258,11 +258,29 @@ def _block_portable(a, rows, b, p0, k0, k1, c, keep):
                     crow[j] += s
 
 
-_BLOCKS = {"amx": _block_amx, "avx512vnni": _make_block_vnni(16, 8), "avxvnni": _make_block_vnni(8, 2),
-           "portable": _block_portable}
-# AMX's blocks of 8 rows or fewer run on AVX-512 VNNI (every CPU with AMX has
-# it): a tile's 16 rows cost the same whatever is in them
-# (M = 1 x 4096 x 4096: ... ms against ...)
+_block_vnni512, _block_vnni256 = _make_block_vnni(16, 8), _make_block_vnni(8, 2)
+_ISAS = ("amx", "avx512vnni", "avxvnni", "portable")
+
+
+@njit(inline="always")
+def _block(isa, a, rows, b, p0, k0, k1, c, keep):
+    """The block of instruction set ``isa`` (its index in ``_ISAS``: a closure
+    constant of the kernel, so the other branches fold away). The kernels name
+    the intrinsics here, as globals: in a kernel's closure, an intrinsic is
+    pickled into Numba's cache key with an id of its own each process, and the
+    kernel compiled again every time. AMX's blocks of ``SMALL_ROWS`` rows or
+    fewer run on AVX-512 VNNI (every CPU with AMX has it): a tile's 16 rows
+    cost the same whatever is in them."""
+    if isa == 0 and rows > SMALL_ROWS:
+        _block_amx(a, rows, b, p0, k0, k1, c, keep)
+    elif isa <= 1:
+        _block_vnni512(a, rows, b, p0, k0, k1, c, keep)
+    elif isa == 2:
+        _block_vnni256(a, rows, b, p0, k0, k1, c, keep)
+    else:
+        _block_portable(a, rows, b, p0, k0, k1, c, keep)
+
+
 SMALL_ROWS = 8
 GROUP = 4  # column blocks a task
 STEPS = 8  # steps of 64 k a block takes at a time: 32 rows of 512 k of a, 16 KB, stay in the L1 cache
@@ -309,9 +327,8 @@ def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
     """The GEMM kernel of instruction set ``isa`` with the epilogue of one
     rounding code (closure constants: their branches fold away, and they are
     in Numba's cache key, as ``GROUP`` and ``STEPS`` are, held here)."""
-    block, amx, few, source = _BLOCKS[isa], isa == "amx", _BLOCKS["avx512vnni"], _SOURCE
+    which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
     group, steps_at_once = group or GROUP, steps_at_once or STEPS
-    wide = isa in ("amx", "avx512vnni")
 
     @kernel
     def gemm(a, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
@@ -349,10 +366,7 @@ def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
                     s1 = min(s0 + steps_at_once, k1)
                     for nb in range(nb0, nb1):
                         blk = part[(nb - nb0) * BM * BN:]
-                        if amx and rows <= SMALL_ROWS:
-                            few(rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
-                        else:
-                            block(rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
+                        _block(which, rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
                 if steps > chunk:
                     for i in range((nb1 - nb0) * BM * BN):
                         total[i] = part[i] + (total[i] if k0 else 0)
