@@ -37,6 +37,23 @@ except ImportError:
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results
 
 
+def cpu() -> dict:
+    """The CPU the figures depend on: its model, its vector and matrix flags,
+    its clock (MHz, as /proc/cpuinfo reports it) and the 1-minute load."""
+    import platform
+
+    model, flags, mhz = platform.processor() or platform.machine(), [], None
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name"))
+        flags = sorted(f for f in next(ln for ln in info if ln.startswith("flags")).split(":", 1)[1].split()
+                       if f.startswith(("avx", "sse4", "fma", "f16c", "amx")))
+        mhz = float(next(ln.split(":", 1)[1] for ln in info if ln.startswith("cpu MHz")))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return dict(cpu=model, cpu_flags=" ".join(flags), cpu_mhz=mhz, load_avg_1m=os.getloadavg()[0])
+
+
 def options(doc: str) -> argparse.Namespace:
     """``outdir`` (default ``benchmarks/results``) and ``quick`` from the command line.
     ``--quick`` runs small sizes and few repeats: a check that everything runs (and

@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import RESULTS, write  # noqa: E402  (OMP_WAIT_POLICY and OpenBLAS's settings, before NumPy)
+from _timing import RESULTS, cpu, write  # noqa: E402  (OMP_WAIT_POLICY and OpenBLAS's settings, before NumPy)
 import numpy as np  # noqa: E402
 import gguf  # noqa: E402
 import numba  # noqa: E402
@@ -431,16 +431,8 @@ def _git(*args):
 
 
 def machine(ggml, ggml_path, quick):
-    cpu, flags = platform.processor() or platform.machine(), []
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name"))
-        flags = sorted(f for f in next(ln for ln in info if ln.startswith("flags")).split(":", 1)[1].split()
-                       if f.startswith(("avx", "sse4", "fma", "f16c", "amx")))
-    except (OSError, StopIteration):
-        pass
-    return dict(platform=platform.platform(), cpu=cpu, cpu_flags=" ".join(flags), cpu_count=os.cpu_count(),
-                load_avg_1m=os.getloadavg()[0], date=datetime.datetime.now().isoformat(timespec="seconds"),
+    return dict(platform=platform.platform(), **cpu(), cpu_count=os.cpu_count(),
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
                 python=platform.python_version(), numpy=np.__version__, numba=numba.__version__,
                 qarray=_git("rev-parse", "--short", "HEAD") + (" + edits" if _git("status", "-s", "qarray") else ""),
                 gguf_py=version("gguf"), ggml=ggml and f"{ggml.ggml_version().decode()} "

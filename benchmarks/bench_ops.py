@@ -6,16 +6,20 @@ Run from the repository root:
 
 Every row is measured side by side in one run (warm-up once, then the contenders
 take turns in blocks of calls; median and min in ms) and reported as ratios to
-references measured in the same run: float32 numpy.matmul, PyTorch's fbgemm
-quantized.linear and onnxruntime's MatMulInteger for linear (large shapes, and
-M = 1 and 16 against 4096x4096 weights: int8 and packed 4-bit); PyTorch's
-fbgemm quantized.conv2d and float32 conv2d for conv2d (dense and depthwise);
-numpy.concatenate for cat, numpy.take for the LUT ops; training's backward
-products (linear's gradients, conv_transpose2d, conv2d_weight_grad) against
-float32 and fbgemm. Peers are reported when
-installed. Targets are ratios of medians; nothing is asserted. Results go to
-OUTDIR/bench_ops.{json,txt} (default benchmarks/results); each JSON row has the
-``op`` and its ``shape`` apart. ``--quick``: small shapes and 3 repeats.
+references measured in the same run: float32 numpy.matmul, and the fastest of
+the int8 peers installed, PyTorch's quantized.linear on its fbgemm and oneDNN
+engines (oneDNN runs on the AMX tiles where the CPU has them) and onnxruntime's
+MatMulInteger, for linear (large shapes, and M = 1 and 16 against 4096x4096
+weights: int8 and packed 4-bit), with qarray on onnxruntime's MLAS engine
+beside its own kernels; each qarray GEMM row also as a share of the machine's
+peak rate (``PEAK``); the fastest of torch's quantized.conv2d engines and
+float32 conv2d for conv2d (dense and depthwise); numpy.concatenate for cat,
+numpy.take for the LUT ops; training's backward products (linear's gradients,
+conv_transpose2d, conv2d_weight_grad) against float32 and fbgemm. Targets are
+ratios of medians; nothing is asserted. Results go to
+OUTDIR/bench_ops.{json,txt} (default benchmarks/results), with the CPU's model
+and flags; each JSON row has the ``op`` and its ``shape`` apart. ``--quick``:
+small shapes and 3 repeats.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import TensorProto, helper, options, ort, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
+from _timing import TensorProto, cpu, helper, options, ort, timeit, torch, write  # noqa: E402  (peers, after OMP_WAIT_POLICY)
 import numpy as np  # noqa: E402  (after _timing: OpenBLAS reads its settings as it loads)
 import qarray  # noqa: E402
 from qarray import nn  # noqa: E402
@@ -89,10 +93,71 @@ def torch_qw(qw, axis=0):
                                       torch.zeros(qw.shape[axis], dtype=torch.int64), axis, torch.qint8)
 
 
+def torch_engines():
+    """torch's quantized engines here: fbgemm, and oneDNN (AMX tiles where the CPU has them)."""
+    return [e for e in ("fbgemm", "onednn") if torch is not None and e in torch.backends.quantized.supported_engines]
+
+
+def on_engine(name, prepack, run):
+    """``run(prepack())`` as a call on torch's quantized engine ``name`` (set on every
+    call: packed weights are the engine's own)."""
+    torch.backends.quantized.engine = name
+    packed = prepack()
+
+    def call():
+        torch.backends.quantized.engine = name
+        return run(packed)
+
+    return call
+
+
+def with_mlas(make):
+    """A qarray layer built and called on onnxruntime's MLAS engine (the one
+    qarray used before its own kernels), or None without onnxruntime."""
+    from qarray.backends import _gemm
+
+    if not _gemm.status("u8s8")[0]:
+        return None
+    with qarray.config.using(gemm="u8s8"):
+        layer = make()
+
+    def call(*args, **kwargs):
+        with qarray.config.using(gemm="u8s8"):
+            return layer(*args, **kwargs)
+
+    return call
+
+
+# multiply-adds a cycle a core of each instruction set of qarray's GEMM:
+# tdpbusd, 16 x 16 x 64 in 16 cycles; vpdpbusd, 64 (32) a cycle on two ports
+PEAK = {"amx": 1024, "avx512vnni": 128, "avxvnni": 64}
+
+
+def peak_share(op, shape, t, who, macs):
+    """``who``'s multiply-adds a second as a fraction of the machine's peak
+    (``PEAK`` of the instruction set in use, times the clock /proc/cpuinfo
+    reports, times the threads)."""
+    from qarray.backends.cpu import isa
+
+    mhz, rate = cpu()["cpu_mhz"], PEAK.get(isa.best())
+    if who not in t or not mhz or rate is None:
+        return
+    share = macs / (t[who][0] * 1e-3) / (rate * mhz * 1e6 * THREADS)
+    say(f"{op + ' ' + shape:<42} {who:<34} {share:6.1%} of {isa.best()}'s peak ({rate} MAC/cycle x {mhz:.0f} MHz"
+        f" x {THREADS} cores)")
+    ROWS.append(dict(op=op, shape=shape, who=who, peak_share=round(share, 4), isa=isa.best()))
+
+
+def best_peer(t, names):
+    """The fastest (median) of ``names`` measured in ``t``."""
+    return min((n for n in names if n in t), key=lambda n: t[n][0], default=None)
+
+
 def bench_linear(rng, m, k, n):
     """quint8 and qint8 activations, qint8 per-channel weights, qint8 output."""
     x = rng.integers(0, 256, (m, k), dtype=np.uint8)
-    layer = nn.Linear.from_float((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    layer = nn.Linear.from_float(wf)
     qx = qarray.QArray.from_int(x, 0.02, 128, "quint8")
     qxs = qarray.QArray.from_int((x.astype(np.int16) - 128).astype(np.int8), 0.02, 0, "qint8")
     w_int = layer.weight.int_repr()
@@ -104,17 +169,28 @@ def bench_linear(rng, m, k, n):
         "qarray nn.Linear quint8 (acc)": lambda: layer(qx),
         "qarray matmul (packs w per call)": lambda: matmul(qx, layer.weight.T),
     }
-    if torch is not None:
-        tx, packed = torch_qx(x, 0.02, 128), torch.ops.quantized.linear_prepack(torch_qw(layer.weight), None)
-        fns["torch quantized.linear (fbgemm)"] = lambda: torch.ops.quantized.linear(tx, packed, 0.5, 0)
+    mlas = with_mlas(lambda: nn.Linear.from_float(wf))
+    if mlas is not None:
+        fns["qarray on MLAS, quint8 (int8 out)"] = lambda: mlas(qx, scale=0.5, zero_point=0, dtype="qint8")
+    peers = []
+    tx = torch_qx(x, 0.02, 128) if torch is not None else None
+    for e in torch_engines():
+        peers.append(f"torch quantized.linear ({e})")
+        fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.linear_prepack(torch_qw(layer.weight), None),
+                                   lambda p: torch.ops.quantized.linear(tx, p, 0.5, 0))
     if ort is not None:
-        fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, w_int.T.copy())
+        peers.append("onnxruntime MatMulInteger")
+        fns[peers[-1]] = ort_matmul_integer(x, w_int.T.copy())
     t = timeit(REPEATS, **fns)
     op, shape = "linear", f"{m}x{k}x{n}"
     int8_out = ["qarray nn.Linear quint8 (int8 out)", "qarray nn.Linear qint8 (int8 out)"]
-    report(op, shape, t, "numpy float32 matmul", 0.35)
-    report(op, shape, t, "torch quantized.linear (fbgemm)", 1.0, int8_out)
-    report(op, shape, t, "onnxruntime MatMulInteger", 1.0, int8_out)
+    report(op, shape, t, "numpy float32 matmul", 0.35, list(fns)[1:6])
+    report(op, shape, t, best_peer(t, peers), 1.0, int8_out)
+    report(op, shape, t, "qarray on MLAS, quint8 (int8 out)", 1.0, int8_out[:1])
+    for p in peers:  # against each of the others too
+        if p != best_peer(t, peers):
+            report(op, shape, t, p, None, int8_out[:1])
+    peak_share(op, shape, t, int8_out[0], m * k * n)
 
 
 def bench_small_m(rng, m, k=4096, n=4096):
@@ -130,16 +206,26 @@ def bench_small_m(rng, m, k=4096, n=4096):
         "qarray nn.Linear int8 w (int8 out)": lambda: lin8(qx, scale=0.5, zero_point=0, dtype="qint8"),
         "qarray nn.Linear packed 4-bit w": lambda: lin4(qx, scale=0.5, zero_point=0, dtype="qint8"),
     }
-    if torch is not None:
-        tx, packed = torch_qx(x, 0.02, 128), torch.ops.quantized.linear_prepack(torch_qw(lin8.weight), None)
-        fns["torch quantized.linear (fbgemm)"] = lambda: torch.ops.quantized.linear(tx, packed, 0.5, 0)
+    mlas = with_mlas(lambda: nn.Linear.from_float(wf))
+    if mlas is not None:
+        fns["qarray on MLAS, int8 w (int8 out)"] = lambda: mlas(qx, scale=0.5, zero_point=0, dtype="qint8")
+    peers = []
+    tx = torch_qx(x, 0.02, 128) if torch is not None else None
+    for e in torch_engines():
+        peers.append(f"torch quantized.linear ({e})")
+        fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.linear_prepack(torch_qw(lin8.weight), None),
+                                   lambda p: torch.ops.quantized.linear(tx, p, 0.5, 0))
     if ort is not None:
-        fns["onnxruntime MatMulInteger"] = ort_matmul_integer(x, lin8.weight.int_repr().T.copy())
+        peers.append("onnxruntime MatMulInteger")
+        fns[peers[-1]] = ort_matmul_integer(x, lin8.weight.int_repr().T.copy())
     t = timeit(REPEATS, **fns)
     op, shape = "linear small M", f"{m}x{k}x{n}"
-    report(op, shape, t, "numpy float32 matmul", None, ["torch quantized.linear (fbgemm)", "onnxruntime MatMulInteger"])
+    report(op, shape, t, "numpy float32 matmul", None, peers)
     report(op, shape, t, "numpy float32 matmul", 0.5, ["qarray nn.Linear int8 w (int8 out)"])
     report(op, shape, t, "numpy float32 matmul", 0.35, ["qarray nn.Linear packed 4-bit w"])
+    report(op, shape, t, best_peer(t, peers), 1.0, ["qarray nn.Linear int8 w (int8 out)"])
+    report(op, shape, t, "qarray on MLAS, int8 w (int8 out)", 1.0, ["qarray nn.Linear int8 w (int8 out)"])
+    peak_share(op, shape, t, "qarray nn.Linear int8 w (int8 out)", m * k * n)
 
 
 def im2col_f32(x, kh, kw, pad):
@@ -169,10 +255,14 @@ def bench_conv(rng, c, groups, hw=56):
     }
     if groups == 1:
         fns["numpy float32 im2col+matmul"] = float_im2col
+    peers = []
     if torch is not None:
         tx = torch_qx(x, 0.02, 128)
-        packed = torch.ops.quantized.conv2d_prepack(torch_qw(layer.weight), None, [1, 1], [1, 1], [1, 1], groups)
-        fns["torch quantized.conv2d (fbgemm)"] = lambda: torch.ops.quantized.conv2d(tx, packed, 0.5, 0)
+        for e in torch_engines():
+            peers.append(f"torch quantized.conv2d ({e})")
+            fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.conv2d_prepack(
+                torch_qw(layer.weight), None, [1, 1], [1, 1], [1, 1], groups), lambda p: torch.ops.quantized.conv2d(
+                tx, p, 0.5, 0))
         tf, twf = torch.from_numpy(xf), torch.from_numpy(wf32)
         fns["torch float32 conv2d"] = lambda: torch.nn.functional.conv2d(tf, twf, padding=1, groups=groups)
     t = timeit(REPEATS, **fns)
@@ -182,8 +272,12 @@ def bench_conv(rng, c, groups, hw=56):
         report(op, shape, t, "numpy float32 im2col+matmul", None, qrows)
     # torch's conv2d takes its weights prepacked (conv2d_prepack): the target is
     # nn.Conv2d's, which packs once too; the functional calls pack on every call
-    report(op, shape, t, "torch quantized.conv2d (fbgemm)", None, qrows[:2])
-    report(op, shape, t, "torch quantized.conv2d (fbgemm)", 1.2 if groups == 1 else 1.5, qrows[2:])
+    best = best_peer(t, peers)
+    report(op, shape, t, best, None, qrows[:2])
+    report(op, shape, t, best, 1.0 if groups == 1 else 1.5, qrows[2:])
+    for p in peers:
+        if p != best:
+            report(op, shape, t, p, None, qrows[2:])
     report(op, shape, t, "torch float32 conv2d", None, qrows)
 
 
@@ -215,9 +309,9 @@ def bench_grads(rng, b=256, k=1024, n=1024, c=64, hw=28, batch=8):
     if torch is not None:
         tx = torch_qx(xi, 0.02, 128)
         tw = torch.quantize_per_tensor(torch.from_numpy(qwt.dequantize()), float(qwt.scale), 0, torch.qint8)
-        packed = torch.ops.quantized.conv_transpose2d_prepack(tw, None, [2, 2], [1, 1], [1, 1], [1, 1], 1)
-        fns["torch quantized.conv_transpose2d (fbgemm)"] = lambda: torch.ops.quantized.conv_transpose2d(tx, packed,
-                                                                                                         0.5, 0)
+        fns["torch quantized.conv_transpose2d (fbgemm)"] = on_engine(
+            "fbgemm", lambda: torch.ops.quantized.conv_transpose2d_prepack(tw, None, [2, 2], [1, 1], [1, 1], [1, 1], 1),
+            lambda p: torch.ops.quantized.conv_transpose2d(tx, p, 0.5, 0))
         tf, twf = torch.from_numpy(xi.astype(np.float32)), torch.from_numpy(wt)
         fns["torch float32 conv_transpose2d"] = lambda: torch.nn.functional.conv_transpose2d(tf, twf, **kw)
     t = timeit(REPEATS, **fns)
@@ -285,7 +379,8 @@ def main(outdir, quick):
     if torch is not None:
         torch.set_num_threads(THREADS)
         torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
-    info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+    info = dict(platform=platform.platform(), **cpu(), cpu_count=os.cpu_count(),
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
                 python=platform.python_version(), numpy=np.__version__, threads=THREADS,
                 torch=getattr(torch, "__version__", None), onnxruntime=getattr(ort, "__version__", None),
                 quick=quick)
