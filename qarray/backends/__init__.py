@@ -193,13 +193,15 @@ def gemm_engine() -> str:
 _PLAIN = frozenset((int, float, str, bool, type(None)))  # the arguments that are never QArrays, told cheaply
 
 
-_BLOCK_OPS = frozenset(("dequantize",))  # what a block format (Q4_K) takes, of the ops
+_BLOCK_OPS = frozenset(("dequantize", "linear", "matmul"))  # the ops that take a block format (Q4_K): linear
+# as weights (float or Q8_0 activations: qarray.ops.block_linear); matmul to say so
 
 
 def block_error(op: str, q):
     """The TypeError of an op that does not take block formats (Q4_K) yet."""
     return TypeError(f"{op} does not take block formats yet; {q.dtype.name} is one: dequantize it "
-                     "(q.dequantize()), or quantize the values to an integer format first")
+                     "(q.dequantize()), or quantize the values to an integer format first; for x @ w.T with block-format "
+                     "weights w (out_features, in_features) use qarray.linear(x, w)")
 
 
 def on_data_device(op=None, *, integer_only=False):

@@ -191,6 +191,63 @@ class Backend:
 
         return self.map_rows(decode, raw, fmt.block / fmt.nbytes, dtype)
 
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+        """float32 ``(M, N)``: ``float32(sum_k x[m, k] * w[n, k] (+ bias[n]))`` summed in float64 in
+        increasing ``k`` (``qarray.ops.block_linear``'s float contract), ``w`` the values of
+        block-format rows ``raw`` ``(N, row bytes)`` as ``dequantize`` gives them (``g`` the tensor's
+        scale, ``columns`` act-order's column order or None); ``x`` float64 ``(M, K)``, ``bias``
+        float64 ``(N,)`` or None. One step a ``k``, over all outputs at once."""
+        w = self.dequantize_blocks(raw, fmt, np.float32, g)
+        if columns is not None:
+            w = w[:, self.param(np.argsort(columns))]
+        w = w.astype(np.float64)
+        acc = self.xp.zeros((x.shape[0], w.shape[0]), np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN go through, as IEEE has them
+            for k in range(x.shape[1]):
+                acc += x[:, k:k + 1] * w[:, k]
+            if bias is not None:
+                acc += bias
+            return acc.astype(np.float32)
+
+    def q8_0_parts(self, xraw):
+        """Q8_0 rows ``xraw`` (uint8 ``(M, K // 32 * 34)``) as their scales, float64 ``(M, K // 32)``, and
+        codes, int8 ``(M, K)``."""
+        m, nb = xraw.shape[0], xraw.shape[1] // 34
+        blocks = xraw.reshape(m, nb, 34)
+        dx = blocks[:, :, :2].copy().view(np.float16).reshape(m, nb).astype(np.float64)
+        return dx, blocks[:, :, 2:].copy().view(np.int8).reshape(m, nb * 32)
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+        """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_0_parts`) against
+        block-format rows ``raw`` of integer values
+        (``qarray.ops.block_linear``'s Q8_0 contract): per piece of ``min(sub, 32)`` k, ``dx * s *
+        isum + dx * o * xsum`` in float64, summed in order. The weights' integers and parameters are
+        read on the host (``BlockFormat.unpack``, ``parameters``)."""
+        xp = self.xp
+        dx, qx = self.q8_0_parts(xraw)
+        blocks = np.ascontiguousarray(self.to_host(raw)).reshape(-1, fmt.nbytes)
+        n, k_len = raw.shape[0], qx.shape[1]
+        s, o, z = fmt.parameters(blocks)
+        v = fmt.values.astype(np.int64)[fmt.fields["q"].unpack(blocks)].reshape(len(blocks), -1, fmt.sub)
+        if z is not None:
+            v = v - z.astype(np.int64)[:, :, None]
+        v = self.asarray(v.reshape(n, k_len))
+        s = self.asarray(s.reshape(n, -1).astype(np.float64))
+        o = None if o is None else self.asarray(o.reshape(n, -1).astype(np.float64))
+        q = qx.astype(np.int64)
+        piece = min(fmt.sub, 32)
+        acc = xp.zeros((qx.shape[0], n), np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for k0 in range(0, k_len, piece):
+                d, j = dx[:, k0 // 32, None], k0 // fmt.sub
+                term = d * s[:, j] * (q[:, k0:k0 + piece] @ v[:, k0:k0 + piece].T).astype(np.float64)
+                if o is not None:
+                    term = term + d * o[:, j] * q[:, k0:k0 + piece].sum(axis=1, keepdims=True).astype(np.float64)
+                acc += term
+            if bias is not None:
+                acc += bias
+            return acc.astype(np.float32)
+
     def over_batches(self, op, x, *args, **kwargs):
         """``op(x, *args, **kwargs)`` for an op whose samples (``x``'s first axis)
         are independent (``per_sample``: conv2d, pooling): here all at once; the

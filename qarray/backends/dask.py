@@ -198,6 +198,23 @@ class DaskBackend(Backend):
         return raw.map_blocks(functools.partial(inner.dequantize_blocks, fmt=fmt, dtype=dtype, g=g), dtype=dtype,
                               chunks=chunks, meta=meta_from_array(raw, raw.ndim, dtype))
 
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+        """The chunks' backend's on each chunk of rows of ``x`` (whole rows), with all the weights."""
+        inner = self._chunks_backend()
+        return self._over_rows(lambda c, r: inner.block_linear(c, r, fmt, g, columns, bias), x, raw)
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+        inner = self._chunks_backend()
+        return self._over_rows(lambda c, r: inner.block_linear_q8(c, r, fmt, bias), xraw, raw)
+
+    @staticmethod
+    def _over_rows(fn, x, raw):
+        """``fn(rows of x, raw)`` (float32 ``(rows, N)``) on each chunk of rows of ``x``; ``raw`` one chunk."""
+        x = da.asarray(x).rechunk({1: -1})
+        raw = da.asarray(raw).rechunk(-1)
+        return da.blockwise(fn, "mn", x, "mk", raw, "nb", concatenate=True, dtype=np.float32,
+                            adjust_chunks={"n": raw.shape[0]}, meta=meta_from_array(x, 2, np.float32))
+
     # -- the primitives: the inner backend's, chunk by chunk ----------------
     # quantize's NaN error is raised at compute(): a chunk backend that reports it
     # late (CuPy) is asked in the chunk's own task and thread (a flag read a chunk)

@@ -322,6 +322,54 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):
             return out if dtype == np.float32 else out.astype(dtype)
 
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+        k = self._fast(raw)
+        if k is None or not x.shape[0] or not raw.shape[0]:
+            return super().block_linear(x, raw, fmt, g, columns, bias)
+        from .cpu import blocks
+
+        n, k_len = raw.shape[0], x.shape[1]
+        out = np.empty((x.shape[0], n), np.float32)
+        b = np.zeros(1) if bias is None else bias
+        tasks, grain = -(-n // blocks.LANES), max(1, k.GRAIN // (blocks.LANES * k_len * (x.shape[0] + 8)))
+        x = np.ascontiguousarray(x)
+        if fmt.plan is None:  # (the IQ lattices: NumPy's decoders, then the same sums)
+            w = self.dequantize_blocks(raw, fmt, np.float32, g)
+            w = np.ascontiguousarray(w if columns is None else w[:, np.argsort(columns)])
+            k.parallel(blocks.linear_dense, tasks, x, w, b, bias is not None, out, grain=grain)
+            return out
+        dest = np.zeros(0, np.int64)
+        if columns is not None:  # stored column i is dequantize's column dest[i]
+            dest = np.empty(k_len, np.int64)
+            dest[np.argsort(columns)] = np.arange(k_len)
+        blk = contiguous(raw).reshape(-1, fmt.nbytes)
+        scale, offset, zero = fmt.parameters(blk, g)
+        factor = np.float32(1) if fmt.factor is None else fmt.factor
+        k.parallel(blocks.linear_float, tasks, x, blk, *fmt.plan, scale, scale if offset is None else offset,
+                   scale if zero is None else zero, offset is not None, zero is not None,
+                   blocks.PRECISION[fmt.precision], factor, fmt.factor is not None, dest, b, bias is not None, out,
+                   grain=grain)
+        return out
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+        k = self._fast(raw)
+        if k is None or not xraw.shape[0] or not raw.shape[0]:
+            return super().block_linear_q8(xraw, raw, fmt, bias)
+        from .cpu import blocks
+
+        dx, qx = self.q8_0_parts(xraw)
+        n, k_len = raw.shape[0], qx.shape[1]
+        out = np.empty((qx.shape[0], n), np.float32)
+        blk = contiguous(raw).reshape(-1, fmt.nbytes)
+        scale, offset, zero = fmt.parameters(blk)
+        segments, values = fmt.plan
+        k.parallel(blocks.linear_q8, -(-n // blocks.LANES), np.ascontiguousarray(dx), np.ascontiguousarray(qx), blk,
+                   segments, values.astype(np.int32), scale, scale if offset is None else offset,
+                   (scale if zero is None else zero).astype(np.int32), offset is not None, zero is not None,
+                   min(fmt.sub, 32), np.zeros(1) if bias is None else bias, bias is not None, out,
+                   grain=max(1, k.GRAIN // (blocks.LANES * k_len * (qx.shape[0] + 8))))
+        return out
+
     def minmax(self, x, axis, block_size):
         k = self._fast(x)
         if k is None or block_size is None or x.dtype == np.float16:

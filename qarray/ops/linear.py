@@ -28,6 +28,7 @@ from .._params import kept, to_host
 from .._qarray import QArray
 from . import _exact
 from ._output import finish
+from .block_linear import block_linear
 
 __all__ = ["matmul", "linear", "PackedWeight"]
 
@@ -204,6 +205,9 @@ def matmul(a: QArray, b: QArray, *, bias=None, scale=None, zero_point=None, dtyp
     saturating. NaN/inf operand values or NaN block scales give their outputs
     IEEE float64's answer (an integer output refuses them).
     """
+    for q in (a, b):
+        if isinstance(q, QArray) and q.dtype.kind == "block":
+            raise block_error("matmul", q)
     if _exact.takes(a, b):
         return _exact.matmul("matmul", a, b, bias, scale, zero_point, dtype, relu, mode, rounding)
     if isinstance(a, QArray) and a.axis is not None and a.block_size is None:
@@ -262,7 +266,14 @@ def linear(x: QArray, w: QArray, bias=None, *, scale=None, zero_point=None, dtyp
     """Quantized ``x @ w.T + bias``, with ``w`` of shape ``(out, in)`` per-tensor or
     per-channel along axis 0. ``bias`` is float (quantized to qint32 at scale
     ``x.scale * w.scale``) or a qint32 QArray. Output rules as :func:`matmul`,
-    floating formats too (then ``w`` may have any layout, e.g. MX blocks along in_features)."""
+    floating formats too (then ``w`` may have any layout, e.g. MX blocks along in_features).
+
+    A block-format ``w`` (Q4_0, Q4_K, int4_g128_f16, ...) takes float activations ``x`` (float32,
+    float16, bfloat16) or Q8_0 ones and gives a float32 array (``dtype="like"``: x's dtype; or
+    ``"float16"``, ``"bfloat16"``), by the exact contracts of :mod:`qarray.ops.block_linear`."""
+    if isinstance(w, QArray) and w.dtype.kind == "block":
+        return block_linear(x, w, bias, dtype, scale=scale, zero_point=zero_point, mode=mode, rounding=rounding,
+                            relu=relu)
     exact = _exact.takes(x, w)
     if exact:
         _exact.check_types("linear", ("x", x), ("w", w))

@@ -1,0 +1,374 @@
+"""qarray.ops.block_linear (linear with block-format weights) and its kernels
+(qarray/backends/cpu/blocks.py): the two contracts, bit for bit, on every path."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import qarray as qa
+from _reference import assert_same
+from qarray import QArray, _blocks
+from qarray._config import THREADS
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+GGML = sorted(k for k, f in _blocks.FORMATS.items() if f.ggml is not None)
+GROUPED = ["int4_g128_f16", "uint4_g64_f16_zp", "int8_g32_bf16", "uint4_g32_bf16_bias", "uint4_g32_f16_bias",
+           "int3_g32_f16", "nf4_g64_f32", "fp4bnb_g64_f32", "e4m3_g32_f16", "e2m1_g32_e8m0", "e2m1_g16_e4m3_gdiv",
+           "e2m1_g16_e4m3_gmul", "int8_g64_f32_scb", "uint8_g32_f16_zp"]
+# the formats Q8_0 activations take (integer values, sub-blocks that meet Q8_0's 32)
+Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "NVFP4", "TQ2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+      "Q6_K", "IQ4_XS", "int4_g128_f16", "uint4_g64_f16_zp", "int8_g32_bf16", "uint4_g32_f16_bias", "int2_g16_f32",
+      "uint8_g32_f16_zp"]
+
+
+def weights(name, n, k, rng, global_scale=None):
+    """A block QArray ``(n, k)`` of format ``name``: quantized normal data where the format has a
+    quantizer, else random bytes with sane float16 scales."""
+    fmt = _blocks.get(name)
+    if fmt.quantize is not None and fmt.tensor_scale is None:
+        return qa.quantize((rng.standard_normal((n, k)) * 0.7).astype(np.float32), dtype=name)
+    raw = rng.integers(0, 256, (n * k // fmt.block, fmt.nbytes), dtype=np.uint8)
+    fields = fmt.unpack(raw)
+    for fname, f in fmt.fields.items():
+        if f.view == np.float16:  # d / dmin: |d| in [2^-6, 2)
+            fields[fname] = (rng.uniform(0.02, 2, fields[fname].shape) * rng.choice([-1, 1], fields[fname].shape)
+                             ).astype(np.float16)
+        elif fname == "d" and name.startswith("e2m1_g16_e4m3"):  # e4m3 block scales: finite, not NaN
+            fields[fname] = rng.integers(0x20, 0x60, fields[fname].shape).astype(np.uint8)
+    raw = fmt.pack(fields).reshape(n, -1)
+    g = None if fmt.tensor_scale is None else np.float32(0.37 if global_scale is None else global_scale)
+    return QArray.from_blocks(raw, name, global_scale=g)
+
+
+def ref_float(x, w, bias=None):
+    """The float contract, written out: float64 products of ``w.dequantize()``, summed in k order."""
+    x64 = np.asarray(x).astype(np.float64).reshape(-1, x.shape[-1])
+    wf = w.dequantize().astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        products = x64[:, None, :] * wf[None, :, :]
+        acc = np.zeros(products.shape[:2])
+        for k in range(products.shape[2]):
+            acc = acc + products[:, :, k]
+        if bias is not None:
+            acc = acc + np.asarray(bias).astype(np.float64)
+        return acc.astype(np.float32).reshape(*x.shape[:-1], wf.shape[0])
+
+
+def _k(name):
+    return 2 * _blocks.get(name).block if _blocks.get(name).block >= 128 else 256
+
+
+@pytest.mark.parametrize("name", GGML)
+def test_float_ggml_types(name, rng, kernels):
+    w = weights(name, 67, _k(name), rng)  # 67 rows: a full task of 64 and a short one
+    x = rng.standard_normal((3, _k(name))).astype(np.float32)
+    bias = rng.standard_normal(67).astype(np.float32)
+    assert_same(qa.linear(x, w), ref_float(x, w))
+    assert_same(qa.linear(x, w, bias), ref_float(x, w, bias))
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_float_grouped(name, rng, kernels):
+    w = weights(name, 70, 256, rng)
+    x = rng.standard_normal((2, 5, 256)).astype(np.float32)
+    y = qa.linear(x, w)
+    assert y.shape == (2, 5, 70) and y.dtype == np.float32
+    assert_same(y, ref_float(x, w))
+
+
+def test_float_global_scale_counts(rng, kernels):
+    a, b = (weights("e2m1_g16_e4m3_gdiv", 9, 64, rng, g) for g in (0.5, 0.25))
+    b = QArray.from_blocks(a.data, "e2m1_g16_e4m3_gdiv", global_scale=np.float32(0.25))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    assert_same(qa.linear(x, b), 2 * qa.linear(x, a))  # divided by a scale half as large: exactly twice
+
+
+@pytest.mark.parametrize("name", ["uint4_g32_f16_zp", "Q4_K", "uint4_g32_bf16_bias"])
+def test_float_act_order(name, rng, kernels):
+    w = weights(name, 66, 256, rng)
+    columns = rng.permutation(256)
+    wp = QArray._blocks(w.data, w.dtype, w._backend, columns)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    np.testing.assert_array_equal(wp.dequantize()[:, columns], w.dequantize())
+    y = qa.linear(x, wp)
+    assert_same(y, ref_float(x, wp))
+    assert not np.array_equal(y, qa.linear(x, w))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_XS", "uint4_g32_bf16_bias", "Q8_0"])
+def test_paths_and_threads_agree(name, rng, monkeypatch):
+    pytest.importorskip("numba")
+    from qarray.backends import _numba
+
+    monkeypatch.setattr(_numba, "GRAIN", 1)  # a task a part: both threads take some
+    w = weights(name, 64 * 5 + 3, 512, rng)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    xq = qa.quantize(x, dtype="Q8_0")
+    n = THREADS[0]
+    got = []
+    try:
+        for numba, threads in ((False, 1), (True, 1), (True, 2)):
+            qa.set_num_threads(threads)
+            with qa.config.using(numba=numba):
+                got.append((qa.linear(x, w), qa.linear(xq, w) if name in ("Q4_K", "Q8_0") else None))
+    finally:
+        qa.set_num_threads(n)
+    for y, yq in got[1:]:
+        assert_same(y, got[0][0])
+        if yq is not None:
+            assert_same(yq, got[0][1])
+    assert_same(got[0][0], ref_float(x, w))
+
+
+def test_dtype_and_bias_kinds(rng, kernels):
+    w = weights("Q4_0", 10, 64, rng)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        xl = x.astype(dt)
+        want = ref_float(xl, w)
+        assert_same(qa.linear(xl, w), want)
+        assert_same(qa.linear(xl, w, dtype="like"), want.astype(dt))
+        assert_same(qa.linear(xl, w, dtype=dt), want.astype(dt))
+    assert_same(qa.linear(x, w, dtype="float16"), ref_float(x, w).astype(np.float16))
+    bias = rng.standard_normal(10)  # float64: added as it is
+    assert_same(qa.linear(x, w, bias), ref_float(x, w, bias))
+    assert_same(qa.linear(x, w, bias.astype(np.float16)), ref_float(x, w, bias.astype(np.float16)))
+    assert_same(qa.linear(x[0], w), ref_float(x[:1], w)[0])  # a 1-d x gives a 1-d result
+
+
+def test_sum_order_is_k(kernels):
+    """1 + 2^-30 - 1 in k order is 2^-30; any other order loses it or changes the rounding."""
+    w = QArray.from_blocks(_q8_0([1.0], np.ones((1, 32))).reshape(1, 34), "Q8_0")
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [2.0**24, 1.0, -(2.0**24)]
+    assert qa.linear(x, w)[0, 0] == 1.0  # float32 sums would give 0
+    x[0, :3] = [1.0, 2.0**-30, -1.0]
+    assert qa.linear(x, w)[0, 0] == np.float32(2.0**-30)
+
+
+def test_nan_inf_propagate(rng, kernels):
+    w = weights("Q4_1", 6, 64, rng)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[0, 3], x[1, 5] = np.nan, np.inf
+    y = qa.linear(x, w)
+    assert np.isnan(y[0]).all() and not np.isnan(y[2]).any()
+    assert np.isinf(y[1]).sum() + np.isnan(y[1]).sum() == 6
+    assert_same(y, ref_float(x, w))
+
+
+def _q8_0(d, codes):
+    """Q8_0 blocks of float16 scales ``d`` (n,) and int8 codes (n, 32)."""
+    return _blocks.get("Q8_0").pack({"d": np.asarray(d, np.float16), "q": np.asarray(codes, np.int8)})
+
+
+def test_extremes(kernels):
+    """Codes at their limits, scales at float16's largest: float32 overflows to inf as the
+    float64 sums say, in both modes."""
+    codes = np.tile(np.array([127, -128] * 16, np.int8), (2, 1))
+    w = QArray.from_blocks(_q8_0([65504, -65504], codes).reshape(2, 34), "Q8_0")
+    x = np.full((1, 32), 1e31, np.float32)
+    x[0, 1::2] = -1e31
+    assert_same(qa.linear(x, w), ref_float(x, w))
+    assert np.isposinf(qa.linear(x, w)[0, 0]) and np.isneginf(qa.linear(x, w)[0, 1])
+    xq = QArray.from_blocks(_q8_0([65504], codes[:1]).reshape(1, 34), "Q8_0")
+    y = qa.linear(xq, w)
+    assert y[0, 0] == np.float32(65504.0 * 65504 * (127 * 127 + 128 * 128) * 16)
+    q4 = QArray.from_blocks(_blocks.get("Q4_0").pack({"d": np.float16([65504]), "q": np.array([[0, 15] * 16])}
+                                                     ).reshape(1, 18), "Q4_0")
+    assert_same(qa.linear(x[:, :32], q4), ref_float(x[:, :32], q4))
+    assert qa.linear(xq, q4)[0, 0] == np.float32(65504.0 * 65504 * (127 * -8 + -128 * 7) * 16)
+
+
+def _pieces(xq, w):
+    """(dx, qx, s, o, v) as Python numbers, piece by piece: the test's own reading of the formats."""
+    fmt = w.dtype.layout
+    n, k_len = w.shape
+    dx = xq.fields["d"].astype(np.float32).reshape(-1, k_len // 32)
+    qx = xq.fields["q"].view(np.int8).reshape(-1, k_len).astype(np.int64)
+    s = w.scale.reshape(n, -1).astype(np.float64)
+    o = None if w.offset is None else w.offset.reshape(n, -1).astype(np.float64)
+    v = fmt.values.astype(np.int64)[w.fields["q"].reshape(n, k_len)]
+    if w.zero_point is not None:
+        v = v - np.repeat(w.zero_point.reshape(n, -1).astype(np.int64), fmt.sub, axis=1)
+    return dx, qx, s, o, v, min(fmt.sub, 32), fmt.sub
+
+
+def ref_q8(xq, w):
+    """The Q8_0 contract in Python floats (IEEE float64) and ints, plus the exact value (Fraction)
+    and ggml's float32 sum (ggml-cpu's vec_dot: ``sumf += sumi * d_w * d_x``, float32)."""
+    dx, qx, s, o, v, piece, sub = _pieces(xq, w)
+    m_len, n = qx.shape[0], v.shape[0]
+    want, exact, f32 = (np.zeros((m_len, n), t) for t in (np.float32, object, np.float32))
+    for m in range(m_len):
+        for j in range(n):
+            acc, ex, sf = 0.0, Fraction(0), np.float32(0)
+            for k0 in range(0, qx.shape[1], piece):
+                isum = int(np.dot(qx[m, k0:k0 + piece], v[j, k0:k0 + piece]))
+                xsum = int(qx[m, k0:k0 + piece].sum())
+                d, sj = float(dx[m, k0 // 32]), float(s[j, k0 // sub])
+                oj = 0.0 if o is None else float(o[j, k0 // sub])
+                acc += d * sj * isum + d * oj * xsum
+                ex += Fraction(d) * Fraction(sj) * isum + Fraction(d) * Fraction(oj) * xsum
+                sf = np.float32(sf + np.float32(isum) * np.float32(sj) * np.float32(d)
+                                + np.float32(oj) * np.float32(xsum) * np.float32(d))
+            want[m, j], exact[m, j], f32[m, j] = np.float32(acc), ex, sf
+    return want, exact, f32
+
+
+@pytest.mark.parametrize("name", Q8)
+def test_q8_activations(name, rng, kernels):
+    k_len = _k(name)
+    w = weights(name, 66, k_len, rng)
+    x = rng.standard_normal((2, k_len)).astype(np.float32)
+    xq = qa.quantize(x, dtype="Q8_0")
+    want, exact, ggml = ref_q8(xq, w)
+    y = qa.linear(xq, w)
+    assert_same(y, want)
+    # as accurate as float32 allows: within half an ulp of the exact value (plus float64's part)
+    ulp = np.spacing(np.abs(y))
+    err = np.array([[abs(Fraction(float(a)) - e) for a, e in zip(r, er)] for r, er in zip(y, exact)], dtype=object)
+    assert all(float(e) <= 0.5 * u * (1 + 2.0**-20) for e, u in zip(err.ravel(), ulp.ravel()))
+    ggml_err = np.array([[abs(Fraction(float(a)) - e) for a, e in zip(r, er)] for r, er in zip(ggml, exact)])
+    assert sum(float(e) for e in err.ravel()) <= sum(float(e) for e in ggml_err.ravel())
+    bias = rng.standard_normal(66)
+    assert_same(qa.linear(xq, w, bias), (want.astype(np.float64) * 0 + _with_bias(xq, w, bias)).astype(np.float32))
+
+
+def _with_bias(xq, w, bias):
+    dx, qx, s, o, v, piece, sub = _pieces(xq, w)
+    out = np.zeros((qx.shape[0], v.shape[0]))
+    for m in range(qx.shape[0]):
+        for j in range(v.shape[0]):
+            acc = 0.0
+            for k0 in range(0, qx.shape[1], piece):
+                d, sj = float(dx[m, k0 // 32]), float(s[j, k0 // sub])
+                oj = 0.0 if o is None else float(o[j, k0 // sub])
+                acc += d * sj * int(np.dot(qx[m, k0:k0 + piece], v[j, k0:k0 + piece])) \
+                    + d * oj * int(qx[m, k0:k0 + piece].sum())
+            out[m, j] = acc + float(bias[j])
+    return out
+
+
+def test_q8_more_accurate_than_float32_sums(rng, kernels):
+    """Long rows of large, cancelling terms: float32 sums (ggml's) drift, float64 ones do not."""
+    k_len = 8192
+    w = weights("Q8_0", 8, k_len, rng)
+    x = (rng.standard_normal((2, k_len)) * np.exp(rng.uniform(-4, 4, k_len))).astype(np.float32)
+    xq = qa.quantize(x, dtype="Q8_0")
+    want, exact, ggml = ref_q8(xq, w)
+    y = qa.linear(xq, w)
+    assert_same(y, want)
+    ours = max(abs(Fraction(float(a)) - e) / abs(e) for a, e in zip(y.ravel(), exact.ravel()))
+    theirs = max(abs(Fraction(float(a)) - e) / abs(e) for a, e in zip(ggml.ravel(), exact.ravel()))
+    assert ours <= 2.0**-24 < theirs
+
+
+@pytest.mark.parametrize("name", ["nf4_g64_f32", "e2m1_g32_e8m0", "IQ2_XXS", "TQ1_0", "int8_g64_f32_scb",
+                                  "int4_g24_f16", "fp4bnb_g64_f32"])
+def test_q8_refuses(name, rng):
+    fmt = _blocks.get(name)
+    k_len = math.lcm(fmt.block, 256)
+    w = weights(name, 3, k_len, rng)
+    xq = qa.quantize(rng.standard_normal((1, k_len)).astype(np.float32), dtype="Q8_0")
+    with pytest.raises(TypeError, match="Q8_0 activations take weights of integer values.*pass float activations"):
+        qa.linear(xq, w)
+    qa.linear(xq.dequantize(), w)  # the float mode takes them
+
+
+def test_errors(rng):
+    w = weights("Q4_0", 4, 64, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="takes float32, float16 or bfloat16 activations.*got int32; cast x"):
+        qa.linear(x.astype(np.int32), w)
+    with pytest.raises(TypeError, match="got float64; cast x"):
+        qa.linear(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match=r"x's last axis must be 64 \(in_features\)"):
+        qa.linear(x[:, :32], w)
+    with pytest.raises(ValueError, match=r"x's last axis must be 64 \(in_features\)"):
+        qa.linear(qa.quantize(x[:, :32], dtype="Q8_0"), w)
+    w3 = QArray.from_blocks(w.data.reshape(2, 2, 36), "Q4_0")
+    with pytest.raises(ValueError, match=r"w must have shape \(out_features, in_features\)"):
+        qa.linear(x, w3)
+    with pytest.raises(ValueError, match=r"bias must be a float array of shape \(4,\)"):
+        qa.linear(x, w, np.zeros(5, np.float32))
+    with pytest.raises(TypeError, match="float32 \\(the default\\), float16 or bfloat16"):
+        qa.linear(x, w, dtype="float64")
+    with pytest.raises(TypeError, match="scale, relu do not apply"):
+        qa.linear(x, w, scale=0.1, relu=True)
+    with pytest.raises(TypeError, match="not Q4_0; dequantize x or quantize it to Q8_0"):
+        qa.linear(qa.quantize(x, dtype="Q4_0"), w)
+    with pytest.raises(TypeError, match=r"matmul does not take block formats yet.*use qarray.linear\(x, w\)"):
+        qa.matmul(qa.quantize(x, 0.1), w)
+    with pytest.raises(TypeError, match=r"act-order"):
+        qa.linear(qa.quantize(x, dtype="Q8_0"), QArray._blocks(w.data, w.dtype, w._backend, np.arange(64)[::-1]))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        qa.quantize(x[:, :48], dtype="Q8_0")  # K must hold whole blocks: Q8_0's own error
+    with pytest.raises(TypeError, match="dtype='like' takes x's float dtype"):
+        qa.linear(qa.quantize(x, dtype="Q8_0"), w, dtype="like")
+
+
+def test_empty(rng, kernels):
+    w = weights("Q4_0", 4, 64, rng)
+    assert qa.linear(np.zeros((0, 64), np.float32), w).shape == (0, 4)
+    assert qa.linear(qa.quantize(np.zeros((0, 64), np.float32), dtype="Q8_0"), w).shape == (0, 4)
+
+
+def test_rounded_matches_numpy():
+    """The kernels' float16 / bfloat16 rounding (cpu.blocks.rounded) against qarray._blocks.rounded."""
+    pytest.importorskip("numba")
+    from numba import njit
+
+    from qarray.backends.cpu import blocks
+
+    @njit
+    def run(y, p, out):
+        for i in range(y.size):
+            out[i] = blocks.rounded(y[i], p)
+
+    rng = np.random.default_rng(1)
+    bits = np.concatenate([rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(0x38000000, 0x38800000, 97, dtype=np.uint32),  # float16's subnormals
+                           np.array([0x477FEFFF, 0x477FF000, 0x477FF001, 0x7F7FFFFF, 0x7F800000, 0x80000000,
+                                     0x00000001, 0x7FC00000], np.uint32)])
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])
+    y = bits.view(np.float32)
+    for p, name in ((1, "float16"), (2, "bfloat16")):
+        out = np.empty_like(y)
+        run(y, p, out)
+        want = _blocks.rounded(y, name)
+        # NaN stays as it is (NumPy's float16 round trip clears its payload's low 13 bits, which are 0 in
+        # the NaNs a decoder meets: test_nan_scales)
+        assert_same(out[~np.isnan(y)], want[~np.isnan(y)])
+
+
+@pytest.mark.parametrize("name", ["int4_g32_f16", "uint4_g32_f16_bias", "int8_g32_bf16"])
+def test_nan_scales(name, rng, kernels):
+    """NaN scales with payloads (and inf ones): NaN's bits as dequantize leaves them, through the sums."""
+    w = weights(name, 5, 64, rng)
+    fmt = w.dtype.layout
+    fields = fmt.unpack(w.data.reshape(-1, fmt.nbytes))
+    d = fields["d"].view(np.uint16 if fmt.fields["d"].view == np.float16 else np.uint32).copy()
+    nan, inf = (0x7C01, 0x7C00) if d.dtype == np.uint16 else (0x7F810000, 0x7F800000)
+    d[0], d[3], d[6] = nan, nan | (0x200 if d.dtype == np.uint16 else 0x400000), inf
+    fields["d"] = d.view(fmt.fields["d"].view) if d.dtype == np.uint16 else d.view(np.float32)
+    w = QArray.from_blocks(fmt.pack(fields).reshape(5, -1), name)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    assert np.isnan(w.dequantize()).any()
+    assert_same(qa.linear(x, w), ref_float(x, w))
+
+
+def test_dask(rng):
+    da = pytest.importorskip("dask.array")
+    w = weights("Q4_K", 9, 512, rng)
+    x = rng.standard_normal((7, 512)).astype(np.float32)
+    bias = rng.standard_normal(9).astype(np.float32)
+    y = qa.linear(da.from_array(x, chunks=(3, 256)), w.to("dask"), bias)
+    assert isinstance(y, da.Array)
+    assert_same(y.compute(), qa.linear(x, w, bias))
+    xq = qa.quantize(da.from_array(x, chunks=(2, 512)), dtype="Q8_0")
+    y = qa.linear(xq, w, bias)
+    assert isinstance(y, da.Array)
+    assert_same(y.compute(), qa.linear(qa.quantize(x, dtype="Q8_0"), w, bias))
