@@ -153,6 +153,11 @@ def _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves):
         b0 = _at(builder, panel, builder.mul(k, _const(1024)))
         for h in range(halves):
             builder.call(load, [tile(4 + h), _at(builder, a0, _const(16 * h * BK)), _const(BK)])
+        for line in range(32):  # the B tiles' lines two steps on: B comes from L2 (A's chunk stays in L1)
+            ahead = builder.add(_const(2048 + line % 16 * 64), builder.mul(bstride, _const(line // 16)))
+            ahead = _at(builder, b0, ahead)
+            builder.call(_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32]),
+                         [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, L1
         builder.call(load, [tile(6), b0, _const(64)])
         builder.call(load, [tile(7), _at(builder, b0, bstride), _const(64)])
         for t, (ta, tb) in enumerate(pairs):
