@@ -31,7 +31,7 @@ from .._numba import block_codes, block_values, kernel
 
 LANES = 64  # weight rows a task: the sums of 8 512-bit vectors (16 256-bit ones), enough independent
 # chains of adds to hide their latency (8 lanes ran 3.5x slower: each lane one add a k, in order)
-KC = 256  # k a pass over the rows of x: the rows' chunk, side by side (KC, LANES), 64 KB, stays in L2
+KC = 128  # k a pass over the rows of x: the rows' chunk, side by side (KC, LANES), 32 KB, stays in L1
 PRECISION = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
@@ -53,15 +53,36 @@ def rounded(y, precision):
     return np.float32(-r if y < 0 else r)
 
 
+@njit(nogil=True, cache=True, error_model="numpy")
+def _decode_rounded(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, precision, factor,
+                    has_factor, code, out):
+    """Block ``b``'s values into ``out`` as ``BlockFormat.decode`` rounds them: each operation to the
+    format's precision (a call of its own, which keeps ``block_values``' loops small)."""
+    block, nsub = code.shape[0], scale.shape[1]
+    sub = block // nsub
+    block_codes(raw, b, segments, code)
+    for j in range(nsub):
+        s = scale[b, j]
+        z = zero[b, j] if has_zero else np.float32(0)
+        o = offset[b, j] if has_offset else np.float32(0)
+        for e in range(j * sub, j * sub + sub):
+            v = values[code[e]] - z if has_zero else values[code[e]]
+            t = rounded(s * v, precision)
+            if has_factor:
+                t = rounded(t * factor, precision)
+            if has_offset:
+                t = rounded(t + o, precision)
+            out[e] = t
+
+
 @njit(inline="always")
 def _decode_rows(raw, n0, rows, nb, segments, values, scale, offset, zero, has_offset, has_zero, precision,
                  factor, has_factor, dest, w, code, tmp):
     """Weight rows ``n0 .. n0 + rows`` (blocks ``n * nb ..``) as ``w.dequantize()`` gives them, into
     ``w[l]`` (``dest``: each stored column's logical one, or empty where they are in order; ``tmp``
     a row). Formats computed in float32 take ``block_decode``'s loops (``_numba.block_values``);
-    the others round each operation to their precision as ``BlockFormat.decode`` does."""
-    block, nsub = code.shape[0], scale.shape[1]
-    sub = block // nsub
+    the others :func:`_decode_rounded`."""
+    block = code.shape[0]
     plain = precision == 0 and not has_factor
     for l in range(rows):
         row = w[l] if dest.shape[0] == 0 else tmp
@@ -70,20 +91,9 @@ def _decode_rows(raw, n0, rows, nb, segments, values, scale, offset, zero, has_o
             out = row[bk * block:bk * block + block]
             if plain:
                 block_values(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, code, out)
-                continue
-            block_codes(raw, b, segments, code)
-            for j in range(nsub):
-                s = scale[b, j]
-                z = zero[b, j] if has_zero else np.float32(0)
-                o = offset[b, j] if has_offset else np.float32(0)
-                for e in range(j * sub, j * sub + sub):
-                    v = values[code[e]] - z if has_zero else values[code[e]]
-                    t = rounded(s * v, precision)
-                    if has_factor:
-                        t = rounded(t * factor, precision)
-                    if has_offset:
-                        t = rounded(t + o, precision)
-                    out[e] = t
+            else:
+                _decode_rounded(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, precision,
+                                factor, has_factor, code, out)
         if dest.shape[0]:
             for c in range(tmp.shape[0]):
                 w[l, dest[c]] = tmp[c]
@@ -91,11 +101,26 @@ def _decode_rows(raw, n0, rows, nb, segments, values, scale, offset, zero, has_o
 
 
 @njit(inline="always")
-def _chunk(w, k0, k1, buf):
-    """``buf[k - k0, l] = w[l, k]``: a chunk of the rows side by side."""
-    for l in range(w.shape[0]):
-        for k in range(k0, k1):
-            buf[k - k0, l] = w[l, k]
+def _chunk(w, k0, buf):
+    """``buf[k - k0, l] = w[l, k]`` for ``k`` from ``k0`` to the chunk's end, ``k1``: ``KC`` k of the
+    rows side by side. Returns ``k1``."""
+    k1 = min(w.shape[1], k0 + KC)
+    for k in range(k0, k1):
+        b = buf[k - k0]
+        for l in range(LANES):
+            b[l] = w[l, k]
+    return k1
+
+
+@njit(inline="always")
+def _store(acc, bias, has_bias, out, n0, rows):
+    """``out[m, n0 + l] = float32(acc[m, l] + bias[n0 + l])``: the bias added last, in float64."""
+    for m in range(acc.shape[0]):
+        for l in range(rows):
+            s = acc[m, l]
+            if has_bias:
+                s += bias[n0 + l]
+            out[m, n0 + l] = np.float32(s)
 
 
 @njit(inline="always")
@@ -105,8 +130,7 @@ def _sums(x, w, buf, acc, bias, has_bias, out, n0, rows):
     m_len, k_len = x.shape
     acc[:] = 0
     for k0 in range(0, k_len, KC):
-        k1 = min(k_len, k0 + KC)
-        _chunk(w, k0, k1, buf)
+        k1 = _chunk(w, k0, buf)
         for m in range(m_len):
             a = acc[m]
             for k in range(k0, k1):
@@ -114,12 +138,7 @@ def _sums(x, w, buf, acc, bias, has_bias, out, n0, rows):
                 wk = buf[k - k0]
                 for l in range(LANES):
                     a[l] += xv * np.float64(wk[l])
-    for m in range(m_len):
-        for l in range(rows):
-            s = acc[m, l]
-            if has_bias:
-                s += bias[n0 + l]
-            out[m, n0 + l] = np.float32(s)
+    _store(acc, bias, has_bias, out, n0, rows)
 
 
 @kernel
@@ -200,8 +219,7 @@ def linear_q8(dx, qx, raw, segments, ivalues, scale, offset, zero, has_offset, h
                         w[l, bk * block + e] = ivalues[code[e]] - z
         acc[:] = 0
         for c0 in range(0, k_len, KC):
-            c1 = min(k_len, c0 + KC)
-            _chunk(w, c0, c1, buf)
+            c1 = _chunk(w, c0, buf)
             for m in range(m_len):
                 a = acc[m]
                 for k0 in range(c0, c1, piece):
@@ -220,9 +238,4 @@ def linear_q8(dx, qx, raw, segments, ivalues, scale, offset, zero, has_offset, h
                         if has_offset:
                             term += d * obuf[j, l] * np.float64(xs)
                         a[l] += term
-        for m in range(m_len):
-            for l in range(rows):
-                s = acc[m, l]
-                if has_bias:
-                    s += bias[n0 + l]
-                out[m, n0 + l] = np.float32(s)
+        _store(acc, bias, has_bias, out, n0, rows)
