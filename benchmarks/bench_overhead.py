@@ -123,6 +123,7 @@ def main(outdir: Path, quick: bool):
         out.append(row)
 
     threads = next_to_torch(9 if quick else 21, say) if torch is not None else None
+    big = large(20 if quick else 100, say) if torch is not None else None
 
     cupy, qarray, _ = bench_gpu_host._stand_in()  # the CuPy backend's Python path, launches stubbed
     gcalls = 50 if quick else 1000
@@ -137,8 +138,8 @@ def main(outdir: Path, quick: bool):
         say(f"{name:<36} cupy path {us:7.1f} us ({lo:.1f}-{hi:.1f})  {us / floor[0]:5.1f}x floor")
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_overhead.txt").write_text("\n".join(lines) + "\n")
-    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, next_to_torch=threads, cupy_stand_in=gpu,
-                                                               floor_us=floor[0]), indent=1) + "\n")
+    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, next_to_torch=threads, large=big,
+                                                               cupy_stand_in=gpu, floor_us=floor[0]), indent=1) + "\n")
 
 
 def next_to_torch(calls, say):
@@ -178,6 +179,35 @@ def next_to_torch(calls, say):
         .format(**rows["ratios"]))
     say("  floor / torch interleaved {floor_over_torch_interleaved:.2f}x: a cast into a kept int8 tensor, the least "
         "a pass over these bytes takes".format(**rows["ratios"]))
+    return rows
+
+
+def large(calls, say):
+    """quantize and fake_quantize of 2^22 and 2^24 float32 values (qint8, one
+    scale) alternating with torch's ``quantize_per_tensor`` and
+    ``fake_quantize_per_tensor_affine``: the kernels' own speed, where a call's
+    overhead no longer counts. The ratio is each call's time over the torch
+    call's right after it."""
+    say(f"large inputs, ms: median (25th-75th percentile) of {calls} calls alternating; ratio: of each pair")
+    rows = []
+    for bits in (22, 24):
+        x = np.random.default_rng(0).standard_normal(1 << bits).astype(np.float32)
+        tx = torch.from_numpy(x)
+        pairs = {f"quantize 2^{bits} float32 -> qint8": (lambda: qa.quantize(x, 0.05, 3, "qint8"),
+                                                         lambda: torch.quantize_per_tensor(tx, 0.05, 3, torch.qint8)),
+                 f"fake_quantize 2^{bits} float32 qint8": (
+                     lambda: qa.fake_quantize(x, 0.05, 3, "qint8"),
+                     lambda: torch.fake_quantize_per_tensor_affine(tx, 0.05, 3, -128, 127))}
+        for name, (f, g) in pairs.items():
+            f(), g()
+            tf, tg = alternate(f, g, calls)
+            row = dict(op=name, qarray=stats([t / 1e3 for t in tf]), torch=stats([t / 1e3 for t in tg]),
+                       ratio=stats([a / b for a, b in zip(tf, tg)]))
+            rows.append(row)
+            say(f"{name:<36} qarray {row['qarray']['median']:6.2f} ({row['qarray']['p25']:.2f}-"
+                f"{row['qarray']['p75']:.2f})   torch {row['torch']['median']:6.2f} ({row['torch']['p25']:.2f}-"
+                f"{row['torch']['p75']:.2f})   {row['ratio']['median']:.2f}x ({row['ratio']['p25']:.2f}-"
+                f"{row['ratio']['p75']:.2f})")
     return rows
 
 

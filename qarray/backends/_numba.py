@@ -247,8 +247,8 @@ def _put(out, mask, k, c, w, z, s, lo, hi, fake):
     """Store code ``c`` at ``out[k]``, or (``fake`` not None) the code dequantized
     as ``dequantize`` computes it: ``c - z`` (exact: below 2**17 in float32,
     2**33 in float64) in ``out``'s float type, times ``s`` there; with ``mask``,
-    whether the unclamped ``w`` was inside ``[lo, hi]``. A None argument prunes
-    its branch as Numba compiles."""
+    whether the unclamped ``w`` was inside ``[lo, hi]`` (``_set``). ``fake`` None
+    prunes its branch as Numba compiles."""
     if fake is None:
         out[k] = np.int32(c)  # through int32: LLVM's float -> int8 conversion of a vector is 2x slower
     else:
@@ -342,11 +342,12 @@ def _row_or_none(a, o, l):
 @njit(inline="always")
 def _q_row(x, s, z, rl, rh, o, l, po, b, lo, hi, mul, key, base, out, mask, fake):
     """Quantize row ``x[o, l, :]`` (``_q_runs``), its elements' flat indices from ``base``."""
-    if s.shape[2] > 1:
+    m = _row_or_none(mask, o, l)
+    if s.shape[2] > 1:  # blocked along an outer axis: parameter i for element i
         return _q_runs(x[o, l], s[po, b], z[po, b], rl[po, b], rh[po, b], None, lo, hi, mul, key, base, out[o, l],
-                       _row_or_none(mask, o, l), fake)
-    return _q_runs(x[o, l], s[po, b, 0], z[po, b, 0], rl[po, b, 0], rh[po, b, 0], None, lo, hi, mul, key, base, out[o, l],
-                   _row_or_none(mask, o, l), fake)
+                       m, fake)
+    return _q_runs(x[o, l], s[po, b, 0], z[po, b, 0], rl[po, b, 0], rh[po, b, 0], None, lo, hi, mul, key, base,
+                   out[o, l], m, fake)
 
 
 @njit(inline="always")
@@ -371,8 +372,7 @@ def _q_col(x, s, z, rl, rh, o, po, bidx, l0, l1, lo, hi, mul, key, base, out, ma
     xr, orow, mrow = _span(x, o, l0, l1), _span(out, o, l0, l1), _span_or_none(mask, o, l0, l1)
     if s.shape[1] == x.shape[1]:  # per-axis: parameter l for element l
         return _q_runs(xr, _span(s, po, l0, l1), _span(z, po, l0, l1), _span(rl, po, l0, l1),
-                       _span(rh, po, l0, l1), None, lo, hi, mul,
-                       key, base, orow, mrow, fake)
+                       _span(rh, po, l0, l1), None, lo, hi, mul, key, base, orow, mrow, fake)
     p = s.shape[0]  # blocked: parameter bidx[l] for element l
     return _q_runs(xr, s.reshape(p, s.shape[1])[po], z.reshape(p, s.shape[1])[po],
                    rl.reshape(p, s.shape[1])[po], rh.reshape(p, s.shape[1])[po],
