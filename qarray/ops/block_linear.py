@@ -55,14 +55,10 @@ __all__ = ["block_linear", "q8_supported"]
 _KEYWORDS = ("scale", "zero_point", "mode", "rounding")
 
 
-def _float_kinds():
-    """float32, float16 and (with ml_dtypes) bfloat16: the activations and results this op takes."""
-    kinds = {np.dtype(np.float32), np.dtype(np.float16)}
-    try:
-        kinds.add(np.dtype(ml_dtypes().bfloat16))
-    except ImportError:
-        pass
-    return kinds
+def _takes(d) -> bool:
+    """Whether ``d`` is float32, float16 or (ml_dtypes') bfloat16: the activations and results this op
+    takes (told without importing ml_dtypes, a second's import)."""
+    return d in (np.float32, np.float16) or d.name == "bfloat16"
 
 
 def _out_dtype(dtype, x_dtype):
@@ -76,10 +72,10 @@ def _out_dtype(dtype, x_dtype):
                             "float16 or bfloat16")
         return x_dtype
     try:
-        d = np.dtype(dtype)
-    except TypeError:
+        d = np.dtype(ml_dtypes().bfloat16 if isinstance(dtype, str) and dtype == "bfloat16" else dtype)
+    except (TypeError, ImportError):
         d = None
-    if d is None or d not in _float_kinds():
+    if d is None or not _takes(d):
         raise TypeError(f"linear with block-format weights gives float32 (the default), float16 or bfloat16 "
                         f"(dtype='like': x's), not {dtype!r}")
     return d
@@ -103,7 +99,7 @@ def _bias(b, bias, n):
     if bias is None:
         return None
     h = np.asarray(to_host(bias))
-    if h.dtype.kind != "f" and h.dtype not in _float_kinds() or h.shape != (n,):
+    if h.dtype.kind != "f" and not _takes(h.dtype) or h.shape != (n,):
         raise ValueError(f"linear: bias must be a float array of shape ({n},), got {h.dtype} {h.shape}")
     return b.param(h.astype(np.float64))
 
@@ -125,7 +121,7 @@ def block_linear(x, w: QArray, bias=None, dtype=None, **given):
                             f"{x.dtype.name}; dequantize x or quantize it to Q8_0")
         return _q8(x, w, fmt, bias, dtype, n, k_len)
     x, b = _backends.user_array(x, "linear")
-    if x.dtype not in _float_kinds():
+    if not _takes(x.dtype):
         raise TypeError(f"linear with block-format weights ({w.dtype.name}) takes float32, float16 or bfloat16 "
                         f"activations (or Q8_0 ones), got {x.dtype}; cast x (x.astype(numpy.float32))")
     out_dtype = _out_dtype(dtype, x.dtype)

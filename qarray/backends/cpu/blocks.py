@@ -22,6 +22,8 @@ add alone would.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
 
 import numpy as np
@@ -53,26 +55,33 @@ def rounded(y, precision):
     return np.float32(-r if y < 0 else r)
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def _decode_rounded(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, precision, factor,
-                    has_factor, code, out):
-    """Block ``b``'s values into ``out`` as ``BlockFormat.decode`` rounds them: each operation to the
-    format's precision (a call of its own, which keeps ``block_values``' loops small)."""
-    block, nsub = code.shape[0], scale.shape[1]
-    sub = block // nsub
-    block_codes(raw, b, segments, code)
-    for j in range(nsub):
-        s = scale[b, j]
-        z = zero[b, j] if has_zero else np.float32(0)
-        o = offset[b, j] if has_offset else np.float32(0)
-        for e in range(j * sub, j * sub + sub):
-            v = values[code[e]] - z if has_zero else values[code[e]]
-            t = rounded(s * v, precision)
+def _rounding_decoder(source):
+    """:func:`_decode_rounded`, ``source`` (``_HELPERS``) in its closure, as the kernels have it (``_make``)."""
+
+    @kernel
+    def _decode_rounded(raw, b, segments, values, scale, offset, zero, has_offset, has_zero, precision, factor,
+                        has_factor, code, out):
+        """Block ``b``'s values into ``out`` as ``BlockFormat.decode`` rounds them: each operation to the
+        format's precision (a call of its own, which keeps ``block_values``' loops small)."""
+        _ = source  # in the cache key, as the kernels' (_make)
+        block_codes(raw, b, segments, code)
+        sub = code.shape[0] // scale.shape[1]
+        for e in range(code.shape[0]):
+            j = e // sub
+            v = values[code[e]] - zero[b, j] if has_zero else values[code[e]]
+            t = rounded(scale[b, j] * v, precision)
             if has_factor:
                 t = rounded(t * factor, precision)
             if has_offset:
-                t = rounded(t + o, precision)
+                t = rounded(t + offset[b, j], precision)
             out[e] = t
+
+    return _decode_rounded
+
+
+_HELPERS = hashlib.sha256("".join(inspect.getsource(f.py_func) for f in (block_codes, block_values)).encode()
+                          ).hexdigest()
+_decode_rounded = _rounding_decoder(_HELPERS)
 
 
 @njit(inline="always")
@@ -141,101 +150,113 @@ def _sums(x, w, buf, acc, bias, has_bias, out, n0, rows):
     _store(acc, bias, has_bias, out, n0, rows)
 
 
-@kernel
-def linear_float(x, raw, segments, values, scale, offset, zero, has_offset, has_zero, precision, factor,
-                 has_factor, dest, bias, has_bias, out, start, stop):
-    """Mode 1 on tasks ``start .. stop``: ``x`` float64 ``(M, K)``; ``raw`` uint8 ``(N * nb, nbytes)``;
-    ``scale``, ``offset``, ``zero`` float32 ``(N * nb, nsub)`` (``BlockFormat.parameters``); ``dest``
-    int64 ``(K,)`` or ``(0,)``; ``bias`` float64 ``(N,)``; ``out`` float32 ``(M, N)``."""
-    m_len, k_len = x.shape
-    n_len = out.shape[1]
-    block = k_len // (raw.shape[0] // n_len)
-    w = np.zeros((LANES, k_len), np.float32)
-    buf = np.zeros((KC, LANES), np.float32)
-    acc = np.zeros((m_len, LANES), np.float64)
-    code = np.empty(block, np.int32)
-    tmp = np.empty(k_len, np.float32)
-    for t in range(start, stop):
-        n0 = t * LANES
-        rows = min(LANES, n_len - n0)
-        _decode_rows(raw, n0, rows, k_len // block, segments, values, scale, offset, zero, has_offset, has_zero,
-                     precision, factor, has_factor, dest, w, code, tmp)
-        _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
+def _make(source):
+    """The kernels, ``source`` (``_HELPERS``) in their closures: Numba's cache key (it sees this file's
+    timestamp, not ``_numba.py``'s, whose decoders they inline)."""
+
+    @kernel
+    def linear_float(x, raw, segments, values, scale, offset, zero, has_offset, has_zero, precision, factor,
+                     has_factor, dest, bias, has_bias, out, start, stop):
+        """Mode 1 on tasks ``start .. stop``: ``x`` float64 ``(M, K)``; ``raw`` uint8 ``(N * nb, nbytes)``;
+        ``scale``, ``offset``, ``zero`` float32 ``(N * nb, nsub)`` (``BlockFormat.parameters``); ``dest``
+        int64 ``(K,)`` or ``(0,)``; ``bias`` float64 ``(N,)``; ``out`` float32 ``(M, N)``."""
+        _ = source  # in the cache key: a changed _numba.block_codes / block_values recompiles
+        m_len, k_len = x.shape
+        n_len = out.shape[1]
+        block = k_len // (raw.shape[0] // n_len)
+        w = np.zeros((LANES, k_len), np.float32)
+        buf = np.zeros((KC, LANES), np.float32)
+        acc = np.zeros((m_len, LANES), np.float64)
+        code = np.empty(block, np.int32)
+        tmp = np.empty(k_len, np.float32)
+        for t in range(start, stop):
+            n0 = t * LANES
+            rows = min(LANES, n_len - n0)
+            _decode_rows(raw, n0, rows, k_len // block, segments, values, scale, offset, zero, has_offset, has_zero,
+                         precision, factor, has_factor, dest, w, code, tmp)
+            _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
 
 
-@kernel
-def linear_dense(x, wf, bias, has_bias, out, start, stop):
-    """Mode 1 on decoded float32 weights ``wf`` ``(N, K)`` (logical order)."""
-    m_len, k_len = x.shape
-    n_len = out.shape[1]
-    w = np.zeros((LANES, k_len), np.float32)
-    buf = np.zeros((KC, LANES), np.float32)
-    acc = np.zeros((m_len, LANES), np.float64)
-    for t in range(start, stop):
-        n0 = t * LANES
-        rows = min(LANES, n_len - n0)
-        w[:rows] = wf[n0:n0 + rows]
-        w[rows:] = 0
-        _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
+    @kernel
+    def linear_dense(x, wf, bias, has_bias, out, start, stop):
+        """Mode 1 on decoded float32 weights ``wf`` ``(N, K)`` (logical order)."""
+        _ = source  # in the cache key: a changed _numba.block_codes / block_values recompiles
+        m_len, k_len = x.shape
+        n_len = out.shape[1]
+        w = np.zeros((LANES, k_len), np.float32)
+        buf = np.zeros((KC, LANES), np.float32)
+        acc = np.zeros((m_len, LANES), np.float64)
+        for t in range(start, stop):
+            n0 = t * LANES
+            rows = min(LANES, n_len - n0)
+            w[:rows] = wf[n0:n0 + rows]
+            w[rows:] = 0
+            _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
 
 
-@kernel
-def linear_q8(dx, qx, raw, segments, ivalues, scale, offset, zero, has_offset, has_zero, piece, bias, has_bias,
-              out, start, stop):
-    """Mode 2 on tasks ``start .. stop``: ``dx`` float64 ``(M, K // 32)`` and ``qx`` int8 ``(M, K)``
-    (Q8_0's scales and codes); ``ivalues`` int32 (the format's integer values); ``scale``, ``offset``
-    float32, ``zero`` int32, ``(N * nb, nsub)``; ``piece``: the elements of a term (the smaller of
-    32 and the weights' sub-block). ``term = dx * s * isum + dx * o * xsum`` in float64, summed over
-    the pieces in order; ``isum`` and ``xsum`` in int32 (``32 * 128 * 2^15`` at most: exact)."""
-    m_len, k_len = qx.shape
-    n_len = out.shape[1]
-    nb = raw.shape[0] // n_len
-    block = k_len // nb
-    nsub = scale.shape[1]
-    sub = block // nsub
-    w = np.zeros((LANES, k_len), np.int32)
-    buf = np.zeros((KC, LANES), np.int32)
-    sbuf = np.zeros((nb * nsub, LANES), np.float64)
-    obuf = np.zeros((nb * nsub, LANES), np.float64)
-    code = np.empty(block, np.int32)
-    isum = np.zeros(LANES, np.int32)
-    acc = np.zeros((m_len, LANES), np.float64)
-    for t in range(start, stop):
-        n0 = t * LANES
-        rows = min(LANES, n_len - n0)
-        w[rows:] = 0
-        sbuf[:] = 0
-        obuf[:] = 0
-        for l in range(rows):
-            for bk in range(nb):
-                b = (n0 + l) * nb + bk
-                block_codes(raw, b, segments, code)
-                for j in range(nsub):
-                    z = zero[b, j] if has_zero else np.int32(0)
-                    sbuf[bk * nsub + j, l] = scale[b, j]
-                    if has_offset:
-                        obuf[bk * nsub + j, l] = offset[b, j]
-                    for e in range(j * sub, j * sub + sub):
-                        w[l, bk * block + e] = ivalues[code[e]] - z
-        acc[:] = 0
-        for c0 in range(0, k_len, KC):
-            c1 = _chunk(w, c0, buf)
-            for m in range(m_len):
-                a = acc[m]
-                for k0 in range(c0, c1, piece):
-                    isum[:] = 0
-                    xs = np.int32(0)
-                    for k in range(k0, k0 + piece):
-                        q = np.int32(qx[m, k])
-                        xs += q
-                        wk = buf[k - c0]
-                        for l in range(LANES):
-                            isum[l] += q * wk[l]
-                    d = dx[m, k0 // 32]
-                    j = k0 // sub
-                    for l in range(LANES):
-                        term = d * sbuf[j, l] * np.float64(isum[l])
+    @kernel
+    def linear_q8(dx, qx, raw, segments, ivalues, scale, offset, zero, has_offset, has_zero, piece, bias, has_bias,
+                  out, start, stop):
+        """Mode 2 on tasks ``start .. stop``: ``dx`` float64 ``(M, K // 32)`` and ``qx`` int8 ``(M, K)``
+        (Q8_0's scales and codes); ``ivalues`` int32 (the format's integer values); ``scale``, ``offset``
+        float32, ``zero`` int32, ``(N * nb, nsub)``; ``piece``: the elements of a term (the smaller of
+        32 and the weights' sub-block). ``term = dx * s * isum + dx * o * xsum`` in float64, summed over
+        the pieces in order; ``isum`` and ``xsum`` in int32 (``32 * 128 * 2^15`` at most: exact)."""
+        _ = source  # in the cache key: a changed _numba.block_codes / block_values recompiles
+        m_len, k_len = qx.shape
+        n_len = out.shape[1]
+        nb = raw.shape[0] // n_len
+        block = k_len // nb
+        nsub = scale.shape[1]
+        sub = block // nsub
+        w = np.zeros((LANES, k_len), np.int32)
+        buf = np.zeros((KC, LANES), np.int32)
+        sbuf = np.zeros((nb * nsub, LANES), np.float64)
+        obuf = np.zeros((nb * nsub, LANES), np.float64)
+        code = np.empty(block, np.int32)
+        isum = np.zeros(LANES, np.int32)
+        acc = np.zeros((m_len, LANES), np.float64)
+        for t in range(start, stop):
+            n0 = t * LANES
+            rows = min(LANES, n_len - n0)
+            w[rows:] = 0
+            sbuf[:] = 0
+            obuf[:] = 0
+            for l in range(rows):
+                for bk in range(nb):
+                    b = (n0 + l) * nb + bk
+                    block_codes(raw, b, segments, code)
+                    for j in range(nsub):
+                        z = zero[b, j] if has_zero else np.int32(0)
+                        sbuf[bk * nsub + j, l] = scale[b, j]
                         if has_offset:
-                            term += d * obuf[j, l] * np.float64(xs)
-                        a[l] += term
-        _store(acc, bias, has_bias, out, n0, rows)
+                            obuf[bk * nsub + j, l] = offset[b, j]
+                        for e in range(j * sub, j * sub + sub):
+                            w[l, bk * block + e] = ivalues[code[e]] - z
+            acc[:] = 0
+            for c0 in range(0, k_len, KC):
+                c1 = _chunk(w, c0, buf)
+                for m in range(m_len):
+                    a = acc[m]
+                    for k0 in range(c0, c1, piece):
+                        isum[:] = 0
+                        xs = np.int32(0)
+                        for k in range(k0, k0 + piece):
+                            q = np.int32(qx[m, k])
+                            xs += q
+                            wk = buf[k - c0]
+                            for l in range(LANES):
+                                isum[l] += q * wk[l]
+                        d = dx[m, k0 // 32]
+                        j = k0 // sub
+                        for l in range(LANES):
+                            term = d * sbuf[j, l] * np.float64(isum[l])
+                            if has_offset:
+                                term += d * obuf[j, l] * np.float64(xs)
+                            a[l] += term
+            _store(acc, bias, has_bias, out, n0, rows)
+
+    return linear_float, linear_dense, linear_q8
+
+
+linear_float, linear_dense, linear_q8 = _make(_HELPERS)
