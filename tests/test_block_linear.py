@@ -302,6 +302,9 @@ def test_errors(rng):
         qa.linear(qa.quantize(x, dtype="Q4_0"), w)
     with pytest.raises(TypeError, match=r"matmul does not take block formats yet.*use qarray.linear\(x, w\)"):
         qa.matmul(qa.quantize(x, 0.1), w)
+    for other in (qa.quantize(x, 0.1), qa.quantize(x, 0.1, dtype="float8_e4m3fn")):  # block x, other w
+        with pytest.raises(TypeError, match="linear does not take block formats yet; Q8_0 is one"):
+            qa.linear(qa.quantize(x, dtype="Q8_0"), other)
     with pytest.raises(TypeError, match=r"act-order"):
         qa.linear(qa.quantize(x, dtype="Q8_0"), QArray._blocks(w.data, w.dtype, w._backend, np.arange(64)[::-1]))
     with pytest.raises(ValueError, match="not a multiple of 32"):

@@ -274,6 +274,8 @@ def linear(x: QArray, w: QArray, bias=None, *, scale=None, zero_point=None, dtyp
     if isinstance(w, QArray) and w.dtype.kind == "block":
         return block_linear(x, w, bias, dtype, scale=scale, zero_point=zero_point, mode=mode, rounding=rounding,
                             relu=relu)
+    if isinstance(x, QArray) and x.dtype.kind == "block":  # (block activations meet block weights only)
+        raise block_error("linear", x)
     exact = _exact.takes(x, w)
     if exact:
         _exact.check_types("linear", ("x", x), ("w", w))
