@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
-from .._numba import _SOURCE, _row_term, _rq, kernel, parallel
+from .._numba import _SOURCE, _row_term, _rq, _wide, kernel, parallel
 from .isa import best, usable
 
 BM = BN = 32  # a block's rows and columns
@@ -106,18 +106,6 @@ def _tiles_end(typingctx):
     """``tilerelease``: the tile state back to its initial (unused) state."""
     def codegen(context, builder, sig, args):
         builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _vectors_512(typingctx):
-    """Let LLVM vectorize the calling kernel on 512 bits: it prefers 256 on
-    Intel's AVX-512 CPUs (``prefer-vector-width``), and the epilogue's int64
-    arithmetic then takes twice the instructions."""
-    def codegen(context, builder, sig, args):
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # a string attribute: no check for it
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -358,7 +346,7 @@ def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
         if amx:
             _tiles_begin(cfg)
         if wide:
-            _vectors_512()
+            _wide()
         for t in range(start, stop):
             g, mb = t // mblocks, t % mblocks
             nb0, nb1 = g * group, min(g * group + group, nblocks)
