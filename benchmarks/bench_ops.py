@@ -148,6 +148,26 @@ def peak_share(op, shape, t, who, macs):
     ROWS.append(dict(op=op, shape=shape, who=who, peak_share=round(share, 4), isa=isa.best()))
 
 
+def linear_peers(fns, label, x, qx, wf, weight):
+    """Add to ``fns`` qarray's int8-out ``nn.Linear`` of float weights ``wf`` on
+    MLAS (``"qarray on MLAS, " + label``) and the int8 peers of ``x @
+    weight.T`` (``x`` uint8 codes, ``qx`` them as a QArray; ``weight``: the
+    layer's qint8 weights); return the peers' names."""
+    mlas = with_mlas(lambda: nn.Linear.from_float(wf))
+    if mlas is not None:
+        fns["qarray on MLAS, " + label] = lambda: mlas(qx, scale=0.5, zero_point=0, dtype="qint8")
+    peers = []
+    tx = torch_qx(x, 0.02, 128) if torch is not None else None
+    for e in torch_engines():
+        peers.append(f"torch quantized.linear ({e})")
+        fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.linear_prepack(torch_qw(weight), None),
+                                   lambda p: torch.ops.quantized.linear(tx, p, 0.5, 0))
+    if ort is not None:
+        peers.append("onnxruntime MatMulInteger")
+        fns[peers[-1]] = ort_matmul_integer(x, weight.int_repr().T.copy())
+    return peers
+
+
 def best_peer(t, names):
     """The fastest (median) of ``names`` measured in ``t``."""
     return min((n for n in names if n in t), key=lambda n: t[n][0], default=None)
@@ -169,18 +189,7 @@ def bench_linear(rng, m, k, n):
         "qarray nn.Linear quint8 (acc)": lambda: layer(qx),
         "qarray matmul (packs w per call)": lambda: matmul(qx, layer.weight.T),
     }
-    mlas = with_mlas(lambda: nn.Linear.from_float(wf))
-    if mlas is not None:
-        fns["qarray on MLAS, quint8 (int8 out)"] = lambda: mlas(qx, scale=0.5, zero_point=0, dtype="qint8")
-    peers = []
-    tx = torch_qx(x, 0.02, 128) if torch is not None else None
-    for e in torch_engines():
-        peers.append(f"torch quantized.linear ({e})")
-        fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.linear_prepack(torch_qw(layer.weight), None),
-                                   lambda p: torch.ops.quantized.linear(tx, p, 0.5, 0))
-    if ort is not None:
-        peers.append("onnxruntime MatMulInteger")
-        fns[peers[-1]] = ort_matmul_integer(x, w_int.T.copy())
+    peers = linear_peers(fns, "quint8 (int8 out)", x, qx, wf, layer.weight)
     t = timeit(REPEATS, **fns)
     op, shape = "linear", f"{m}x{k}x{n}"
     int8_out = ["qarray nn.Linear quint8 (int8 out)", "qarray nn.Linear qint8 (int8 out)"]
@@ -206,18 +215,7 @@ def bench_small_m(rng, m, k=4096, n=4096):
         "qarray nn.Linear int8 w (int8 out)": lambda: lin8(qx, scale=0.5, zero_point=0, dtype="qint8"),
         "qarray nn.Linear packed 4-bit w": lambda: lin4(qx, scale=0.5, zero_point=0, dtype="qint8"),
     }
-    mlas = with_mlas(lambda: nn.Linear.from_float(wf))
-    if mlas is not None:
-        fns["qarray on MLAS, int8 w (int8 out)"] = lambda: mlas(qx, scale=0.5, zero_point=0, dtype="qint8")
-    peers = []
-    tx = torch_qx(x, 0.02, 128) if torch is not None else None
-    for e in torch_engines():
-        peers.append(f"torch quantized.linear ({e})")
-        fns[peers[-1]] = on_engine(e, lambda: torch.ops.quantized.linear_prepack(torch_qw(lin8.weight), None),
-                                   lambda p: torch.ops.quantized.linear(tx, p, 0.5, 0))
-    if ort is not None:
-        peers.append("onnxruntime MatMulInteger")
-        fns[peers[-1]] = ort_matmul_integer(x, lin8.weight.int_repr().T.copy())
+    peers = linear_peers(fns, "int8 w (int8 out)", x, qx, wf, lin8.weight)
     t = timeit(REPEATS, **fns)
     op, shape = "linear small M", f"{m}x{k}x{n}"
     report(op, shape, t, "numpy float32 matmul", None, peers)
