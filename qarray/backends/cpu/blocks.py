@@ -2,10 +2,11 @@
 contracts of :mod:`qarray.ops.block_linear`, compiled.
 
 A task is a group of ``LANES`` weight rows ``n``. Its rows are decoded once, block by block
-(``_numba.block_codes``, the decoder of ``dequantize``), into a buffer ``(K, LANES)`` in the
-columns' logical order (act-order's ``columns`` put back); then each output row ``m`` sums over
-``k`` in increasing order, the ``LANES`` outputs side by side: ``acc[0:LANES] += x[m, k] *
-w[k, 0:LANES]`` is one vector operation that adds, in each lane, that output's next term, so LLVM
+(``_numba.block_values`` / ``block_codes``, the decoder of ``dequantize``), into rows ``(LANES,
+K)`` in the columns' logical order (act-order's ``columns`` put back); then, ``KC`` k at a time,
+the chunk is laid side by side (``(KC, LANES)``) and each output row ``m`` sums over ``k`` in
+increasing order, the ``LANES`` outputs side by side: ``acc[0:LANES] += x[m, k] * w[k,
+0:LANES]`` is one vector operation that adds, in each lane, that output's next term, so LLVM
 vectorizes it without changing any output's order of summation. No output is split between
 tasks, so the result depends neither on the thread count nor on the instruction set: each
 float64 product of two float32 values is exact, so a fused multiply-add rounds exactly as the
