@@ -177,7 +177,6 @@ def _make(source):
                          precision, factor, has_factor, dest, w, code, tmp)
             _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
 
-
     @kernel
     def linear_dense(x, wf, bias, has_bias, out, start, stop):
         """Mode 1 on decoded float32 weights ``wf`` ``(N, K)`` (logical order)."""
@@ -193,7 +192,6 @@ def _make(source):
             w[:rows] = wf[n0:n0 + rows]
             w[rows:] = 0
             _sums(x, w, buf, acc, bias, has_bias, out, n0, rows)
-
 
     @kernel
     def linear_q8(dx, qx, raw, segments, ivalues, scale, offset, zero, has_offset, has_zero, piece, bias, has_bias,
