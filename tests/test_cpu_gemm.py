@@ -51,8 +51,8 @@ def extreme(rng, shape, lo, hi):
 # rows: VNNI's passes of 8 and single rows, AMX's 16-row branch, a second block;
 # columns: a part block, a second block, a second group; K: one step, a part
 # step, several, several STEPS chunks (the C tiles stored and loaded between)
-SHAPES = [(1, 1, 1), (40, 1100, 300), (33, 2200, 40), (7, 64, 32), (8, 65, 31), (9, 200, 33), (16, 128, 64), (17, 63, 1), (31, 130, 70),
-          (32, 64, 32), (33, 192, 40), (100, 300, 77)]
+SHAPES = [(1, 1, 1), (40, 1100, 300), (33, 2200, 40), (7, 64, 32), (8, 65, 31), (9, 200, 33),
+          (16, 128, 64), (17, 63, 1), (31, 130, 70), (32, 64, 32), (33, 192, 40), (100, 300, 77)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
