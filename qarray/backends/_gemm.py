@@ -266,7 +266,8 @@ class Packed:
             self.w = (codes.view(np.uint8) ^ np.uint8(0x80)).view(np.int8 if to_signed else np.uint8)
         else:
             raise TypeError(f"the int8 GEMM engine takes 8-bit codes, got {codes.dtype}")
-        self.w = np.ascontiguousarray(self.w)
+        if name != "qarray":  # (its packing reads them as they lie: a layer's (N, K) weights, transposed)
+            self.w = np.ascontiguousarray(self.w)
         self.colsum = self.w.sum(axis=-2, dtype=np.int64)
         self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
