@@ -115,7 +115,8 @@ def qdtype(spec) -> QDType:
             + " (or int8, uint4, quint4x2, ...), or a floating format: "
             + ", ".join(FLOATING)
             + "; or a block format (GGUF's types, case-insensitive): "
-            + ", ".join(f.name for f in _blocks.FORMATS.values())
+            + ", ".join(f.name for f in _blocks.FORMATS.values() if f.ggml is not None)
+            + " (and grouped ones such as int4_g128_f16)"  # (those made so far would make the list vary)
         )
     try:
         np_dtype = np.dtype(spec)

@@ -163,8 +163,8 @@ def test_without_numba_auto_takes_the_next_engine(monkeypatch):
 
     import qarray.backends.cpu as cpu
 
-    monkeypatch.delattr(cpu, "isa")
-    monkeypatch.setitem(sys.modules, "qarray.backends.cpu.isa", None)
+    monkeypatch.delattr(cpu, "gemm")
+    monkeypatch.setitem(sys.modules, "qarray.backends.cpu.gemm", None)
     ok, why = _gemm.status("qarray")
     assert not ok and why.endswith("pip install 'qarray[fast]'")
     assert _gemm.engine() in ("u8s8", "u8u8", "blas")

@@ -36,6 +36,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._config import THREADS
+from .._fixed_point import IDENTITY
 
 log = logging.getLogger("qarray")
 
@@ -153,15 +154,22 @@ def status(name) -> tuple[bool, str]:
     return _state[name]
 
 
+def own():
+    """``qarray.backends.cpu.gemm``, qarray's own kernels (it imports Numba: loaded on first use)."""
+    from .cpu import gemm
+
+    return gemm
+
+
 def _own_status() -> tuple[bool, str]:
-    """qarray's own kernels (``qarray.backends.cpu.gemm``): where Numba is
-    installed, on the best instruction set not turned off."""
+    """qarray's own kernels: where Numba is installed, on the best
+    instruction set not turned off."""
     try:
-        from .cpu import isa
+        kernels = own()
     except ImportError as e:
         return False, f"Numba not installed ({e.name}); pip install 'qarray[fast]'"
-    best = isa.best()
-    return True, f"qarray's own kernels on {best}: {isa.usable(best)[1]}"
+    best = kernels.best()
+    return True, f"qarray's own kernels on {best}: {kernels.usable(best)[1]}"
 
 
 def engine(choice: str = "auto") -> str:
@@ -183,8 +191,7 @@ def packed4_kernel():
         try:
             if not {"avx512vnni", "avx512bw"} <= jit_flags():
                 raise RuntimeError("the CPU has no AVX-512 VNNI, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES is set")
-            from . import _numba_gemm as k
-
+            k = _numba_gemm()
             ok, why = True, "self-check passed"
             for signed, w_end in ((True, -8), (True, 7), (False, 15)):
                 w = np.full((3, 128), w_end, np.int8)
@@ -266,8 +273,9 @@ class Packed:
             self.w = (codes.view(np.uint8) ^ np.uint8(0x80)).view(np.int8 if to_signed else np.uint8)
         else:
             raise TypeError(f"the int8 GEMM engine takes 8-bit codes, got {codes.dtype}")
-        if name != "qarray":  # (its packing reads them as they lie: a layer's (N, K) weights, transposed)
-            self.w = np.ascontiguousarray(self.w)
+        # qarray's packing reads an array as it lies (a layer's (N, K) weights, transposed); a
+        # store's (Zarr's) is read here
+        self.w = np.asarray(self.w) if name == "qarray" else np.ascontiguousarray(self.w)
         self.colsum = self.w.sum(axis=-2, dtype=np.int64)
         self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
@@ -276,9 +284,7 @@ class Packed:
             kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
             self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
         if name == "qarray":  # one packing for every instruction set, a 2-D weight at a time
-            from .cpu import gemm
-
-            self.panels = [gemm.pack(w) for w in self.w.reshape(-1, *self.w.shape[-2:])]
+            self.panels = [own().pack(w) for w in self.w.reshape(-1, *self.w.shape[-2:])]
         elif keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
@@ -351,9 +357,7 @@ class Packed:
     def _own(self, a, threads):
         """:meth:`raw` on qarray's own kernels: each pair of the broadcast batch
         in turn (``qarray.backends.cpu.gemm``, with no epilogue)."""
-        from .._fixed_point import IDENTITY
-        from .cpu import gemm
-
+        gemm = own()
         (k, n), m = self.w.shape[-2:], a.shape[-2]
         batch = np.broadcast_shapes(a.shape[:-2], self.w.shape[:-2])
         a = np.broadcast_to(a, batch + (m, k)).reshape(-1, m, k)

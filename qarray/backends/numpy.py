@@ -48,6 +48,13 @@ def _numba_kernels():
 _kernels = False
 
 
+def _block_kernels():
+    """``qarray.backends.cpu.blocks``, block-format linear's kernels (Numba: loaded on first use)."""
+    from .cpu import blocks
+
+    return blocks
+
+
 @functools.cache
 def _vbmi():
     """Whether Numba compiles for a CPU with AVX-512 VBMI: softmax's byte
@@ -326,8 +333,7 @@ class NumpyBackend(Backend):
         k = self._fast(raw)
         if k is None or not x.shape[0] or not raw.shape[0]:
             return super().block_linear(x, raw, fmt, g, columns, bias)
-        from .cpu import blocks
-
+        blocks = _block_kernels()
         n, k_len = raw.shape[0], x.shape[1]
         out = np.empty((x.shape[0], n), np.float32)
         b = np.zeros(1) if bias is None else bias
@@ -355,8 +361,7 @@ class NumpyBackend(Backend):
         k = self._fast(raw)
         if k is None or not xraw.shape[0] or not raw.shape[0]:
             return super().block_linear_q8(xraw, raw, fmt, bias)
-        from .cpu import blocks
-
+        blocks = _block_kernels()
         dx, qx = self.q8_0_parts(xraw)
         n, k_len = raw.shape[0], qx.shape[1]
         out = np.empty((qx.shape[0], n), np.float32)
@@ -454,8 +459,7 @@ class NumpyBackend(Backend):
         fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1 \
             and a.dtype.itemsize == 1 and not pw.packed4(a)
         if fused and a.size and self._fast(a):  # qarray's own kernels: the epilogue in each block's store
-            from .cpu import gemm
-
+            gemm = _gemm.own()
             shape = (a.shape[0], pw.w.shape[1])
             rowsum, c, zw = self._gemm_terms(a, 128 * qd.signed, za, pw, zw, bias, shape)
             out, columns, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
@@ -517,9 +521,7 @@ class NumpyBackend(Backend):
         """``_numba_gemm`` when its kernels should run on 8-bit ``x``, else None."""
         if self._fast(x) is None or x.dtype.itemsize != 1:
             return None
-        from . import _numba_gemm
-
-        return _numba_gemm
+        return _gemm._numba_gemm()
 
     def im2col(self, xpad, kh, kw, stride, dilation):
         k = self._gemm_kernels(xpad)
