@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover
     torch = None
 _POLICY = os.environ.get("OMP_WAIT_POLICY")
 import bench_gpu_host  # noqa: E402  (its _timing sets OMP_WAIT_POLICY=PASSIVE: not here, see above)
+from _timing import cpu  # noqa: E402  (already imported by bench_gpu_host)
 import qarray as qa  # noqa: E402
 
 if _POLICY is None:
@@ -104,6 +105,8 @@ def main(outdir: Path, quick: bool):
         print(text, flush=True)
         lines.append(text)
 
+    machine = cpu()
+    say("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     say(f"per call, us: median (25th-75th percentile) of {calls} calls, qarray and torch alternating, "
         f"{THREADS} threads each" + ("" if torch is not None else "; torch not installed"))
     for name, (f, g) in rows().items():
@@ -138,7 +141,7 @@ def main(outdir: Path, quick: bool):
         say(f"{name:<36} cupy path {us:7.1f} us ({lo:.1f}-{hi:.1f})  {us / floor[0]:5.1f}x floor")
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "bench_overhead.txt").write_text("\n".join(lines) + "\n")
-    (outdir / "bench_overhead.json").write_text(json.dumps(dict(cpu=out, next_to_torch=threads, large=big,
+    (outdir / "bench_overhead.json").write_text(json.dumps(dict(machine=machine, cpu=out, next_to_torch=threads, large=big,
                                                                cupy_stand_in=gpu, floor_us=floor[0]), indent=1) + "\n")
 
 
