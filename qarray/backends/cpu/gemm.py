@@ -39,6 +39,7 @@ from numba.extending import intrinsic
 
 from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
+from .._gemm import SMALL_WORK  # products from which a call wakes the pool
 from .._numba import _SOURCE, _row_term, _rq, _wide, kernel, parallel
 from .isa import best, usable
 
@@ -328,17 +329,16 @@ def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, co
             orow[j] = _rq(d, zo[j], m[j], sh[j], f[j], lo, hi, code, narrow)
 
 
-def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
+def _make_gemm(isa, code, narrow):
     """The GEMM kernel of instruction set ``isa`` with the epilogue of one
     rounding code (closure constants: their branches fold away, and they are
-    in Numba's cache key, as ``GROUP`` and ``STEPS`` are, held here)."""
+    in Numba's cache key)."""
     which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
-    group, steps_at_once = group or GROUP, steps_at_once or STEPS
 
     @kernel
     def gemm(a, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
         """``out = R(a @ w + c - zw * rowsum)`` on tasks ``start .. stop``, each
-        ``group`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
+        ``GROUP`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
         activations as :func:`pack_rows` packs them; ``panels``
         :func:`pack`'s; ``rowsum`` (M,) int64 or None; ``c``, ``zw``, ``zo``,
         ``m``, ``sh``, ``f``: (N,) columns; ``out`` (M, N).
@@ -352,8 +352,8 @@ def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
         nblocks = (nlen + BN - 1) // BN
-        part = np.empty(group * BM * BN, np.int32)
-        total = np.empty(group * BM * BN, np.int64)
+        part = np.empty(GROUP * BM * BN, np.int32)
+        total = np.empty(GROUP * BM * BN, np.int64)
         part[:] = 0  # K = 0: no step writes it
         if amx:
             _tiles_begin(cfg)
@@ -361,14 +361,14 @@ def _make_gemm(isa, code, narrow, group=None, steps_at_once=None):
             _wide()
         for t in range(start, stop):
             g, mb = t // mblocks, t % mblocks
-            nb0, nb1 = g * group, min(g * group + group, nblocks)
+            nb0, nb1 = g * GROUP, min(g * GROUP + GROUP, nblocks)
             m0 = mb * BM
             rows = min(BM, mlen - m0)
             rows_of_a = a[mb]
             for k0 in range(0, steps, chunk):  # int32 holds KMAX k at most: longer K adds up in int64
                 k1 = min(k0 + chunk, steps)
-                for s0 in range(k0, k1, steps_at_once):
-                    s1 = min(s0 + steps_at_once, k1)
+                for s0 in range(k0, k1, STEPS):
+                    s1 = min(s0 + STEPS, k1)
                     for nb in range(nb0, nb1):
                         blk = part[(nb - nb0) * BM * BN:]
                         _block(which, rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
@@ -406,15 +406,10 @@ def gemm(isa, code, narrow):
 _kernel = functools.cache(_make_gemm)
 
 
-def tasks(m, n, group=None):
+def tasks(m, n):
     """``gemm``'s task count for an ``(m, n)`` result: blocks of 32 rows by
     ``GROUP`` blocks of 32 columns."""
-    return -(-m // BM) * -(-n // (BN * (group or GROUP)))
-
-
-# products (M * K * N) from which a call wakes the pool: waking it costs as
-# much as ~2**24 products (``_gemm.SMALL_WORK``)
-SMALL_WORK = 1 << 24
+    return -(-m // BM) * -(-n // (BN * GROUP))
 
 
 _kept = threading.local()
