@@ -27,10 +27,11 @@ from ._dtypes import qdtype, qint8, quint8
 from ._params import float_values, to_host
 from ._qarray import QArray
 from .backends import user_array
+from .ops.block_linear import block_linear, q8_supported
 from .ops.conv import check_conv_args, conv_packed, pack_conv_weight
 from .ops.linear import PackedWeight, _check_operand
 
-__all__ = ["Linear", "Conv2d", "DynamicLinear"]
+__all__ = ["Linear", "Conv2d", "DynamicLinear", "BlockLinear"]
 
 
 def _float_weight(name, w, ndim):
@@ -303,3 +304,40 @@ class DynamicLinear:
                    f"{'per_channel' if self.weight.axis is not None else 'per_tensor'}"
         return (f"DynamicLinear(in_features={self.in_features}, out_features={self.out_features}, {kind}, "
                 f"bias={self.bias is not None})")
+
+
+class BlockLinear:
+    """``x @ weight.T + bias`` for block-format weights (GGUF's Q4_0 ... Q6_K, IQ4_XS, the grouped
+    formats such as ``int4_g128_f16``), packed once for Q8_0 activations: each call gives what
+    ``qarray.linear(x, weight, bias, dtype=dtype)`` gives, bit for bit (the exact contracts of
+    :mod:`qarray.ops.block_linear`), a float32 array (or ``dtype``'s). ``x`` is a float array, or
+    Q8_0 activations, ``qarray.quantize(x, dtype="Q8_0")``, whose integer dot products run on the
+    packed weights where the backend packs them (NumPy with Numba: 16 rows side by side for VNNI).
+
+    >>> w = qarray.quantize(numpy.linspace(-1, 1, 4 * 64, dtype=numpy.float32).reshape(4, 64), dtype="Q4_0")
+    >>> layer = BlockLinear(w)
+    >>> x = qarray.quantize(numpy.ones((2, 64), numpy.float32), dtype="Q8_0")
+    >>> bool((layer(x) == qarray.linear(x, w)).all())
+    True
+    """
+
+    def __init__(self, weight: QArray, bias=None):
+        if not isinstance(weight, QArray) or weight.dtype.kind != "block":
+            raise TypeError(f"BlockLinear takes a block-format QArray weight (qarray.quantize(w, dtype='Q4_0'), "
+                            f"a GGUF or Hugging Face checkpoint's), got {getattr(weight, 'dtype', type(weight))}; "
+                            "for int8 weights use qarray.nn.Linear")
+        if weight.ndim != 2:
+            raise ValueError(f"BlockLinear: weight must be (out_features, in_features), got {weight.shape}")
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        fmt = weight.dtype.layout
+        takes_q8 = q8_supported(fmt) is None and weight.columns is None
+        self._packed = weight._backend.pack_blocks(weight.data, fmt) if takes_q8 else None
+
+    def __call__(self, x, dtype=None):
+        return block_linear(x, self.weight, self.bias, dtype, packed=self._packed)
+
+    def __repr__(self):
+        return (f"BlockLinear(in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_dtype={self.weight.dtype.name}, bias={self.bias is not None}, "
+                f"packed={self._packed is not None})")

@@ -602,3 +602,16 @@ def fails(capsys, status, message, *argv):
 def rows(out):
     """The body rows of the rich tables in ``out``, as lists of cell texts."""
     return [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+
+
+def force_isa(monkeypatch, name):
+    """The CPU kernels on instruction set ``name``, the ones above it turned off (skips where this CPU
+    lacks it): the ``only`` fixtures of test_cpu_gemm and test_block_linear."""
+    from qarray.backends.cpu import isa
+
+    ok, why = isa.usable(name)
+    if not ok:
+        pytest.skip(f"{name}: {why}")
+    monkeypatch.setattr(isa, "OFF", set(isa.ORDER[:isa.ORDER.index(name)]))
+    assert isa.best() == name
+    return name

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from _reference import assert_same
+import qarray.nn as qnn
+from _reference import assert_same, force_isa
 from qarray import QArray, _blocks
 from qarray._config import THREADS
 
@@ -375,3 +376,107 @@ def test_dask(rng):
     y = qa.linear(xq, w, bias)
     assert isinstance(y, da.Array)
     assert_same(y.compute(), qa.linear(qa.quantize(x, dtype="Q8_0"), w, bias))
+
+
+# -- BlockLinear: Q8_0 activations on weights packed once (cpu/blocks.py's PackedQ8, VNNI dots) ------
+
+@pytest.fixture(params=["avx512vnni", "avxvnni", "portable"])  # (AMX's dots are AVX-512 VNNI's)
+def only(request, monkeypatch):
+    pytest.importorskip("numba")
+    return force_isa(monkeypatch, request.param)
+
+
+def _generic(xq, w, bias=None):
+    """The Q8_0 contract by the generic NumPy code (int64 sums; ``test_q8_activations`` checks it
+    against ``ref_q8``)."""
+    with qa.config.using(numba=False):
+        return qa.linear(xq, w, bias)
+
+
+@pytest.mark.parametrize("name", Q8)
+def test_packed_q8_every_format(name, rng, only):
+    """Every Q8 format on each instruction set: 37 rows (two groups of 16 and a part), one row of x
+    and five, with and without bias, against the generic code, bit for bit."""
+    k_len = _k(name)
+    w = weights(name, 37, k_len, rng)
+    bias = rng.standard_normal(37)
+    layer, plain = qnn.BlockLinear(w, bias), qnn.BlockLinear(w)
+    assert layer._packed is not None
+    for m in (1, 5):
+        xq = qa.quantize(rng.standard_normal((m, k_len)).astype(np.float32) * 3, dtype="Q8_0")
+        assert_same(layer(xq), _generic(xq, w, bias))
+        assert_same(plain(xq), _generic(xq, w))
+
+
+def _blocks_of(name, n, fields):
+    fmt = _blocks.get(name)
+    return QArray.from_blocks(fmt.pack(fields).reshape(n, -1), name)
+
+
+@pytest.mark.parametrize("name", ["uint4_g64_f16_zp", "uint8_g32_f16_zp", "Q8_0", "IQ4_NL", "Q6_K"])
+def test_packed_q8_extremes(name, only):
+    """Codes at both ends of the format, zero points at both ends, activations at -128 and 127 (the
+    largest integer sums, through the u = value - vmin shift), a float16 scale at 65504: against the
+    contract written out (``ref_q8``), bit for bit."""
+    fmt = _blocks.get(name)
+    k_len, n = 2 * fmt.block if fmt.block < 128 else fmt.block, 19  # a group of 16 rows and a part
+    nblocks = n * k_len // fmt.block
+    raw = np.zeros((nblocks, fmt.nbytes), np.uint8)
+    fields = fmt.unpack(raw)
+    top = len(fmt.values) - 1
+    b = np.arange(nblocks)[:, None]
+    fields["q"] = np.select([b % 3 == 0, b % 3 == 1], [top, 0], np.arange(fields["q"].shape[1]) % 2 * top
+                            ).astype(fields["q"].dtype)  # all top, all 0, alternating
+    for fname, f in fmt.fields.items():
+        if f.view == np.float16:
+            fields[fname] = np.full(fields[fname].shape, 65504 if fname == "d" else 0.5, np.float16)
+        elif fname == "sc":
+            fields[fname] = np.full(fields[fname].shape, 127 if f.view == np.int8 else 63, fields[fname].dtype)
+    if fmt.zero is not None:  # zero points at both ends, block by block
+        zmax = (1 << fmt.fields[fmt.zero].bits) - 1
+        fields[fmt.zero] = (np.where(b % 2 == 0, 0, zmax) * np.ones(fields[fmt.zero].shape, np.int64)
+                            ).astype(fields[fmt.zero].dtype)
+    w = _blocks_of(name, n, fields)
+    codes = np.ones((3, k_len), np.int64) * np.array([[127], [-128], [0]])
+    codes[2] = np.where(np.arange(k_len) % 3 == 0, -128, 127)
+    xq = QArray.from_blocks(_q8_0(np.full(3 * k_len // 32, 3.0), codes.reshape(-1, 32)).reshape(3, -1), "Q8_0")
+    want, _, _ = ref_q8(xq, w)
+    assert_same(qnn.BlockLinear(w)(xq), want)
+
+
+def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
+    """K = 8192 (128 pieces a row), 16 * 9 + 5 rows, both threads taking groups: the same bits as
+    one thread and as the generic code."""
+    from qarray.backends import _numba
+
+    monkeypatch.setattr(_numba, "GRAIN", 1)
+    w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
+    xq = qa.quantize(rng.standard_normal((3, 8192)).astype(np.float32), dtype="Q8_0")
+    layer, n = qnn.BlockLinear(w), THREADS[0]
+    try:
+        qa.set_num_threads(1)
+        one = layer(xq)
+        qa.set_num_threads(2)
+        assert_same(layer(xq), one)
+    finally:
+        qa.set_num_threads(n)
+    assert_same(one, _generic(xq, w))
+
+
+def test_block_linear_layer(rng):
+    """The layer: float activations through the float contract, the dtype asked for, formats the packed
+    path does not take (NF4: float x only), and its errors."""
+    w = weights("Q4_0", 20, 256, rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    layer = qnn.BlockLinear(w, np.ones(20, np.float32))
+    assert_same(layer(x), qa.linear(x, w, np.ones(20, np.float32)))
+    assert layer(qa.quantize(x, dtype="Q8_0"), dtype="float16").dtype == np.float16
+    assert "packed=True" in repr(layer)
+    nf4 = qnn.BlockLinear(weights("nf4_g64_f32", 4, 256, rng))
+    assert nf4._packed is None and "packed=False" in repr(nf4)
+    with pytest.raises(TypeError, match="lattice codebook|not integers"):
+        nf4(qa.quantize(x, dtype="Q8_0"))
+    with pytest.raises(TypeError, match="BlockLinear takes a block-format QArray weight"):
+        qnn.BlockLinear(qa.quantize(np.ones((2, 2), np.float32), 0.1, 0, "qint8"))
+    with pytest.raises(ValueError, match=r"BlockLinear: weight must be \(out_features, in_features\)"):
+        qnn.BlockLinear(weights("Q4_0", 4, 64, rng).reshape(2, 2, 64))

@@ -16,6 +16,7 @@ from qarray import QArray
 from qarray._fixed_point import IDENTITY
 from qarray.backends import _gemm
 from qarray.ops import linear
+from _reference import force_isa
 
 pytest.importorskip("numba")
 from qarray.backends.cpu import gemm, isa  # noqa: E402
@@ -25,12 +26,7 @@ from qarray.backends.cpu import gemm, isa  # noqa: E402
 def only(request, monkeypatch):
     """Instruction set ``request.param``, the ones above it turned off (skipped
     where this CPU lacks it)."""
-    ok, why = isa.usable(request.param)
-    if not ok:
-        pytest.skip(f"{request.param}: {why}")
-    monkeypatch.setattr(isa, "OFF", set(isa.ORDER[:isa.ORDER.index(request.param)]))
-    assert isa.best() == request.param
-    return request.param
+    return force_isa(monkeypatch, request.param)
 
 
 def raw(name, a, w, threads=None):

@@ -217,12 +217,17 @@ class Backend:
         dx = blocks[:, :, :2].copy().view(np.float16).reshape(m, nb).astype(np.float64)
         return dx, blocks[:, :, 2:].copy().view(np.int8).reshape(m, nb * 32)
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+    def pack_blocks(self, raw, fmt):
+        """Block-format rows ``raw`` of format ``fmt`` (one that takes Q8_0 activations) prepared once
+        for :meth:`block_linear_q8`'s ``packed``, or None where this backend has no packed path (here)."""
+        return None
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
         """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_0_parts`) against
         block-format rows ``raw`` of integer values
         (``qarray.ops.block_linear``'s Q8_0 contract): per piece of ``min(sub, 32)`` k, ``dx * s *
         isum + dx * o * xsum`` in float64, summed in order. The weights' integers and parameters are
-        read on the host (``BlockFormat.unpack``, ``parameters``)."""
+        read on the host (``BlockFormat.unpack``, ``parameters``); ``packed``: :meth:`pack_blocks`'s."""
         xp = self.xp
         dx, qx = self.q8_0_parts(xraw)
         blocks = np.ascontiguousarray(self.to_host(raw)).reshape(-1, fmt.nbytes)

@@ -203,7 +203,7 @@ class DaskBackend(Backend):
         inner = self._chunks_backend()
         return self._over_rows(lambda c, r: inner.block_linear(c, r, fmt, g, columns, bias), x, raw)
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):  # (None: Dask packs nothing)
         inner = self._chunks_backend()
         return self._over_rows(lambda c, r: inner.block_linear_q8(c, r, fmt, bias), xraw, raw)
 

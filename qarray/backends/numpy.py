@@ -359,7 +359,12 @@ class NumpyBackend(Backend):
                    grain=grain)
         return out
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None):
+    def pack_blocks(self, raw, fmt):
+        if not config.numba or _numba_kernels() is None or not _block_kernels().packable(fmt):
+            return None
+        return _block_kernels().PackedQ8(contiguous(raw), fmt)
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
         k = self._fast(raw)
         if k is None or not xraw.shape[0] or not raw.shape[0]:
             return super().block_linear_q8(xraw, raw, fmt, bias)
@@ -367,6 +372,8 @@ class NumpyBackend(Backend):
         dx, qx = self.q8_0_parts(xraw)
         n, k_len = raw.shape[0], qx.shape[1]
         out = np.empty((qx.shape[0], n), np.float32)
+        if packed is not None:
+            return blocks.linear_q8_packed(blocks.best(), dx, qx, packed, bias, out)
         blk = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blk)
         segments, values = fmt.plan

@@ -104,8 +104,9 @@ def _bias(b, bias, n):
     return b.param(h.astype(np.float64))
 
 
-def block_linear(x, w: QArray, bias=None, dtype=None, **given):
-    """``linear(x, w, bias, dtype=...)`` for a block-format ``w`` (the module's docstring)."""
+def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, **given):
+    """``linear(x, w, bias, dtype=...)`` for a block-format ``w`` (the module's docstring); ``packed``:
+    ``w`` as its backend's ``pack_blocks`` prepared it (:class:`qarray.nn.BlockLinear`), for Q8_0 ``x``."""
     used = [k for k in _KEYWORDS if given.get(k) is not None] + (["relu"] if given.get("relu") else [])
     if used:
         raise TypeError(f"linear with block-format weights ({w.dtype.name}) gives a float array; "
@@ -119,7 +120,7 @@ def block_linear(x, w: QArray, bias=None, dtype=None, **given):
             raise TypeError(f"linear with {w.dtype.name} weights takes float activations (float32, float16, "
                             f"bfloat16 arrays) or Q8_0 ones (qarray.quantize(x, dtype='Q8_0')), not "
                             f"{x.dtype.name}; dequantize x or quantize it to Q8_0")
-        return _q8(x, w, fmt, bias, dtype, n, k_len)
+        return _q8(x, w, fmt, bias, dtype, n, k_len, packed)
     x, b = _backends.user_array(x, "linear")
     if not _takes(x.dtype):
         raise TypeError(f"linear with block-format weights ({w.dtype.name}) takes float32, float16 or bfloat16 "
@@ -144,7 +145,7 @@ def _finish(y, lead, n, out_dtype):
     return y
 
 
-def _q8(xq, w, fmt, bias, dtype, n, k_len):
+def _q8(xq, w, fmt, bias, dtype, n, k_len, packed=None):
     why = q8_supported(fmt)
     if why is None and w.columns is not None:
         why = "w's columns are stored in act-order (w.columns), so its blocks do not meet x's"
@@ -159,5 +160,5 @@ def _q8(xq, w, fmt, bias, dtype, n, k_len):
                          f"{k_len} (in_features)")
     b = _backends.common(xq.data, w.data)
     lead = xq.shape[:-1]
-    y = b.block_linear_q8(xq.data.reshape(-1, xq.data.shape[-1]), w.data, fmt, _bias(b, bias, n))
+    y = b.block_linear_q8(xq.data.reshape(-1, xq.data.shape[-1]), w.data, fmt, _bias(b, bias, n), packed)
     return _finish(y, lead, n, out_dtype)

@@ -23,14 +23,20 @@ add alone would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .._numba import block_codes, block_values, kernel
+from .._numba import _wide, block_codes, block_values, kernel, parallel
+from .gemm import _ISAS
+from .isa import best, usable
 
 LANES = 64  # weight rows a task: the sums of 8 512-bit vectors (16 256-bit ones), enough independent
 # chains of adds to hide their latency (8 lanes ran 3.5x slower: each lane one add a k, in order)
@@ -259,3 +265,246 @@ def _make(source):
 
 
 linear_float, linear_dense, linear_q8 = _make(_HELPERS)
+
+
+# -- Q8_0 activations against packed weights: VNNI dots on 16 weight rows side by side ---------------
+#
+# ``pack_q8`` lays a weight's integer values out once as groups of ``ROWS`` rows: each row's values
+# made unsigned, ``u = value - vmin`` (``vmin`` the format's smallest value), 4 consecutive k of the
+# 16 rows in one 64-byte line: byte ``4 l + b`` of line ``j`` is row ``l``'s ``u`` at ``k = 4 j +
+# b``, the operand of one ``vpdpbusd`` against 4 bytes of ``x`` broadcast. Formats of 16 codes or
+# fewer keep their codes, two to a byte (line ``j``: ``k = 8 j + b`` in the low nibbles, ``8 j + 4 +
+# b`` in the high ones), and a table ``lut[code] = u``, applied by ``vpshufb``. Per piece of ``P`` k,
+# ``isum = sum(u * qx) + shift * xsum`` with ``shift = vmin - zero``: ``sum(qx * (value - zero))``
+# exactly, the contract's integer.
+
+ROWS = 16  # weight rows of a group: the int32 lanes of one 512-bit vpdpbusd
+
+
+class PackedQ8:
+    """A block-format weight ``(N, K)`` packed for Q8_0 activations (the section's comment):
+    ``codes`` uint8 ``(groups, lines, 64)``; ``nib`` whether two codes share a byte; ``lut`` uint8
+    ``(16,)``; ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
+    ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``)."""
+
+    __slots__ = ("n", "k", "piece", "codes", "nib", "lut", "s", "o", "has_o", "shift", "has_zero")
+
+    def __init__(self, raw, fmt):
+        blocks = np.ascontiguousarray(raw).reshape(-1, fmt.nbytes)
+        self.n, self.k = raw.shape[0], raw.shape[1] // fmt.nbytes * fmt.block
+        n, k = self.n, self.k
+        self.piece = piece = min(fmt.sub, 32)
+        g = -(-n // ROWS)
+        vmin = int(fmt.values.min())
+        u_of = (fmt.values - vmin).astype(np.int64)
+        codes = fmt.fields["q"].unpack(blocks).reshape(n, k)
+        self.nib = len(fmt.values) <= 16
+        self.lut = np.zeros(16, np.uint8)
+        if self.nib:
+            self.lut[:len(u_of)] = u_of
+            c = codes.astype(np.uint8)
+        else:
+            c = u_of[codes].astype(np.uint8)
+        rows = np.zeros((g * ROWS, k), np.uint8)
+        rows[:n] = c
+        if self.nib:  # (g, 16, k/8, lo|hi, 4) -> (g, k/8, 16, 4) bytes of lo | hi << 4
+            r = rows.reshape(g, ROWS, k // 8, 2, 4)
+            lines = (r[:, :, :, 0] | (r[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+        else:
+            lines = rows.reshape(g, ROWS, k // 4, 4).transpose(0, 2, 1, 3)
+        self.codes = np.ascontiguousarray(lines).reshape(g, -1, 64)
+        s, o, z = fmt.parameters(blocks)
+        each = fmt.sub // piece  # pieces a sub-block
+
+        def by_piece(p, dtype):
+            full = np.zeros((g * ROWS, k // piece), dtype)
+            full[:n] = np.repeat(p.reshape(n, -1), each, axis=1)
+            return np.ascontiguousarray(full.reshape(g, ROWS, -1).transpose(0, 2, 1))
+
+        self.s = by_piece(s, np.float32)
+        self.has_o, self.has_zero = o is not None, z is not None
+        self.o = by_piece(o, np.float32) if self.has_o else np.zeros((1, 1, ROWS), np.float32)
+        self.shift = by_piece(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
+            np.full((1, 1, ROWS), vmin, np.int32)
+
+
+def packable(fmt) -> bool:
+    """Whether :class:`PackedQ8` takes ``fmt`` (a format ``q8_supported`` takes): values no more than
+    255 apart, and pieces of whole lines (``K`` a multiple of 8 is the format's block)."""
+    v = fmt.values
+    return v is not None and float(v.max() - v.min()) <= 255 and fmt.block % 8 == 0 and min(fmt.sub, 32) % 8 == 0
+
+
+_P8 = ir.IntType(8).as_pointer()
+
+
+def _make_dot(width, nib):
+    """``isums[p, 0:16] = sum over piece p's lines of u * x`` for every piece of a row ``x`` (the
+    section's comment) by ``vpdpbusd`` on ``width`` int32 lanes (16: AVX-512 VNNI; 8: AVX-VNNI, two a
+    line): ``codes`` a group's lines, ``lines`` a piece's; ``nib``: two codes a byte, through ``lut``."""
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vec, bytes_ = ir.VectorType(i32, width), ir.VectorType(i8, width * 4)
+    halves, per = ROWS // width, 8 if nib else 4  # vectors a line; k a line
+
+    def fn(builder, name, ret, args):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+    def const(v):
+        return ir.Constant(i64, v)
+
+    @intrinsic
+    def dot(typingctx, codes, lines, lut, x, isums):
+        def codegen(context, builder, sig, args):
+            codes_, lut_, x_, isums_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4))
+            lines = args[1]
+            pieces = builder.extract_value(isums_.shape, 0)
+            c, xp = builder.bitcast(codes_.data, _P8), builder.bitcast(x_.data, _P8)
+            out = builder.bitcast(isums_.data, i32.as_pointer())
+            vpdpbusd = fn(builder, f"llvm.x86.avx512.vpdpbusd.{width * 32}", vec, [vec] * 3)
+            shuffle = fn(builder, "llvm.x86.avx512.pshuf.b.512" if width == 16 else "llvm.x86.avx2.pshuf.b", bytes_,
+                         [bytes_, bytes_])
+            table = builder.load(builder.bitcast(lut_.data, ir.VectorType(i8, 16).as_pointer()), align=1)
+            table = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(i32, width * 4),
+                                                                     [i % 16 for i in range(width * 4)]))
+            # two chains of vpdpbusd a half (even and odd lines: a piece has an even count), added at the end
+            accs = [[cgutils.alloca_once(builder, vec) for _ in range(2)] for _ in range(halves)]
+            with cgutils.for_range(builder, pieces) as piece:
+                for a in accs:
+                    for a2 in a:
+                        builder.store(ir.Constant(vec, [0] * width), a2)
+                first = builder.mul(piece.index, lines)
+                with cgutils.for_range(builder, builder.udiv(lines, const(2))) as loop:
+                    for parity in range(2):
+                        t = builder.add(first, builder.add(builder.mul(loop.index, const(2)), const(parity)))
+                        line = builder.gep(c, [builder.mul(t, const(64))])
+                        words = []
+                        for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
+                            xa = builder.gep(xp, [builder.add(builder.mul(t, const(per)), const(4 * j))])
+                            w = builder.load(builder.bitcast(xa, i32.as_pointer()), align=1)
+                            w = builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0))
+                            words.append(builder.shuffle_vector(w, ir.Constant(vec, None),
+                                                                ir.Constant(vec, [0] * width)))
+                        for h in range(halves):
+                            v = builder.load(builder.bitcast(builder.gep(line, [const(h * width * 4)]),
+                                                             bytes_.as_pointer()), align=1)
+                            ops = [v]
+                            if nib:  # the low and high nibbles, each through the table
+                                ops = [builder.call(shuffle, [table, o]) for o in
+                                       (builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
+                                        builder.lshr(v, ir.Constant(bytes_, [4] * width * 4)))]
+                            acc = builder.load(accs[h][parity])
+                            for o, w in zip(ops, words):
+                                acc = builder.call(vpdpbusd, [acc, builder.bitcast(o, vec), w])
+                            builder.store(acc, accs[h][parity])
+                row = builder.gep(out, [builder.mul(piece.index, const(ROWS))])
+                for h, (even, odd) in enumerate(accs):
+                    builder.store(builder.add(builder.load(even), builder.load(odd)),
+                                  builder.bitcast(builder.gep(row, [const(h * width)]), vec.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(codes, lines, lut, x, isums), codegen
+
+    return dot
+
+
+_dot512, _dot512n, _dot256, _dot256n = (_make_dot(w, n) for w in (16, 8) for n in (False, True))
+
+
+@njit(inline="always")
+def _dot_portable(codes, lines, nib, lut, x, isums):
+    """:func:`_make_dot`'s sums in plain loops."""
+    isums[:] = 0
+    per = 8 if nib else 4
+    for p in range(isums.shape[0]):
+        acc = isums[p]
+        for t in range(p * lines, p * lines + lines):
+            line = codes[t]
+            for l in range(ROWS):
+                s = np.int32(0)
+                for b in range(4):
+                    c = line[4 * l + b]
+                    if nib:
+                        s += np.int32(lut[c & 15]) * np.int32(x[t * per + b])
+                        s += np.int32(lut[c >> 4]) * np.int32(x[t * per + 4 + b])
+                    else:
+                        s += np.int32(c) * np.int32(x[t * per + b])
+                acc[l] += s
+
+
+@njit(inline="always")
+def _dot(isa, codes, lines, nib, lut, x, isums):
+    """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's),
+    named as globals (``gemm._block``)."""
+    if isa <= 1:
+        if nib:
+            _dot512n(codes, lines, lut, x, isums)
+        else:
+            _dot512(codes, lines, lut, x, isums)
+    elif isa == 2:
+        if nib:
+            _dot256n(codes, lines, lut, x, isums)
+        else:
+            _dot256(codes, lines, lut, x, isums)
+    else:
+        _dot_portable(codes, lines, nib, lut, x, isums)
+
+
+def _make_packed(isa):
+    which, wide = _ISAS.index(isa), isa in ("amx", "avx512vnni")
+
+    @kernel
+    def linear_packed(dx, qx, xsum, codes, nib, lut, s, o, has_o, shift, has_zero, bias, has_bias, out, start,
+                      stop):
+        """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
+        32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
+        if wide:
+            _wide()
+        m_len, k_len = qx.shape
+        n_len = out.shape[1]
+        pieces = s.shape[1]
+        piece = k_len // pieces
+        lines = piece // (8 if nib else 4)
+        acc = np.empty((m_len, ROWS), np.float64)
+        isums = np.empty((pieces, ROWS), np.int32)
+        for g in range(start, stop):
+            cg, sg = codes[g], s[g]
+            for m in range(m_len):
+                _dot(which, cg, lines, nib, lut, qx[m], isums)
+                a = acc[m]
+                a[:] = 0
+                for p in range(pieces):
+                    sp, ip = sg[p], isums[p]
+                    op = o[g, p] if has_o else o[0, 0]
+                    hp = shift[g, p] if has_zero else shift[0, 0]
+                    xs = xsum[m, p]
+                    d = dx[m, p * piece // 32]
+                    for l in range(ROWS):
+                        term = d * np.float64(sp[l]) * np.float64(ip[l] + hp[l] * xs)
+                        if has_o:
+                            term += d * np.float64(op[l]) * np.float64(xs)
+                        a[l] += term
+            _store(acc, bias, has_bias, out, g * ROWS, min(ROWS, n_len - g * ROWS))
+
+    return linear_packed
+
+
+_packed_kernel = functools.cache(_make_packed)
+
+
+def linear_q8_packed(isa, dx, qx, w: PackedQ8, bias, out, threads=None):
+    """``out`` (M, N) = mode 2 of Q8_0 rows ``dx``, ``qx`` against packed ``w``, on instruction set
+    ``isa`` (``isa.usable``'s), on the pool's threads or one."""
+    ok, why = usable(isa)
+    if not ok:
+        raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
+    m = qx.shape[0]
+    xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
+    args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.nib, w.lut, w.s, w.o, w.has_o,
+            w.shift, w.has_zero, np.zeros(1) if bias is None else bias, bias is not None, out)
+    kernel = _packed_kernel(isa)
+    groups = w.codes.shape[0]
+    if threads == 1:
+        kernel(*args, 0, groups)
+    else:
+        parallel(kernel, groups, *args, grain=max(1, (1 << 18) // (ROWS * w.k * (m + 4))))
+    return out
