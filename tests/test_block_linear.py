@@ -480,3 +480,25 @@ def test_block_linear_layer(rng):
         qnn.BlockLinear(qa.quantize(np.ones((2, 2), np.float32), 0.1, 0, "qint8"))
     with pytest.raises(ValueError, match=r"BlockLinear: weight must be \(out_features, in_features\)"):
         qnn.BlockLinear(weights("Q4_0", 4, 64, rng).reshape(2, 2, 64))
+
+
+def test_q8_0_quantizer_kernel(rng, kernels):
+    """Activations to Q8_0 (cpu/blocks.py's quantize_q8_0 where Numba runs): the bytes of ggml's
+    quantize_row_q8_0_ref as gguf-py computes it (``_ggml._q8_0``), at the roundings' edges: halves
+    (away from zero), zeros and -0.0, the smallest subnormal, float32's largest values (d rounds to
+    float16 inf), magnitudes from 2^-43 to 2^43."""
+    fmt = _blocks.get("Q8_0")
+    halves = np.tile((np.arange(32) - 16 + 0.5).astype(np.float32), (8, 1))
+    halves[:, 0] = 127  # d = 1: x * id = k + 0.5 exactly
+    zeros = np.zeros((3, 32), np.float32)
+    zeros[1, 3], zeros[2, 5] = -0.0, 1e-45
+    xs = [(rng.standard_normal((16, 1024)) * np.exp(rng.uniform(-30, 30, (16, 1)))).astype(np.float32), halves,
+          zeros, np.where(rng.standard_normal((2, 32)) < 0, -3.4e38, 3.4e38).astype(np.float32)]
+    for x in xs:
+        with np.errstate(over="ignore"):
+            want = fmt.pack(fmt.quantize(x.reshape(-1, 32))).reshape(len(x), -1)
+            got = qa.quantize(x, dtype="Q8_0").data
+        assert np.array_equal(got, want)
+    q = qa.quantize(halves, dtype="Q8_0").fields["q"].reshape(8, 32).view(np.int8)[0]
+    v = halves[0, 1:]  # -14.5 .. 15.5: halves away from zero
+    assert q[0] == 127 and (q[1:] == np.where(v < 0, np.floor(v), np.ceil(v))).all()

@@ -359,6 +359,20 @@ class NumpyBackend(Backend):
                    grain=grain)
         return out
 
+    def q8_0_quantizer(self):
+        """``fill(x, out)``: float32 blocks ``x`` (n, 32) as Q8_0's bytes ``out`` (n, 34), ggml's rounding
+        (``_ggml._q8_0``) on the Numba kernel; None without Numba."""
+        if not config.numba or _numba_kernels() is None:
+            return None
+        k, blocks = _numba_kernels(), _block_kernels()
+
+        def fill(x, out):
+            d = np.empty(len(x), np.float32)
+            k.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out, grain=k.GRAIN // 32)
+            out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+        return fill
+
     def pack_blocks(self, raw, fmt):
         if not config.numba or _numba_kernels() is None or not _block_kernels().packable(fmt):
             return None

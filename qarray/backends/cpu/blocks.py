@@ -508,3 +508,29 @@ def linear_q8_packed(isa, dx, qx, w: PackedQ8, bias, out, threads=None):
     else:
         parallel(kernel, groups, *args, grain=max(1, (1 << 18) // (ROWS * w.k * (m + 4))))
     return out
+
+
+@kernel
+def quantize_q8_0(x, bits, d, out, start, stop):
+    """Q8_0 blocks ``start .. stop`` of float32 ``x`` (n, 32), as ggml's ``quantize_row_q8_0_ref`` (and
+    ``qarray._ggml._q8_0``) compute them: ``d = max|x| / 127`` and ``id = 1 / d`` (0 where d is 0) in
+    float32, ``codes = roundf(x * id)`` (the product in float32, halves away from zero); ``d`` (n,)
+    float32, turned to float16 by the caller; the codes into ``out[:, 2:34]``. ``bits``: ``x`` viewed as int32, whose magnitudes
+    (sign cleared) order as the finite values do: an integer max, which vectorizes."""
+    _wide()
+    top = np.zeros(1, np.int32)
+    for b in range(start, stop):
+        row, m = x[b], np.int32(0)
+        for j in range(32):
+            m = max(m, bits[b, j] & np.int32(0x7FFFFFFF))
+        top[0] = m
+        db = top.view(np.float32)[0] / np.float32(127)
+        inv = np.float32(1) / db if db != 0 else np.float32(0)
+        d[b] = db
+        codes = out[b, 2:]
+        for j in range(32):
+            v = np.float64(row[j] * inv)
+            a = abs(v)
+            f = np.floor(a)
+            r = f + np.floor(2 * (a - f))
+            codes[j] = np.uint8(np.int32(-r if v < 0 else r) & 0xFF)
