@@ -396,13 +396,14 @@ def _generic(xq, w, bias=None):
 @pytest.mark.parametrize("name", Q8)
 def test_packed_q8_every_format(name, rng, only):
     """Every Q8 format on each instruction set: 37 rows (two groups of 16 and a part), one row of x
-    and five, with and without bias, against the generic code, bit for bit."""
+    and nine (a call of RM = 8 rows, then one), with and without bias, against the generic code, bit
+    for bit."""
     k_len = _k(name)
     w = weights(name, 37, k_len, rng)
     bias = rng.standard_normal(37)
     layer, plain = qnn.BlockLinear(w, bias), qnn.BlockLinear(w)
     assert layer._packed is not None
-    for m in (1, 5):
+    for m in (1, 9):
         xq = qa.quantize(rng.standard_normal((m, k_len)).astype(np.float32) * 3, dtype="Q8_0")
         assert_same(layer(xq), _generic(xq, w, bias))
         assert_same(plain(xq), _generic(xq, w))
@@ -437,9 +438,9 @@ def test_packed_q8_extremes(name, only):
         fields[fmt.zero] = (np.where(b % 2 == 0, 0, zmax) * np.ones(fields[fmt.zero].shape, np.int64)
                             ).astype(fields[fmt.zero].dtype)
     w = _blocks_of(name, n, fields)
-    codes = np.ones((3, k_len), np.int64) * np.array([[127], [-128], [0]])
-    codes[2] = np.where(np.arange(k_len) % 3 == 0, -128, 127)
-    xq = QArray.from_blocks(_q8_0(np.full(3 * k_len // 32, 3.0), codes.reshape(-1, 32)).reshape(3, -1), "Q8_0")
+    codes = np.ones((9, k_len), np.int64) * np.array([[127], [-128], [0]] * 3)  # RM = 8 rows, then one
+    codes[2::3] = np.where(np.arange(k_len) % 3 == 0, -128, 127)
+    xq = QArray.from_blocks(_q8_0(np.full(9 * k_len // 32, 3.0), codes.reshape(-1, 32)).reshape(9, -1), "Q8_0")
     want, _, _ = ref_q8(xq, w)
     assert_same(qnn.BlockLinear(w)(xq), want)
 
@@ -451,7 +452,7 @@ def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
 
     monkeypatch.setattr(_numba, "GRAIN", 1)
     w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
-    xq = qa.quantize(rng.standard_normal((3, 8192)).astype(np.float32), dtype="Q8_0")
+    xq = qa.quantize(rng.standard_normal((11, 8192)).astype(np.float32), dtype="Q8_0")
     layer, n = qnn.BlockLinear(w), THREADS[0]
     try:
         qa.set_num_threads(1)

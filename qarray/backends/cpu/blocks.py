@@ -338,13 +338,19 @@ def packable(fmt) -> bool:
 _P8 = ir.IntType(8).as_pointer()
 
 
-def _make_dot(width, nib):
-    """``isums[p, 0:16] = sum over piece p's lines of u * x`` for every piece of a row ``x`` (the
-    section's comment) by ``vpdpbusd`` on ``width`` int32 lanes (16: AVX-512 VNNI; 8: AVX-VNNI, two a
-    line): ``codes`` a group's lines, ``lines`` a piece's; ``nib``: two codes a byte, through ``lut``."""
-    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+def _make_dot(width, nib, count):
+    """Mode 2 for rows ``m0 .. m0 + count`` of ``x`` against one group (the section's comment):
+    ``acc[r, 0:16]`` = the float64 sum over the pieces, in order, of ``dx * s * isum (+ dx * o *
+    xsum)``, ``isum`` summed by ``vpdpbusd`` on ``width`` int32 lanes (16: AVX-512 VNNI; 8: AVX-VNNI,
+    two a line) and the sums kept in registers from piece to piece. ``codes`` are the group's lines,
+    ``lines`` a piece's; ``nib``: two codes a byte, through ``lut``. Each line is loaded and decoded
+    once for the ``count`` rows; one row sums in two chains (even and odd lines), for the adds'
+    latency. The float64 operations are LLVM's plain ones, unfused: each rounds as the contract's."""
+    i1, i8, i32, i64, f64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.DoubleType()
     vec, bytes_ = ir.VectorType(i32, width), ir.VectorType(i8, width * 4)
+    lanes32, lanes64 = ir.VectorType(i32, ROWS), ir.VectorType(f64, ROWS)
     halves, per = ROWS // width, 8 if nib else 4  # vectors a line; k a line
+    chains = 2 if count == 1 else 1
 
     def fn(builder, name, ret, args):
         return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
@@ -352,138 +358,184 @@ def _make_dot(width, nib):
     def const(v):
         return ir.Constant(i64, v)
 
+    def splat(builder, v, vtype):
+        v = builder.insert_element(ir.Constant(vtype, None), v, ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(i32, ROWS), [0] * ROWS))
+
     @intrinsic
-    def dot(typingctx, codes, lines, lut, x, isums):
+    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc):
         def codegen(context, builder, sig, args):
-            codes_, lut_, x_, isums_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4))
-            lines = args[1]
-            pieces = builder.extract_value(isums_.shape, 0)
-            c, xp = builder.bitcast(codes_.data, _P8), builder.bitcast(x_.data, _P8)
-            out = builder.bitcast(isums_.data, i32.as_pointer())
+            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 3, 5, 6, 7, 8, 10, 12)}
+            lines, m0 = args[1], args[4]
+            has_o, has_zero = (builder.icmp_signed("!=", args[i], ir.Constant(args[i].type, 0)) for i in (9, 11))
+
+            def row(i, index):  # bytes of row ``index`` of 2-D array argument i
+                a = arrays[i]
+                return builder.gep(builder.bitcast(a.data, _P8), [builder.mul(index, builder.extract_value(a.strides, 0))])
+
+            def load(ptr, vtype):
+                return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
+
+            pieces = builder.extract_value(arrays[7].shape, 0)
+            xrows = [row(3, builder.add(m0, const(r))) for r in range(count)]
+            sums = [row(5, builder.add(m0, const(r))) for r in range(count)]  # xsum's rows
+            scales = [row(6, builder.add(m0, const(r))) for r in range(count)]  # dx's rows
             vpdpbusd = fn(builder, f"llvm.x86.avx512.vpdpbusd.{width * 32}", vec, [vec] * 3)
             shuffle = fn(builder, "llvm.x86.avx512.pshuf.b.512" if width == 16 else "llvm.x86.avx2.pshuf.b", bytes_,
                          [bytes_, bytes_])
-            table = builder.load(builder.bitcast(lut_.data, ir.VectorType(i8, 16).as_pointer()), align=1)
+            table = builder.load(builder.bitcast(arrays[2].data, ir.VectorType(i8, 16).as_pointer()), align=1)
             table = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(i32, width * 4),
                                                                      [i % 16 for i in range(width * 4)]))
-            # two chains of vpdpbusd a half (even and odd lines: a piece has an even count), added at the end
-            accs = [[cgutils.alloca_once(builder, vec) for _ in range(2)] for _ in range(halves)]
+            accs = [[[cgutils.alloca_once(builder, vec) for _ in range(halves)] for _ in range(chains)]
+                    for _ in range(count)]
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(lanes64, [0.0] * ROWS)) for _ in range(count)]
+            c = builder.bitcast(arrays[0].data, _P8)
             with cgutils.for_range(builder, pieces) as piece:
-                for a in accs:
-                    for a2 in a:
-                        builder.store(ir.Constant(vec, [0] * width), a2)
-                first = builder.mul(piece.index, lines)
-                with cgutils.for_range(builder, builder.udiv(lines, const(2))) as loop:
+                p = piece.index
+                for a in (a for by_row in accs for by_chain in by_row for a in by_chain):
+                    builder.store(ir.Constant(vec, [0] * width), a)
+                first = builder.mul(p, lines)
+                with cgutils.for_range(builder, builder.udiv(lines, const(2))) as loop:  # (an even count)
                     for parity in range(2):
                         t = builder.add(first, builder.add(builder.mul(loop.index, const(2)), const(parity)))
                         line = builder.gep(c, [builder.mul(t, const(64))])
-                        words = []
-                        for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
-                            xa = builder.gep(xp, [builder.add(builder.mul(t, const(per)), const(4 * j))])
-                            w = builder.load(builder.bitcast(xa, i32.as_pointer()), align=1)
-                            w = builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0))
-                            words.append(builder.shuffle_vector(w, ir.Constant(vec, None),
-                                                                ir.Constant(vec, [0] * width)))
+                        ops = []  # each half's operands: the line's bytes, or its low and high nibbles' u
                         for h in range(halves):
-                            v = builder.load(builder.bitcast(builder.gep(line, [const(h * width * 4)]),
-                                                             bytes_.as_pointer()), align=1)
-                            ops = [v]
-                            if nib:  # the low and high nibbles, each through the table
-                                ops = [builder.call(shuffle, [table, o]) for o in
-                                       (builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
-                                        builder.lshr(v, ir.Constant(bytes_, [4] * width * 4)))]
-                            acc = builder.load(accs[h][parity])
-                            for o, w in zip(ops, words):
-                                acc = builder.call(vpdpbusd, [acc, builder.bitcast(o, vec), w])
-                            builder.store(acc, accs[h][parity])
-                row = builder.gep(out, [builder.mul(piece.index, const(ROWS))])
-                for h, (even, odd) in enumerate(accs):
-                    builder.store(builder.add(builder.load(even), builder.load(odd)),
-                                  builder.bitcast(builder.gep(row, [const(h * width)]), vec.as_pointer()), align=1)
+                            v = load(builder.gep(line, [const(h * width * 4)]), bytes_)
+                            ops.append([v] if not nib else [builder.call(shuffle, [table, o_]) for o_ in (
+                                builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
+                                builder.lshr(v, ir.Constant(bytes_, [4] * width * 4)))])
+                        for r in range(count):
+                            words = []
+                            for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
+                                xa = builder.gep(xrows[r], [builder.add(builder.mul(t, const(per)), const(4 * j))])
+                                w = builder.load(builder.bitcast(xa, i32.as_pointer()), align=1)
+                                words.append(builder.shuffle_vector(
+                                    builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0)),
+                                    ir.Constant(vec, None), ir.Constant(vec, [0] * width)))
+                            for h in range(halves):
+                                a = accs[r][parity % chains][h]
+                                acc = builder.load(a)
+                                for o_, w in zip(ops[h], words):
+                                    acc = builder.call(vpdpbusd, [acc, builder.bitcast(o_, vec), w])
+                                builder.store(acc, a)
+                # the piece's terms: isum = dots + shift * xsum (int32, exact), then float64
+                sp = builder.fpext(load(row(7, p), ir.VectorType(ir.FloatType(), ROWS)), lanes64)
+                hp = load(row(10, builder.select(has_zero, p, const(0))), lanes32)
+                op = builder.fpext(load(row(8, builder.select(has_o, p, const(0))), ir.VectorType(ir.FloatType(), ROWS)),
+                                   lanes64)
+                block = builder.udiv(builder.mul(first, const(per)), const(32))  # dx's block of the piece
+                for r in range(count):
+                    halves_ = []
+                    for h in range(halves):
+                        v = builder.load(accs[r][0][h])
+                        for k in range(1, chains):
+                            v = builder.add(v, builder.load(accs[r][k][h]))
+                        halves_.append(v)
+                    isum = halves_[0] if halves == 1 else builder.shuffle_vector(
+                        halves_[0], halves_[1], ir.Constant(ir.VectorType(i32, ROWS), list(range(ROWS))))
+                    xs = builder.load(builder.bitcast(builder.gep(sums[r], [builder.mul(p, const(4))]),
+                                                      i32.as_pointer()))
+                    isum = builder.add(isum, builder.mul(hp, splat(builder, xs, lanes32)))
+                    d = builder.load(builder.bitcast(builder.gep(scales[r], [builder.mul(block, const(8))]),
+                                                     f64.as_pointer()))
+                    dv = splat(builder, d, lanes64)
+                    term = builder.fmul(builder.fmul(dv, sp), builder.sitofp(isum, lanes64))
+                    offset = builder.fmul(builder.fmul(dv, op), splat(builder, builder.sitofp(xs, f64), lanes64))
+                    term = builder.select(has_o, builder.fadd(term, offset), term)
+                    builder.store(builder.fadd(builder.load(totals[r]), term), totals[r])
+            for r in range(count):
+                builder.store(builder.load(totals[r]), builder.bitcast(row(12, const(r)), lanes64.as_pointer()),
+                              align=1)
             return context.get_dummy_value()
 
-        return types.void(codes, lines, lut, x, isums), codegen
+        return types.void(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc), codegen
 
     return dot
-
-
-_dot512, _dot512n, _dot256, _dot256n = (_make_dot(w, n) for w in (16, 8) for n in (False, True))
+RM = 8  # rows of x a call of the dots takes, each line decoded once for them
+(_dot512, _dot512n, _dot256, _dot256n), (_dot512m, _dot512nm, _dot256m, _dot256nm) = (
+    [_make_dot(w, n, count) for w in (16, 8) for n in (False, True)] for count in (1, RM))
 
 
 @njit(inline="always")
-def _dot_portable(codes, lines, nib, lut, x, isums):
+def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc):
     """:func:`_make_dot`'s sums in plain loops."""
-    isums[:] = 0
     per = 8 if nib else 4
-    for p in range(isums.shape[0]):
-        acc = isums[p]
-        for t in range(p * lines, p * lines + lines):
-            line = codes[t]
+    isum = np.empty(ROWS, np.int32)
+    for r in range(count):
+        m = m0 + r
+        xr, a = x[m], acc[r]
+        a[:] = 0
+        for p in range(s.shape[0]):
+            isum[:] = 0
+            for t in range(p * lines, p * lines + lines):
+                line = codes[t]
+                for l in range(ROWS):
+                    for b in range(4):
+                        c = line[4 * l + b]
+                        if nib:
+                            isum[l] += np.int32(lut[c & 15]) * np.int32(xr[t * per + b])
+                            isum[l] += np.int32(lut[c >> 4]) * np.int32(xr[t * per + 4 + b])
+                        else:
+                            isum[l] += np.int32(c) * np.int32(xr[t * per + b])
+            xs = xsum[m, p]
+            d = dx[m, p * lines * per // 32]
+            hp = shift[p if has_zero else 0]
             for l in range(ROWS):
-                s = np.int32(0)
-                for b in range(4):
-                    c = line[4 * l + b]
-                    if nib:
-                        s += np.int32(lut[c & 15]) * np.int32(x[t * per + b])
-                        s += np.int32(lut[c >> 4]) * np.int32(x[t * per + 4 + b])
-                    else:
-                        s += np.int32(c) * np.int32(x[t * per + b])
-                acc[l] += s
+                term = d * np.float64(s[p, l]) * np.float64(isum[l] + hp[l] * xs)
+                if has_o:
+                    term += d * np.float64(o[p, l]) * np.float64(xs)
+                a[l] += term
 
 
 @njit(inline="always")
-def _dot(isa, codes, lines, nib, lut, x, isums):
-    """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's),
-    named as globals (``gemm._block``)."""
-    if isa <= 1:
-        if nib:
-            _dot512n(codes, lines, lut, x, isums)
+def _dot(isa, codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc):
+    """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's) for
+    rows ``m0 .. m0 + count`` of ``x`` (``count`` 1 or ``RM``), named as globals (``gemm._block``)."""
+    if isa == 3:
+        _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc)
+    elif count == 1:
+        if isa <= 1:
+            if nib:
+                _dot512n(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+            else:
+                _dot512(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+        elif nib:
+            _dot256n(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
         else:
-            _dot512(codes, lines, lut, x, isums)
-    elif isa == 2:
+            _dot256(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+    elif isa <= 1:
         if nib:
-            _dot256n(codes, lines, lut, x, isums)
+            _dot512nm(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
         else:
-            _dot256(codes, lines, lut, x, isums)
+            _dot512m(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+    elif nib:
+        _dot256nm(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
     else:
-        _dot_portable(codes, lines, nib, lut, x, isums)
+        _dot256m(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
 
 
 def _make_packed(isa):
-    which, wide = _ISAS.index(isa), isa in ("amx", "avx512vnni")
+    which = _ISAS.index(isa)
 
     @kernel
     def linear_packed(dx, qx, xsum, codes, nib, lut, s, o, has_o, shift, has_zero, bias, has_bias, out, start,
                       stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
-        if wide:
-            _wide()
         m_len, k_len = qx.shape
         n_len = out.shape[1]
-        pieces = s.shape[1]
-        piece = k_len // pieces
-        lines = piece // (8 if nib else 4)
-        acc = np.empty((m_len, ROWS), np.float64)
-        isums = np.empty((pieces, ROWS), np.int32)
+        lines = k_len // s.shape[1] // (8 if nib else 4)
+        acc = np.empty((RM, ROWS), np.float64)
         for g in range(start, stop):
-            cg, sg = codes[g], s[g]
-            for m in range(m_len):
-                _dot(which, cg, lines, nib, lut, qx[m], isums)
-                a = acc[m]
-                a[:] = 0
-                for p in range(pieces):
-                    sp, ip = sg[p], isums[p]
-                    op = o[g, p] if has_o else o[0, 0]
-                    hp = shift[g, p] if has_zero else shift[0, 0]
-                    xs = xsum[m, p]
-                    d = dx[m, p * piece // 32]
-                    for l in range(ROWS):
-                        term = d * np.float64(sp[l]) * np.float64(ip[l] + hp[l] * xs)
-                        if has_o:
-                            term += d * np.float64(op[l]) * np.float64(xs)
-                        a[l] += term
-            _store(acc, bias, has_bias, out, g * ROWS, min(ROWS, n_len - g * ROWS))
+            n0 = g * ROWS
+            og, hg = o[g if has_o else 0], shift[g if has_zero else 0]
+            for m0 in range(0, m_len, RM):
+                count = RM if m_len - m0 >= RM else 1
+                for m1 in range(m0, min(m0 + RM, m_len), count):
+                    _dot(which, codes[g], lines, nib, lut, qx, m1, count, xsum, dx, s[g], og, has_o, hg, has_zero,
+                         acc)
+                    _store(acc[:count], bias, has_bias, out[m1:m1 + count], n0, min(ROWS, n_len - n0))
 
     return linear_packed
 
