@@ -414,11 +414,12 @@ def _blocks_of(name, n, fields):
     return QArray.from_blocks(fmt.pack(fields).reshape(n, -1), name)
 
 
-@pytest.mark.parametrize("name", ["uint4_g64_f16_zp", "uint8_g32_f16_zp", "Q8_0", "IQ4_NL", "Q6_K"])
+@pytest.mark.parametrize("name", ["uint4_g64_f16_zp", "uint8_g32_f16_zp", "Q8_0", "IQ4_NL", "Q6_K", "Q4_K", "IQ4_XS"])
 def test_packed_q8_extremes(name, only):
     """Codes at both ends of the format, zero points at both ends, activations at -128 and 127 (the
-    largest integer sums, through the u = value - vmin shift), a float16 scale at 65504: against the
-    contract written out (``ref_q8``), bit for bit."""
+    largest integer sums, through the u = value - vmin shift), a float16 scale at 65504 and sub-block
+    scales at their ends (the two-level scales' int8: K-quants, IQ4_XS): against the contract written
+    out (``ref_q8``), bit for bit."""
     fmt = _blocks.get(name)
     k_len, n = 2 * fmt.block if fmt.block < 128 else fmt.block, 19  # a group of 16 rows and a part
     nblocks = n * k_len // fmt.block
@@ -431,8 +432,11 @@ def test_packed_q8_extremes(name, only):
     for fname, f in fmt.fields.items():
         if f.view == np.float16:
             fields[fname] = np.full(fields[fname].shape, 65504 if fname == "d" else 0.5, np.float16)
-        elif fname == "sc":
-            fields[fname] = np.full(fields[fname].shape, 127 if f.view == np.int8 else 63, fields[fname].dtype)
+        elif fname in ("scales", "mins"):  # sub-block scales at their ends (Q6_K's int8: 127 and -128)
+            top_sc = (1 << f.bits) - 1
+            ends = (127, 128) if f.bits == 8 else (top_sc, top_sc // 2)
+            fields[fname] = np.where(np.arange(fields[fname].shape[-1]) % 2 == 0, *ends).astype(fields[fname].dtype) \
+                * np.ones(fields[fname].shape, fields[fname].dtype)
     if fmt.zero is not None:  # zero points at both ends, block by block
         zmax = (1 << fmt.fields[fmt.zero].bits) - 1
         fields[fmt.zero] = (np.where(b % 2 == 0, 0, zmax) * np.ones(fields[fmt.zero].shape, np.int64)
@@ -442,7 +446,9 @@ def test_packed_q8_extremes(name, only):
     codes[2::3] = np.where(np.arange(k_len) % 3 == 0, -128, 127)
     xq = QArray.from_blocks(_q8_0(np.full(9 * k_len // 32, 3.0), codes.reshape(-1, 32)).reshape(9, -1), "Q8_0")
     want, _, _ = ref_q8(xq, w)
-    assert_same(qnn.BlockLinear(w)(xq), want)
+    layer = qnn.BlockLinear(w)
+    assert layer._packed.has_sc == (name in ("Q6_K", "Q4_K", "IQ4_XS")) and layer._packed.has_osc == (name == "Q4_K")
+    assert_same(layer(xq), want)
 
 
 def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):

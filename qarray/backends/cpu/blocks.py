@@ -285,9 +285,14 @@ class PackedQ8:
     """A block-format weight ``(N, K)`` packed for Q8_0 activations (the section's comment):
     ``codes`` uint8 ``(groups, lines, 64)``; ``nib`` whether two codes share a byte; ``lut`` uint8
     ``(16,)``; ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
-    ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``)."""
+    ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``). A
+    two-level scale (``has_sc``: the K-quants', IQ4_XS's) keeps ``s`` as its ``d``, ``(groups, blocks,
+    ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // per_block] *
+    sc[p]``; the offset likewise (``has_osc``, ``o`` and ``osc``). ``flags``: has_sc, has_o, has_osc,
+    has_zero as bits 0..3."""
 
-    __slots__ = ("n", "k", "piece", "codes", "nib", "lut", "s", "o", "has_o", "shift", "has_zero")
+    __slots__ = ("n", "k", "piece", "codes", "nib", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
+                 "has_zero", "per_block", "flags")
 
     def __init__(self, raw, fmt):
         blocks = np.ascontiguousarray(raw).reshape(-1, fmt.nbytes)
@@ -316,16 +321,48 @@ class PackedQ8:
         s, o, z = fmt.parameters(blocks)
         each = fmt.sub // piece  # pieces a sub-block
 
-        def by_piece(p, dtype):
-            full = np.zeros((g * ROWS, k // piece), dtype)
-            full[:n] = np.repeat(p.reshape(n, -1), each, axis=1)
+        def by_piece(p, dtype, per=1):  # (n, pieces // per) -> (g, pieces // per, ROWS)
+            full = np.zeros((g * ROWS, k // piece // per), dtype)
+            full[:n] = np.repeat(p.reshape(n, -1), each, axis=1) if per == 1 else p.reshape(n, -1)
             return np.ascontiguousarray(full.reshape(g, ROWS, -1).transpose(0, 2, 1))
 
-        self.s = by_piece(s, np.float32)
+        fields = fmt.unpack(blocks)
+        self.per_block = fmt.block // piece  # pieces a block: a two-level scale's d
         self.has_o, self.has_zero = o is not None, z is not None
-        self.o = by_piece(o, np.float32) if self.has_o else np.zeros((1, 1, ROWS), np.float32)
+        dummy_f, dummy_i = np.zeros((1, 1, ROWS), np.float32), np.zeros((1, 1, ROWS), np.int8)
+        self.s, self.sc, self.has_sc = by_piece(s, np.float32), dummy_i, False
+        two = _levels(fmt.scale, fields, s)
+        if two is not None:
+            self.s, self.sc, self.has_sc = by_piece(two[0], np.float32, self.per_block), by_piece(two[1], np.int8), True
+        self.o, self.osc, self.has_osc = dummy_f, dummy_i, False
+        if self.has_o:
+            two = fmt.offset and _levels(fmt.offset[0], fields, o, fmt.offset[1])
+            if two is not None:
+                self.o, self.osc, self.has_osc = by_piece(two[0], np.float32, self.per_block), by_piece(two[1], np.int8), \
+                    True
+            else:
+                self.o = by_piece(o, np.float32)
         self.shift = by_piece(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
+        self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
+
+
+def _levels(spec, fields, p, sign=1):
+    """A two-level parameter ``p`` (float32 ``(blocks, subs)``: the K-quants' ``d * scales[j]``, ``dmin *
+    mins[j]``) as ``(d (blocks,) float32, sc (blocks, subs) int8)`` with ``sign * d * sc == p`` bit for bit
+    (so its float64 product is ``p`` too: the float32 one is exact), or None (one level, a callable
+    spec, or any block where that does not hold): 5 bytes a block and one a piece where ``p`` takes
+    four a piece."""
+    if spec is None or callable(spec) or spec[0] is None or spec[1] is None or \
+            np.any(spec[1][1] != np.rint(spec[1][1])):  # (NVFP4's: a table of float scales)
+        return None
+    d = (fields[spec[0]].astype(np.float32) * np.float32(sign)).reshape(-1)
+    sc = spec[1][1][fields[spec[1][0]].astype(np.int64)].reshape(len(d), -1)
+    if sc.size and (sc.min() < -128 or sc.max() > 127):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        same = (d[:, None] * sc.astype(np.float32)).view(np.int32) == p.reshape(len(d), -1).view(np.int32)
+    return (d, sc.astype(np.int8)) if same.all() else None
 
 
 def packable(fmt) -> bool:
@@ -363,11 +400,13 @@ def _make_dot(width, nib, count):
         return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(i32, ROWS), [0] * ROWS))
 
     @intrinsic
-    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc):
+    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
         def codegen(context, builder, sig, args):
-            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 3, 5, 6, 7, 8, 10, 12)}
-            lines, m0 = args[1], args[4]
-            has_o, has_zero = (builder.icmp_signed("!=", args[i], ir.Constant(args[i].type, 0)) for i in (9, 11))
+            arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in (0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 14)}
+            lines, m0, flags, per_block = args[1], args[4], args[12], args[13]
+            has_sc, has_o, has_osc, has_zero = (builder.icmp_signed("!=", builder.and_(flags, const(1 << i)), const(0))
+                                                for i in range(4))
 
             def row(i, index):  # bytes of row ``index`` of 2-D array argument i
                 a = arrays[i]
@@ -376,7 +415,7 @@ def _make_dot(width, nib, count):
             def load(ptr, vtype):
                 return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
 
-            pieces = builder.extract_value(arrays[7].shape, 0)
+            pieces = builder.extract_value(arrays[5].shape, 1)
             xrows = [row(3, builder.add(m0, const(r))) for r in range(count)]
             sums = [row(5, builder.add(m0, const(r))) for r in range(count)]  # xsum's rows
             scales = [row(6, builder.add(m0, const(r))) for r in range(count)]  # dx's rows
@@ -420,10 +459,16 @@ def _make_dot(width, nib, count):
                                     acc = builder.call(vpdpbusd, [acc, builder.bitcast(o_, vec), w])
                                 builder.store(acc, a)
                 # the piece's terms: isum = dots + shift * xsum (int32, exact), then float64
-                sp = builder.fpext(load(row(7, p), ir.VectorType(ir.FloatType(), ROWS)), lanes64)
-                hp = load(row(10, builder.select(has_zero, p, const(0))), lanes32)
-                op = builder.fpext(load(row(8, builder.select(has_o, p, const(0))), ir.VectorType(ir.FloatType(), ROWS)),
-                                   lanes64)
+                def parameter(two, one_index, i, j):  # s (or o): one level, or d * sc (two, exact)
+                    f32s, i8s = ir.VectorType(ir.FloatType(), ROWS), ir.VectorType(i8, ROWS)
+                    d = builder.fpext(load(row(i, builder.select(two, builder.udiv(p, per_block), one_index)), f32s),
+                                      lanes64)
+                    sc = builder.sitofp(load(row(j, builder.select(two, p, const(0))), i8s), lanes64)
+                    return builder.select(two, builder.fmul(d, sc), d)
+
+                sp = parameter(has_sc, p, 7, 8)
+                op = parameter(has_osc, builder.select(has_o, p, const(0)), 9, 10)
+                hp = load(row(11, builder.select(has_zero, p, const(0))), lanes32)
                 block = builder.udiv(builder.mul(first, const(per)), const(32))  # dx's block of the piece
                 for r in range(count):
                     halves_ = []
@@ -445,11 +490,11 @@ def _make_dot(width, nib, count):
                     term = builder.select(has_o, builder.fadd(term, offset), term)
                     builder.store(builder.fadd(builder.load(totals[r]), term), totals[r])
             for r in range(count):
-                builder.store(builder.load(totals[r]), builder.bitcast(row(12, const(r)), lanes64.as_pointer()),
+                builder.store(builder.load(totals[r]), builder.bitcast(row(14, const(r)), lanes64.as_pointer()),
                               align=1)
             return context.get_dummy_value()
 
-        return types.void(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc), codegen
+        return types.void(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc), codegen
 
     return dot
 RM = 8  # rows of x a call of the dots takes, each line decoded once for them
@@ -458,15 +503,16 @@ RM = 8  # rows of x a call of the dots takes, each line decoded once for them
 
 
 @njit(inline="always")
-def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc):
+def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
     """:func:`_make_dot`'s sums in plain loops."""
     per = 8 if nib else 4
+    has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
     isum = np.empty(ROWS, np.int32)
     for r in range(count):
         m = m0 + r
         xr, a = x[m], acc[r]
         a[:] = 0
-        for p in range(s.shape[0]):
+        for p in range(xsum.shape[1]):
             isum[:] = 0
             for t in range(p * lines, p * lines + lines):
                 line = codes[t]
@@ -482,59 +528,62 @@ def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, s
             d = dx[m, p * lines * per // 32]
             hp = shift[p if has_zero else 0]
             for l in range(ROWS):
-                term = d * np.float64(s[p, l]) * np.float64(isum[l] + hp[l] * xs)
+                sp = np.float64(s[p // per_block, l]) * np.float64(sc[p, l]) if has_sc else np.float64(s[p, l])
+                term = d * sp * np.float64(isum[l] + hp[l] * xs)
                 if has_o:
-                    term += d * np.float64(o[p, l]) * np.float64(xs)
+                    op = np.float64(o[p // per_block, l]) * np.float64(osc[p, l]) if has_osc else np.float64(o[p, l])
+                    term += d * op * np.float64(xs)
                 a[l] += term
 
 
 @njit(inline="always")
-def _dot(isa, codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc):
+def _dot(isa, codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
     """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's) for
     rows ``m0 .. m0 + count`` of ``x`` (``count`` 1 or ``RM``), named as globals (``gemm._block``)."""
     if isa == 3:
-        _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, o, has_o, shift, has_zero, acc)
+        _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
     elif count == 1:
         if isa <= 1:
             if nib:
-                _dot512n(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+                _dot512n(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
             else:
-                _dot512(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+                _dot512(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
         elif nib:
-            _dot256n(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+            _dot256n(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
         else:
-            _dot256(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+            _dot256(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
     elif isa <= 1:
         if nib:
-            _dot512nm(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+            _dot512nm(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
         else:
-            _dot512m(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+            _dot512m(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
     elif nib:
-        _dot256nm(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+        _dot256nm(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
     else:
-        _dot256m(codes, lines, lut, x, m0, xsum, dx, s, o, has_o, shift, has_zero, acc)
+        _dot256m(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
 
 
 def _make_packed(isa):
     which = _ISAS.index(isa)
 
     @kernel
-    def linear_packed(dx, qx, xsum, codes, nib, lut, s, o, has_o, shift, has_zero, bias, has_bias, out, start,
-                      stop):
+    def linear_packed(dx, qx, xsum, codes, nib, lut, s, sc, o, osc, shift, flags, per_block, bias, has_bias, out,
+                      start, stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
         m_len, k_len = qx.shape
         n_len = out.shape[1]
-        lines = k_len // s.shape[1] // (8 if nib else 4)
+        lines = k_len // xsum.shape[1] // (8 if nib else 4)
         acc = np.empty((RM, ROWS), np.float64)
         for g in range(start, stop):
             n0 = g * ROWS
-            og, hg = o[g if has_o else 0], shift[g if has_zero else 0]
+            scg, og, oscg = sc[g if flags & 1 else 0], o[g if flags & 2 else 0], osc[g if flags & 4 else 0]
+            hg = shift[g if flags & 8 else 0]
             for m0 in range(0, m_len, RM):
                 count = RM if m_len - m0 >= RM else 1
                 for m1 in range(m0, min(m0 + RM, m_len), count):
-                    _dot(which, codes[g], lines, nib, lut, qx, m1, count, xsum, dx, s[g], og, has_o, hg, has_zero,
-                         acc)
+                    _dot(which, codes[g], lines, nib, lut, qx, m1, count, xsum, dx, s[g], scg, og, oscg, hg, flags,
+                         per_block, acc)
                     _store(acc[:count], bias, has_bias, out[m1:m1 + count], n0, min(ROWS, n_len - n0))
 
     return linear_packed
@@ -551,8 +600,9 @@ def linear_q8_packed(isa, dx, qx, w: PackedQ8, bias, out, threads=None):
         raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
     m = qx.shape[0]
     xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
-    args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.nib, w.lut, w.s, w.o, w.has_o,
-            w.shift, w.has_zero, np.zeros(1) if bias is None else bias, bias is not None, out)
+    args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.nib, w.lut, w.s, w.sc, w.o, w.osc,
+            w.shift, np.int64(w.flags), np.int64(w.per_block), np.zeros(1) if bias is None else bias, bias is not None,
+            out)
     kernel = _packed_kernel(isa)
     groups = w.codes.shape[0]
     if threads == 1:
