@@ -274,7 +274,9 @@ linear_float, linear_dense, linear_q8 = _make(_HELPERS)
 # 16 rows in one 64-byte line: byte ``4 l + b`` of line ``j`` is row ``l``'s ``u`` at ``k = 4 j +
 # b``, the operand of one ``vpdpbusd`` against 4 bytes of ``x`` broadcast. Formats of 16 codes or
 # fewer keep their codes, two to a byte (line ``j``: ``k = 8 j + b`` in the low nibbles, ``8 j + 4 +
-# b`` in the high ones), and a table ``lut[code] = u``, applied by ``vpshufb``. Per piece of ``P`` k,
+# b`` in the high ones), and a table ``lut[code] = u``, applied by ``vpshufb``; formats of up to 64
+# codes with ``u = code`` (Q5_*, Q6_K) keep the low 4 bits so and bits 4 and 5 in a plane of their own
+# (6 bits a code, where a byte takes 8: M = 1 reads the weights once, at the memory's speed). Per piece of ``P`` k,
 # ``isum = sum(u * qx) + shift * xsum`` with ``shift = vmin - zero``: ``sum(qx * (value - zero))``
 # exactly, the contract's integer.
 
@@ -283,15 +285,16 @@ ROWS = 16  # weight rows of a group: the int32 lanes of one 512-bit vpdpbusd
 
 class PackedQ8:
     """A block-format weight ``(N, K)`` packed for Q8_0 activations (the section's comment):
-    ``codes`` uint8 ``(groups, lines, 64)``; ``nib`` whether two codes share a byte; ``lut`` uint8
-    ``(16,)``; ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
+    ``codes`` uint8 ``(groups, lines, 64)``; ``planes``: 0 a code a byte, 1 two a byte (through
+    ``lut`` uint8 ``(16,)``), 2 their low 4 bits two a byte and bits 4, 5 in ``hi`` uint8 ``(groups,
+    lines, 32)`` (formats of up to 64 values ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
     ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``). A
     two-level scale (``has_sc``: the K-quants', IQ4_XS's) keeps ``s`` as its ``d``, ``(groups, blocks,
     ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // per_block] *
     sc[p]``; the offset likewise (``has_osc``, ``o`` and ``osc``). ``flags``: has_sc, has_o, has_osc,
     has_zero as bits 0..3."""
 
-    __slots__ = ("n", "k", "piece", "codes", "nib", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
+    __slots__ = ("n", "k", "piece", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
                  "has_zero", "per_block", "flags")
 
     def __init__(self, raw, fmt):
@@ -303,18 +306,20 @@ class PackedQ8:
         vmin = int(fmt.values.min())
         u_of = (fmt.values - vmin).astype(np.int64)
         codes = fmt.fields["q"].unpack(blocks).reshape(n, k)
-        self.nib = len(fmt.values) <= 16
-        self.lut = np.zeros(16, np.uint8)
-        if self.nib:
-            self.lut[:len(u_of)] = u_of
-            c = codes.astype(np.uint8)
-        else:
-            c = u_of[codes].astype(np.uint8)
+        count = len(fmt.values)
+        self.planes = 1 if count <= 16 else 2 if count <= 64 and (u_of == np.arange(count)).all() else 0
+        self.lut = np.arange(16, dtype=np.uint8)
+        if self.planes == 1:
+            self.lut[:count] = u_of
         rows = np.zeros((g * ROWS, k), np.uint8)
-        rows[:n] = c
-        if self.nib:  # (g, 16, k/8, lo|hi, 4) -> (g, k/8, 16, 4) bytes of lo | hi << 4
-            r = rows.reshape(g, ROWS, k // 8, 2, 4)
-            lines = (r[:, :, :, 0] | (r[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+        rows[:n] = codes if self.planes else u_of[codes]
+        self.hi = np.zeros((1, 1, 32), np.uint8)
+        if self.planes:  # (g, 16, k/8, lo|hi, 4) -> (g, k/8, 16, 4): bytes of lo | hi << 4 (their low 4 bits)
+            r = rows.reshape(g, ROWS, k // 8, 2, 4).transpose(0, 2, 1, 3, 4)
+            lines = (r[..., 0, :] & 15) | (r[..., 1, :] & 15) << 4
+            if self.planes == 2:  # their bits 4, 5: h = lo's | hi's << 2 a byte, then bytes i and i + 32 in one
+                h = ((r[..., 0, :] >> 4) | (r[..., 1, :] >> 4) << 2).reshape(g, k // 8, 2, 32)
+                self.hi = np.ascontiguousarray(h[:, :, 0] | h[:, :, 1] << 4)
         else:
             lines = rows.reshape(g, ROWS, k // 4, 4).transpose(0, 2, 1, 3)
         self.codes = np.ascontiguousarray(lines).reshape(g, -1, 64)
@@ -375,18 +380,18 @@ def packable(fmt) -> bool:
 _P8 = ir.IntType(8).as_pointer()
 
 
-def _make_dot(width, nib, count):
+def _make_dot(width, planes, count):
     """Mode 2 for rows ``m0 .. m0 + count`` of ``x`` against one group (the section's comment):
     ``acc[r, 0:16]`` = the float64 sum over the pieces, in order, of ``dx * s * isum (+ dx * o *
     xsum)``, ``isum`` summed by ``vpdpbusd`` on ``width`` int32 lanes (16: AVX-512 VNNI; 8: AVX-VNNI,
     two a line) and the sums kept in registers from piece to piece. ``codes`` are the group's lines,
-    ``lines`` a piece's; ``nib``: two codes a byte, through ``lut``. Each line is loaded and decoded
+    ``lines`` a piece's; ``planes``: ``PackedQ8.planes`` (``hi`` the group's high bits). Each line is loaded and decoded
     once for the ``count`` rows; one row sums in two chains (even and odd lines), for the adds'
     latency. The float64 operations are LLVM's plain ones, unfused: each rounds as the contract's."""
     i1, i8, i32, i64, f64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.DoubleType()
     vec, bytes_ = ir.VectorType(i32, width), ir.VectorType(i8, width * 4)
     lanes32, lanes64 = ir.VectorType(i32, ROWS), ir.VectorType(f64, ROWS)
-    halves, per = ROWS // width, 8 if nib else 4  # vectors a line; k a line
+    halves, per, nib = ROWS // width, 8 if planes else 4, planes > 0  # vectors a line; k a line
     chains = 2 if count == 1 else 1
 
     def fn(builder, name, ret, args):
@@ -400,10 +405,10 @@ def _make_dot(width, nib, count):
         return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(i32, ROWS), [0] * ROWS))
 
     @intrinsic
-    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
+    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
         def codegen(context, builder, sig, args):
             arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 14)}
+                      for i in (0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 14, 15)}
             lines, m0, flags, per_block = args[1], args[4], args[12], args[13]
             has_sc, has_o, has_osc, has_zero = (builder.icmp_signed("!=", builder.and_(flags, const(1 << i)), const(0))
                                                 for i in range(4))
@@ -439,11 +444,28 @@ def _make_dot(width, nib, count):
                         t = builder.add(first, builder.add(builder.mul(loop.index, const(2)), const(parity)))
                         line = builder.gep(c, [builder.mul(t, const(64))])
                         ops = []  # each half's operands: the line's bytes, or its low and high nibbles' u
+                        if planes == 2:  # bits 4, 5: byte q's two pairs, in the low (q < 32) or high nibble
+                            plane = load(row(15, t), ir.VectorType(i8, 32))
+                            fours = [builder.and_(plane, ir.Constant(plane.type, [15] * 32)),
+                                     builder.lshr(plane, ir.Constant(plane.type, [4] * 32))]
+                            fours = [builder.shuffle_vector(fours[0], fours[1], ir.Constant(
+                                ir.VectorType(i32, 64), list(range(64))))] if halves == 1 else fours
                         for h in range(halves):
                             v = load(builder.gep(line, [const(h * width * 4)]), bytes_)
-                            ops.append([v] if not nib else [builder.call(shuffle, [table, o_]) for o_ in (
-                                builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
-                                builder.lshr(v, ir.Constant(bytes_, [4] * width * 4)))])
+                            if not nib:
+                                ops.append([v])
+                                continue
+                            pair = [builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
+                                    builder.lshr(v, ir.Constant(bytes_, [4] * width * 4))]
+                            if planes == 1:
+                                pair = [builder.call(shuffle, [table, o_]) for o_ in pair]
+                            else:
+                                f = fours[h]
+                                pair = [builder.or_(pair[0], builder.shl(builder.and_(f, ir.Constant(bytes_, [3] * width * 4)),
+                                                                        ir.Constant(bytes_, [4] * width * 4))),
+                                        builder.or_(pair[1], builder.shl(builder.and_(f, ir.Constant(bytes_, [12] * width * 4)),
+                                                                        ir.Constant(bytes_, [2] * width * 4)))]
+                            ops.append(pair)
                         for r in range(count):
                             words = []
                             for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
@@ -494,18 +516,19 @@ def _make_dot(width, nib, count):
                               align=1)
             return context.get_dummy_value()
 
-        return types.void(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc), codegen
+        return types.void(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi), codegen
 
     return dot
 RM = 8  # rows of x a call of the dots takes, each line decoded once for them
-(_dot512, _dot512n, _dot256, _dot256n), (_dot512m, _dot512nm, _dot256m, _dot256nm) = (
-    [_make_dot(w, n, count) for w in (16, 8) for n in (False, True)] for count in (1, RM))
+# [width 16, 8][planes 0, 1, 2] for one row of x, then for RM rows
+(_d16p0, _d16p1, _d16p2, _d8p0, _d8p1, _d8p2), (_d16p0m, _d16p1m, _d16p2m, _d8p0m, _d8p1m, _d8p2m) = (
+    [_make_dot(w, planes, count) for w in (16, 8) for planes in (0, 1, 2)] for count in (1, RM))
 
 
 @njit(inline="always")
-def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
+def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
     """:func:`_make_dot`'s sums in plain loops."""
-    per = 8 if nib else 4
+    per = 8 if planes else 4
     has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
     isum = np.empty(ROWS, np.int32)
     for r in range(count):
@@ -518,12 +541,15 @@ def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc,
                 line = codes[t]
                 for l in range(ROWS):
                     for b in range(4):
-                        c = line[4 * l + b]
-                        if nib:
-                            isum[l] += np.int32(lut[c & 15]) * np.int32(xr[t * per + b])
-                            isum[l] += np.int32(lut[c >> 4]) * np.int32(xr[t * per + 4 + b])
-                        else:
-                            isum[l] += np.int32(c) * np.int32(xr[t * per + b])
+                        c, q = np.int32(line[4 * l + b]), 4 * l + b
+                        if planes == 0:
+                            isum[l] += c * np.int32(xr[t * per + b])
+                            continue
+                        lo, up = np.int32(lut[c & 15]), np.int32(lut[c >> 4])
+                        if planes == 2:  # bits 4, 5 from hi: byte q % 32, its low nibble for q < 32
+                            f = (np.int32(hi[t, q % 32]) >> (4 if q >= 32 else 0)) & 15
+                            lo, up = lo | (f & 3) << 4, up | (f >> 2) << 4
+                        isum[l] += lo * np.int32(xr[t * per + b]) + up * np.int32(xr[t * per + 4 + b])
             xs = xsum[m, p]
             d = dx[m, p * lines * per // 32]
             hp = shift[p if has_zero else 0]
@@ -537,43 +563,35 @@ def _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc,
 
 
 @njit(inline="always")
-def _dot(isa, codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc):
-    """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's) for
-    rows ``m0 .. m0 + count`` of ``x`` (``count`` 1 or ``RM``), named as globals (``gemm._block``)."""
+def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
+    """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's) and
+    ``planes`` (both the kernel's closure constants) for rows ``m0 .. m0 + count`` of ``x`` (``count`` 1
+    or ``RM``), the intrinsics named as globals (``gemm._block``)."""
+    a = (codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi)
     if isa == 3:
-        _dot_portable(codes, lines, nib, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-    elif count == 1:
-        if isa <= 1:
-            if nib:
-                _dot512n(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-            else:
-                _dot512(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-        elif nib:
-            _dot256n(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-        else:
-            _dot256(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
+        _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block,
+                      acc, hi)
+    elif isa <= 1 and count == 1:
+        _d16p0(*a) if planes == 0 else _d16p1(*a) if planes == 1 else _d16p2(*a)
     elif isa <= 1:
-        if nib:
-            _dot512nm(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-        else:
-            _dot512m(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
-    elif nib:
-        _dot256nm(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
+        _d16p0m(*a) if planes == 0 else _d16p1m(*a) if planes == 1 else _d16p2m(*a)
+    elif count == 1:
+        _d8p0(*a) if planes == 0 else _d8p1(*a) if planes == 1 else _d8p2(*a)
     else:
-        _dot256m(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc)
+        _d8p0m(*a) if planes == 0 else _d8p1m(*a) if planes == 1 else _d8p2m(*a)
 
 
-def _make_packed(isa):
+def _make_packed(isa, planes):
     which = _ISAS.index(isa)
 
     @kernel
-    def linear_packed(dx, qx, xsum, codes, nib, lut, s, sc, o, osc, shift, flags, per_block, bias, has_bias, out,
+    def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, per_block, bias, has_bias, out,
                       start, stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
         m_len, k_len = qx.shape
         n_len = out.shape[1]
-        lines = k_len // xsum.shape[1] // (8 if nib else 4)
+        lines = k_len // xsum.shape[1] // (8 if planes else 4)
         acc = np.empty((RM, ROWS), np.float64)
         for g in range(start, stop):
             n0 = g * ROWS
@@ -582,8 +600,8 @@ def _make_packed(isa):
             for m0 in range(0, m_len, RM):
                 count = RM if m_len - m0 >= RM else 1
                 for m1 in range(m0, min(m0 + RM, m_len), count):
-                    _dot(which, codes[g], lines, nib, lut, qx, m1, count, xsum, dx, s[g], scg, og, oscg, hg, flags,
-                         per_block, acc)
+                    _dot(which, planes, codes[g], lines, lut, qx, m1, count, xsum, dx, s[g], scg, og, oscg, hg, flags,
+                         per_block, acc, hi[g if planes == 2 else 0])
                     _store(acc[:count], bias, has_bias, out[m1:m1 + count], n0, min(ROWS, n_len - n0))
 
     return linear_packed
@@ -600,10 +618,10 @@ def linear_q8_packed(isa, dx, qx, w: PackedQ8, bias, out, threads=None):
         raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
     m = qx.shape[0]
     xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
-    args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.nib, w.lut, w.s, w.sc, w.o, w.osc,
+    args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
             w.shift, np.int64(w.flags), np.int64(w.per_block), np.zeros(1) if bias is None else bias, bias is not None,
             out)
-    kernel = _packed_kernel(isa)
+    kernel = _packed_kernel(isa, w.planes)
     groups = w.codes.shape[0]
     if threads == 1:
         kernel(*args, 0, groups)
