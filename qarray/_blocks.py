@@ -254,7 +254,7 @@ class BlockFormat:
 
     @property
     def plan(self):
-        """The codes' description for a compiled decoder (``backends._numba.block_decode``): the code
+        """The codes' description for a compiled decoder (``backends.cpu.quantize.block_decode``): the code
         field's ``Field.segments`` and the value table; None for a format with decoding functions of
         its own (the IQ lattices)."""
         if self.elements is not None:

@@ -138,7 +138,7 @@ def resolve(mode, rounding):
     return mode, rounding
 
 
-THREADS = [os.cpu_count() or 1]  # what set_num_threads set: read by _numba.parallel and the GEMM engine
+THREADS = [os.cpu_count() or 1]  # what set_num_threads set: read by cpu.pool.parallel and the GEMM engine
 
 
 def set_num_threads(n: int) -> None:

@@ -258,7 +258,7 @@ def mx_exponents(amax, mx: MXFormat, rounding: str) -> np.ndarray:
 
 
 class Codes(NamedTuple):
-    """A format's rounding on float32 bits (``backends._numba._fcode`` and the CUDA
+    """A format's rounding on float32 bits (``backends.cpu.quantize._fcode`` and the CUDA
     kernels): mantissa bits, smallest normal exponent, the largest finite magnitude
     code, the code beyond it, the NaN code (bit 8 set: no sign), the sign bit, and
     the zeros rule (0 signed, 1 exact -0 to +0, 2 unsigned)."""

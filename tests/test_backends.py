@@ -309,7 +309,7 @@ def test_kernel_tasks_are_cut_into_parts_that_threads_claim(threads):
     """PARTS contiguous parts a thread, each task in exactly one, results in
     order whoever ran them; a share below ``grain`` tasks stays on one thread;
     never more parts than tasks."""
-    k = pytest.importorskip("qarray.backends._numba")
+    k = pytest.importorskip("qarray.backends.cpu.pool")
     import numba
 
     parts = []
@@ -334,7 +334,7 @@ def test_pool_threads_keep_off_the_callers_cpu(threads, monkeypatch):
     the pool threads are kept to the process's other CPUs."""
     import os
 
-    k = pytest.importorskip("qarray.backends._numba")
+    k = pytest.importorskip("qarray.backends.cpu.pool")
     import numba
 
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()

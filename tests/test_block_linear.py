@@ -102,9 +102,9 @@ def test_float_act_order(name, rng, kernels):
 @pytest.mark.parametrize("name", ["Q4_K", "IQ2_XS", "uint4_g32_bf16_bias", "Q8_0"])
 def test_paths_and_threads_agree(name, rng, monkeypatch):
     pytest.importorskip("numba")
-    from qarray.backends import _numba
+    from qarray.backends.cpu import pool
 
-    monkeypatch.setattr(_numba, "GRAIN", 1)  # a task a part: both threads take some
+    monkeypatch.setattr(pool, "GRAIN", 1)  # a task a part: both threads take some
     w = weights(name, 64 * 5 + 3, 512, rng)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     xq = qa.quantize(x, dtype="Q8_0")
@@ -454,9 +454,9 @@ def test_packed_q8_extremes(name, only):
 def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
     """K = 8192 (128 pieces a row), 16 * 9 + 5 rows, both threads taking groups: the same bits as
     one thread and as the generic code."""
-    from qarray.backends import _numba
+    from qarray.backends.cpu import pool
 
-    monkeypatch.setattr(_numba, "GRAIN", 1)
+    monkeypatch.setattr(pool, "GRAIN", 1)
     w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
     xq = qa.quantize(rng.standard_normal((11, 8192)).astype(np.float32), dtype="Q8_0")
     layer, n = qnn.BlockLinear(w), THREADS[0]

@@ -90,7 +90,7 @@ def _mul_fits(qa_, qb_, a, b, za, zb):
 
 
 @pytest.mark.parametrize("op", ["add", "sub", "mul"])
-# on Numba too: 8-bit operands, and qint32 ones into a qint32 output (_numba.binary's widest case)
+# on Numba too: 8-bit operands, and qint32 ones into a qint32 output (cpu.elementwise.binary's widest case)
 @pytest.mark.parametrize(**paths("da,db,dout", BIN_CASES, [("qint8", "quint8", "qint8"), ("qint32", "qint8", "qint32")]))
 @exact_settings(25)
 @given(data=st.data())

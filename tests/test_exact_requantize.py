@@ -323,7 +323,7 @@ def test_requantize_stochastic_at_the_threshold(backend):
 @pytest.mark.parametrize("d_in,z_in", [("qint32", 5), ("qint32", 0), ("qint8", -128), ("quint8", 255)])
 def test_large_per_tensor_requantize_streams_its_codes(d_in, z_in, monkeypatch):
     """From ``STREAM`` elements, per-tensor requantize to 8-bit codes writes 64
-    codes a step with non-temporal stores (``_numba.requantize_stream``, the
+    codes a step with non-temporal stores (``cpu.requantize.requantize_stream``, the
     arithmetic of ``_rq``): the exact reference's codes at every rule, at both
     output zero points, for input codes at both ends, on two threads, in the
     first block, around the threads' split, at random places and in the short
@@ -333,7 +333,7 @@ def test_large_per_tensor_requantize_streams_its_codes(d_in, z_in, monkeypatch):
     pytest.importorskip("numba")
     from qarray.backends import numpy as nb
 
-    k = nb._numba_kernels()
+    k = nb._cpu().requantize
     ran = []
     for key, fn in list(k.requantize_stream.items()):
         monkeypatch.setitem(k.requantize_stream, key, lambda *a, fn=fn: ran.append(a[-2:]) or fn(*a))

@@ -1,4 +1,4 @@
-"""The kernels of qarray/backends/_numba_gemm.py, exact against int64 NumPy references."""
+"""The packed 4-bit and conv kernels of qarray/backends/cpu/gemm.py, exact against int64 NumPy references."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ pytest.importorskip("numba")
 from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 
 from qarray._fixed_point import IDENTITY  # noqa: E402
-from qarray.backends._numba_gemm import gemm_packed4, im2col, pack4, parallel  # noqa: E402
-from qarray.backends._numba_gemm import conv_grouped as _conv_grouped  # noqa: E402
+from qarray.backends.cpu.gemm import gemm_packed4, im2col, pack4  # noqa: E402
+from qarray.backends.cpu.gemm import conv_grouped as _conv_grouped  # noqa: E402
+from qarray.backends.cpu.pool import parallel  # noqa: E402
 
 
 def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):

@@ -812,7 +812,7 @@ def test_stochastic_rounding_kernel_pieces(shape, axis, block_size):
                                       ("qint4", -8), ("quint2", 3)])
 def test_large_arrays_stream_their_codes(dtype, zp, rng, monkeypatch):
     """From ``STREAM`` float32 elements, per-tensor quantize to 8-bit storage
-    writes 64 codes a step with non-temporal stores (``_numba.quantize_stream``,
+    writes 64 codes a step with non-temporal stores (``cpu.quantize.quantize_stream``,
     LLVM IR): the codes of the definition (a float64 reference: the float32
     quotient correctly rounded, then half to even) at ties, at both clamps,
     for +-inf, -0.0 and subnormals, over sizes that leave a short last block, on
@@ -820,7 +820,7 @@ def test_large_arrays_stream_their_codes(dtype, zp, rng, monkeypatch):
     pytest.importorskip("numba")
     from qarray.backends import numpy as nb
 
-    k = nb._numba_kernels()
+    k = nb._cpu().quantize
     ran = []
     real = k.quantize_stream
     monkeypatch.setattr(k, "quantize_stream", lambda *a: ran.append(a[-2:]) or real(*a))

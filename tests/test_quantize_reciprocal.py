@@ -1,4 +1,4 @@
-"""quantize by the reciprocal (``qarray.backends._numba``: ``_q_mul``, ``_q_run``):
+"""quantize by the reciprocal (``qarray.backends.cpu.quantize``: ``_q_mul``, ``_q_run``):
 every code, straight-through mask and fake_quantize value is the division's,
 ``clamp(rint(x / s) + z)`` with NumPy's true division, bit for bit, at and
 next to every rounding boundary, for scales whose reciprocal is inexact, tiny
@@ -129,7 +129,7 @@ def test_streamed(rng):
     (``quantize_stream``): its runs by the multiply, a short last block too."""
     from qarray.backends import numpy as nb
 
-    k = nb._numba_kernels()
+    k = nb._cpu().quantize
     n = k.STREAM + 64 * 3 + 17
     halves = np.arange(-140, 140) + 0.5
     for scale in (3.0, 0.1, 7e-3):
@@ -148,7 +148,7 @@ def test_reciprocals_bracket_the_reciprocal():
     """``rl <= 1/s <= rh`` exactly, and NaN (the division alone) where ``fl(1/s)`` is not a normal number."""
     from fractions import Fraction
 
-    from qarray.backends import _numba as k
+    from qarray.backends.cpu import quantize as k
 
     for ft in (np.float32, np.float64):
         s = np.array([3, 0.1, 1 / 3, 7e-3, 1, 0.5, 1e-30, np.finfo(ft).tiny / 2, 1e20, 3e37], ft)

@@ -142,11 +142,11 @@ def test_byte_lookups_64_at_a_time(rng, monkeypatch, vbmi, log):
     whose table integers fill all four byte planes or leave the upper ones
     zero, and a row whose sum passes 2**46."""
     pytest.importorskip("numba")
-    from qarray.backends import numpy as nb
+    from qarray.backends.cpu import isa
 
-    if vbmi and not nb._vbmi():
+    if vbmi and not isa.usable("avx512vbmi")[0]:
         pytest.skip("the CPU has no AVX-512 VBMI")
-    monkeypatch.setattr(nb, "_vbmi", lambda: vbmi)
+    monkeypatch.setattr(isa, "OFF", set() if vbmi else {"avx512vbmi"})
     with qarray.config.using(numba=True):
         for d in (qdtype("qint8"), qdtype("quint8")):
             every = np.arange(d.qmin, d.qmax + 1)
@@ -254,14 +254,15 @@ def test_a_generic_numba_target_keeps_to_portable_code(tmp_path):
     pytest.importorskip("numba")
     script = """
 import numpy as np, qarray
-from qarray.backends import _gemm, numpy as nb
+from qarray.backends import _gemm
+from qarray.backends.cpu import isa
 q = qarray.QArray.from_int(np.random.default_rng(0).integers(-128, 128, (1048, 1000)), 0.05, 0, "qint8")
 x = np.random.default_rng(1).standard_normal(1 << 22).astype(np.float32)
 got = qarray.softmax(q).int_repr(), qarray.quantize(x, 0.02, 3, "qint8").int_repr()
 with qarray.config.using(numba=False):
     want = qarray.softmax(q).int_repr(), qarray.quantize(x, 0.02, 3, "qint8").int_repr()
 assert all(np.array_equal(a, b) for a, b in zip(got, want))
-assert not nb._vbmi() and _gemm.packed4_kernel() is None
+assert not isa.usable("avx512vbmi")[0] and _gemm.packed4_kernel() is None
 print("ok")
 """
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))

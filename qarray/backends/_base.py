@@ -60,7 +60,7 @@ def nan_error(x) -> ValueError:
     )
 
 
-BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}  # the binary kernels' op codes (_numba.binary, cuda/ops.cu)
+BINARY_OPS = {"add": 0, "sub": 1, "mul": 2}  # the binary kernels' op codes (cpu.elementwise.binary, cuda/ops.cu)
 
 
 def contiguous(a):

@@ -185,13 +185,14 @@ def engine(choice: str = "auto") -> str:
 
 
 def packed4_kernel():
-    """``_numba_gemm.gemm_packed4`` where it runs exactly (Numba, AVX-512 VNNI,
-    a self-check on extreme codes at first use), else None (logged once)."""
+    """``cpu.gemm``, for its ``gemm_packed4``, where that runs exactly (Numba,
+    AVX-512 VNNI, a self-check on extreme codes at first use), else None
+    (logged once)."""
     if "packed4" not in _state:
         try:
             if not {"avx512vnni", "avx512bw"} <= jit_flags():
                 raise RuntimeError("the CPU has no AVX-512 VNNI, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES is set")
-            k = _numba_gemm()
+            k = own()
             ok, why = True, "self-check passed"
             for signed, w_end in ((True, -8), (True, 7), (False, 15)):
                 w = np.full((3, 128), w_end, np.int8)
@@ -208,13 +209,7 @@ def packed4_kernel():
         _state["packed4"] = (ok, why)
         if not ok:
             log.warning("qarray: the packed 4-bit small-M kernel is not used: %s", why)
-    return _numba_gemm() if _state["packed4"][0] else None
-
-
-def _numba_gemm():
-    from . import _numba_gemm
-
-    return _numba_gemm
+    return own() if _state["packed4"][0] else None
 
 
 # at most this many activation rows read packed 4-bit weights directly: one row

@@ -2,15 +2,15 @@
 
 With Numba installed (extra ``fast``) and ``qarray.config.numba`` true,
 quantize, dequantize and requantize run as fused loops split among threads
-(``qarray.backends._numba``); otherwise the generic NumPy code runs. Both give
-the same integers and the same float bits.
+(``qarray.backends.cpu``: ``cpu.quantize.quantize`` and so on, one module a
+kernel family); otherwise the generic NumPy code runs. Both give the same
+integers and the same float bits.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import platform
 
 import numpy as np
 
@@ -33,15 +33,17 @@ _small_calls = [0]
 _COLS = 4096  # data with one parameter is seen as rows of this many elements, shared out to the threads
 
 
-def _numba_kernels():
-    """The kernel module, or None without Numba (imported once, on first use)."""
+def _cpu():
+    """``qarray.backends.cpu`` with its elementwise kernel modules loaded, or None
+    without Numba (imported once, on first use)."""
     global _kernels
     if _kernels is False:
         try:
-            from . import _numba as k
+            from . import cpu
+            from .cpu import elementwise, isa, pool, quantize, requantize, softmax  # noqa: F401 (cpu.pool ...)
         except ImportError:
-            k = None
-        _kernels = k
+            cpu = None
+        _kernels = cpu
     return _kernels
 
 
@@ -49,28 +51,18 @@ _kernels = False
 
 
 def _block_kernels():
-    """``qarray.backends.cpu.blocks``, block-format linear's kernels (Numba: loaded on first use)."""
+    """``qarray.backends.cpu.blocks``, the block formats' kernels (Numba: loaded on first use)."""
     from .cpu import blocks
 
     return blocks
 
 
-@functools.cache
-def _vbmi():
-    """Whether Numba compiles for a CPU with AVX-512 VBMI: softmax's byte
-    lookups, 64 at a time (``_gemm.jit_flags``)."""
-    return {"avx512vbmi", "avx512bw"} <= _gemm.jit_flags()
-
-
-# x86-64: large 8-bit outputs are streamed out (_numba.quantize_stream, fenced by sfence)
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-def _streams(k, x, out):
-    """Whether ``out``'s codes go out by ``_numba``'s streamed stores: a large
-    C-contiguous ``x``, a C-contiguous 8-bit ``out`` at a 64-byte boundary."""
-    return (x.size >= k.STREAM and _X86 and out.itemsize == 1 and x.flags.c_contiguous and out.flags.c_contiguous
-            and out.ctypes.data % 64 == 0)
+def _streams(cpu, x, out):
+    """Whether ``out``'s codes go out by ``cpu.llvm``'s streamed stores
+    (``quantize_stream``, ``requantize_stream``): a large C-contiguous ``x``, a
+    C-contiguous 8-bit ``out`` at a 64-byte boundary, x86-64 (``isa``'s sse2)."""
+    return (x.size >= cpu.quantize.STREAM and out.itemsize == 1 and x.flags.c_contiguous
+            and out.flags.c_contiguous and out.ctypes.data % 64 == 0 and cpu.isa.usable("sse2")[0])
 
 
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -155,11 +147,11 @@ def _viewed(a, dims, sl=slice(None)):
 def _bounds(qd, dtype):
     """quantize's clamp type and bounds (<= 16-bit results clamp exactly in
     float32; qint32 and float64 input need float64), and whether it multiplies
-    by the reciprocal (``_numba.multiplies``: worked out here, in this one
+    by the reciprocal (``cpu.quantize.multiplies``: worked out here, in this one
     lookup a call, which was 1 us of a 16x64 quantize's 10)."""
     ct = np.float64 if (dtype == np.float64 or qd.bits > 16) else np.float32
     lo, hi = ct(qd.qmin), ct(qd.qmax)
-    return ct, lo, hi, _numba_kernels().multiplies(dtype, lo, hi)
+    return ct, lo, hi, _cpu().quantize.multiplies(dtype, lo, hi)
 
 
 @functools.lru_cache(maxsize=256)
@@ -170,10 +162,10 @@ def _plan_params(rq, pshape):
 
 @functools.lru_cache(maxsize=256)
 def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
-    """``_numba.binary``'s kernel and its parameter arrays for these plans (kept: plans repeat)."""
+    """``cpu.elementwise.binary``'s kernel and its parameter arrays for these plans (kept: plans repeat)."""
     ints = [ra.zp_in, ra.m, ra.shift, ra.narrow(a_dtype), rb.zp_in, rb.m, rb.shift, rb.narrow(b_dtype), rq.zp_out,
             rq.m, rq.shift, rq.lo, rq.hi]
-    kernel = _numba_kernels().binary(BINARY_OPS[op], ra.rounding, rb.rounding, rq.rounding)
+    kernel = _cpu().elementwise.binary(BINARY_OPS[op], ra.rounding, rb.rounding, rq.rounding)
     return kernel, (np.array([int(v) for v in ints], np.int64), np.array([float(ra.f), float(rb.f), float(rq.f)]))
 
 
@@ -195,7 +187,7 @@ class NumpyBackend(Backend):
             _small_calls[0] += 1
             if _small_calls[0] < _WARM:
                 return None
-        return _numba_kernels()
+        return _cpu()
 
     @staticmethod
     def _run(kernel, a, out, axis, block_size, params, *args, mask=False, key=False):
@@ -208,42 +200,42 @@ class NumpyBackend(Backend):
         or stochastic rounding's Philox key ``(k0, k1)``, passed after
         ``args`` with the piece's first flat index as ``(k0, k1, first)``
         (each element's random word is its flat index's)."""
-        k = _numba_kernels()
+        cpu = _cpu()
         pieces = _pieces(a.shape, axis, block_size)
-        cost = 1 if key is None or key is False else k.STOCHASTIC_COST
+        cost = 1 if key is None or key is False else cpu.pool.STOCHASTIC_COST
         if len(pieces) == 1:  # the common call: the whole array, one view
             _, dims, pshape, bidx, rows, inner = pieces[0]
             outs = (out.reshape(dims),) if mask is False else (out.reshape(dims), _viewed(mask, dims))
             if key is not False:
                 args = (*args, key if key is None else (*key, np.uint64(0)))
-            return k.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args, *outs,
-                              grain=k.GRAIN // (cost * inner))
+            return cpu.pool.parallel(kernel, rows, contiguous(a).reshape(dims), *params(pshape), bidx, *args, *outs,
+                                     grain=cpu.pool.GRAIN // (cost * inner))
         af, of = a.ravel(), out.reshape(-1)  # ravel: a view of C-contiguous data, else a copy
         mf = _viewed(mask, -1) if mask is not False else False
         results = []
         for sl, dims, pshape, bidx, rows, inner in pieces:  # the tasks: rows (o, l) of the (outer, n, inner) view
             outs = (of[sl].reshape(dims),) if mf is False else (of[sl].reshape(dims), _viewed(mf, dims, sl))
             extra = () if key is False else (key if key is None else (*key, np.uint64(sl.start or 0)),)
-            results += k.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args, *extra, *outs,
-                                  grain=k.GRAIN // (cost * inner))
+            results += cpu.pool.parallel(kernel, rows, af[sl].reshape(dims), *params(pshape), bidx, *args, *extra,
+                                         *outs, grain=cpu.pool.GRAIN // (cost * inner))
         return results
 
     def quantize(self, x, scale, zero_point, qd, axis, block_size):
-        k = self._fast(x)
-        if k is None:
+        cpu = self._fast(x)
+        if cpu is None:
             return super().quantize(x, scale, zero_point, qd, axis, block_size)
-        return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None)
+        return self._quantize(cpu, x, scale, zero_point, qd, axis, block_size, None, None)
 
     def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
-        k = self._fast(x)
-        if k is None or index is not None:
+        cpu = self._fast(x)
+        if cpu is None or index is not None:
             return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
-        return self._quantize(k, x, scale, zero_point, qd, axis, block_size, None, None, key)
+        return self._quantize(cpu, x, scale, zero_point, qd, axis, block_size, None, None, key)
 
     def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
                       out=None):
-        k = self._fast(x)
-        if k is None or index is not None:
+        cpu = self._fast(x)
+        if cpu is None or index is not None:
             return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask, key, index, out)
         inside = self.empty(x.shape, np.bool_) if mask else None
         ft = np.float64 if dtype == np.float64 else np.float32
@@ -251,7 +243,7 @@ class NumpyBackend(Backend):
         # as the pass (page faults); an out overlapping x would leave LLVM's loops
         # scalar (2x slower than a new array), as would a strided one
         direct = out is not None and out.dtype == ft and out.flags.c_contiguous and not np.may_share_memory(out, x)
-        values = self._quantize(k, x, scale, zero_point, qd, axis, block_size,
+        values = self._quantize(cpu, x, scale, zero_point, qd, axis, block_size,
                                 out if direct else self.empty(x.shape, ft), inside, key)
         if direct:
             return out, inside
@@ -261,25 +253,25 @@ class NumpyBackend(Backend):
                 return out, inside
             return values if values.dtype == dtype else values.astype(dtype), inside
 
-    def _quantize(self, k, x, scale, zero_point, qd, axis, block_size, fake, mask, key=None):
+    def _quantize(self, cpu, x, scale, zero_point, qd, axis, block_size, fake, mask, key=None):
         """quantize's kernel: the codes, or (``fake``: the float output) the codes
         dequantized into ``fake``, and ``mask`` (None or bool) filled; ``key``:
         stochastic rounding's Philox key."""
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
-        ct, lo, hi, mul = _bounds(qd, x.dtype)  # mul: by 1 / scale, checked (_numba._q_mul)
+        ct, lo, hi, mul = _bounds(qd, x.dtype)  # mul: by 1 / scale, checked (cpu.quantize._q_mul)
         out = self.empty(x.shape, qd.storage) if fake is None else fake
 
         def params(pshape):
             return (_param(scale, x.dtype, pshape), _param(zero_point, ct, pshape),
-                    *_param(scale, x.dtype, pshape, k.reciprocals))
+                    *_param(scale, x.dtype, pshape, cpu.quantize.reciprocals))
 
-        if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(k, x, out):
+        if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(cpu, x, out):
             s, z, rl, rh = (p.reshape(-1)[0] for p in params((1, 1, 1)))
-            parts = k.parallel(k.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
-                               out.reshape(-1), grain=k.GRAIN // 64)
+            parts = cpu.pool.parallel(cpu.quantize.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo,
+                                      hi, mul, out.reshape(-1), grain=cpu.pool.GRAIN // 64)
         else:
-            parts = self._run(k.quantize, x, out, axis, block_size, params, lo, hi, mul,
+            parts = self._run(cpu.quantize.quantize, x, out, axis, block_size, params, lo, hi, mul,
                               None if fake is None else True, mask=mask, key=key)
         bad = sum(parts)
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
@@ -287,21 +279,21 @@ class NumpyBackend(Backend):
         return out
 
     def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
-        k = self._fast(x)
-        if k is None or x.dtype == np.float64 or qd.name == "mxint8":
+        cpu = self._fast(x)
+        if cpu is None or x.dtype == np.float64 or qd.name == "mxint8":
             return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         out = self.empty(x.shape, np.uint8)
-        kernel = k.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
+        kernel = cpu.quantize.quantize_float(_formats.codes(qd, saturate, onnx_zero=not mx), multiply)
         nans = self._run(kernel, x, out, axis, block_size, lambda pshape: (_param(scale, np.float32, pshape),))
         if any(nans) and not (mx or _formats.fmt(qd).has_nan):
             raise _formats.nan_error(qd)
         return out.view(qd.storage)
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
-        k = self._fast(q)
-        if k is None:
+        cpu = self._fast(q)
+        if cpu is None:
             return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
         ft = np.float64 if dtype == np.float64 else np.float32
         out = self.empty(q.shape, ft)
@@ -309,21 +301,23 @@ class NumpyBackend(Backend):
         def params(pshape):
             return _param(scale, ft, pshape), _param(zero_point, np.int64, pshape)
 
-        self._run(k.dequantize, q, out, axis, block_size, params)
+        self._run(cpu.quantize.dequantize, q, out, axis, block_size, params)
         if out.dtype == dtype:
             return out
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as IEEE rounds it
             return out.astype(dtype)
 
     def dequantize_blocks(self, raw, fmt, dtype, g=None):
-        k, plan = self._fast(raw), fmt.plan
-        if k is None or plan is None or fmt.offset is not None and (fmt.precision != "float32" or fmt.factor is not None):
+        cpu, plan = self._fast(raw), fmt.plan
+        if cpu is None or plan is None or fmt.offset is not None and (fmt.precision != "float32"
+                                                                      or fmt.factor is not None):
             return super().dequantize_blocks(raw, fmt, dtype, g)  # (the multiply rounds before the add: NumPy)
         blocks = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blocks, g)
         out = self.empty((len(blocks), fmt.block), np.float32)
-        k.parallel(k.block_decode, len(blocks), blocks, out, *plan, scale, scale if offset is None else offset,
-                   scale if zero is None else zero, offset is not None, zero is not None, grain=k.GRAIN // fmt.block)
+        cpu.pool.parallel(cpu.quantize.block_decode, len(blocks), blocks, out, *plan, scale,
+                          scale if offset is None else offset, scale if zero is None else zero, offset is not None,
+                          zero is not None, grain=cpu.pool.GRAIN // fmt.block)
         out = rounded(out, fmt.precision)
         if fmt.factor is not None:  # (a second rounding, as the format's reference has it)
             out = rounded(out * fmt.factor, fmt.precision)
@@ -332,19 +326,19 @@ class NumpyBackend(Backend):
             return out if dtype == np.float32 else out.astype(dtype)
 
     def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
-        k = self._fast(raw)
-        if k is None or not x.shape[0] or not raw.shape[0]:
+        cpu = self._fast(raw)
+        if cpu is None or not x.shape[0] or not raw.shape[0]:
             return super().block_linear(x, raw, fmt, g, columns, bias)
         blocks = _block_kernels()
         n, k_len = raw.shape[0], x.shape[1]
         out = np.empty((x.shape[0], n), np.float32)
         b = np.zeros(1) if bias is None else bias
-        tasks, grain = -(-n // blocks.LANES), max(1, k.GRAIN // (blocks.LANES * k_len * (x.shape[0] + 8)))
+        tasks, grain = -(-n // blocks.LANES), max(1, cpu.pool.GRAIN // (blocks.LANES * k_len * (x.shape[0] + 8)))
         x = np.ascontiguousarray(x)
         if fmt.plan is None:  # (the IQ lattices: NumPy's decoders, then the same sums)
             w = self.dequantize_blocks(raw, fmt, np.float32, g)
             w = np.ascontiguousarray(w if columns is None else w[:, np.argsort(columns)])
-            k.parallel(blocks.linear_dense, tasks, x, w, b, bias is not None, out, grain=grain)
+            cpu.pool.parallel(blocks.linear_dense, tasks, x, w, b, bias is not None, out, grain=grain)
             return out
         dest = np.zeros(0, np.int64)
         if columns is not None:  # stored column i is dequantize's column dest[i]
@@ -353,34 +347,34 @@ class NumpyBackend(Backend):
         blk = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blk, g)
         factor = np.float32(1) if fmt.factor is None else fmt.factor
-        k.parallel(blocks.linear_float, tasks, x, blk, *fmt.plan, scale, scale if offset is None else offset,
-                   scale if zero is None else zero, offset is not None, zero is not None,
-                   blocks.PRECISION[fmt.precision], factor, fmt.factor is not None, dest, b, bias is not None, out,
-                   grain=grain)
+        cpu.pool.parallel(blocks.linear_float, tasks, x, blk, *fmt.plan, scale, scale if offset is None else offset,
+                          scale if zero is None else zero, offset is not None, zero is not None,
+                          blocks.PRECISION[fmt.precision], factor, fmt.factor is not None, dest, b, bias is not None,
+                          out, grain=grain)
         return out
 
     def q8_0_quantizer(self):
         """``fill(x, out)``: float32 blocks ``x`` (n, 32) as Q8_0's bytes ``out`` (n, 34), ggml's rounding
         (``_ggml._q8_0``) on the Numba kernel; None without Numba."""
-        if not config.numba or _numba_kernels() is None:
+        if not config.numba or _cpu() is None:
             return None
-        k, blocks = _numba_kernels(), _block_kernels()
+        cpu, blocks = _cpu(), _block_kernels()
 
         def fill(x, out):
             d = np.empty(len(x), np.float32)
-            k.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out, grain=k.GRAIN // 32)
+            cpu.pool.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out, grain=cpu.pool.GRAIN // 32)
             out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
         return fill
 
     def pack_blocks(self, raw, fmt):
-        if not config.numba or _numba_kernels() is None or not _block_kernels().packable(fmt):
+        if not config.numba or _cpu() is None or not _block_kernels().packable(fmt):
             return None
         return _block_kernels().PackedQ8(contiguous(raw), fmt)
 
     def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
-        k = self._fast(raw)
-        if k is None or not xraw.shape[0] or not raw.shape[0]:
+        cpu = self._fast(raw)
+        if cpu is None or not xraw.shape[0] or not raw.shape[0]:
             return super().block_linear_q8(xraw, raw, fmt, bias)
         blocks = _block_kernels()
         dx, qx = self.q8_0_parts(xraw)
@@ -391,71 +385,72 @@ class NumpyBackend(Backend):
         blk = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blk)
         segments, values = fmt.plan
-        k.parallel(blocks.linear_q8, -(-n // blocks.LANES), np.ascontiguousarray(dx), np.ascontiguousarray(qx), blk,
-                   segments, values.astype(np.int32), scale, scale if offset is None else offset,
-                   (scale if zero is None else zero).astype(np.int32), offset is not None, zero is not None,
-                   min(fmt.sub, 32), np.zeros(1) if bias is None else bias, bias is not None, out,
-                   grain=max(1, k.GRAIN // (blocks.LANES * k_len * (qx.shape[0] + 8))))
+        cpu.pool.parallel(blocks.linear_q8, -(-n // blocks.LANES), np.ascontiguousarray(dx), np.ascontiguousarray(qx),
+                          blk, segments, values.astype(np.int32), scale, scale if offset is None else offset,
+                          (scale if zero is None else zero).astype(np.int32), offset is not None, zero is not None,
+                          min(fmt.sub, 32), np.zeros(1) if bias is None else bias, bias is not None, out,
+                          grain=max(1, cpu.pool.GRAIN // (blocks.LANES * k_len * (qx.shape[0] + 8))))
         return out
 
     def minmax(self, x, axis, block_size):
-        k = self._fast(x)
-        if k is None or block_size is None or x.dtype == np.float16:
+        cpu = self._fast(x)
+        if cpu is None or block_size is None or x.dtype == np.float16:
             return super().minmax(x, axis, block_size)
         lay = Layout(x.shape, axis, block_size)
         lo, hi = (np.empty((lay.outer, lay.blocks, lay.inner), x.dtype) for _ in range(2))
-        k.parallel(k.block_minmax, lay.outer * lay.blocks, contiguous(x).reshape(lay.dims), block_size, lo, hi)
+        cpu.pool.parallel(cpu.quantize.block_minmax, lay.outer * lay.blocks, contiguous(x).reshape(lay.dims),
+                          block_size, lo, hi)
         want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1:]
         return lo.reshape(want), hi.reshape(want)
 
     def lut(self, q, table, axis=None):
-        k = self._fast(q)
-        if k is None or axis is not None:
+        cpu = self._fast(q)
+        if cpu is None or axis is not None:
             return super().lut(q, table, axis)
         u = contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
         out = self.empty(q.shape, table.dtype)
-        k.parallel(k.lut, u.size, u.reshape(-1), table, out.reshape(-1), grain=k.GRAIN)
+        cpu.pool.parallel(cpu.elementwise.lut, u.size, u.reshape(-1), table, out.reshape(-1), grain=cpu.pool.GRAIN)
         return out
 
     def requantize(self, q, rq, out=None):
-        k = self._fast(q)
-        if k is None:
+        cpu = self._fast(q)
+        if cpu is None:
             return super().requantize(q, rq, out)
         # a strided out (cat's slice along axis > 0) gets a contiguous result copied
         # in: 12x faster than the generic code's int64 passes (cat of 3 x 86K codes on axis 1)
         narrow = rq.narrow(q.dtype)
 
         def fill(target):
-            if _streams(k, q, target) and rq.axis is None:
+            if _streams(cpu, q, target) and rq.axis is None:
                 zi, zo, m, sh, f = (p.reshape(-1)[0] for p in rq.params)
-                k.parallel(k.requantize_stream[rq.rounding, narrow], -(-q.size // 64), q.reshape(-1),
-                           np.int64(zi), np.int64(zo), np.int64(m), np.int64(sh), np.float64(f), np.int64(rq.lo),
-                           np.int64(rq.hi), target.reshape(-1), grain=k.GRAIN // 64)
+                cpu.pool.parallel(cpu.requantize.requantize_stream[rq.rounding, narrow], -(-q.size // 64),
+                                  q.reshape(-1), np.int64(zi), np.int64(zo), np.int64(m), np.int64(sh), np.float64(f),
+                                  np.int64(rq.lo), np.int64(rq.hi), target.reshape(-1), grain=cpu.pool.GRAIN // 64)
                 return target
-            self._run(k.requantize[rq.rounding, narrow], q, target, rq.axis, rq.block_size,
+            self._run(cpu.requantize.requantize[rq.rounding, narrow], q, target, rq.axis, rq.block_size,
                       functools.partial(_plan_params, rq), np.int64(rq.lo), np.int64(rq.hi), key=None)
             return target
 
         return self._into(out, fill, q.shape, rq.out_dtype)
 
     def requantize_stochastic(self, q, rq, key, index=None):
-        k = self._fast(q)
-        if k is None or index is not None:
+        cpu = self._fast(q)
+        if cpu is None or index is not None:
             return super().requantize_stochastic(q, rq, key, index)
         out = self.empty(q.shape, rq.out_dtype)
-        self._run(k.requantize[rq.rounding, False], q, out, rq.axis, rq.block_size, functools.partial(_plan_params, rq),
-                  np.int64(rq.lo), np.int64(rq.hi), key=key)
+        self._run(cpu.requantize.requantize[rq.rounding, False], q, out, rq.axis, rq.block_size,
+                  functools.partial(_plan_params, rq), np.int64(rq.lo), np.int64(rq.hi), key=key)
         return out
 
     def binary(self, op, a, b, ra, rb, rq=None):
-        k = self._fast(a)
-        if k is None or rq is None or a.shape != b.shape or rq.axis is not None or a.dtype.kind not in "iu" \
+        cpu = self._fast(a)
+        if cpu is None or rq is None or a.shape != b.shape or rq.axis is not None or a.dtype.kind not in "iu" \
                 or b.dtype.kind not in "iu":
             return super().binary(op, a, b, ra, rb, rq)
         out = self.empty(a.shape, rq.out_dtype)
         kernel, args = _binary_args(op, ra, rb, rq, a.dtype, b.dtype)
-        k.parallel(kernel, -(-a.size // k.BINARY_RUN), a.ravel(), b.ravel(), *args, out.reshape(-1),
-                   grain=k.GRAIN // (k.BINARY_COST * k.BINARY_RUN))
+        cpu.pool.parallel(kernel, -(-a.size // cpu.elementwise.BINARY_RUN), a.ravel(), b.ravel(), *args,
+                          out.reshape(-1), grain=cpu.pool.GRAIN // (cpu.pool.BINARY_COST * cpu.elementwise.BINARY_RUN))
         return out
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
@@ -468,7 +463,7 @@ class NumpyBackend(Backend):
         if (codes.size < _SMALL and not keep) or 0 in codes.shape or _gemm.engine(config.gemm) == "blas":
             return super().pack_weight(codes, qd, keep)
         name = _gemm.engine(config.gemm)
-        return _gemm.Packed(name, codes, qd, keep, numba=config.numba and _numba_kernels() is not None)
+        return _gemm.Packed(name, codes, qd, keep, numba=config.numba and _cpu() is not None)
 
     def raw_matmul(self, a, qd, pw, acc_dtype):
         if not isinstance(pw, _gemm.Packed):
@@ -488,8 +483,8 @@ class NumpyBackend(Backend):
             out, columns, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
             return gemm.run(gemm.best(), rq.rounding, self._narrow(rq, acc_dtype), a, qd.signed, pw.panels[0], rowsum,
                             columns, rq.lo, rq.hi, out)
-        k = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
-        if not k:
+        cpu = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
+        if not cpu:
             return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
         pw.single()  # made here, before the threads ask for them
 
@@ -498,15 +493,15 @@ class NumpyBackend(Backend):
 
         off = _gemm.to_unsigned(a[:0], qd.signed)[1]  # what mapping adds (no rows mapped here)
         shape = (a.shape[0], pw.w.shape[1])
-        return self._epilogue(k, products, shape, *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
+        return self._epilogue(cpu, products, shape, *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
 
     def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
-        k = self._fast(raw)
-        if k is None or raw.ndim != 2:
+        cpu = self._fast(raw)
+        if cpu is None or raw.ndim != 2:
             return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
-        return self._epilogue(k, contiguous(raw), raw.shape, rowsum, c, zw, rq, acc_dtype)
+        return self._epilogue(cpu, contiguous(raw), raw.shape, rowsum, c, zw, rq, acc_dtype)
 
-    def _epilogue(self, k, raw, shape, rowsum, c, zw, rq, acc_dtype):
+    def _epilogue(self, cpu, raw, shape, rowsum, c, zw, rq, acc_dtype):
         """``gemm_epilogue`` on Numba. ``raw`` is the products, or (``int_matmul``)
         ``raw(start, stop)`` gives those of rows ``start..stop``: each thread then
         computes its share of rows and their epilogue while they are in its
@@ -515,16 +510,16 @@ class NumpyBackend(Backend):
         m, n = shape
         narrow = self._narrow(rq, acc_dtype)
         out, cols, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
-        kernel, ends = k.gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
+        kernel, ends = _gemm.own().gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
         if not callable(raw):
-            k.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=k.GRAIN // max(n, 1))
+            cpu.pool.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=cpu.pool.GRAIN // max(n, 1))
             return out
 
         def rows(start, stop):
             part = None if rowsum is None else rowsum[start:stop]
             kernel(raw(start, stop), part, *cols, *ends, out[start:stop], 0, stop - start)
 
-        k.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
+        cpu.pool.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
         return out
 
     @staticmethod
@@ -540,28 +535,29 @@ class NumpyBackend(Backend):
         return out, [_column(c, shape[1]), _column(zw, shape[1]), *_columns(rq, shape[1])], rq
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
-    def _gemm_kernels(self, x):
-        """``_numba_gemm`` when its kernels should run on 8-bit ``x``, else None."""
+    def _conv_kernels(self, x):
+        """``cpu`` (with ``cpu.gemm``) when its conv kernels should run on 8-bit ``x``, else None."""
         if self._fast(x) is None or x.dtype.itemsize != 1:
             return None
-        return _gemm._numba_gemm()
+        _gemm.own()
+        return _cpu()
 
     def im2col(self, xpad, kh, kw, stride, dilation):
-        k = self._gemm_kernels(xpad)
-        if k is None:
+        cpu = self._conv_kernels(xpad)
+        if cpu is None:
             return super().im2col(xpad, kh, kw, stride, dilation)
         (sh, sw), (dh, dw) = stride, dilation
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         out = self.empty((n * oh * ow, c * kh * kw), xpad.dtype)
-        k.parallel(k.im2col, n * oh, contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
+        cpu.pool.parallel(cpu.gemm.im2col, n * oh, contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
     def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
-        k = self._gemm_kernels(xpad)
+        cpu = self._conv_kernels(xpad)
         wmax = int(np.abs(wc).max(initial=0))
         xmax = max(abs(255 - za), abs(za)) if xpad.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
-        if k is None or np.prod(wc.shape[1:]) * wmax * xmax >= 2**31:  # its int32 sums must not wrap
+        if cpu is None or np.prod(wc.shape[1:]) * wmax * xmax >= 2**31:  # its int32 sums must not wrap
             return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
         (sh, sw), (dh, dw) = stride, dilation
         n, _, hp, wp = xpad.shape
@@ -573,27 +569,27 @@ class NumpyBackend(Backend):
         cols = [_column(0 if bias is None else bias, o), *_columns(rq, o)]
         xpad = contiguous(xpad)
         flat = xpad.reshape(n, xpad.shape[1], hp * wp)  # its planes seen flat (strides 1)
-        k.parallel(k.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(za), contiguous(wc), groups,
-                   sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
+        cpu.pool.parallel(cpu.gemm.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(za), contiguous(wc),
+                          groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
     def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
-        k = self._fast(x)
-        if k is None or x.size == 0:
+        cpu = self._fast(x)
+        if cpu is None or x.size == 0:
             return super().softmax(x, table, s_in, s_out, z_out, lo, hi, log, out_dtype)
         x = contiguous(x)
         logs = np.zeros(x.shape[0])
-        grain = k.GRAIN // (k.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread
-        planes = None  # the table's bytes for the VBMI lookups (_numba's softmax section)
-        if x.dtype.itemsize == 1 and np.dtype(out_dtype).itemsize == 1 and _vbmi():
+        grain = cpu.pool.GRAIN // (cpu.pool.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread
+        planes = None  # the table's bytes for the VBMI lookups (cpu.llvm's)
+        if x.dtype.itemsize == 1 and np.dtype(out_dtype).itemsize == 1 and cpu.isa.usable("avx512vbmi")[0]:
             planes = np.zeros((4, 256), np.uint8)
             planes[:, :table.size] = table >> np.array([[0], [8], [16], [24]]) & 255
             planes = planes.reshape(-1)
         if log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
-            k.parallel(k.softmax_sums, len(x), x, table, planes, sums, grain=grain)
+            cpu.pool.parallel(cpu.softmax.softmax_sums, len(x), x, table, planes, sums, grain=grain)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
         out = self.empty(x.shape, out_dtype)
-        k.parallel(k.softmax, len(x), x, table, planes, logs, np.float64(s_in), np.float64(s_out), np.float64(z_out),
-                   np.float64(lo), np.float64(hi), bool(log), out, grain=grain)
+        cpu.pool.parallel(cpu.softmax.softmax, len(x), x, table, planes, logs, np.float64(s_in), np.float64(s_out),
+                          np.float64(z_out), np.float64(lo), np.float64(hi), bool(log), out, grain=grain)
         return out

@@ -1,8 +1,17 @@
-"""qarray's own CPU kernels, compiled by Numba, with LLVM IR where Numba's loops
-cannot emit the instruction (AMX tiles, VNNI dot products).
+"""qarray's CPU kernels, compiled by Numba, with LLVM IR where Numba's loops
+cannot emit the instruction. ``NumpyBackend`` (``qarray/backends/numpy.py``)
+calls them; none is imported before a primitive first runs on Numba.
 
+- :mod:`.pool`: the threads (:func:`.pool.parallel` splits a kernel's tasks
+  among them) and how a kernel is compiled (:data:`.pool.kernel`);
 - :mod:`.isa`: which instruction sets this process may use, each of which a
   test can force off;
-- :mod:`.gemm`: the int8 GEMM (u8 x s8 products in 32 x 32 blocks) with the
-  exact epilogue fused into each block's store.
+- :mod:`.llvm`: every LLVM IR helper of the kernel modules below but the
+  GEMM's blocks, each gated by :mod:`.isa` and with a portable twin;
+- one module a kernel family: :mod:`.quantize` (and dequantize, floating
+  formats), :mod:`.requantize` (and the integer arithmetic the others
+  inline), :mod:`.elementwise` (binary ops, lut), :mod:`.softmax`,
+  :mod:`.gemm` (the int8 GEMM with the exact epilogue fused into each block's
+  store, the epilogue alone, packed 4-bit small M, conv2d) and :mod:`.blocks`
+  (block formats: dequantize and linear).
 """

@@ -34,9 +34,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._numba import _wide, block_codes, block_values, kernel, parallel
 from .gemm import _ISAS
 from .isa import best, usable
+from .llvm import _wide
+from .pool import kernel, parallel
+from .quantize import block_codes, block_values
 
 LANES = 64  # weight rows a task: the sums of 8 512-bit vectors (16 256-bit ones), enough independent
 # chains of adds to hide their latency (8 lanes ran 3.5x slower: each lane one add a k, in order)
@@ -286,8 +288,9 @@ ROWS = 16  # weight rows of a group: the int32 lanes of one 512-bit vpdpbusd
 class PackedQ8:
     """A block-format weight ``(N, K)`` packed for Q8_0 activations (the section's comment):
     ``codes`` uint8 ``(groups, lines, 64)``; ``planes``: 0 a code a byte, 1 two a byte (through
-    ``lut`` uint8 ``(16,)``), 2 their low 4 bits two a byte and bits 4, 5 in ``hi`` uint8 ``(groups,
-    lines, 32)`` (formats of up to 64 values ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
+    ``lut`` uint8 ``(16,)``), 3 two a byte with ``u = code`` (no table: Q4_0, Q4_K, int4, ...), 2 their
+    low 4 bits two a byte and bits 4, 5 in ``hi`` uint8 ``(groups, lines, 32)`` (formats of up to 64
+    values with ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
     ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``). A
     two-level scale (``has_sc``: the K-quants', IQ4_XS's) keeps ``s`` as its ``d``, ``(groups, blocks,
     ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // per_block] *
@@ -307,7 +310,8 @@ class PackedQ8:
         u_of = (fmt.values - vmin).astype(np.int64)
         codes = fmt.fields["q"].unpack(blocks).reshape(n, k)
         count = len(fmt.values)
-        self.planes = 1 if count <= 16 else 2 if count <= 64 and (u_of == np.arange(count)).all() else 0
+        plain = (u_of == np.arange(count)).all()  # u = code: no table
+        self.planes = (3 if plain else 1) if count <= 16 else 2 if count <= 64 and plain else 0
         self.lut = np.arange(16, dtype=np.uint8)
         if self.planes == 1:
             self.lut[:count] = u_of
@@ -459,7 +463,7 @@ def _make_dot(width, planes, count):
                                     builder.lshr(v, ir.Constant(bytes_, [4] * width * 4))]
                             if planes == 1:
                                 pair = [builder.call(shuffle, [table, o_]) for o_ in pair]
-                            else:
+                            elif planes == 2:
                                 f = fours[h]
                                 pair = [builder.or_(pair[0], builder.shl(builder.and_(f, ir.Constant(bytes_, [3] * width * 4)),
                                                                         ir.Constant(bytes_, [4] * width * 4))),
@@ -520,9 +524,10 @@ def _make_dot(width, planes, count):
 
     return dot
 RM = 8  # rows of x a call of the dots takes, each line decoded once for them
-# [width 16, 8][planes 0, 1, 2] for one row of x, then for RM rows
-(_d16p0, _d16p1, _d16p2, _d8p0, _d8p1, _d8p2), (_d16p0m, _d16p1m, _d16p2m, _d8p0m, _d8p1m, _d8p2m) = (
-    [_make_dot(w, planes, count) for w in (16, 8) for planes in (0, 1, 2)] for count in (1, RM))
+# [width 16, 8][planes 0 .. 3] for one row of x, then for RM rows
+(_d16p0, _d16p1, _d16p2, _d16p3, _d8p0, _d8p1, _d8p2, _d8p3), \
+    (_d16p0m, _d16p1m, _d16p2m, _d16p3m, _d8p0m, _d8p1m, _d8p2m, _d8p3m) = (
+        [_make_dot(w, planes, count) for w in (16, 8) for planes in range(4)] for count in (1, RM))
 
 
 @njit(inline="always")
@@ -572,13 +577,13 @@ def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, 
         _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block,
                       acc, hi)
     elif isa <= 1 and count == 1:
-        _d16p0(*a) if planes == 0 else _d16p1(*a) if planes == 1 else _d16p2(*a)
+        _d16p0(*a) if planes == 0 else _d16p1(*a) if planes == 1 else _d16p2(*a) if planes == 2 else _d16p3(*a)
     elif isa <= 1:
-        _d16p0m(*a) if planes == 0 else _d16p1m(*a) if planes == 1 else _d16p2m(*a)
+        _d16p0m(*a) if planes == 0 else _d16p1m(*a) if planes == 1 else _d16p2m(*a) if planes == 2 else _d16p3m(*a)
     elif count == 1:
-        _d8p0(*a) if planes == 0 else _d8p1(*a) if planes == 1 else _d8p2(*a)
+        _d8p0(*a) if planes == 0 else _d8p1(*a) if planes == 1 else _d8p2(*a) if planes == 2 else _d8p3(*a)
     else:
-        _d8p0m(*a) if planes == 0 else _d8p1m(*a) if planes == 1 else _d8p2m(*a)
+        _d8p0m(*a) if planes == 0 else _d8p1m(*a) if planes == 1 else _d8p2m(*a) if planes == 2 else _d8p3m(*a)
 
 
 def _make_packed(isa, planes):

@@ -11,7 +11,7 @@ The result is computed in blocks of 32 rows by 32 columns, one task each
 (column blocks outer, so consecutive tasks share their weights). A block's
 products are summed in int32 over at most ``KMAX`` k (``255 * 128 * KMAX <
 2**31``: exact, as every instruction here adds without saturating), then in
-int64 over longer K, and the epilogue (``_numba._rq``: zero-point terms, bias,
+int64 over longer K, and the epilogue (``requantize._rq``: zero-point terms, bias,
 requantize by any rounding, clamp to the output dtype) writes the block from
 that scratch, 4 KB the thread keeps in its cache: an int8-out layer writes
 its int32 products nowhere.
@@ -24,6 +24,19 @@ integers, which the tests check with each turned off in turn):
 - ``avx512vnni`` / ``avxvnni``: rows of ``vpdpbusd`` on 512 / 256 bits, each
   row's 4 bytes of ``a`` broadcast against a row of the panel;
 - ``portable``: the same sums in plain Numba loops.
+
+The other integer kernels of matmul and conv2d follow it:
+
+- :func:`gemm_epilogue`: the same epilogue over another engine's int32
+  products (MLAS, float32 BLAS);
+- :func:`gemm_packed4`: small M against 4-bit weights packed two to a byte
+  (:func:`pack4`), by ``llvm._make_dot``'s ``vpdpbusd``;
+- :func:`conv_grouped` (direct grouped and depthwise conv2d, its epilogue
+  fused) and :func:`im2col` (patches as GEMM rows) for 8-bit codes.
+
+Each computes exact integers: accumulation is in int32 with wrap-around (two's
+complement) arithmetic, so each result is exact whenever the true sum fits in
+int32; each docstring gives the bound the caller must guarantee.
 """
 
 from __future__ import annotations
@@ -40,8 +53,10 @@ from numba.extending import intrinsic
 from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
 from .._gemm import SMALL_WORK  # products from which a call wakes the pool
-from .._numba import _SOURCE, _row_term, _rq, _wide, kernel, parallel
 from .isa import best, usable
+from .llvm import _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _wide
+from .pool import kernel, parallel
+from .requantize import _SOURCE, _rq
 
 BM = BN = 32  # a block's rows and columns
 BK = 64  # k a step
@@ -65,10 +80,6 @@ def pack(w):
     # (the bytes one at a time took 150 ms on 4096 x 4096 weights)
     panels = rows.view(np.int32).reshape(n_p // 16, 16, kp // 4).transpose(0, 2, 1)
     return np.ascontiguousarray(panels).view(np.int8).reshape(n_p // 16, kp * 16)
-
-
-def _fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
 def _at(builder, base, offset):
@@ -213,8 +224,7 @@ def _make_block_vnni(width, rows_at_once):
                                                  builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
                                                              builder.mul(builder.and_(k4, _const(15)), _const(4)))))
                 word = builder.load(builder.bitcast(pa, _I32.as_pointer()), align=1)
-                av = builder.insert_element(ir.Constant(vec, None), word, ir.Constant(_I32, 0))
-                av = builder.shuffle_vector(av, ir.Constant(vec, None), ir.Constant(vec, None))
+                av = _splat(builder, word, vec)
                 for v in range(per_row):
                     builder.store(builder.call(dot, [builder.load(accs[r][v]), av, wv[v]]), accs[r][v])
         for r in range(count):
@@ -316,8 +326,8 @@ def pack_rows(a, flip, out, start, stop):
 @njit(inline="always")
 def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow):
     """The epilogue of one block: ``out[m0 + i, n0 + j] = R(blk[i, j] + c[n] -
-    zw[n] * rowsum[m])`` for ``i < rows``, ``j < cols`` (``_numba.gemm_epilogue``'s).
-    Every array is sliced and indexed from 0 (``_numba._span``: an index from
+    zw[n] * rowsum[m])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s).
+    Every array is sliced and indexed from 0 (``requantize._span``: an index from
     ``n0`` keeps Numba checking for wraparound, and the loop from vectorizing)."""
     c, zw, zo, m, sh, f = c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:], f[n0:]
     for i in range(rows):
@@ -444,3 +454,269 @@ def run(isa, code, narrow, a, signed, panels, rowsum, columns, lo, hi, out, thre
         parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 18) // (BM * max(klen, 1))))
         parallel(kernel, tasks(mlen, nlen), *args, grain=-(-SMALL_WORK // (BM * BN * GROUP * max(klen, 1))))
     return out
+
+
+# -- the epilogue alone, on another engine's products ---------------------------------------------
+@njit(inline="always")
+def _row_term(rowsum, r):
+    if rowsum is None:  # pruned as Numba compiles for None: the term folds away
+        return np.int64(0)
+    return rowsum[r]
+
+
+def _make_gemm_epilogue(code, narrow):
+    """The integer GEMM's epilogue for one rounding code: zero-point terms, bias
+    and requantize (or none: ``IDENTITY``) in one pass over the accumulator.
+    ``narrow``: every total fits in int32 (``Requant.narrow``)."""
+    source = _SOURCE
+
+    @kernel
+    def gemm_epilogue(raw, rowsum, c, zw, zo, m, sh, f, lo, hi, out, start, stop):
+        """``out[r, n] = R(raw[r, n] + c[n] - zw[n] * rowsum[r])`` (``R``: the
+        requantize of ``Requant`` with zp_in 0, per-column parameters), rows
+        ``start..stop``; ``rowsum`` None: no row term (compiled without it)."""
+        _ = source
+        for r in range(start, stop):
+            rs = _row_term(rowsum, r)
+            for n in range(raw.shape[1]):
+                d = np.int64(raw[r, n]) + c[n] - zw[n] * rs
+                out[r, n] = _rq(d, zo[n], m[n], sh[n], f[n], lo, hi, code, narrow)
+
+    return gemm_epilogue
+
+
+gemm_epilogue = {(code, narrow): _make_gemm_epilogue(code, narrow)
+                 for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+
+
+# -- small M on packed 4-bit weights -------------------------------------------------------------
+def pack4(w):
+    """Pack 4-bit weight codes two to a byte.
+
+    ``w``: (N, K) integer array (int8, uint8 or wider) with codes in -8..7
+    (signed nibbles) or 0..15 (unsigned nibbles); values outside -8..15 raise
+    ValueError. Returns the (N, (K + 1) // 2) C-contiguous uint8 array whose
+    byte ``j`` of row ``n`` holds ``w[n, 2j]`` in its low nibble and
+    ``w[n, 2j + 1]`` in its high nibble (two's complement for negative codes);
+    for odd K the last high nibble is 0. This is the layout of ``gemm_packed4``.
+    """
+    w = np.asarray(w)
+    if w.ndim != 2 or w.dtype.kind not in "iu":
+        raise ValueError("pack4 takes a 2-D integer array")
+    if w.size and (w.min() < -8 or w.max() > 15):
+        raise ValueError("pack4: codes must lie in -8..15")
+    n, k = w.shape
+    u = (w.astype(np.int16) & 15).astype(np.uint8)
+    if k % 2:
+        u = np.concatenate([u, np.zeros((n, 1), np.uint8)], axis=1)
+    return np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4))
+
+
+def _make_gemm_packed4(source):
+    """:func:`gemm_packed4`, ``source`` (``_SOURCE``: llvm.py's dots) in its closure."""
+
+    @kernel
+    def gemm_packed4(ae, ao, wp, signed, out, start, stop):
+        """``out[m, n] = sum_k a[m, k] * w[n, k]`` for M activation rows (a
+        decoder's token-by-token shape) against 4-bit weights packed two to a byte.
+
+        - ``ae``, ``ao``: (M, Kp // 2) uint8, C-contiguous: the activation codes
+          (unsigned) at even and at odd k, zero-padded to ``Kp``, a multiple of 128.
+        - ``wp``: (N, Kp // 2) uint8, C-contiguous, :func:`pack4` of the weights
+          zero-padded to ``Kp``; ``signed``: its nibbles are -8..7, else 0..15.
+        - ``out``: (M, N) int32.
+
+        Each weight row is read once per block of 4 activation rows, 64 bytes at a
+        time, its nibbles split with two ANDs and a shift, and multiplied into
+        int32 lanes by ``vpdpbusd`` (no saturation). Exact for
+        ``Kp * 255 * 15 < 2**31`` (K up to 561,000). Tasks: weight rows.
+        """
+        _ = source
+        m_len, kh = ae.shape
+        chunks = kh // 64
+        r = np.empty(4, np.int32)
+        for n in range(start, stop):
+            row = wp[n]
+            m0 = 0
+            while m0 + 4 <= m_len:
+                if signed:
+                    _dot4_s(ae, ao, m0, row, chunks, r)
+                else:
+                    _dot4_u(ae, ao, m0, row, chunks, r)
+                for i in range(4):
+                    out[m0 + i, n] = r[i]
+                m0 += 4
+            while m0 < m_len:
+                if signed:
+                    _dot1_s(ae, ao, m0, row, chunks, r)
+                else:
+                    _dot1_u(ae, ao, m0, row, chunks, r)
+                out[m0, n] = r[0]
+                m0 += 1
+
+    return gemm_packed4
+
+
+gemm_packed4 = _make_gemm_packed4(_SOURCE)
+
+
+# -- conv2d: direct grouped and depthwise, and im2col ----------------------------------------------
+def _make_conv_grouped(code, narrow):
+    """``conv_grouped`` with its epilogue for one rounding code (closure
+    constants, as ``requantize.requantize``; ``narrow``: ``Requant.narrow``).
+    The kernel's body is written here rather than inlined from a helper:
+    Numba deep-copies an ``inline="always"`` function's IR block by block for
+    every specialization, which for a body this size took half of each
+    compile (10.5 s -> 6.4 s a specialization)."""
+    source = _SOURCE
+
+    @kernel
+    def conv_grouped(xpad, xflat, za, wc, groups, sh, sw, dh, dw, bias, zo, m, shift, f, lo, hi, out, start, stop):
+        """Direct grouped conv2d (depthwise included) on padded 8-bit codes, with
+        its epilogue: bias and requantize (``requantize._rq``, per output channel).
+
+        - ``xpad``: (N, C, Hp, Wp) uint8 or int8, the input already padded with
+          its zero point ``za`` (so padding contributes exactly 0). Rows (last
+          axis) must be contiguous for speed; any strides work.
+        - ``xflat``: the same codes as (N, C, Hp * Wp), C-contiguous (a view of a
+          C-contiguous ``xpad``): strides 1 read its planes flat.
+        - ``za``: int, the input zero point.
+        - ``wc``: (O, C // groups, kh, kw) int16 or int32: centred weights
+          ``w - zw[o]``.
+        - ``groups``: C and O are multiples of it; output channel ``o`` reads input
+          channels ``g * cg .. g * cg + cg - 1``, ``cg = C // groups``,
+          ``g = o // (O // groups)`` (depthwise: groups == C, O a multiple of C).
+        - ``sh, sw, dh, dw``: strides and dilations, >= 1.
+        - ``bias``, ``zo``, ``m``, ``shift``, ``f``: per output channel (length O),
+          ``lo``, ``hi``: the clamp (``Requant``; ``IDENTITY`` for the sums).
+        - ``out``: (N, O, OH, OW) with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1``
+          (same for W), written whole with ``R(acc + bias[o])``, ``R`` the
+          requantize of ``code``, where::
+
+              acc[n, o, i, j] = sum_{c', p, q} (xpad[n, g*cg + c', i*sh + p*dh, j*sw + q*dw] - za)
+                                               * wc[o, c', p, q]
+
+        Exactness: the accumulation wraps in int32, so the result is exact when
+        the true sum fits in int32; e.g. with |x - za| <= 255 and |wc| <= 255
+        (centred 8-bit weights) that holds for cg * kh * kw <= 33_025 taps.
+
+        Scheme: one task per (n, o), ``t = n * O + o`` in ``start..stop``. Strides
+        1: each tap adds ``wc * x`` over the whole input plane at once, seen flat
+        with its row stride ``Wp``: output ``(i, j)`` is element ``i * Wp + j`` of
+        a thread-local int32 plane that starts at ``-za * sum(wc[o])``, one loop
+        of ``(OH - 1) * Wp + OW`` elements a tap (the columns ``j >= OW`` in
+        between are computed and dropped; every read stays inside the plane),
+        2.7x faster than a loop per output row of 56 (depthwise 3x3 on 56x56).
+        Other strides: for each output row, each tap adds ``wc * x`` along the
+        input row (stride 2 as a compile-time constant) into an int32 row. Then the
+        epilogue writes ``out``.
+        """
+        _ = source  # in the cache key (see pool.source)
+        N, C, Hp, Wp = xpad.shape
+        O, cg, kh, kw = wc.shape
+        OH = out.shape[2]
+        OW = out.shape[3]
+        if groups < 1 or C % groups or O % groups or cg * groups != C:
+            raise ValueError("conv_grouped: C and O must be multiples of groups, wc.shape[1] == C // groups")
+        if out.shape[0] != N or out.shape[1] != O:
+            raise ValueError("conv_grouped: out must be (N, O, OH, OW)")
+        if OH != (Hp - dh * (kh - 1) - 1) // sh + 1 or OW != (Wp - dw * (kw - 1) - 1) // sw + 1:
+            raise ValueError("conv_grouped: out's OH, OW do not match the input, kernel, stride and dilation")
+        og = O // groups
+        acc = np.empty(OW, np.int32)
+        flat = max((OH - 1) * Wp + OW, 0) if sh == 1 and sw == 1 else 0
+        plane = np.empty(flat, np.int32)
+        for t in range(start, stop):
+            n = t // O
+            o = t % O
+            c0 = (o // og) * cg
+            wsum = np.int64(0)
+            for c in range(cg):
+                for p in range(kh):
+                    for q in range(kw):
+                        wsum += np.int64(wc[o, c, p, q])
+            base = np.int32(-np.int64(za) * wsum)  # wraps like the sum does
+            b, z, mo, so, fo = bias[o], zo[o], m[o], shift[o], f[o]
+            if sh == 1 and sw == 1:
+                plane[:] = base
+                for c in range(cg):
+                    for p in range(kh):
+                        for q in range(kw):
+                            wv = np.int32(wc[o, c, p, q])
+                            xr = xflat[n, c0 + c, p * dh * Wp + q * dw:]  # indexed from 0 (see requantize._span)
+                            for e in range(flat):
+                                plane[e] += np.int32(xr[e]) * wv
+                for i in range(OH):
+                    orow, prow = out[n, o, i], plane[i * Wp:]
+                    for j in range(OW):
+                        orow[j] = _rq(np.int64(prow[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
+                continue
+            for i in range(OH):
+                for j in range(OW):
+                    acc[j] = base
+                for c in range(cg):
+                    for p in range(kh):
+                        r = i * sh + p * dh
+                        for q in range(kw):
+                            wv = np.int32(wc[o, c, p, q])
+                            # Sliced rows indexed from 0 by the loop counter: with
+                            # xpad[..., off + j] Numba's negative-index wraparound
+                            # turns every load into a scalar gather.
+                            if sw == 1:
+                                xr = xpad[n, c0 + c, r, q * dw:]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[j]) * wv
+                            elif sw == 2:  # a constant stride: vectorized as interleaved loads
+                                xr = xpad[n, c0 + c, r, q * dw:]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[2 * j]) * wv
+                            else:
+                                xr = xpad[n, c0 + c, r, q * dw :: sw]
+                                for j in range(OW):
+                                    acc[j] += np.int32(xr[j]) * wv
+                orow = out[n, o, i]
+                for j in range(OW):
+                    orow[j] = _rq(np.int64(acc[j]) + b, z, mo, so, fo, lo, hi, code, narrow)
+
+    return conv_grouped
+
+
+conv_grouped = {(code, narrow): _make_conv_grouped(code, narrow)
+                for code in (FLOAT, IDENTITY, *ROUNDINGS.values()) for narrow in (False, True)}
+
+
+@kernel
+def im2col(xpad, kh, kw, sh, sw, dh, dw, out, start, stop):
+    """Patches of a padded channels-last image as GEMM rows.
+
+    - ``xpad``: (N, Hp, Wp, C), C-contiguous, padded by the caller.
+    - ``kh, kw, sh, sw, dh, dw``: kernel size, strides, dilations (>= 1).
+    - ``out``: (N*OH*OW, kh*kw*C), same dtype, C-contiguous, written whole,
+      with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1`` (same for W):
+      ``out[(n*OH + i)*OW + j, (p*kw + q)*C + c] = xpad[n, i*sh + p*dh, j*sw + q*dw, c]``.
+
+    Channels last, every tap is one contiguous run of C codes, copied as a
+    vector (channels-first patches are single bytes scattered over the row).
+    A copy: no arithmetic, no overflow. One task per (n, i), ``t = n * OH + i``
+    in ``start..stop``.
+    """
+    N, Hp, Wp, C = xpad.shape
+    OH = (Hp - dh * (kh - 1) - 1) // sh + 1
+    OW = (Wp - dw * (kw - 1) - 1) // sw + 1
+    if OH < 0 or OW < 0:
+        raise ValueError("im2col: kernel larger than the padded input")
+    if out.shape[0] != N * OH * OW or out.shape[1] != C * kh * kw:
+        raise ValueError("im2col: out must be (N*OH*OW, kh*kw*C)")
+    for t in range(start, stop):
+        n = t // OH
+        i = t % OH
+        for j in range(OW):
+            row = out[t * OW + j]
+            for p in range(kh):
+                line = xpad[n, i * sh + p * dh]
+                for q in range(kw):
+                    # sliced views indexed from 0 (see conv_grouped)
+                    src = line[j * sw + q * dw]
+                    dst = row[(p * kw + q) * C:]
+                    for c in range(C):
+                        dst[c] = src[c]

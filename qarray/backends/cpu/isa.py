@@ -20,10 +20,11 @@ from .._gemm import jit_flags
 
 log = logging.getLogger("qarray")
 
-# fastest first; "portable" (plain Numba loops) runs anywhere
+# the int8 GEMM's, fastest first; "portable" (plain Numba loops) runs anywhere
 ORDER = ("amx", "avx512vnni", "avxvnni", "portable")
+# and those of llvm.py's other helpers: softmax's byte lookups, the streamed stores
 _NEEDS = {"amx": {"amx-int8", "amx-tile"}, "avx512vnni": {"avx512vnni", "avx512bw"}, "avxvnni": {"avxvnni", "avx2"},
-          "portable": set()}
+          "portable": set(), "avx512vbmi": {"avx512vbmi", "avx512bw"}, "sse2": set()}  # sse2: every x86-64
 OFF: set = set()
 _granted: list = []  # [(ok, why)] once asked
 
@@ -57,7 +58,7 @@ def _amx_permission() -> tuple[bool, str]:
 def usable(name: str) -> tuple[bool, str]:
     """``(usable, why)`` for instruction set ``name`` in this process."""
     if name not in _NEEDS:
-        raise ValueError(f"unknown instruction set {name!r}; one of {ORDER}")
+        raise ValueError(f"unknown instruction set {name!r}; one of {tuple(_NEEDS)}")
     if name in OFF:
         return False, "turned off (qarray.backends.cpu.isa.OFF)"
     return _probe(name)

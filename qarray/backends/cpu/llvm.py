@@ -1,0 +1,212 @@
+"""LLVM IR for what Numba's loops cannot emit: they have no vector types, store
+hints, byte permutes or dot-product instructions. Only that is written here;
+the arithmetic around it stays in Numba, in the kernel modules.
+
+Each helper runs only where :mod:`.isa` says the CPU has it, and each has a
+portable twin in plain Numba that gives the same results:
+
+=====================================  ===================  ==============================================
+helper                                 gate (``isa``)       portable twin
+=====================================  ===================  ==============================================
+:func:`_wide` (512-bit vectors)        none needed          ignored by LLVM on other targets
+:func:`_store_line`, :func:`_fence`    ``sse2`` (x86-64)    ``quantize.quantize`` / ``requantize.requantize``
+:func:`_lookup_sum`,                   ``avx512vbmi``       ``softmax._row_sum`` / ``_lookup_row``'s loops
+:func:`_lookup_store`
+:func:`_make_dot` (packed 4-bit)       ``avx512vnni``       the int8 GEMM on unpacked codes
+=====================================  ===================  ==============================================
+
+The int8 GEMM's blocks (AMX tiles, VNNI rows) are written in ``gemm``, beside
+the panel layout they read.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .pool import source
+
+
+def _fn(builder, name, ret, args):
+    """The LLVM function (an intrinsic) ``name``, declared in ``builder``'s module."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def _wide(typingctx):
+    """Let LLVM vectorize the calling kernel's loops 512 bits wide (AVX-512;
+    none elsewhere): it stops at 256 on Intel's server cores by default
+    (``prefer-256-bit``). quantize's loop on 16 lanes a step: 1.45x the speed
+    on 8 (2^16 float32 -> qint8 in L2, Emerald Rapids)."""
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # llvmlite knows no such name
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+_V64 = ir.VectorType(ir.IntType(8), 64)
+_V8Q = ir.VectorType(ir.IntType(64), 8)
+_V16 = ir.VectorType(ir.IntType(32), 16)
+
+
+def _splat(builder, value, vtype):
+    """``value`` in every lane of a ``vtype``."""
+    v = builder.insert_element(ir.Constant(vtype, None), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, ir.Constant(vtype, None),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), None))
+
+
+# -- streamed stores: quantize.quantize_stream, requantize.requantize_stream -------------------
+@intrinsic
+def _store_line(typingctx, out, offset, line, at):
+    """``out[offset:offset + 64] = line[at:at + 64]`` (64 bytes) by a non-temporal
+    store: ``out`` 8-bit, ``offset`` at a 64-byte boundary. The caller fences
+    (``_fence``) before another thread reads ``out``."""
+    def codegen(context, builder, sig, args):
+        src = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
+        dst = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        value = builder.load(builder.bitcast(src, _V64.as_pointer()), align=1)
+        hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        builder.store(value, builder.bitcast(dst, _V64.as_pointer()), align=64).set_metadata("nontemporal", hint)
+        return context.get_dummy_value()
+
+    return types.void(out, offset, line, at), codegen
+
+
+@intrinsic
+def _fence(typingctx):
+    """``sfence``: the non-temporal stores before it are visible before any store after it."""
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+# -- VBMI: softmax's byte lookups ----------------------------------------------------------------
+# Rows of 8-bit codes, where the CPU has AVX-512 VBMI (``planes`` not None:
+# ``NumpyBackend.softmax``): 64 table lookups at a time by byte permutes (LLVM
+# gathers a byte at a time from a loop of loads). A 256-entry byte table is
+# four 64-byte registers: ``vpermi2b`` looks up 128 entries by an index's low
+# 7 bits, two of them and its top bit select.
+def _row_bytes(context, builder, ty, arg, r):
+    """Row ``r`` of a 2-D C-contiguous byte array as a ``<64 x i8>*``."""
+    a = context.make_array(ty)(context, builder, arg)
+    row = builder.gep(a.data, [builder.mul(r, builder.extract_value(a.strides, 0))])
+    return builder.bitcast(row, _V64.as_pointer())
+
+
+def _lookup(builder, table, index):
+    """``table[index]`` for 64 byte indices, ``table`` four ``<64 x i8>``."""
+    permute = _fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64, [_V64] * 3)
+    low = builder.call(permute, [table[0], index, table[1]])
+    high = builder.call(permute, [table[2], index, table[3]])
+    return builder.select(builder.icmp_signed("<", index, ir.Constant(_V64, None)), high, low)
+
+
+def _table(context, builder, ty, arg, offset=0):
+    """256 bytes of 1-D array ``arg`` from ``offset``, as four ``<64 x i8>``."""
+    p = builder.bitcast(context.make_array(ty)(context, builder, arg).data, _V64.as_pointer())
+    return [builder.load(builder.gep(p, [ir.Constant(ir.IntType(64), offset + q)]), align=1) for q in range(4)]
+
+
+@intrinsic
+def _lookup_sum(typingctx, x, r, m, planes, chunks):
+    """``sum_i T[m - x[r, i]]`` over ``i < 64 * chunks``, exactly, from ``T``'s four
+    byte planes (``planes``, flat ``(4 * 256,)`` uint8: ``T < 2**32``): each
+    plane's looked-up bytes summed by ``vpsadbw`` into int64 lanes."""
+    def codegen(context, builder, sig, args):
+        row = _row_bytes(context, builder, sig.args[0], args[0], args[1])
+        mv = _splat(builder, builder.trunc(args[2], ir.IntType(8)), _V64)
+        tables = [_table(context, builder, sig.args[3], args[3], 4 * p) for p in range(4)]
+        sad = _fn(builder, "llvm.x86.avx512.psad.bw.512", _V8Q, [_V64, _V64])
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8Q, None)) for _ in range(4)]
+        with cgutils.for_range(builder, args[4]) as loop:
+            index = builder.sub(mv, builder.load(builder.gep(row, [loop.index]), align=1))
+            for acc, t in zip(accs, tables):
+                part = builder.call(sad, [_lookup(builder, t, index), ir.Constant(_V64, None)])
+                builder.store(builder.add(builder.load(acc), part), acc)
+        reduce = _fn(builder, "llvm.vector.reduce.add.v8i64", ir.IntType(64), [_V8Q])
+        total = ir.Constant(ir.IntType(64), 0)
+        for p, acc in enumerate(accs):
+            total = builder.add(total, builder.shl(builder.call(reduce, [builder.load(acc)]),
+                                                   ir.Constant(ir.IntType(64), 8 * p)))
+        return total
+
+    return types.int64(x, r, m, planes, chunks), codegen
+
+
+@intrinsic
+def _lookup_store(typingctx, x, r, m, otab, out, chunks):
+    """``out[r, i] = otab[m - x[r, i]]`` for ``i < 64 * chunks`` (``otab``: 256
+    bytes, ``out`` 8-bit)."""
+    def codegen(context, builder, sig, args):
+        row = _row_bytes(context, builder, sig.args[0], args[0], args[1])
+        dst = _row_bytes(context, builder, sig.args[4], args[4], args[1])
+        mv = _splat(builder, builder.trunc(args[2], ir.IntType(8)), _V64)
+        table = _table(context, builder, sig.args[3], args[3])
+        with cgutils.for_range(builder, args[5]) as loop:
+            index = builder.sub(mv, builder.load(builder.gep(row, [loop.index]), align=1))
+            builder.store(_lookup(builder, table, index), builder.gep(dst, [loop.index]), align=1)
+        return context.get_dummy_value()
+
+    return types.void(x, r, m, otab, out, chunks), codegen
+
+
+# -- VNNI: gemm.gemm_packed4's dot products on packed 4-bit weights ----------------------------
+# LLVM does not turn a plain int8 dot-product loop into ``vpdpbusd`` (u8 x s8,
+# four products summed into int32 lanes, never saturating).
+
+
+def _make_dot(rows, signed):
+    """An intrinsic ``dot(ae, ao, m0, wrow, chunks, res)``: for ``r < rows``,
+    ``res[r] = sum_j ae[m0 + r, j] * lo(wrow[j]) + ao[m0 + r, j] * hi(wrow[j])``
+    over ``j < 64 * chunks``, ``lo``/``hi`` the byte's nibbles (two's
+    complement when ``signed``): 64 bytes of weights, 128 products, per step."""
+
+    @intrinsic
+    def dot(typingctx, ae, ao, m0, wrow, chunks, res):
+        def codegen(context, builder, sig, args):
+            ae_, ao_, w_, res_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5))
+            m0, chunks = args[2], args[4]
+            vnni = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16, [_V16] * 3)
+            total = _fn(builder, "llvm.vector.reduce.add.v16i32", ir.IntType(32), [_V16])
+            stride = builder.extract_value(ae_.strides, 0)
+            ptrs = []
+            for r in range(rows):
+                off = builder.mul(builder.add(m0, ir.Constant(m0.type, r)), stride)
+                ptrs.append([builder.bitcast(builder.gep(x.data, [off]), _V64.as_pointer()) for x in (ae_, ao_)])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, None)) for _ in range(rows)]
+            wp = builder.bitcast(w_.data, _V64.as_pointer())
+            low, four, eight = (ir.Constant(_V64, [v] * 64) for v in (15, 4, 8))
+            with cgutils.for_range(builder, chunks) as loop:
+                wv = builder.load(builder.gep(wp, [loop.index]), align=1)
+                nibbles = [builder.and_(wv, low), builder.and_(builder.lshr(wv, four), low)]
+                if signed:  # (x ^ 8) - 8 sign-extends a nibble
+                    nibbles = [builder.sub(builder.xor(v, eight), eight) for v in nibbles]
+                nibbles = [builder.bitcast(v, _V16) for v in nibbles]
+                for r in range(rows):
+                    acc = builder.load(accs[r])
+                    for p, v in zip(ptrs[r], nibbles):
+                        act = builder.bitcast(builder.load(builder.gep(p, [loop.index]), align=1), _V16)
+                        acc = builder.call(vnni, [acc, act, v])
+                    builder.store(acc, accs[r])
+            for r in range(rows):
+                builder.store(builder.call(total, [builder.load(accs[r])]),
+                              builder.gep(res_.data, [ir.Constant(ir.IntType(32), r)]))
+            return context.get_dummy_value()
+
+        return types.void(ae, ao, m0, wrow, chunks, res), codegen
+
+    return dot
+
+
+_dot4_s, _dot4_u, _dot1_s, _dot1_u = (_make_dot(r, s) for r in (4, 1) for s in (True, False))
+
+
+_SOURCE = source(sys.modules[__name__])  # in the closures of the kernels that inline these
