@@ -34,13 +34,12 @@ _COLS = 4096  # data with one parameter is seen as rows of this many elements, s
 
 
 def _cpu():
-    """``qarray.backends.cpu`` with its elementwise kernel modules loaded, or None
-    without Numba (imported once, on first use)."""
+    """``qarray.backends.cpu``, the kernels, or None without Numba (imported
+    once, on first use)."""
     global _kernels
     if _kernels is False:
         try:
             from . import cpu
-            from .cpu import elementwise, isa, pool, quantize, requantize, softmax  # noqa: F401 (cpu.pool ...)
         except ImportError:
             cpu = None
         _kernels = cpu

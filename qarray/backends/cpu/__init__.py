@@ -1,6 +1,8 @@
 """qarray's CPU kernels, compiled by Numba, with LLVM IR where Numba's loops
 cannot emit the instruction. ``NumpyBackend`` (``qarray/backends/numpy.py``)
-calls them; none is imported before a primitive first runs on Numba.
+calls them; this package (which imports Numba) is imported when a primitive
+first runs on Numba, with the elementwise families; ``gemm`` and ``blocks``
+when theirs first run.
 
 - :mod:`.pool`: the threads (:func:`.pool.parallel` splits a kernel's tasks
   among them) and how a kernel is compiled (:data:`.pool.kernel`);
@@ -15,3 +17,5 @@ calls them; none is imported before a primitive first runs on Numba.
   store, the epilogue alone, packed 4-bit small M, conv2d) and :mod:`.blocks`
   (block formats: dequantize and linear).
 """
+
+from . import elementwise, isa, pool, quantize, requantize, softmax  # noqa: F401 (cpu.pool ...)
