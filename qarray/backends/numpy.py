@@ -380,7 +380,7 @@ class NumpyBackend(Backend):
         n, k_len = raw.shape[0], qx.shape[1]
         out = np.empty((qx.shape[0], n), np.float32)
         if packed is not None:
-            return blocks.linear_q8_packed(blocks.best(), dx, qx, packed, bias, out)
+            return blocks.linear_q8_packed(dx, qx, packed, bias, out)
         blk = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blk)
         segments, values = fmt.plan

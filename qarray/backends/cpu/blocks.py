@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import math
 
 import numpy as np
 from llvmlite import ir
@@ -46,22 +45,42 @@ KC = 128  # k a pass over the rows of x: the rows' chunk, side by side (KC, LANE
 PRECISION = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
+@intrinsic
+def _bits(typingctx, y):
+    """float32 ``y``'s bits, as an int32."""
+    return types.int32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+
+
+@intrinsic
+def _float(typingctx, u):
+    """int32 ``u``'s bits, as a float32."""
+    return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
+
+
 @njit(inline="always")
 def rounded(y, precision):
     """float32 ``y`` rounded to float16 (``precision`` 1) or bfloat16 (2), to nearest even, as
     float32 (``qarray._blocks.rounded``); 0: ``y``. NaN stays as it is: float16 -> float32 would clear
     its payload's low 13 bits, which are already 0 in every NaN a decoder meets (a float16 scale's, or
-    IEEE's default NaN). Computed in float64 by the exponent: the quantum is ``2^(e - p)`` for ``y``
-    in ``[2^(e-1), 2^e)``, no smaller than the subnormals'."""
-    if precision == 0 or y != y or y == 0 or abs(y) == np.inf:
+    IEEE's default NaN). On the bits of ``|y|``: the dropped mantissa bits (16 for bfloat16, 13 for
+    float16's normals) rounded away to nearest even, a carry moving into the exponent (to inf past the
+    largest value); float16's subnormals, below 2^-14, are multiples of 2^-24: ``rint(|y| * 2^24)``."""
+    y = np.float32(y)
+    if precision == 0 or y != y:
         return y
-    a = abs(np.float64(y))
-    e = math.frexp(a)[1]
-    q = max(e - 11, -24) if precision == 1 else max(e - 8, -133)
-    r = math.ldexp(np.rint(math.ldexp(a, -q)), q)
-    if r > (65504.0 if precision == 1 else 3.3895313892515355e38):
-        r = np.inf
-    return np.float32(-r if y < 0 else r)
+    u = _bits(y)
+    a = np.int64(u) & 0x7FFFFFFF
+    if a >= 0x7F800000:  # inf
+        return y
+    if precision == 2:
+        a = (a + 0x7FFF + ((a >> 16) & 1)) & 0x7FFF0000
+    elif a < 0x38800000:  # |y| < 2^-14
+        a = np.int64(_bits(np.float32(np.rint(abs(y) * np.float32(2.0**24)) * np.float32(2.0**-24))))
+    else:
+        a = (a + 0x0FFF + ((a >> 13) & 1)) & 0x7FFFE000
+        if a > 0x477FE000:  # past 65504
+            a = 0x7F800000
+    return _float(np.int32(a | (np.int64(u) & -0x80000000)))
 
 
 def _rounding_decoder(source):
@@ -392,7 +411,7 @@ def _make_dot(width, planes, count):
     ``lines`` a piece's; ``planes``: ``PackedQ8.planes`` (``hi`` the group's high bits). Each line is loaded and decoded
     once for the ``count`` rows; one row sums in two chains (even and odd lines), for the adds'
     latency. The float64 operations are LLVM's plain ones, unfused: each rounds as the contract's."""
-    i1, i8, i32, i64, f64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.DoubleType()
+    i8, i32, i64, f64 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.DoubleType()
     vec, bytes_ = ir.VectorType(i32, width), ir.VectorType(i8, width * 4)
     lanes32, lanes64 = ir.VectorType(i32, ROWS), ir.VectorType(f64, ROWS)
     halves, per, nib = ROWS // width, 8 if planes else 4, planes > 0  # vectors a line; k a line
@@ -615,9 +634,10 @@ def _make_packed(isa, planes):
 _packed_kernel = functools.cache(_make_packed)
 
 
-def linear_q8_packed(isa, dx, qx, w: PackedQ8, bias, out, threads=None):
+def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None):
     """``out`` (M, N) = mode 2 of Q8_0 rows ``dx``, ``qx`` against packed ``w``, on instruction set
-    ``isa`` (``isa.usable``'s), on the pool's threads or one."""
+    ``isa`` (``isa.usable``'s; the best by default), on the pool's threads or one."""
+    isa = best() if isa is None else isa
     ok, why = usable(isa)
     if not ok:
         raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
