@@ -312,12 +312,13 @@ class PackedQ8:
     values with ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
     ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``). A
     two-level scale (``has_sc``: the K-quants', IQ4_XS's) keeps ``s`` as its ``d``, ``(groups, blocks,
-    ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // per_block] *
-    sc[p]``; the offset likewise (``has_osc``, ``o`` and ``osc``). ``flags``: has_sc, has_o, has_osc,
-    has_zero as bits 0..3."""
+    ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // span] *
+    sc[p]``; the offset likewise (``has_osc``, ``o`` and ``osc``). ``s``, ``o`` and ``shift`` keep
+    an entry a sub-block (a block: two levels' d), ``spans`` the pieces an entry covers (16 bits each:
+    s's, o's, the zero's). ``flags``: has_sc, has_o, has_osc, has_zero as bits 0..3."""
 
     __slots__ = ("n", "k", "piece", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
-                 "has_zero", "per_block", "flags")
+                 "has_zero", "spans", "flags")
 
     def __init__(self, raw, fmt):
         blocks = np.ascontiguousarray(raw).reshape(-1, fmt.nbytes)
@@ -349,30 +350,31 @@ class PackedQ8:
         s, o, z = fmt.parameters(blocks)
         each = fmt.sub // piece  # pieces a sub-block
 
-        def by_piece(p, dtype, per=1):  # (n, pieces // per) -> (g, pieces // per, ROWS)
-            full = np.zeros((g * ROWS, k // piece // per), dtype)
-            full[:n] = np.repeat(p.reshape(n, -1), each, axis=1) if per == 1 else p.reshape(n, -1)
+        def side(p, dtype, repeat=1):  # (n, entries) -> (g, entries * repeat, ROWS), each entry repeat times
+            full = np.zeros((g * ROWS, p.size // n * repeat), dtype)
+            full[:n] = np.repeat(p.reshape(n, -1), repeat, axis=1)
             return np.ascontiguousarray(full.reshape(g, ROWS, -1).transpose(0, 2, 1))
 
         fields = fmt.unpack(blocks)
-        self.per_block = fmt.block // piece  # pieces a block: a two-level scale's d
         self.has_o, self.has_zero = o is not None, z is not None
         dummy_f, dummy_i = np.zeros((1, 1, ROWS), np.float32), np.zeros((1, 1, ROWS), np.int8)
-        self.s, self.sc, self.has_sc = by_piece(s, np.float32), dummy_i, False
-        two = _levels(fmt.scale, fields, s)
-        if two is not None:
-            self.s, self.sc, self.has_sc = by_piece(two[0], np.float32, self.per_block), by_piece(two[1], np.int8), True
+        spans = [each, each]  # pieces an entry of s, o: a sub-block's, or a block's (two levels' d)
+
+        def parameter(p, spec, which, sign=1):
+            two = spec and _levels(spec, fields, p, sign)
+            if two is None:
+                return side(p, np.float32), dummy_i, False
+            spans[which] = fmt.block // piece
+            return side(two[0], np.float32), side(two[1], np.int8, each), True
+
+        self.s, self.sc, self.has_sc = parameter(s, fmt.scale, 0)
         self.o, self.osc, self.has_osc = dummy_f, dummy_i, False
         if self.has_o:
-            two = fmt.offset and _levels(fmt.offset[0], fields, o, fmt.offset[1])
-            if two is not None:
-                self.o, self.osc, self.has_osc = by_piece(two[0], np.float32, self.per_block), by_piece(two[1], np.int8), \
-                    True
-            else:
-                self.o = by_piece(o, np.float32)
-        self.shift = by_piece(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
+            self.o, self.osc, self.has_osc = parameter(o, fmt.offset and fmt.offset[0], 1, fmt.offset and fmt.offset[1])
+        self.shift = side(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
         self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
+        self.spans = spans[0] | spans[1] << 16 | each << 32  # s's, o's, the zero's (a sub-block's)
 
 
 def _levels(spec, fields, p, sign=1):
@@ -428,11 +430,12 @@ def _make_dot(width, planes, count):
         return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(i32, ROWS), [0] * ROWS))
 
     @intrinsic
-    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
+    def dot(typingctx, codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi):
         def codegen(context, builder, sig, args):
             arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
                       for i in (0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 14, 15)}
-            lines, m0, flags, per_block = args[1], args[4], args[12], args[13]
+            lines, m0, flags, spans = args[1], args[4], args[12], args[13]
+            span = [builder.and_(builder.lshr(spans, const(16 * i)), const(0xFFFF)) for i in range(3)]
             has_sc, has_o, has_osc, has_zero = (builder.icmp_signed("!=", builder.and_(flags, const(1 << i)), const(0))
                                                 for i in range(4))
 
@@ -504,16 +507,15 @@ def _make_dot(width, planes, count):
                                     acc = builder.call(vpdpbusd, [acc, builder.bitcast(o_, vec), w])
                                 builder.store(acc, a)
                 # the piece's terms: isum = dots + shift * xsum (int32, exact), then float64
-                def parameter(two, one_index, i, j):  # s (or o): one level, or d * sc (two, exact)
+                def parameter(has, two, span_, i, j):  # s (or o): one level, or d * sc (two, exact)
                     f32s, i8s = ir.VectorType(ir.FloatType(), ROWS), ir.VectorType(i8, ROWS)
-                    d = builder.fpext(load(row(i, builder.select(two, builder.udiv(p, per_block), one_index)), f32s),
-                                      lanes64)
+                    d = builder.fpext(load(row(i, builder.select(has, builder.udiv(p, span_), const(0))), f32s), lanes64)
                     sc = builder.sitofp(load(row(j, builder.select(two, p, const(0))), i8s), lanes64)
                     return builder.select(two, builder.fmul(d, sc), d)
 
-                sp = parameter(has_sc, p, 7, 8)
-                op = parameter(has_osc, builder.select(has_o, p, const(0)), 9, 10)
-                hp = load(row(11, builder.select(has_zero, p, const(0))), lanes32)
+                sp = parameter(ir.Constant(ir.IntType(1), 1), has_sc, span[0], 7, 8)
+                op = parameter(has_o, has_osc, span[1], 9, 10)
+                hp = load(row(11, builder.select(has_zero, builder.udiv(p, span[2]), const(0))), lanes32)
                 block = builder.udiv(builder.mul(first, const(per)), const(32))  # dx's block of the piece
                 for r in range(count):
                     halves_ = []
@@ -539,7 +541,7 @@ def _make_dot(width, planes, count):
                               align=1)
             return context.get_dummy_value()
 
-        return types.void(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi), codegen
+        return types.void(codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi), codegen
 
     return dot
 RM = 8  # rows of x a call of the dots takes, each line decoded once for them
@@ -550,7 +552,7 @@ RM = 8  # rows of x a call of the dots takes, each line decoded once for them
 
 
 @njit(inline="always")
-def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
+def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi):
     """:func:`_make_dot`'s sums in plain loops."""
     per = 8 if planes else 4
     has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
@@ -576,24 +578,25 @@ def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, o
                         isum[l] += lo * np.int32(xr[t * per + b]) + up * np.int32(xr[t * per + 4 + b])
             xs = xsum[m, p]
             d = dx[m, p * lines * per // 32]
-            hp = shift[p if has_zero else 0]
+            hp = shift[p // (spans >> 32) if has_zero else 0]
+            sr, orow = s[p // (spans & 0xFFFF)], o[p // ((spans >> 16) & 0xFFFF) if has_o else 0]
             for l in range(ROWS):
-                sp = np.float64(s[p // per_block, l]) * np.float64(sc[p, l]) if has_sc else np.float64(s[p, l])
+                sp = np.float64(sr[l]) * np.float64(sc[p, l]) if has_sc else np.float64(sr[l])
                 term = d * sp * np.float64(isum[l] + hp[l] * xs)
                 if has_o:
-                    op = np.float64(o[p // per_block, l]) * np.float64(osc[p, l]) if has_osc else np.float64(o[p, l])
+                    op = np.float64(orow[l]) * np.float64(osc[p, l]) if has_osc else np.float64(orow[l])
                     term += d * op * np.float64(xs)
                 a[l] += term
 
 
 @njit(inline="always")
-def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi):
+def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi):
     """The sums of instruction set ``isa`` (an index into ``gemm._ISAS``; AMX's are AVX-512 VNNI's) and
     ``planes`` (both the kernel's closure constants) for rows ``m0 .. m0 + count`` of ``x`` (``count`` 1
     or ``RM``), the intrinsics named as globals (``gemm._block``)."""
-    a = (codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, per_block, acc, hi)
+    a = (codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi)
     if isa == 3:
-        _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, per_block,
+        _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, spans,
                       acc, hi)
     elif isa <= 1 and count == 1:
         _d16p0(*a) if planes == 0 else _d16p1(*a) if planes == 1 else _d16p2(*a) if planes == 2 else _d16p3(*a)
@@ -609,7 +612,7 @@ def _make_packed(isa, planes):
     which = _ISAS.index(isa)
 
     @kernel
-    def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, per_block, bias, has_bias, out,
+    def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, bias, has_bias, out,
                       start, stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
@@ -625,7 +628,7 @@ def _make_packed(isa, planes):
                 count = RM if m_len - m0 >= RM else 1
                 for m1 in range(m0, min(m0 + RM, m_len), count):
                     _dot(which, planes, codes[g], lines, lut, qx, m1, count, xsum, dx, s[g], scg, og, oscg, hg, flags,
-                         per_block, acc, hi[g if planes == 2 else 0])
+                         spans, acc, hi[g if planes == 2 else 0])
                     _store(acc[:count], bias, has_bias, out[m1:m1 + count], n0, min(ROWS, n_len - n0))
 
     return linear_packed
@@ -644,7 +647,7 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None):
     m = qx.shape[0]
     xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
     args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
-            w.shift, np.int64(w.flags), np.int64(w.per_block), np.zeros(1) if bias is None else bias, bias is not None,
+            w.shift, np.int64(w.flags), np.int64(w.spans), np.zeros(1) if bias is None else bias, bias is not None,
             out)
     kernel = _packed_kernel(isa, w.planes)
     groups = w.codes.shape[0]
