@@ -54,7 +54,7 @@ from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
 from .._gemm import SMALL_WORK  # products from which a call wakes the pool
 from .isa import best, usable
-from .llvm import _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _wide
+from .llvm import _call, _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _wide
 from .pool import kernel, parallel
 from .requantize import _SOURCE, _rq
 
@@ -116,14 +116,7 @@ def _tiles_begin(typingctx, cfg):
     return types.void(cfg), codegen
 
 
-@intrinsic
-def _tiles_end(typingctx):
-    """``tilerelease``: the tile state back to its initial (unused) state."""
-    def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
+_tiles_end = _call("llvm.x86.tilerelease")  # the tile state back to its initial (unused) state
 
 
 def _config():

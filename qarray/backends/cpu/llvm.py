@@ -78,14 +78,21 @@ def _store_line(typingctx, out, offset, line, at):
     return types.void(out, offset, line, at), codegen
 
 
-@intrinsic
-def _fence(typingctx):
-    """``sfence``: the non-temporal stores before it are visible before any store after it."""
-    def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
-        return context.get_dummy_value()
+def _call(name):
+    """An intrinsic ``f()`` that calls LLVM's ``void name()``."""
+    @intrinsic
+    def f(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.call(_fn(builder, name, ir.VoidType(), []), [])
+            return context.get_dummy_value()
 
-    return types.void(), codegen
+        return types.void(), codegen
+
+    return f
+
+
+# sfence: the non-temporal stores before it are visible before any store after it
+_fence = _call("llvm.x86.sse.sfence")
 
 
 # -- VBMI: softmax's byte lookups ----------------------------------------------------------------
