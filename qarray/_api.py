@@ -14,7 +14,7 @@ from .backends import on_data_device, user_array
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
-from ._params import check_params, check_scale, expand, float_values, kept, param_shape, to_host
+from ._params import Quant, check_params, check_scale, expand, float_values, kept, param_shape, to_host
 from . import _qarray
 from ._qarray import QArray, float_dtype
 from .backends._base import nan_error
@@ -96,15 +96,16 @@ def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=N
         raise TypeError(f"quantize: saturate= is for floating formats; {d.name} is an integer format, which always "
                         "saturates")
     if key is not None:
-        return QArray._new(b.quantize_stochastic(x, s, z, d, axis, block_size, key), s, z, d, axis, block_size, b)
+        return QArray._new(b.quantize_stochastic(x, Quant(s, z, d, axis, block_size), key), s, z, d, axis, block_size,
+                           b)
     if reciprocal:  # PyTorch's (fbgemm's) x * (1 / scale), rounded to float32; then divided by 1, exactly
         if x.dtype == np.float64:
             raise TypeError("quantize: reciprocal=True is PyTorch's float32 arithmetic, and PyTorch takes no float64: "
                             "pass x.astype(numpy.float32), or divide (reciprocal=False)")
         inv = expand(np.float32(1) / s, x.shape, axis, block_size)
         x, s1 = x.astype(np.float32, copy=False) * b.asarray(inv), np.ones_like(s)
-        return QArray._new(b.quantize(x, s1, z, d, axis, block_size), s, z, d, axis, block_size, b)
-    return QArray._new(b.quantize(x, s, z, d, axis, block_size), s, z, d, axis, block_size, b)
+        return QArray._new(b.quantize(x, Quant(s1, z, d, axis, block_size)), s, z, d, axis, block_size, b)
+    return QArray._new(b.quantize(x, Quant(s, z, d, axis, block_size)), s, z, d, axis, block_size, b)
 
 
 def _quantize_blocks(x, b, d, given):
@@ -214,7 +215,7 @@ def fake_quantize(x, scale, zero_point=0, dtype="qint8", axis=None, block_size=N
             inside = b.xp.abs(ratio) <= np.float32(d.qmax)
     else:
         direct = out if out is not None and out.dtype == ft else None  # written by the kernel itself
-        values, inside = b.fake_quantize(x, s, z, d, axis, block_size, ft, return_mask, key, out=direct)
+        values, inside = b.fake_quantize(x, Quant(s, z, d, axis, block_size), ft, return_mask, key, out=direct)
     if want is not None and values.dtype != want:
         with np.errstate(over="ignore"):  # beyond float16's range: inf, as dequantize rounds it
             values = values.astype(want)

@@ -260,6 +260,45 @@ class Requant:
         return np.dtype(np.int64) if self.qd is None else np.dtype(self.qd.storage)
 
 
+@dataclass(frozen=True, eq=False)
+class Binary:
+    """One add, sub or mul (``op``) of two quantized operands, resolved once by
+    ``qarray.ops.elementwise`` and taken whole by a backend: each operand taken
+    to int64 by its per-tensor ``Requant`` (``ra``, ``rb``: centred, for add and
+    sub rescaled onto a common scale), the op, exact in int64, then ``rq``
+    applied, or (None) the int64 result."""
+
+    op: str
+    ra: Requant
+    rb: Requant
+    rq: Requant | None = None
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return np.dtype(np.int64) if self.rq is None else self.rq.out_dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Softmax:
+    """One softmax or log_softmax of rows, resolved once by ``qarray.ops.softmax``
+    (its docstring has the arithmetic) and taken whole by a backend: ``table``
+    the int64 host table ``T[j] = round(2**30 * exp(-s_in * j))`` over every
+    distance ``j`` from a row's maximum, ``s_in`` and ``s_out`` the scales (float32
+    values, taken as float64), ``z_out`` the output zero point, ``qd`` the output
+    dtype (its range the clamp), ``log`` for log_softmax."""
+
+    table: np.ndarray
+    s_in: float
+    s_out: float
+    z_out: int
+    qd: QDType
+    log: bool
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return np.dtype(self.qd.storage)
+
+
 _I64 = np.iinfo(np.int64)
 
 

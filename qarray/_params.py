@@ -20,6 +20,7 @@ import functools
 import math
 import operator
 import types
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -289,6 +290,23 @@ def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=N
             f"of {dtype.name}"
         )
     return z.astype(np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class Quant:
+    """One quantize, resolved once by an op (``check_params``' parameters and the
+    output dtype) and taken whole by a backend:
+
+        q = clamp(rint(x / scale) + zero_point, qd.qmin, qd.qmax)   in qd's storage
+
+    ``scale`` and ``zero_point`` are host arrays of the parameter shape of
+    ``axis`` / ``block_size`` (``()`` per tensor)."""
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    qd: QDType
+    axis: int | None = None
+    block_size: int | None = None
 
 
 def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):

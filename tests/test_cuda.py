@@ -12,6 +12,7 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 from qarray.backends import _cuda, cupy as cuda_backend
+from qarray._params import Quant
 from qarray.backends._cuda import CUDA_DIR
 
 from cuda_host.harness import HOST_GRID, SOURCES
@@ -76,7 +77,7 @@ def test_quantize_dequantize(host, shape, axis, block_size, dtype, in_dtype, rng
     ps = param_shape(shape, axis, block_size)
     scale = np.where(rng.random(ps) < 0.5, 0.25, rng.uniform(0.05, 0.5, ps)).astype(np.float32)
     zp = rng.integers(d.qmin, min(d.qmax, d.qmin + 100), ps, endpoint=True).astype(np.int32)
-    want, got = numpy_and_host(host, lambda b: b.quantize(x, scale, zp, d, axis, block_size))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, Quant(scale, zp, d, axis, block_size)))
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     for ft in (np.float16, np.float32, np.float64):
@@ -109,7 +110,7 @@ def test_grid_stride_tail_and_launch(host, rng):
     n = _cuda.BLOCK * HOST_GRID * 64 + 77
     x = rng.standard_normal(n).astype(np.float32)
     s, z = np.float32(0.03), np.int32(5)
-    want, got = numpy_and_host(host, lambda b: b.quantize(x, np.asarray(s), np.asarray(z), qarray.qint8, None, None))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, Quant(np.asarray(s), np.asarray(z), qarray.qint8)))
     np.testing.assert_array_equal(got, want)
     assert host.launches[-1] == ("quantize_float32_int8", HOST_GRID, _cuda.BLOCK)
 
@@ -122,20 +123,20 @@ def test_nan_is_the_cpu_error_at_the_next_host_read(host):
     x = np.zeros((2, 3), np.float32)
     x[1, 2] = np.nan
     s, z = np.asarray(np.float32(0.1)), np.asarray(np.int32(0))
-    host.quantize(np.ones(5, np.float32), s, z, qarray.qint8, None, None)
-    host.quantize(x, s, z, qarray.qint8, None, None)  # returns: nothing read yet
-    host.quantize(x[:1], s, z, qarray.qint8, None, None)
+    host.quantize(np.ones(5, np.float32), Quant(s, z, qarray.qint8))
+    host.quantize(x, Quant(s, z, qarray.qint8))  # returns: nothing read yet
+    host.quantize(x[:1], Quant(s, z, qarray.qint8))
     with pytest.raises(ValueError, match=r"^cannot quantize NaN: the input has 1 NaN value\(s\), the first at index \(1, 2\);"):
         host.to_host(np.zeros(1))
     host.check_nan()  # reported once; the flag is clear again
-    host.quantize(np.ones(3, np.float32), s, z, qarray.qint8, None, None)
+    host.quantize(np.ones(3, np.float32), Quant(s, z, qarray.qint8))
     np.testing.assert_array_equal(host.to_host(np.arange(2)), [0, 1])
     for _ in range(host.PENDING + 1):
-        host.quantize(np.ones(3, np.float32), s, z, qarray.qint8, None, None)
-    host.quantize(x, s, z, qarray.qint8, None, None)
+        host.quantize(np.ones(3, np.float32), Quant(s, z, qarray.qint8))
+    host.quantize(x, Quant(s, z, qarray.qint8))
     with pytest.raises(ValueError, match=r"1 NaN value\(s\), the first at index \(1, 2\)"):
         host.check_nan()
-    host.quantize(x.copy(), s, z, qarray.qint8, None, None)  # only weakly noted: gone by the check
+    host.quantize(x.copy(), Quant(s, z, qarray.qint8))  # only weakly noted: gone by the check
     with pytest.raises(ValueError, match=r"^cannot quantize NaN: a quantize call on this thread since the last host "
                                          r"read had NaN input, no longer held \(so where is not known\)"):
         host.check_nan()
@@ -144,7 +145,8 @@ def test_nan_is_the_cpu_error_at_the_next_host_read(host):
 
 def test_non_contiguous_input_is_handled(host, rng):
     x = rng.standard_normal((8, 6)).astype(np.float32)[:, ::2]
-    want, got = numpy_and_host(host, lambda b: b.quantize(x, np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8, None, None))
+    qp = Quant(np.asarray(np.float32(0.1)), np.asarray(np.int32(0)), qarray.qint8)
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, qp))
     np.testing.assert_array_equal(got, want)
 
 
@@ -152,7 +154,7 @@ def test_qarray_api_through_the_host_backend(host, rng):
     """The public API with the CUDA backend's primitives (host-run)."""
     x = rng.standard_normal((4, 8)).astype(np.float32)
     q = qarray.quantize(x, 0.02, 3, "qint8")
-    data = host.quantize(x, q.scale, q.zero_point, q.dtype, None, None)
+    data = host.quantize(x, Quant(q.scale, q.zero_point, q.dtype))
     np.testing.assert_array_equal(data, q.int_repr())
     r = QArray._new(data, q.scale, q.zero_point, q.dtype, None, None, host)
     np.testing.assert_array_equal(r.dequantize(), q.dequantize())
@@ -167,7 +169,8 @@ def test_float16_in_and_out_without_widening(host, rng):
     x = np.concatenate([specials, (rng.standard_normal(1000) * 30).astype(np.float16)])
     for scale in (2.0**-25, 2.0**-24 * 3, 0.1, 0.25):
         for dtype in ("qint8", "quint4", "qint16", "qint32"):
-            want, got = numpy_and_host(host, lambda b: b.quantize(x, np.float32(scale), np.int32(1), qdtype(dtype), None, None))
+            qp = Quant(np.float32(scale), np.int32(1), qdtype(dtype))
+            want, got = numpy_and_host(host, lambda b: b.quantize(x, qp))
             np.testing.assert_array_equal(got, want)
             assert host.launches[-1][0] == f"quantize_float16_{qdtype(dtype).storage.name}"
     q = np.arange(-32768, 32768, dtype=np.int16)

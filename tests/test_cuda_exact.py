@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qarray import qdtype
+from qarray._fixed_point import Binary
 
 from _reference import (DTYPES, RULES, CODES, ref_scale, ref_out, f32_ratio, expand, ref_int64,
                         exact_settings, check_path, zero_points, draw_code, multipliers, int64_cases, make_rq,
@@ -101,7 +102,7 @@ def test_cuda_host_requantize_and_binary(host, kernels, data):
             ra = make_rq(za, 0, Ma, None, rounding=code if code is not None else 0)
             rb = make_rq(zb, 0, Mb, None, rounding=code if code is not None else 0)
         rq = make_rq(0, zo if axis is not None else zo[0], Mo if axis is not None else Mo[0], qo, axis, rounding=code)
-        fn = lambda bk: bk.binary(op, qa_.astype(a.storage), qb_.astype(b.storage), ra, rb, rq)  # noqa: E731
+        fn = lambda bk: bk.binary(qa_.astype(a.storage), qb_.astype(b.storage), Binary(op, ra, rb, rq))  # noqa: E731
         want, got = numpy_and_host(host, fn)
         assert host.launches[-1][0] == f"binary_{a.storage.name}_{b.storage.name}"
         ref = np.empty(shape, np.int64)

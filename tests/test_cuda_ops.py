@@ -8,7 +8,7 @@ from cuda_host.harness import HOST_GRID
 
 import qarray
 from qarray import QArray, qdtype
-from qarray._fixed_point import identity
+from qarray._fixed_point import Binary, identity
 from qarray.backends import _cuda
 from _reference import assert_same, make_rq, numpy_and_host
 
@@ -110,7 +110,7 @@ def _binary_cases(rng, pair, sa, sb):
 @pytest.mark.parametrize("op", ["add", "sub", "mul"])
 def test_binary_exact(host, op, pair, sa, sb, rng):
     a, za, b, zb = _binary_cases(rng, pair, sa, sb)
-    want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb)))
+    want, got = numpy_and_host(host, lambda bk: bk.binary(a, b, Binary(op, identity(za), identity(zb))))
     assert_same(got, want)
     if want.size and sb != (3, 4):
         _last_kernel(host, f"binary_{a.dtype.name}_{b.dtype.name}")
@@ -124,7 +124,7 @@ def test_binary_rescaled(host, pair, sa, sb, rounding, rng):
     # one multiplier near 2**19 (add's largest), one with exact ties
     ra, rb = (make_rq(z, 0, m, None, rounding=rounding) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for op in ("add", "sub"):
-        want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, ra, rb))
+        want, got = numpy_and_host(host, lambda bk: bk.binary(a, b, Binary(op, ra, rb)))
         assert_same(got, want)
 
 
@@ -132,10 +132,10 @@ def test_binary_views_and_tail(host, rng):
     a, za, b, zb = _binary_cases(rng, ("qint8", "quint8"), (9, 8), (9, 8))
     for x in _views(a):
         for y in (b[: x.shape[0], : x.shape[1]], b[-x.shape[0]:, -x.shape[1]:][::-1]):
-            want, got = numpy_and_host(host, lambda bk: bk.binary("mul", x, y, identity(za), identity(zb)))
+            want, got = numpy_and_host(host, lambda bk: bk.binary(x, y, Binary("mul", identity(za), identity(zb))))
             assert_same(got, want)
     a, za, b, zb = _binary_cases(rng, ("qint16", "qint8"), (TAIL,), ())
-    want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, identity(za), identity(zb)))
+    want, got = numpy_and_host(host, lambda bk: bk.binary(a, b, Binary("sub", identity(za), identity(zb))))
     assert_same(got, want)
     assert host.launches[-1] == ("binary_int16_int8", HOST_GRID, _cuda.BLOCK)
 
@@ -158,7 +158,7 @@ def test_binary_requantized_in_one_kernel(host, sa, sb, out, rounding, relu, rng
     shape = np.broadcast_shapes(sa, sb)
     for op in ("add", "mul"):
         requant = _requant(rng, shape, out, rounding, relu)
-        want, got = numpy_and_host(host, lambda bk: bk.binary(op, a, b, identity(za), identity(zb), requant))
+        want, got = numpy_and_host(host, lambda bk: bk.binary(a, b, Binary(op, identity(za), identity(zb), requant)))
         assert_same(got, want)
         if want.size and sb != (3, 4):
             assert [n for n, *_ in host.launches][-1:] == ["binary_int8_uint8"]
@@ -172,7 +172,7 @@ def test_binary_requantized_per_axis_and_rescaled(host, axis, rng):
     ra, rb = (make_rq(z, 0, m, None, rounding=1) for z, m in ((za, rng.uniform(1, 2.0**27)), (zb, 0.5)))
     for rounding in (0, 3, None):
         requant = _requant(rng, (6, 5), "qint8", rounding, False, axis)
-        want, got = numpy_and_host(host, lambda bk: bk.binary("sub", a, b, ra, rb, requant))
+        want, got = numpy_and_host(host, lambda bk: bk.binary(a, b, Binary("sub", ra, rb, requant)))
         assert_same(got, want)
         assert host.launches[-1][0] == "binary_uint16_int8"
 

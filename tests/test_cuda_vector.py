@@ -6,6 +6,7 @@ import pytest
 
 import qarray
 from _reference import make_rq, numpy_and_host
+from qarray._params import Quant
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
@@ -14,7 +15,7 @@ def test_aligned_and_misaligned(host, rng, offset, n):
     base = (rng.standard_normal(n + 8) * 30).astype(np.float32)
     x = base[offset : offset + n]
     s, z = np.asarray(np.float32(0.25)), np.asarray(np.int32(3))
-    want, got = numpy_and_host(host, lambda b: b.quantize(x, s, z, qarray.qint8, None, None))
+    want, got = numpy_and_host(host, lambda b: b.quantize(x, Quant(s, z, qarray.qint8)))
     np.testing.assert_array_equal(got, want)
     qb = rng.integers(-128, 128, n + 8).astype(np.int8)[offset : offset + n]
     for ft in (np.float32, np.float64):
@@ -47,7 +48,7 @@ def test_per_axis_and_blocked_rows(host, rng, shape, axis, block_size, offset):
     zp = rng.integers(-20, 20, ps).astype(np.int32)
     for d in (qarray.qint8, qarray.quint16, qarray.qint32):
         z = np.clip(zp, d.qmin, d.qmax).astype(np.int32)
-        want, got = numpy_and_host(host, lambda b: b.quantize(x, scale, z, d, axis, block_size))
+        want, got = numpy_and_host(host, lambda b: b.quantize(x, Quant(scale, z, d, axis, block_size)))
         np.testing.assert_array_equal(got, want)
         for ft in (np.float16, np.float32, np.float64):
             w, g = numpy_and_host(host, lambda b: b.dequantize(want, scale, z, axis, block_size, ft))

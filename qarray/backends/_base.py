@@ -19,7 +19,7 @@ import numpy as np
 from .. import _formats, _philox
 from .._dtypes import qdtype
 from .._fixed_point import FLOAT, IDENTITY, rescale, rescale_stochastic
-from .._params import Layout, expand, kept, to_host
+from .._params import Layout, Quant, expand, kept, to_host
 
 
 class FloatWeight(NamedTuple):
@@ -313,21 +313,23 @@ class Backend:
                 out2[r, c] = fn(a2[r, c], *seen[2])
         return out
 
-    def quantize(self, x, scale, zero_point, qd, axis, block_size):
-        """``clamp(rint(x / scale) + zero_point)`` in ``qd``'s storage dtype."""
-        xp = self.xp
+    def quantize(self, x, qp: Quant, out=None):
+        """``clamp(rint(x / scale) + zero_point)`` in ``qd``'s storage dtype (the
+        plan ``qp``), written into ``out`` when given (that dtype, ``x``'s shape)."""
+        xp, qd = self.xp, qp.qd
 
         def fn(c, s, z):
             if bool(xp.isnan(c).any()):
                 raise nan_error(x)
             return xp.clip(self._rounded(c, s, z), qd.qmin, qd.qmax).astype(qd.storage)
 
-        return self._chunked(fn, x, self.empty(x.shape, qd.storage), Layout(x.shape, axis, block_size),
-                             self._quantize_params(x, scale, zero_point))
+        lay = Layout(x.shape, qp.axis, qp.block_size)
+        return self._into(out, lambda t: self._chunked(fn, x, t, lay, self._quantize_params(x, qp)), x.shape,
+                          qd.storage)
 
-    def _quantize_params(self, x, scale, zero_point):
+    def _quantize_params(self, x, qp):
         ft = self.xp.float64 if x.dtype == self.xp.float64 else self.xp.float32
-        return scale.astype(ft), zero_point.astype(self.xp.float64)
+        return qp.scale.astype(ft), qp.zero_point.astype(self.xp.float64)
 
     def _rounded(self, c, s, z):
         """``rint(c / s) + z`` before the clamp, in float64 (``s`` in ``c``'s float type)."""
@@ -335,31 +337,29 @@ class Backend:
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
             return xp.rint(c.astype(s.dtype, copy=False) / s).astype(xp.float64) + z
 
-    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+    def quantize_stochastic(self, x, qp: Quant, key, index=None):
         """:meth:`quantize` rounding ``x / scale`` down or up, up with probability
         its fraction (``qarray._philox.round_stochastic``), the random word of each
         element Philox4x32-10's of its flat index in the whole array under
         ``key``. ``index``: those indices (uint64, ``x``'s shape), default ``x``'s
         own C-order ones (a Dask chunk passes its place in the whole). Here in
         whole-array operations."""
-        w = self._rounded_stochastic(x, scale, zero_point, axis, block_size, key, index)
-        return self.xp.clip(w, qd.qmin, qd.qmax).astype(qd.storage)
+        w = self._rounded_stochastic(x, qp, key, index)
+        return self.xp.clip(w, qp.qd.qmin, qp.qd.qmax).astype(qp.qd.storage)
 
-    def _rounded_stochastic(self, x, scale, zero_point, axis, block_size, key, index):
+    def _rounded_stochastic(self, x, qp, key, index):
         """:meth:`quantize_stochastic`'s values before the clamp (float64 for
         float64 input, else float32 or float64 as ``_quantize_params`` gives)."""
         xp = self.xp
         if bool(xp.isnan(x).any()):
             raise nan_error(x)
-        s, z = self._quantize_params(x, scale, zero_point)
-        s, z = (self.asarray(expand(p, x.shape, axis, block_size)) for p in (s, z))
+        s, z = (self.asarray(expand(p, x.shape, qp.axis, qp.block_size)) for p in self._quantize_params(x, qp))
         index = self._index(x.shape, index)
         with np.errstate(over="ignore", invalid="ignore"):  # x / scale beyond the float range is inf, which saturates
             t = x.astype(s.dtype, copy=False) / s
             return _philox.round_stochastic(t, xp.floor(t), _philox.bits(index, *key)) + z
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
-                      out=None):
+    def fake_quantize(self, x, qp: Quant, dtype, mask=False, key=None, index=None, out=None):
         """``(values, inside)``: :meth:`quantize`'s codes (``key``:
         :meth:`quantize_stochastic`'s, ``index`` as there) dequantized to
         ``dtype`` as :meth:`dequantize` computes them, written into ``out``
@@ -368,22 +368,22 @@ class Backend:
         qmax]`` before the clamp (the straight-through estimator's mask; False
         for inf). Here the primitives and a pass of their own for the mask;
         backends that can do it in one pass over ``x``."""
-        inside = None
+        inside, qd = None, qp.qd
         if key is None:
-            q = self.quantize(x, scale, zero_point, qd, axis, block_size)
+            q = self.quantize(x, qp)
         else:  # the values before the clamp once: the codes and the mask both come from them
-            w = self._rounded_stochastic(x, scale, zero_point, axis, block_size, key, index)
+            w = self._rounded_stochastic(x, qp, key, index)
             q = self.xp.clip(w, qd.qmin, qd.qmax).astype(qd.storage)
             if mask:
                 inside = (w >= qd.qmin) & (w <= qd.qmax)
-        values = self.dequantize(q, scale, zero_point, axis, block_size, dtype)
+        values = self.dequantize(q, qp.scale, qp.zero_point, qp.axis, qp.block_size, dtype)
         if mask and key is None:
             def fn(c, s, z):
                 w = self._rounded(c, s, z)
                 return (w >= qd.qmin) & (w <= qd.qmax)
 
-            inside = self._chunked(fn, x, self.empty(x.shape, self.xp.bool_), Layout(x.shape, axis, block_size),
-                                   self._quantize_params(x, scale, zero_point))
+            inside = self._chunked(fn, x, self.empty(x.shape, self.xp.bool_), Layout(x.shape, qp.axis, qp.block_size),
+                                   self._quantize_params(x, qp))
         if out is not None:  # last: out may be x
             out[...] = values
             values = out
@@ -532,16 +532,23 @@ class Backend:
         """``min(max(q, lo), hi)`` in ``q``'s dtype; ``lo``/``hi`` broadcast against ``q``."""
         return self.xp.clip(q, lo, hi).astype(q.dtype, copy=False)
 
-    def binary(self, op, a, b, ra, rb, rq=None):
-        """``x op y`` with broadcasting, ``op`` being "add", "sub" or "mul": ``x`` and
-        ``y`` are the operands taken by the per-tensor Requants ``ra`` and ``rb``
-        to int64 (centred, and for add rescaled onto a common scale), exact;
-        then ``rq`` applied when given (one pass on the GPU), else the int64
-        result. The op makes sure nothing overflows int64.
+    def binary(self, a, b, bp, out=None):
+        """``x op y`` with broadcasting by the plan ``bp`` (a
+        ``qarray._fixed_point.Binary``), ``op`` being "add", "sub" or "mul": ``x``
+        and ``y`` are the operands taken by the per-tensor Requants ``bp.ra`` and
+        ``bp.rb`` to int64 (centred, and for add rescaled onto a common scale),
+        exact; then ``bp.rq`` applied when given (one pass on the GPU), else the
+        int64 result; written into ``out`` when given. The op makes sure nothing
+        overflows int64.
         """
-        x, y = self.requantize(a, ra), self.requantize(b, rb)
-        acc = x * y if op == "mul" else (x + y if op == "add" else x - y)
-        return acc if rq is None else self.requantize(acc, rq)
+        x, y = self.requantize(a, bp.ra), self.requantize(b, bp.rb)
+        acc = x * y if bp.op == "mul" else (x + y if bp.op == "add" else x - y)
+        if bp.rq is not None:
+            return self.requantize(acc, bp.rq, out)
+        if out is None:
+            return acc
+        out[...] = acc
+        return out
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""
@@ -580,23 +587,26 @@ class Backend:
         c = c.reshape((1,) * axis + (-1,) + (1,) * (q.ndim - axis - 1))
         return xp.take(table.reshape(-1), c + u)
 
-    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
-        """Quantized softmax (``log`` False) or log_softmax of the rows of ``x``.
+    def softmax(self, x, sm, out=None):
+        """Quantized softmax or log_softmax of the rows of ``x`` by the plan ``sm``
+        (a ``qarray._fixed_point.Softmax``), written into ``out`` when given
+        (``sm``'s output dtype, ``x``'s shape).
 
-        ``x`` is 2-D integer ``(rows, n)``, the softmax axis last; ``table`` the
-        int64 host table ``T[j] = round(2**30 * exp(-s_in * j))`` over every
-        distance ``j = rowmax - x`` (``qarray.ops.softmax``). With ``S`` the exact
-        int64 row sum of ``T[j]``: softmax is ``rint(T[j] / (S * s_out)) + z_out``,
-        log_softmax ``rint((-s_in * j - log(S / 2**30)) / s_out) + z_out``,
-        float64 throughout, clamped to ``[lo, hi]`` in ``out_dtype``. The log runs
-        on the host in NumPy (one per row), so every backend takes the same value.
+        ``x`` is 2-D integer ``(rows, n)``, the softmax axis last; ``j = rowmax - x``
+        indexes ``sm.table``. With ``S`` the exact int64 row sum of ``T[j]``:
+        softmax is ``rint(T[j] / (S * s_out)) + z_out``, log_softmax
+        ``rint((-s_in * j - log(S / 2**30)) / s_out) + z_out``, float64
+        throughout, clamped to the output dtype's range. The log runs on the host
+        in NumPy (one per row), so every backend takes the same value.
         """
         xp = self.xp
         rows, n = x.shape
+        lo, hi, out_dtype = sm.qd.qmin, sm.qd.qmax, sm.out_dtype
         if rows * n == 0:
-            return self.empty((rows, n), out_dtype)
-        out = self.empty((rows, n), out_dtype) if self.writable else None
-        t = self.asarray(table)
+            return self.empty((rows, n), out_dtype) if out is None else out
+        if out is None and self.writable:
+            out = self.empty((rows, n), out_dtype)
+        t = self.asarray(sm.table)
         step = max(1, self.chunk // n)
         pieces = []  # rows of about ``chunk`` elements at a time: into out, or joined (immutable arrays)
         for r in range(0, rows, step):
@@ -604,12 +614,12 @@ class Backend:
             j = c.max(axis=1, keepdims=True) - c
             tj = xp.take(t, j)
             S = tj.sum(axis=1, keepdims=True)
-            if log:
+            if sm.log:
                 logs = self.asarray(np.log(to_host(S).astype(np.float64) / 2.0**30))
-                v = xp.rint((j.astype(xp.float64) * -float(s_in) - logs) / float(s_out))
+                v = xp.rint((j.astype(xp.float64) * -float(sm.s_in) - logs) / float(sm.s_out))
             else:
-                v = xp.rint(tj.astype(xp.float64) / (S.astype(xp.float64) * float(s_out)))
-            piece = xp.clip(v + float(z_out), lo, hi).astype(out_dtype)
+                v = xp.rint(tj.astype(xp.float64) / (S.astype(xp.float64) * float(sm.s_out)))
+            piece = xp.clip(v + float(sm.z_out), lo, hi).astype(out_dtype)
             if out is not None:
                 out[r : r + step] = piece
             else:

@@ -223,44 +223,46 @@ class CupyBackend(Backend):
         self.check_nan()
         return super().to_host(a)
 
-    def quantize(self, x, scale, zero_point, qd, axis, block_size):
-        return self._quantize_with("quantize", x, scale, zero_point, qd, axis, block_size)
+    def quantize(self, x, qp, out=None):
+        return self._quantize_with("quantize", x, qp, out)
 
-    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+    def quantize_stochastic(self, x, qp, key, index=None):
         if index is not None:  # a Dask chunk's elements, numbered in the whole array
-            return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
-        return self._quantize_with("quantize_stochastic", x, scale, zero_point, qd, axis, block_size,
-                                   tuple(np.uint32(k) for k in key))
+            return super().quantize_stochastic(x, qp, key, index)
+        return self._quantize_with("quantize_stochastic", x, qp, None, tuple(np.uint32(k) for k in key))
 
-    def _quantize_with(self, base, x, scale, zero_point, qd, axis, block_size, extra=()):
-        """Codes from kernel ``base``: quantize's arguments, then ``extra``, the
-        output and the NaN flag."""
+    def _quantize_with(self, base, x, qp, out, extra=()):
+        """Codes from kernel ``base`` (into ``out`` when given): quantize's
+        arguments, then ``extra``, the output and the NaN flag."""
         with self.on(x):
             x = contiguous(x)
-            total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
-            out = self.xp.empty(x.shape, qd.storage)
-            if total:
-                self._elementwise(kernel_name(base, x.dtype, qd.storage), total,
-                                  (*args, *extra, out, self._nan_flag(x, nan_error)))
-            return out
+            total, args = self._quantize_args(x, qp)
 
-    def _quantize_args(self, x, scale, zero_point, qd, axis, block_size):
+            def fill(target):
+                if total:
+                    self._elementwise(kernel_name(base, x.dtype, qp.qd.storage), total,
+                                      (*args, *extra, target, self._nan_flag(x, nan_error)))
+                return target
+
+            return self._into(out, fill, x.shape, qp.qd.storage)
+
+    def _quantize_args(self, x, qp):
         """``(total, args)``: the elements and the leading arguments of the quantize
         kernels (``x``, scale, zero point, layout, bounds)."""
+        qd = qp.qd
         ft = np.float64 if x.dtype == np.float64 else np.float32  # float16 is computed in float32, as on the CPU
         ct = np.float64 if (ft == np.float64 or qd.bits > 16) else np.float32
-        s, z = np.asarray(scale, ft), np.asarray(zero_point, np.int32)
-        total, layout, (s, z) = plan(self, x.shape, axis, block_size, s, z)
+        s, z = np.asarray(qp.scale, ft), np.asarray(qp.zero_point, np.int32)
+        total, layout, (s, z) = plan(self, x.shape, qp.axis, qp.block_size, s, z)
         return total, (x, s, z, *layout, ct(qd.qmin), ct(qd.qmax))
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
-                      out=None):
+    def fake_quantize(self, x, qp, dtype, mask=False, key=None, index=None, out=None):
         if dtype != x.dtype or index is not None:  # the kernels give the input's float type; a Dask chunk's index
-            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask, key, index, out)
-        xp = self.xp
+            return super().fake_quantize(x, qp, dtype, mask, key, index, out)
+        xp, qd = self.xp, qp.qd
         with self.on(x):
             x = contiguous(x)
-            total, args = self._quantize_args(x, scale, zero_point, qd, axis, block_size)
+            total, args = self._quantize_args(x, qp)
             # out itself unless it overlaps x other than exactly (each thread reads
             # its element before writing it; a shifted overlap would race)
             direct = out is not None and out.flags.c_contiguous and (
@@ -401,24 +403,29 @@ class CupyBackend(Backend):
                 self._elementwise(kernel_name("clip", q.dtype), q.size, (q, np.int64(int(lo)), np.int64(int(hi)), np.int64(q.size), out), "ops.cu")
             return out
 
-    def binary(self, op, a, b, ra, rb, rq=None):
-        xp = self.xp
+    def binary(self, a, b, bp, out=None):
+        xp, rq = self.xp, bp.rq
         with self.on(a):
             shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
             pa, pb = _period(a.shape, shape), _period(b.shape, shape)
-            out_dtype = np.dtype(np.int64) if rq is None else rq.out_dtype
+            out_dtype = bp.out_dtype
             if pa is None or pb is None or not {_name(a.dtype), _name(b.dtype)} <= STORAGE or _name(out_dtype) not in OUT_KINDS:
-                return super().binary(op, a, b, ra, rb, rq)
+                return super().binary(a, b, bp, out)
             # without rq the kernel stores the int64 result and reads no parameters: any will do
-            total, args = requant_args(self, shape, ra if rq is None else rq)
-            out = xp.empty(shape, out_dtype)
-            if total:
-                operands = [(xp.ascontiguousarray(x), np.int64(p), *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)),
-                             np.int32(r.rounding)) for x, p, r in ((a, pa, ra), (b, pb, rb))]
-                self._elementwise(kernel_name("binary", a.dtype, b.dtype), total,
-                                  (*operands[0], *operands[1], np.int32(BINARY_OPS[op]), *args,
-                                   np.int32(OUT_KINDS[_name(out_dtype)] if rq is not None else 0), out), "ops.cu")
-            return out
+            total, args = requant_args(self, shape, bp.ra if rq is None else rq)
+
+            def fill(target):
+                if total:
+                    operands = [(xp.ascontiguousarray(x), np.int64(p),
+                                 *(np.int64(int(v)) for v in (r.zp_in, r.m, r.shift)), np.int32(r.rounding))
+                                for x, p, r in ((a, pa, bp.ra), (b, pb, bp.rb))]
+                    kind = np.int32(OUT_KINDS[_name(out_dtype)] if rq is not None else 0)
+                    self._elementwise(kernel_name("binary", a.dtype, b.dtype), total,
+                                      (*operands[0], *operands[1], np.int32(BINARY_OPS[bp.op]), *args, kind, target),
+                                      "ops.cu")
+                return target
+
+            return self._into(out, fill, shape, out_dtype)
 
     def pack(self, q, bits):
         xp = self.xp

@@ -218,24 +218,24 @@ class DaskBackend(Backend):
     # -- the primitives: the inner backend's, chunk by chunk ----------------
     # quantize's NaN error is raised at compute(): a chunk backend that reports it
     # late (CuPy) is asked in the chunk's own task and thread (a flag read a chunk)
-    def quantize(self, x, scale, zero_point, qd, axis, block_size):
-        return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, s, z, qd, axis, block_size)),
-                               x, axis, block_size, (scale, zero_point), qd.storage)
+    def quantize(self, x, qp, out=None):
+        _no_out(out)
+        return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, _chunk_quant(qp, s, z))),
+                               x, qp.axis, qp.block_size, (qp.scale, qp.zero_point), qp.qd.storage)
 
-    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+    def quantize_stochastic(self, x, qp, key, index=None):
         # each chunk with its elements' flat indices in the whole array: the sum of
         # per-axis ranges times the strides, chunked as x is (made lazily, chunk by chunk)
         x = da.asarray(x)
         return self.map_chunks(
-            lambda b, c, i, s, z: _checked(b, b.quantize_stochastic(c, s, z, qd, axis, block_size, key, i)),
-            x, axis, block_size, (scale, zero_point), qd.storage, _flat_index(x) if index is None else index)
+            lambda b, c, i, s, z: _checked(b, b.quantize_stochastic(c, _chunk_quant(qp, s, z), key, i)),
+            x, qp.axis, qp.block_size, (qp.scale, qp.zero_point), qp.qd.storage,
+            _flat_index(x) if index is None else index)
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
-                      out=None):
+    def fake_quantize(self, x, qp, dtype, mask=False, key=None, index=None, out=None):
         # one task a chunk for the values; the mask (on request) is a second one,
         # which runs the chunk's fused kernel again: dask's blocks have one output
-        if out is not None:
-            raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
+        _no_out(out)
         x = da.asarray(x)
         if key is not None and index is None:
             index = _flat_index(x)
@@ -243,12 +243,13 @@ class DaskBackend(Backend):
         def part(i):  # chunk, then its indices (stochastic rounding), then scale and zero point
             def fn(b, c, *rest):
                 ix, (s, z) = (rest[0], rest[1:]) if key is not None else (None, rest)
-                return _checked(b, b.fake_quantize(c, s, z, qd, axis, block_size, dtype, i == 1, key, ix)[i])
+                return _checked(b, b.fake_quantize(c, _chunk_quant(qp, s, z), dtype, i == 1, key, ix)[i])
             return fn
 
         others = () if key is None else (index,)
-        values = self.map_chunks(part(0), x, axis, block_size, (scale, zero_point), np.dtype(dtype), *others)
-        return values, (self.map_chunks(part(1), x, axis, block_size, (scale, zero_point), np.dtype(bool), *others)
+        params = (qp.scale, qp.zero_point)
+        values = self.map_chunks(part(0), x, qp.axis, qp.block_size, params, np.dtype(dtype), *others)
+        return values, (self.map_chunks(part(1), x, qp.axis, qp.block_size, params, np.dtype(bool), *others)
                         if mask else None)
 
     def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
@@ -266,8 +267,7 @@ class DaskBackend(Backend):
                                q, axis, block_size, (scale,), np.dtype(dtype))
 
     def requantize(self, q, rq, out=None):
-        if out is not None:
-            raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
+        _no_out(out)
 
         def fn(b, c, *params):
             return b.requantize(c, dataclasses.replace(rq, **dict(zip(_REQUANT_FIELDS, params))))
@@ -285,10 +285,10 @@ class DaskBackend(Backend):
     def lut(self, q, table, axis=None):
         return self.map_chunks(lambda b, c, t: b.lut(c, b.param(t), axis), q, axis, None, (table,), table.dtype)
 
-    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
+    def softmax(self, x, sm, out=None):
+        _no_out(out)
         x = x.rechunk({1: -1})  # whole rows in each chunk
-        return self.map_chunks(lambda b, c: b.softmax(c, table, s_in, s_out, z_out, lo, hi, log, out_dtype),
-                               x, None, None, (), out_dtype)
+        return self.map_chunks(lambda b, c: b.softmax(c, sm), x, None, None, (), sm.out_dtype)
 
     def minmax(self, x, axis, block_size):
         """Computed (host arrays: every caller needs the values), in one pass over
@@ -353,6 +353,16 @@ class DaskBackend(Backend):
                               dtype=probe.data.dtype, meta=probe.data)
         return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,
                            probe.global_scale)
+
+
+def _no_out(out):
+    if out is not None:
+        raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
+
+
+def _chunk_quant(qp, scale, zero_point):
+    """A chunk's ``Quant``: ``qp`` with the chunk's slices of its parameters."""
+    return dataclasses.replace(qp, scale=scale, zero_point=zero_point)
 
 
 def _checked(backend, result):

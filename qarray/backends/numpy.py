@@ -219,31 +219,29 @@ class NumpyBackend(Backend):
                                          *outs, grain=cpu.pool.GRAIN // (cost * inner))
         return results
 
-    def quantize(self, x, scale, zero_point, qd, axis, block_size):
+    def quantize(self, x, qp, out=None):
         cpu = self._fast(x)
         if cpu is None:
-            return super().quantize(x, scale, zero_point, qd, axis, block_size)
-        return self._quantize(cpu, x, scale, zero_point, qd, axis, block_size, None, None)
+            return super().quantize(x, qp, out)
+        return self._into(out, lambda t: self._quantize(cpu, x, qp, t, False, None), x.shape, qp.qd.storage)
 
-    def quantize_stochastic(self, x, scale, zero_point, qd, axis, block_size, key, index=None):
+    def quantize_stochastic(self, x, qp, key, index=None):
         cpu = self._fast(x)
         if cpu is None or index is not None:
-            return super().quantize_stochastic(x, scale, zero_point, qd, axis, block_size, key, index)
-        return self._quantize(cpu, x, scale, zero_point, qd, axis, block_size, None, None, key)
+            return super().quantize_stochastic(x, qp, key, index)
+        return self._quantize(cpu, x, qp, self.empty(x.shape, qp.qd.storage), False, None, key)
 
-    def fake_quantize(self, x, scale, zero_point, qd, axis, block_size, dtype, mask=False, key=None, index=None,
-                      out=None):
+    def fake_quantize(self, x, qp, dtype, mask=False, key=None, index=None, out=None):
         cpu = self._fast(x)
         if cpu is None or index is not None:
-            return super().fake_quantize(x, scale, zero_point, qd, axis, block_size, dtype, mask, key, index, out)
+            return super().fake_quantize(x, qp, dtype, mask, key, index, out)
         inside = self.empty(x.shape, np.bool_) if mask else None
         ft = np.float64 if dtype == np.float64 else np.float32
         # out itself where the kernel can write it: a new 64 MB output costs as much
         # as the pass (page faults); an out overlapping x would leave LLVM's loops
         # scalar (2x slower than a new array), as would a strided one
         direct = out is not None and out.dtype == ft and out.flags.c_contiguous and not np.may_share_memory(out, x)
-        values = self._quantize(cpu, x, scale, zero_point, qd, axis, block_size,
-                                out if direct else self.empty(x.shape, ft), inside, key)
+        values = self._quantize(cpu, x, qp, out if direct else self.empty(x.shape, ft), True, inside, key)
         if direct:
             return out, inside
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, as dequantize rounds it
@@ -252,14 +250,14 @@ class NumpyBackend(Backend):
                 return out, inside
             return values if values.dtype == dtype else values.astype(dtype), inside
 
-    def _quantize(self, cpu, x, scale, zero_point, qd, axis, block_size, fake, mask, key=None):
-        """quantize's kernel: the codes, or (``fake``: the float output) the codes
-        dequantized into ``fake``, and ``mask`` (None or bool) filled; ``key``:
-        stochastic rounding's Philox key."""
+    def _quantize(self, cpu, x, qp, out, fake, mask, key=None):
+        """quantize's kernel into C-contiguous ``out``: the codes, or (``fake``)
+        the codes dequantized into float ``out``, and ``mask`` (None or bool)
+        filled; ``key``: stochastic rounding's Philox key."""
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
-        ct, lo, hi, mul = _bounds(qd, x.dtype)  # mul: by 1 / scale, checked (cpu.quantize._q_mul)
-        out = self.empty(x.shape, qd.storage) if fake is None else fake
+        scale, zero_point, axis = qp.scale, qp.zero_point, qp.axis
+        ct, lo, hi, mul = _bounds(qp.qd, x.dtype)  # mul: by 1 / scale, checked (cpu.quantize._q_mul)
 
         def params(pshape):
             return (_param(scale, x.dtype, pshape), _param(zero_point, ct, pshape),
@@ -270,8 +268,8 @@ class NumpyBackend(Backend):
             parts = cpu.pool.parallel(cpu.quantize.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo,
                                       hi, mul, out.reshape(-1), grain=cpu.pool.GRAIN // 64)
         else:
-            parts = self._run(cpu.quantize.quantize, x, out, axis, block_size, params, lo, hi, mul,
-                              None if fake is None else True, mask=mask, key=key)
+            parts = self._run(cpu.quantize.quantize, x, out, axis, qp.block_size, params, lo, hi, mul,
+                              True if fake else None, mask=mask, key=key)
         bad = sum(parts)
         if bad != bad and np.isnan(x).any():  # NaN or inf was seen; inf is fine
             raise nan_error(x)
@@ -441,16 +439,20 @@ class NumpyBackend(Backend):
                   functools.partial(_plan_params, rq), np.int64(rq.lo), np.int64(rq.hi), key=key)
         return out
 
-    def binary(self, op, a, b, ra, rb, rq=None):
-        cpu = self._fast(a)
+    def binary(self, a, b, bp, out=None):
+        cpu, rq = self._fast(a), bp.rq
         if cpu is None or rq is None or a.shape != b.shape or rq.axis is not None or a.dtype.kind not in "iu" \
                 or b.dtype.kind not in "iu":
-            return super().binary(op, a, b, ra, rb, rq)
-        out = self.empty(a.shape, rq.out_dtype)
-        kernel, args = _binary_args(op, ra, rb, rq, a.dtype, b.dtype)
-        cpu.pool.parallel(kernel, -(-a.size // cpu.elementwise.BINARY_RUN), a.ravel(), b.ravel(), *args,
-                          out.reshape(-1), grain=cpu.pool.GRAIN // (cpu.pool.BINARY_COST * cpu.elementwise.BINARY_RUN))
-        return out
+            return super().binary(a, b, bp, out)
+        kernel, args = _binary_args(bp.op, bp.ra, bp.rb, rq, a.dtype, b.dtype)
+
+        def fill(target):
+            cpu.pool.parallel(kernel, -(-a.size // cpu.elementwise.BINARY_RUN), a.ravel(), b.ravel(), *args,
+                              target.reshape(-1),
+                              grain=cpu.pool.GRAIN // (cpu.pool.BINARY_COST * cpu.elementwise.BINARY_RUN))
+            return target
+
+        return self._into(out, fill, a.shape, rq.out_dtype)
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
     def pack_weight(self, codes, qd, keep=False):
@@ -572,23 +574,27 @@ class NumpyBackend(Backend):
                           groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
-    def softmax(self, x, table, s_in, s_out, z_out, lo, hi, log, out_dtype):
+    def softmax(self, x, sm, out=None):
         cpu = self._fast(x)
         if cpu is None or x.size == 0:
-            return super().softmax(x, table, s_in, s_out, z_out, lo, hi, log, out_dtype)
-        x = contiguous(x)
+            return super().softmax(x, sm, out)
+        x, table = contiguous(x), sm.table
         logs = np.zeros(x.shape[0])
         grain = cpu.pool.GRAIN // (cpu.pool.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread
         planes = None  # the table's bytes for the VBMI lookups (cpu.llvm's)
-        if x.dtype.itemsize == 1 and np.dtype(out_dtype).itemsize == 1 and cpu.isa.usable("avx512vbmi")[0]:
+        if x.dtype.itemsize == 1 and sm.out_dtype.itemsize == 1 and cpu.isa.usable("avx512vbmi")[0]:
             planes = np.zeros((4, 256), np.uint8)
             planes[:, :table.size] = table >> np.array([[0], [8], [16], [24]]) & 255
             planes = planes.reshape(-1)
-        if log:  # the log in NumPy, as the generic code takes it
+        if sm.log:  # the log in NumPy, as the generic code takes it
             sums = np.empty(x.shape[0], np.int64)
             cpu.pool.parallel(cpu.softmax.softmax_sums, len(x), x, table, planes, sums, grain=grain)
             logs = np.log(sums.astype(np.float64) / 2.0**30)
-        out = self.empty(x.shape, out_dtype)
-        cpu.pool.parallel(cpu.softmax.softmax, len(x), x, table, planes, logs, np.float64(s_in), np.float64(s_out),
-                          np.float64(z_out), np.float64(lo), np.float64(hi), bool(log), out, grain=grain)
-        return out
+
+        def fill(target):
+            cpu.pool.parallel(cpu.softmax.softmax, len(x), x, table, planes, logs, np.float64(sm.s_in),
+                              np.float64(sm.s_out), np.float64(sm.z_out), np.float64(sm.qd.qmin),
+                              np.float64(sm.qd.qmax), bool(sm.log), target, grain=grain)
+            return target
+
+        return self._into(out, fill, x.shape, sm.out_dtype)

@@ -13,7 +13,6 @@ integers directly (exact); pass output parameters to requantize as well.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 
@@ -24,7 +23,7 @@ from ..backends import on_data_device
 from .._api import quantize, requantize
 from .._config import resolve
 from .._dtypes import qint8
-from .._fixed_point import identity, plan
+from .._fixed_point import Binary, identity, plan
 from .._params import expand, kept, to_host
 from .._qarray import QArray
 from ._output import finish, output_params, output_plan, wants_output
@@ -78,7 +77,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
                 f"{op}: inputs have scales {s_a} and {s_b}; pass the output "
                 "scale= (with zero_point= and dtype=), or give both inputs one scale for the exact qint32 result"
             )
-        acc = backend.binary(op, a.data, b.data, identity(_zp(a)), identity(_zp(b)))
+        acc = backend.binary(a.data, b.data, Binary(op, identity(_zp(a)), identity(_zp(b))))
         return finish(op, backend, acc, [s_a], None, None, None, None, default_dtype=a.dtype, relu=relu)
     if mode == "float":
         return _float_op(op, a, b, xp.add if sign > 0 else xp.subtract, scale, zero_point, dtype, relu)
@@ -90,7 +89,7 @@ def _add(op, a, b, sign, scale, zero_point, dtype, relu, mode, rounding):
         )
     ra, rb, rq, d, s_out, z_out = _add_plans(op, a.dtype, s_a, a.zero_point, b.dtype, s_b, b.zero_point, scale,
                                              zero_point, dtype, mode, rounding, relu)
-    return QArray._new(backend.binary(op, a.data, b.data, ra, rb, rq), s_out, z_out, d)
+    return QArray._new(backend.binary(a.data, b.data, Binary(op, ra, rb, rq)), s_out, z_out, d)
 
 
 @kept
@@ -135,7 +134,11 @@ def mul(a: QArray, b: QArray, *, scale=None, zero_point=None, dtype=None, relu=F
     if mode == "float" and wants_output(scale, zero_point, dtype):
         return _float_op("mul", a, b, backend.xp.multiply, scale, zero_point, dtype, relu)
     _check_product(a, b)
-    acc = functools.partial(backend.binary, "mul", a.data, b.data, identity(_zp(a)), identity(_zp(b)))
+    ra, rb = identity(_zp(a)), identity(_zp(b))
+
+    def acc(rq):
+        return backend.binary(a.data, b.data, Binary("mul", ra, rb, rq))
+
     return finish("mul", backend, acc, [to_host(a.scale), to_host(b.scale)], None, scale, zero_point, dtype,
                   default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
 

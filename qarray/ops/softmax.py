@@ -39,6 +39,7 @@ import numpy as np
 
 from ..backends import on_data_device
 from .._dtypes import qint8, qint16, quint8
+from .._fixed_point import Softmax
 from .._params import to_host
 from .._qarray import QArray
 from ._output import output_params
@@ -93,8 +94,7 @@ def _softmax(op, q, axis, scale, zero_point, dtype, log):
     xp = b.xp
     moved = xp.moveaxis(q.data, axis, -1)
     rows = moved.reshape(-1, q.shape[axis]) if q.size else moved.reshape(0, max(q.shape[axis], 1))
-    out = b.softmax(rows, table(s_in, q.dtype), float(s_in), float(s_out), int(z_out), d.qmin, d.qmax, log,
-                    np.dtype(d.storage))
+    out = b.softmax(rows, Softmax(table(s_in, q.dtype), float(s_in), float(s_out), int(z_out), d, log))
     data = xp.moveaxis(out.reshape(moved.shape), -1, axis)
     data = data if axis == q.ndim - 1 else data.copy()  # C-contiguous codes
     return QArray._new(data, s_out, z_out, d, None, None, b)
