@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import RESULTS, cpu, helper, ort, timeit, write  # noqa: E402  (pools wait passively)
+from _timing import RESULTS, cpu, helper, ort, write  # noqa: E402  (pools wait passively)
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import qarray as qa  # noqa: E402
@@ -146,10 +146,11 @@ def matmul_nbits(n_len, k_len, ms, repeats, rng):
             x = rng.standard_normal((m, k_len)).astype(np.float32)
             got = sess.run(None, {"A": x})[0]
             assert np.allclose(got, layer(x), rtol=0.05, atol=0.05 * np.abs(got).max())  # the same layer
-            t = timeit(repeats, ort=lambda: sess.run(None, {"A": x}),
-                       qarray=lambda: layer(qa.quantize(x, dtype="Q8_0")))
-            row(f"int4_g{block} M={m}", [t["qarray"][0], t["qarray"][1]], [t["ort"][0], t["ort"][1]],
-                "ort MatMulNBits")
+            ours, theirs = [], []
+            for _ in range(3):  # rounds, each function's calls in a block
+                theirs += calls_ms(lambda: sess.run(None, {"A": x}), repeats)
+                ours += calls_ms(lambda: layer(qa.quantize(x, dtype="Q8_0")), repeats)
+            row(f"int4_g{block} M={m}", ours, theirs, "ort MatMulNBits")
 
 
 @numba.njit(parallel=True, cache=True)
