@@ -19,8 +19,14 @@ dask imports): quantize + dequantize of 2^26 float32 values in 16 chunks, and
 int8 ``nn.Linear`` (1024x1024 per-channel qint8 weights, qint8 out) over a
 65536x1024 batch in 16 chunks, each on the threaded scheduler with one thread
 (``persist()``) at most 1.5x the in-memory CuPy call (one device: no scaling).
+``linear`` on block-format weights (issue 41, cuda/blocks.cu; no target yet):
+Q4_0, Q8_0, Q4_K and int4_g128_f16 weights of 4096x4096 and 14336x4096 (out x
+in) at M = 1, 16 (block_gemv; Q8_0 activations too) and 512 (dequantize-then-
+GEMM, float64 sums), each against torch's float16 ``F.linear`` (cuBLAS) on the
+same shapes and the bandwidth of reading the weights once.
 Writes bench_gpu.{txt,json} to OUTDIR (default benchmarks/results); each JSON
-row has the input ``shape``. ``--quick``: 2^24 elements and 2048^3, 3 repeats.
+row has the input ``shape``. ``--quick``: 2^24 elements and 2048^3, 3 repeats,
+block-format linear on 512x1024 weights at M = 1, 16 and 64.
 """
 
 from __future__ import annotations
@@ -124,6 +130,49 @@ def gemm_rows(copy_gbs):
         if wd == "qint8":
             int8_ms = ms
     ratio_row("gemv M=16: packed 4-bit vs int8 weights", ms, int8_ms, 1.6, f"16x{G}x{G}", better="higher")
+
+
+def _block_weights(fmt_name, n, k):
+    """A device QArray ``(n, k)`` of block format ``fmt_name``: random codes, float scales of either
+    sign in [0.02, 2) (no inf or NaN: those would take the kernels' NaN paths), packed on the host."""
+    from qarray import _blocks
+
+    fmt = _blocks.get(fmt_name)
+    rng = np.random.default_rng(0)
+    fields = fmt.unpack(rng.integers(0, 256, (n * k // fmt.block, fmt.nbytes), dtype=np.uint8))
+    for name, field in fmt.fields.items():
+        if field.view == np.float16:
+            shape = fields[name].shape
+            fields[name] = (rng.uniform(0.02, 2, shape) * rng.choice([-1, 1], shape)).astype(np.float16)
+    return qarray.QArray.from_blocks(cupy.asarray(fmt.pack(fields).reshape(n, -1)), fmt_name)
+
+
+def block_rows(copy_gbs, quick):
+    """linear on block-format weights: block_gemv (M <= 16) and dequantize-then-GEMM (M = 512) against
+    torch's float16 linear (tensor cores) on the same shapes; Q8_0 activations at M <= 16."""
+    shapes, ms_ = ([(512, 1024)], (1, 16, 64)) if quick else ([(4096, 4096), (14336, 4096)], (1, 16, 512))
+    for fmt in ("Q4_0", "Q8_0", "Q4_K", "int4_g128_f16"):
+        for n, k in shapes:
+            w = _block_weights(fmt, n, k)
+            wt = None if torch is None else torch.randn(n, k, dtype=torch.float16, device="cuda")
+            for m in ms_:
+                x = cupy.random.standard_normal((m, k), dtype=cupy.float32)
+                xq = qarray.quantize(x, dtype="Q8_0") if m <= 16 else None
+                shape = f"{m}x{k} . ({n}x{k})^T"
+                for label, xa in ((f"linear {fmt} weights, float32 x, M={m}", x),
+                                  (f"linear {fmt} weights, Q8_0 x, M={m}", xq)):
+                    if xa is None:
+                        continue
+                    ms = gpu_ms(lambda: qarray.linear(xa, w))
+                    gbs = w.data.nbytes / ms / 1e6
+                    peer = None
+                    if torch is not None:
+                        xt = torch.as_tensor(x, device="cuda").half()
+                        peer = gpu_ms(lambda: torch.nn.functional.linear(xt, wt))
+                    ROWS.append(dict(op=label, shape=shape, ms=ms, weight_gbs=gbs, fraction_of_copy=gbs / copy_gbs,
+                                     torch_f16_ms=peer, ratio=None if peer is None else ms / peer))
+                    say(f"{label:<56} {ms:8.3f} ms {gbs:8.1f} GB/s of weights {100 * gbs / copy_gbs:6.1f}% of copy"
+                        + ("" if peer is None else f"  torch float16 F.linear {peer:.3f} ms ({ms / peer:.2f}x)"))
 
 
 def host_rows(quick):
@@ -246,6 +295,7 @@ def main(outdir: Path, quick: bool):
         gpu_ms(lambda: qarray.mul(half, other, scale=0.02, zero_point=0, dtype="qint8")), 3 * N // 2, copy_gbs,
         shape=str(N // 2))
     gemm_rows(copy_gbs)
+    block_rows(copy_gbs, quick)
     host_rows(quick)
     dask_rows(quick)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,24 @@ def test_grouped_formats(dtype, rng):
     np.testing.assert_array_equal(d.get(), want.dequantize())
 
 
+@pytest.mark.parametrize("dtype", ["Q4_K", "int4_g128_f16", "uint4_g32_f16_zp"])
+def test_block_linear(dtype, rng):
+    """linear on block-format weights on the device (cuda/blocks.cu: block_gemv for a token or a few,
+    dequantize-then-GEMM for a prompt, Q8_0 activations), the NumPy backend's bits; act-order columns."""
+    w = qarray.quantize(rng.standard_normal((40, 512)).astype(np.float32), dtype=dtype)
+    if dtype.startswith("uint"):
+        w = qarray.QArray._blocks(w.data, w.dtype, None, rng.permutation(512))
+    wd, bias = w.to("cupy"), rng.standard_normal(40).astype(np.float32)
+    for m in (1, 3, 40):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        got = qarray.linear(cupy.asarray(x), wd, cupy.asarray(bias))
+        assert isinstance(got, cupy.ndarray)
+        assert_same(got.get(), qarray.linear(x, w, bias))
+        if w.columns is None:
+            xq = qarray.quantize(x, dtype="Q8_0")
+            assert_same(qarray.linear(xq.to("cupy"), wd, cupy.asarray(bias)).get(), qarray.linear(xq, w, bias))
+
+
 @pytest.mark.parametrize("dtype", ["qint4", "quint8", "qint8", "qint16", "qint32"])
 @pytest.mark.parametrize("in_dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("shape,axis,block_size", [(((1 << 20) + 3,), None, None), ((33, 65), 1, None),

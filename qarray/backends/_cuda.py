@@ -210,3 +210,89 @@ def requant_args(backend, shape, rq):
                            np.int32(rq.rounding))
 
     return backend.kept(("requant", backend._device_id(), id(rq), tuple(shape)), make)[1:]
+
+
+# -- block formats (cuda/blocks.cu): a format's description as the decoder reads it ------------------
+
+BLOCK_GEMV_COLS, BLOCK_GEMV_ROWS = 32, 16  # block_gemv(_q8)'s outputs n and rows m a block (GV_N, GV_M)
+BLOCK_GEMM_TILE = 64  # block_gemm's outputs a block: BLOCK_GEMM_TILE x BLOCK_GEMM_TILE (GM_T)
+BLOCK_PLAN_HEADER = 37  # ints before the runs: cuda/blocks.cu QaPlan reads them in this order
+PLAN_GROUP, PLAN_INTEGERS = 7, 36  # where the header holds the elements a thread decodes, the integer values
+_PRECISIONS = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _field_kind(f):
+    """How a field's bits read in cuda/blocks.cu: 0 unsigned, 1 float16, 2 bfloat16, 3 float32; None else."""
+    if f.bf16:
+        return 2
+    if f.view.kind == "u":
+        return 0
+    return {np.dtype(np.float16): 1, np.dtype(np.float32): 3}.get(f.view)
+
+
+def _runs(f):
+    """Field ``f``'s bits, value by value: ``(R, runs)``, ``runs[i * R + r]`` the ``r``-th run of value ``i``
+    from its segments (``Field.segments``), packed ``byte << 12 | value shift << 7 | width << 3 | shift``;
+    a value with fewer runs ends in zeros (width 0)."""
+    per = [[] for _ in range(f.count)]
+    for v0, n, b0, st, sh, m, vs in f.segments.tolist():
+        for i in range(n):
+            per[v0 + i].append((b0 + i * st) << 12 | vs << 7 | int(m).bit_length() << 3 | sh)
+    r = max(map(len, per))
+    return r, [c for p in per for c in p + [0] * (r - len(p))]
+
+
+@functools.lru_cache(maxsize=None)
+def block_plan(fmt):
+    """Block format ``fmt`` as cuda/blocks.cu's decoder reads it: ``(ints, floats)``, int32 and float32
+    host arrays, or None for a format it does not read (the IQ lattices and TQ1_0, whose values come from
+    functions: NumPy decodes them). ``ints``: ``BLOCK_PLAN_HEADER`` ints (block, bytes a block, elements a
+    sub-block, precision, tensor scale 0 / 1 divide / 2 multiply, offset sign 0 / 1 / -1, a factor or not,
+    elements a thread decodes at once; then for each of the codes, the scale's float field and table field,
+    the offset's and the zero point ``(runs at, runs a value, values a block, kind)``, absent: zeros; then
+    the floats' offsets of the value table, the scale's and the offset's tables and the factor, and where
+    the integer values start in ``ints`` (-1: the values are not all integers)), then the runs
+    (:func:`_runs`) and the integer values; ``floats``: the tables."""
+    if fmt.plan is None or callable(fmt.scale) or fmt.elements is not None:
+        return None
+    nsub = fmt.block // fmt.sub
+    ints, floats = [0] * BLOCK_PLAN_HEADER, []
+
+    def table(t):
+        floats.extend(np.asarray(t, np.float32).tolist())
+        return len(floats) - len(t)
+
+    def field(slot, name, counts):
+        if name is None:
+            return True
+        f = fmt.fields[name]
+        kind, (r, runs) = _field_kind(f), _runs(f)
+        if kind is None or f.count not in counts:
+            return False
+        ints[8 + 4 * slot:12 + 4 * slot] = [len(ints), r, f.count, kind]
+        ints.extend(runs)
+        return True
+
+    def product(slot, spec, at):
+        base, sub = spec
+        if sub is not None and len(sub[1]) < 1 << fmt.fields[sub[0]].bits:
+            return False
+        if sub is not None:
+            ints[at] = table(sub[1])
+        return field(slot, base, (1, nsub)) and field(slot + 1, sub and sub[0], (1, nsub))
+
+    values = fmt.values
+    offset = fmt.offset or ((None, None), 0)
+    ints[:8] = [fmt.block, fmt.nbytes, fmt.sub, _PRECISIONS[fmt.precision],
+                {None: 0, "divide": 1, "multiply": 2}[fmt.tensor_scale], offset[1], fmt.factor is not None,
+                min(8, fmt.sub & -fmt.sub)]  # (PLAN_GROUP)
+    ints[32], ints[35] = table(values), table([0 if fmt.factor is None else fmt.factor])
+    if len(values) < 1 << fmt.fields["q"].bits or not (
+            field(0, "q", (fmt.block,)) and product(1, fmt.scale, 33)
+            and (fmt.offset is None or product(3, fmt.offset[0], 34)) and field(5, fmt.zero, (1, nsub))):
+        return None
+    integer = np.all(np.isfinite(values)) and np.all(values == np.rint(values)) and np.abs(values).max() < 2**30
+    ints[PLAN_INTEGERS] = len(ints) if integer else -1
+    if integer:
+        ints.extend(values.astype(np.int64).tolist())
+    return np.array(ints, np.int32), np.array(floats, np.float32)

@@ -29,9 +29,10 @@ from .._dtypes import qdtype
 from .._fixed_point import NO_REQUANT
 from .._params import Layout, array_key, param_shape, to_host
 from ._base import BINARY_OPS, Backend, contiguous, nan_error
-from ._cuda import (BLOCK, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I,
-                    CUDA_R_32I, FLOATS, GEMV_COLS, GEMV_ROWS, KPAD, MXINT8_FORMAT, NVRTC_OPTIONS, OUT_KINDS, STORAGE,
-                    _name, _period, _rows, format_args, kernel_name, kernel_source, launch_config, plan, requant_args)
+from ._cuda import (BLOCK, BLOCK_GEMM_TILE, BLOCK_GEMV_COLS, BLOCK_GEMV_ROWS, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT,
+                    CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_8I, CUDA_R_32I, FLOATS, GEMV_COLS, GEMV_ROWS, KPAD, MXINT8_FORMAT,
+                    NVRTC_OPTIONS, OUT_KINDS, PLAN_GROUP, PLAN_INTEGERS, STORAGE, _name, _period, _rows, block_plan,
+                    format_args, kernel_name, kernel_source, launch_config, plan, requant_args)
 from ._cuda import compile_ptx  # noqa: F401 (qarray.backends.cupy.compile_ptx, as CHANGELOG.md names it)
 
 EACH = 64  # min/max segments up to this long take one thread each, longer ones a block
@@ -645,4 +646,77 @@ class CupyBackend(Backend):
                      *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
                      np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),
                      np.int32(rq.rounding), np.int64(out.size), out), "gemm.cu")
+            return out
+
+    # -- block formats (cuda/blocks.cu): linear and dequantize from the blocks' bytes on the device;
+    # the formats whose values come from functions (IQ lattices, TQ1_0) take the generic code ------------
+    def _block_plan(self, fmt, g):
+        """``fmt``'s plan (``_cuda.block_plan``) on the current device, or None where the generic code
+        runs: a format the kernels do not read, or one that needs a tensor scale not given (its error)."""
+        if block_plan(fmt) is None or fmt.tensor_scale is not None and g is None:
+            return None
+        return self.kept(("block plan", self._device_id(), fmt), lambda: tuple(map(self.xp.asarray, block_plan(fmt))))
+
+    def _decode_blocks(self, raw, fmt, plan, g, dest, out):
+        """``out`` (rows of ``row_len``, C-contiguous) = the values of the rows of blocks ``raw``, stored
+        element ``p`` of a row at ``dest[p]`` where ``dest`` (act-order's columns) is given."""
+        none = dest is None
+        self._elementwise(kernel_name("block_decode", out.dtype), out.size // block_plan(fmt)[0][PLAN_GROUP],
+                          (raw, *plan, np.float32(0 if g is None else g), np.int64(out.size), np.int64(out.shape[-1]),
+                           self.param(np.zeros(1, np.int64)) if none else dest, np.int32(not none), out), "blocks.cu")
+        return out
+
+    def dequantize_blocks(self, raw, fmt, dtype, g=None):
+        plan = self._block_plan(fmt, g)
+        if plan is None or _name(dtype) not in FLOATS or raw.dtype != np.uint8 or not raw.size:
+            return super().dequantize_blocks(raw, fmt, dtype, g)
+        with self.on(raw):
+            raw = contiguous(raw)
+            out = self.xp.empty((*raw.shape[:-1], raw.shape[-1] // fmt.nbytes * fmt.block), dtype)
+            return self._decode_blocks(raw, fmt, plan, g, None, out)
+
+    def _bias_args(self, bias):
+        """The kernels' ``bias, has_bias``."""
+        if bias is None:
+            return self.param(np.zeros(1)), np.int32(0)
+        return self.xp.ascontiguousarray(bias), np.int32(1)
+
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+        """M <= 16: ``block_gemv``, the weights decoded in the kernel; larger M: dequantize-then-GEMM,
+        the weights decoded to float32 once (``block_decode``, act-order's columns put in order) and
+        ``block_gemm``'s float64 sums. Both sum each output in increasing k by fused multiply-adds
+        (cuda/blocks.cu): ``x``'s values are float32 ones (the op's cast), whose products with the
+        weights are exact in float64."""
+        plan = self._block_plan(fmt, g)
+        if plan is None or x.dtype != np.float64 or 0 in x.shape or not raw.shape[0]:
+            return super().block_linear(x, raw, fmt, g, columns, bias)
+        xp = self.xp
+        with self.on(x):
+            (m, k), n = x.shape, raw.shape[0]
+            x, raw = xp.ascontiguousarray(x), contiguous(raw)
+            out = xp.empty((m, n), np.float32)
+            if m <= BLOCK_GEMV_ROWS:
+                perm = self.param(np.zeros(1, np.int64) if columns is None else np.argsort(columns))
+                self._launch("blocks.cu", "block_gemv", (-(-n // BLOCK_GEMV_COLS),), (BLOCK,),
+                             (x, np.int64(m), np.int64(k), raw, np.int64(n), *plan, np.float32(0 if g is None else g),
+                              perm, np.int32(columns is not None), *self._bias_args(bias), out))
+                return out
+            dest = None if columns is None else self.param(np.asarray(columns, np.int64))
+            w = self._decode_blocks(raw, fmt, plan, g, dest, xp.empty((n, k), np.float32))
+            tiles = -(-m // BLOCK_GEMM_TILE) * -(-n // BLOCK_GEMM_TILE)
+            self._launch("blocks.cu", "block_gemm", (tiles,), (BLOCK,),
+                         (x, np.int64(m), np.int64(k), w, np.int64(n), *self._bias_args(bias), out))
+            return out
+
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
+        plan = self._block_plan(fmt, None)  # (pack_blocks gives None here: the kernel reads the blocks as stored)
+        if plan is None or block_plan(fmt)[0][PLAN_INTEGERS] < 0 or 0 in xraw.shape or not raw.shape[0]:
+            return super().block_linear_q8(xraw, raw, fmt, bias, packed)
+        with self.on(xraw):
+            m, k, n = xraw.shape[0], xraw.shape[1] // 34 * 32, raw.shape[0]
+            out = self.xp.empty((m, n), np.float32)
+            tiles = -(-m // BLOCK_GEMV_ROWS) * -(-n // BLOCK_GEMV_COLS)
+            self._launch("blocks.cu", "block_gemv_q8", (tiles,), (BLOCK,),
+                         (contiguous(xraw), np.int64(m), np.int64(k), contiguous(raw), np.int64(n), *plan,
+                          *self._bias_args(bias), out))
             return out

@@ -295,3 +295,4 @@ inline int __dp4a(int a, int b, int c) {
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }

@@ -137,30 +137,47 @@ struct Requant {
 // CuPy compiles every RawModule with -ftz=true, which flushes float32
 // subnormals to zero in arithmetic and comparisons; NumPy keeps them. So the
 // float32 operations whose operands or results can be subnormal (x / scale,
-// code * scale, the comparisons of min/max) are PTX without .ftz here. The
+// code * scale, the comparisons of min/max, the block formats' decoding and
+// float32 <-> float64) are PTX without .ftz here. The
 // float32 adds, compares and conversions left to the compiler see only
 // integer values (rint results, zero points, bounds), where flushing changes
 // nothing; tests/test_cuda_nvrtc.py checks CuPy's own PTX for this.
 #ifdef __CUDA_ARCH__
-__device__ __forceinline__ float qa_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float qa_mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define QA_F32_OP(NAME, OP)                                                \
+    __device__ __forceinline__ float NAME(float a, float b) {             \
+        float r;                                                           \
+        asm(OP ".rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));          \
+        return r;                                                          \
+    }
+QA_F32_OP(qa_div, "div")
+QA_F32_OP(qa_mul, "mul")
+QA_F32_OP(qa_add, "add")
+QA_F32_OP(qa_sub, "sub")
 __device__ __forceinline__ bool qa_lt(float a, float b) {
     int r;
     asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\tselp.s32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(a), "f"(b));
     return r;
 }
+// float32 <-> float64: widening is exact, narrowing rounds to nearest even; a
+// float32 subnormal on either side is kept (cvt without .ftz)
+__device__ __forceinline__ double qa_to_double(float a) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
+    return r;
+}
+__device__ __forceinline__ float qa_to_float(double a) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a));
+    return r;
+}
 #else
 __device__ __forceinline__ float qa_div(float a, float b) { return a / b; }
 __device__ __forceinline__ float qa_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ float qa_add(float a, float b) { return a + b; }
+__device__ __forceinline__ float qa_sub(float a, float b) { return a - b; }
 __device__ __forceinline__ bool qa_lt(float a, float b) { return a < b; }
+__device__ __forceinline__ double qa_to_double(float a) { return (double)a; }
+__device__ __forceinline__ float qa_to_float(double a) { return (float)a; }
 #endif
 // float16 travels as its 16 bits; the conversions round as NumPy's (to nearest
 // even) and never flush (PTX cvt without .ftz; _Float16 on the host).
@@ -196,6 +213,49 @@ __device__ __forceinline__ double qa_float(double f) { return f; }
 // (T)v, float16 included.
 template <typename T, typename F> __device__ __forceinline__ T qa_cast(F v) { return (T)v; }
 template <> __device__ __forceinline__ qa_half qa_cast<qa_half, float>(float v) { return qa_to_half(v); }
+
+// Bits of float and double, and back.
+template <typename T> struct QaBits;
+template <> struct QaBits<float> {
+    typedef unsigned U;
+    static constexpr int E = 8, M = 23, BIAS = 127;
+};
+template <> struct QaBits<double> {
+    typedef unsigned long long U;
+    static constexpr int E = 11, M = 52, BIAS = 1023;
+};
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned qa_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned long long qa_bits(double v) { return (unsigned long long)__double_as_longlong(v); }
+__device__ __forceinline__ float qa_from_bits(unsigned u) { return __uint_as_float(u); }
+__device__ __forceinline__ double qa_from_bits(unsigned long long u) { return __longlong_as_double((long long)u); }
+#else
+template <typename U, typename F> U qa_pun(F v) {
+    U u;
+    __builtin_memcpy(&u, &v, sizeof u);
+    return u;
+}
+inline unsigned qa_bits(float v) { return qa_pun<unsigned>(v); }
+inline unsigned long long qa_bits(double v) { return qa_pun<unsigned long long>(v); }
+inline float qa_from_bits(unsigned u) { return qa_pun<float>(u); }
+inline double qa_from_bits(unsigned long long u) { return qa_pun<double>(u); }
+#endif
+// NaN and sign tests on the bits: no float compare to flush (-ftz=true), and
+// the sign of a NaN as the input holds it (hardware arithmetic drops it).
+template <typename T> __device__ __forceinline__ bool qa_isnan(T v) {
+    typedef QaBits<T> B;
+    return (qa_bits(v) & ~((typename B::U)1 << (B::E + B::M))) > ((typename B::U)((1 << B::E) - 1) << B::M);
+}
+template <typename T> __device__ __forceinline__ bool qa_neg(T v) { return qa_bits(v) >> (QaBits<T>::E + QaBits<T>::M); }
+__device__ __forceinline__ bool qa_neg(qa_half h) { return h.bits >> 15; }
+
+// Quiet NaN with the given sign, as NumPy and ml_dtypes give it in each output type.
+template <typename T> __device__ __forceinline__ T qa_nan(bool neg);
+template <> __device__ __forceinline__ float qa_nan<float>(bool neg) { return qa_from_bits((neg ? 0xFFC00000u : 0x7FC00000u)); }
+template <> __device__ __forceinline__ double qa_nan<double>(bool neg) {
+    return qa_from_bits((unsigned long long)(neg ? 0xFFF8000000000000ull : 0x7FF8000000000000ull));
+}
+template <> __device__ __forceinline__ qa_half qa_nan<qa_half>(bool neg) { return qa_half{(unsigned short)(neg ? 0xFE00 : 0x7E00)}; }
 
 __device__ __forceinline__ double qa_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ double qa_mul(double a, double b) { return __dmul_rn(a, b); }

@@ -31,41 +31,6 @@ struct QaFormat {
 #define FORMAT_ARGS int fe, int fm, int fbias, int fkind
 #define FORMAT QaFormat{fe, fm, fbias, fkind}
 
-// Bits of float and double, and back.
-template <typename T> struct QaBits;
-template <> struct QaBits<float> {
-    typedef unsigned U;
-    static constexpr int E = 8, M = 23, BIAS = 127;
-};
-template <> struct QaBits<double> {
-    typedef unsigned long long U;
-    static constexpr int E = 11, M = 52, BIAS = 1023;
-};
-#ifdef __CUDA_ARCH__
-__device__ __forceinline__ unsigned qa_bits(float v) { return __float_as_uint(v); }
-__device__ __forceinline__ unsigned long long qa_bits(double v) { return (unsigned long long)__double_as_longlong(v); }
-__device__ __forceinline__ float qa_from_bits(unsigned u) { return __uint_as_float(u); }
-__device__ __forceinline__ double qa_from_bits(unsigned long long u) { return __longlong_as_double((long long)u); }
-#else
-template <typename U, typename F> U qa_pun(F v) {
-    U u;
-    __builtin_memcpy(&u, &v, sizeof u);
-    return u;
-}
-inline unsigned qa_bits(float v) { return qa_pun<unsigned>(v); }
-inline unsigned long long qa_bits(double v) { return qa_pun<unsigned long long>(v); }
-inline float qa_from_bits(unsigned u) { return qa_pun<float>(u); }
-inline double qa_from_bits(unsigned long long u) { return qa_pun<double>(u); }
-#endif
-// NaN and sign tests on the bits: no float compare to flush (-ftz=true), and
-// the sign of a NaN as the input holds it (hardware arithmetic drops it).
-template <typename T> __device__ __forceinline__ bool qa_isnan(T v) {
-    typedef QaBits<T> B;
-    return (qa_bits(v) & ~((typename B::U)1 << (B::E + B::M))) > ((typename B::U)((1 << B::E) - 1) << B::M);
-}
-template <typename T> __device__ __forceinline__ bool qa_neg(T v) { return qa_bits(v) >> (QaBits<T>::E + QaBits<T>::M); }
-__device__ __forceinline__ bool qa_neg(qa_half h) { return h.bits >> 15; }
-
 // v (not NaN) rounded to nearest, ties to even, into format f, as ml_dtypes'
 // cast from T: beyond the largest finite value (inf included) gives +-max when
 // saturating (float6 and float4 always), else inf (e5m2) or NaN. signed_zero:
@@ -129,14 +94,6 @@ template <typename T> __device__ __forceinline__ T qa_decode(unsigned c, QaForma
     const T pow2 = qa_from_bits(((U)neg << (B::E + B::M)) | ((U)(k + B::BIAS) << B::M));
     return qa_mul((T)(be ? mant | (1u << f.m) : mant), pow2);
 }
-
-// Quiet NaN with the given sign, as NumPy and ml_dtypes give it in each output type.
-template <typename T> __device__ __forceinline__ T qa_nan(bool neg);
-template <> __device__ __forceinline__ float qa_nan<float>(bool neg) { return qa_from_bits((neg ? 0xFFC00000u : 0x7FC00000u)); }
-template <> __device__ __forceinline__ double qa_nan<double>(bool neg) {
-    return qa_from_bits((unsigned long long)(neg ? 0xFFF8000000000000ull : 0x7FF8000000000000ull));
-}
-template <> __device__ __forceinline__ qa_half qa_nan<qa_half>(bool neg) { return qa_half{(unsigned short)(neg ? 0xFE00 : 0x7E00)}; }
 
 // out = code of x / s (TF: float for float16 and float32 input, double for
 // float64), NaN input its NaN (flagged where the format has none).
