@@ -168,6 +168,26 @@ def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
     return kernel, (np.array([int(v) for v in ints], np.int64), np.array([float(ra.f), float(rb.f), float(rq.f)]))
 
 
+def _fast_path(family):
+    """A primitive's Numba path: the method runs, with the kernels (``qarray.backends.cpu``) as its
+    first argument, where Numba runs for the input (``_fast``) and ``cpu.<family>.ACCEPTS[name]``,
+    beside the kernels, takes the call (its plan, layout, dtypes); ``Backend``'s generic method
+    otherwise."""
+    def wrap(method):
+        name, generic = method.__name__, getattr(Backend, method.__name__)
+
+        @functools.wraps(method)
+        def primitive(self, x, *args, **kwargs):
+            cpu = self._fast(x)
+            if cpu is None or not getattr(cpu, family).ACCEPTS[name](x, *args, **kwargs):
+                return generic(self, x, *args, **kwargs)
+            return method(self, cpu, x, *args, **kwargs)
+
+        return primitive
+
+    return wrap
+
+
 class NumpyBackend(Backend):
     name = "numpy"
     module = "numpy"
@@ -179,7 +199,8 @@ class NumpyBackend(Backend):
 
     @staticmethod
     def _fast(a):
-        """The kernel module when the Numba path should run for ``a``, else None."""
+        """The kernels (``qarray.backends.cpu``) when the Numba path should run for
+        ``a``, else None (``_fast_path``: then ``ACCEPTS`` decides)."""
         if not config.numba:
             return None
         if a.size < _SMALL and _kernels is False:  # not loaded yet
@@ -219,22 +240,16 @@ class NumpyBackend(Backend):
                                          *outs, grain=cpu.pool.GRAIN // (cost * inner))
         return results
 
-    def quantize(self, x, qp, out=None):
-        cpu = self._fast(x)
-        if cpu is None:
-            return super().quantize(x, qp, out)
+    @_fast_path("quantize")
+    def quantize(self, cpu, x, qp, out=None):
         return self._into(out, lambda t: self._quantize(cpu, x, qp, t, False, None), x.shape, qp.qd.storage)
 
-    def quantize_stochastic(self, x, qp, key, index=None):
-        cpu = self._fast(x)
-        if cpu is None or index is not None:
-            return super().quantize_stochastic(x, qp, key, index)
+    @_fast_path("quantize")
+    def quantize_stochastic(self, cpu, x, qp, key, index=None):
         return self._quantize(cpu, x, qp, self.empty(x.shape, qp.qd.storage), False, None, key)
 
-    def fake_quantize(self, x, qp, dtype, mask=False, key=None, index=None, out=None):
-        cpu = self._fast(x)
-        if cpu is None or index is not None:
-            return super().fake_quantize(x, qp, dtype, mask, key, index, out)
+    @_fast_path("quantize")
+    def fake_quantize(self, cpu, x, qp, dtype, mask=False, key=None, index=None, out=None):
         inside = self.empty(x.shape, np.bool_) if mask else None
         ft = np.float64 if dtype == np.float64 else np.float32
         # out itself where the kernel can write it: a new 64 MB output costs as much
@@ -275,10 +290,8 @@ class NumpyBackend(Backend):
             raise nan_error(x)
         return out
 
-    def quantize_float(self, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
-        cpu = self._fast(x)
-        if cpu is None or x.dtype == np.float64 or qd.name == "mxint8":
-            return super().quantize_float(x, scale, qd, axis, block_size, saturate, mx=mx, multiply=multiply)
+    @_fast_path("quantize")
+    def quantize_float(self, cpu, x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False):
         if x.dtype == np.float16:  # Numba has no float16 arithmetic: widen (exact) first
             x = x.astype(np.float32)
         out = self.empty(x.shape, np.uint8)
@@ -288,10 +301,8 @@ class NumpyBackend(Backend):
             raise _formats.nan_error(qd)
         return out.view(qd.storage)
 
-    def dequantize(self, q, scale, zero_point, axis, block_size, dtype):
-        cpu = self._fast(q)
-        if cpu is None:
-            return super().dequantize(q, scale, zero_point, axis, block_size, dtype)
+    @_fast_path("quantize")
+    def dequantize(self, cpu, q, scale, zero_point, axis, block_size, dtype):
         ft = np.float64 if dtype == np.float64 else np.float32
         out = self.empty(q.shape, ft)
 
@@ -389,10 +400,8 @@ class NumpyBackend(Backend):
                           grain=max(1, cpu.pool.GRAIN // (blocks.LANES * k_len * (qx.shape[0] + 8))))
         return out
 
-    def minmax(self, x, axis, block_size):
-        cpu = self._fast(x)
-        if cpu is None or block_size is None or x.dtype == np.float16:
-            return super().minmax(x, axis, block_size)
+    @_fast_path("quantize")
+    def minmax(self, cpu, x, axis, block_size):
         lay = Layout(x.shape, axis, block_size)
         lo, hi = (np.empty((lay.outer, lay.blocks, lay.inner), x.dtype) for _ in range(2))
         cpu.pool.parallel(cpu.quantize.block_minmax, lay.outer * lay.blocks, contiguous(x).reshape(lay.dims),
@@ -400,19 +409,15 @@ class NumpyBackend(Backend):
         want = x.shape[:axis] + (lay.blocks,) + x.shape[axis + 1:]
         return lo.reshape(want), hi.reshape(want)
 
-    def lut(self, q, table, axis=None):
-        cpu = self._fast(q)
-        if cpu is None or axis is not None:
-            return super().lut(q, table, axis)
+    @_fast_path("elementwise")
+    def lut(self, cpu, q, table, axis=None):
         u = contiguous(q).view(np.dtype(f"u{q.dtype.itemsize}"))
         out = self.empty(q.shape, table.dtype)
         cpu.pool.parallel(cpu.elementwise.lut, u.size, u.reshape(-1), table, out.reshape(-1), grain=cpu.pool.GRAIN)
         return out
 
-    def requantize(self, q, rq, out=None):
-        cpu = self._fast(q)
-        if cpu is None:
-            return super().requantize(q, rq, out)
+    @_fast_path("requantize")
+    def requantize(self, cpu, q, rq, out=None):
         # a strided out (cat's slice along axis > 0) gets a contiguous result copied
         # in: 12x faster than the generic code's int64 passes (cat of 3 x 86K codes on axis 1)
         narrow = rq.narrow(q.dtype)
@@ -430,21 +435,16 @@ class NumpyBackend(Backend):
 
         return self._into(out, fill, q.shape, rq.out_dtype)
 
-    def requantize_stochastic(self, q, rq, key, index=None):
-        cpu = self._fast(q)
-        if cpu is None or index is not None:
-            return super().requantize_stochastic(q, rq, key, index)
+    @_fast_path("requantize")
+    def requantize_stochastic(self, cpu, q, rq, key, index=None):
         out = self.empty(q.shape, rq.out_dtype)
         self._run(cpu.requantize.requantize[rq.rounding, False], q, out, rq.axis, rq.block_size,
                   functools.partial(_plan_params, rq), np.int64(rq.lo), np.int64(rq.hi), key=key)
         return out
 
-    def binary(self, a, b, bp, out=None):
-        cpu, rq = self._fast(a), bp.rq
-        if cpu is None or rq is None or a.shape != b.shape or rq.axis is not None or a.dtype.kind not in "iu" \
-                or b.dtype.kind not in "iu":
-            return super().binary(a, b, bp, out)
-        kernel, args = _binary_args(bp.op, bp.ra, bp.rb, rq, a.dtype, b.dtype)
+    @_fast_path("elementwise")
+    def binary(self, cpu, a, b, bp, out=None):
+        kernel, args = _binary_args(bp.op, bp.ra, bp.rb, bp.rq, a.dtype, b.dtype)
 
         def fill(target):
             cpu.pool.parallel(kernel, -(-a.size // cpu.elementwise.BINARY_RUN), a.ravel(), b.ravel(), *args,
@@ -452,7 +452,7 @@ class NumpyBackend(Backend):
                               grain=cpu.pool.GRAIN // (cpu.pool.BINARY_COST * cpu.elementwise.BINARY_RUN))
             return target
 
-        return self._into(out, fill, a.shape, rq.out_dtype)
+        return self._into(out, fill, a.shape, bp.rq.out_dtype)
 
     # -- integer matmul: the int8 engine (``_gemm``) and a fused Numba epilogue --
     def pack_weight(self, codes, qd, keep=False):
@@ -574,10 +574,8 @@ class NumpyBackend(Backend):
                           groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
         return out
 
-    def softmax(self, x, sm, out=None):
-        cpu = self._fast(x)
-        if cpu is None or x.size == 0:
-            return super().softmax(x, sm, out)
+    @_fast_path("softmax")
+    def softmax(self, cpu, x, sm, out=None):
         x, table = contiguous(x), sm.table
         logs = np.zeros(x.shape[0])
         grain = cpu.pool.GRAIN // (cpu.pool.SOFTMAX_COST * max(x.shape[1], 1))  # rows worth another thread

@@ -10,6 +10,16 @@ import numpy as np
 from .pool import kernel
 from .requantize import _SOURCE, _rq_inlined
 
+# The calls of NumpyBackend's primitives these kernels take (``numpy._fast_path``): ``lut`` on a
+# whole table (not per-axis tables); ``binary`` of integer operands of one shape into a per-tensor
+# requantized result (the others: Backend's requantizes, with broadcasting)
+ACCEPTS = {
+    "lut": lambda q, table, axis=None: axis is None,
+    "binary": lambda a, b, bp, out=None: bp.rq is not None and a.shape == b.shape and bp.rq.axis is None
+    and a.dtype.kind in "iu" and b.dtype.kind in "iu",
+}
+
+
 @kernel
 def lut(u, table, out, start, stop):
     """``out[i] = table[u[i]]`` (flat, ``u`` unsigned so every index is in range)."""

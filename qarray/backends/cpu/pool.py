@@ -119,6 +119,11 @@ def parallel(k, tasks, *args, grain=1, parts=PARTS):
     return results
 
 
+def always(*args, **kwargs) -> bool:
+    """An ``ACCEPTS`` entry for a kernel that takes every plan."""
+    return True
+
+
 def source(*modules) -> str:
     """The hashes of ``modules``' source, for the closure of a kernel that inlines their helpers."""
     return "".join(hashlib.sha256(inspect.getsource(m).encode()).hexdigest() for m in modules)

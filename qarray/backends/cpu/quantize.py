@@ -18,8 +18,23 @@ from numba import njit, types
 from numba.extending import overload
 
 from .llvm import _fence, _store_line, _wide
-from .pool import _KERNEL, kernel
+from .pool import _KERNEL, always, kernel
 from .requantize import _SOURCE, _bits, _first, _outer, _round_stochastic, _span
+
+# The calls of NumpyBackend's primitives these kernels take (``numpy._fast_path``), by primitive;
+# Backend's generic code runs the others: a Dask chunk's elements numbered in the whole array
+# (``index``), floating formats from float64 and mxint8, the reductions of per-tensor and per-axis
+# minmax (NumPy's own), float16 blocks.
+ACCEPTS = {
+    "quantize": always,
+    "quantize_stochastic": lambda x, qp, key, index=None: index is None,
+    "fake_quantize": lambda x, qp, dtype, mask=False, key=None, index=None, out=None: index is None,
+    "quantize_float": lambda x, scale, qd, axis, block_size, saturate, *, mx=False, multiply=False:
+        x.dtype != np.float64 and qd.name != "mxint8",
+    "dequantize": always,
+    "minmax": lambda x, axis, block_size: block_size is not None and x.dtype != np.float16,
+}
+
 
 @njit(inline="always")
 def _q(v, s, z, lo, hi, key, index):

@@ -28,7 +28,12 @@ from ... import _fixed_point, _philox
 from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 from .llvm import _SOURCE as _LLVM
 from .llvm import _fence, _store_line
-from .pool import kernel, source
+from .pool import always, kernel, source
+
+# The calls of NumpyBackend's primitives these kernels take (``numpy._fast_path``): all but a Dask
+# chunk's stochastic rounding (``index``: its elements numbered in the whole array)
+ACCEPTS = {"requantize": always, "requantize_stochastic": lambda q, rq, key, index=None: index is None}
+
 
 register_jitable(inline="always")(_fixed_point.wide)  # what rescale calls, compiled where a kernel calls it
 # rescale is called, not inlined into Numba's IR: the rounding code and narrow

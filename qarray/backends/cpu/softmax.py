@@ -10,6 +10,10 @@ from numba import njit
 from .llvm import _SOURCE, _lookup_store, _lookup_sum
 from .pool import kernel
 
+# The calls of NumpyBackend's softmax these kernels take (``numpy._fast_path``): all but no rows
+ACCEPTS = {"softmax": lambda x, sm, out=None: x.size > 0}
+
+
 # -- softmax: rows of (rows, n), the axis last (Backend.softmax) -------------------
 @njit(inline="always")
 def _row_range(x, r):
