@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._dtypes import QDType
-from ._params import kept
+from ._params import by_identity, kept
 
 HALF_EVEN, HALF_AWAY, HALF_UP, TFLITE = 0, 1, 2, 3
 FLOAT = -1  # mode="float": rint(float64(d) * f + zp_out)
@@ -208,6 +208,7 @@ def rescale_mean(acc, count, m, s, rounding):
     return rescale(2 * (i >> (s - 1)) + sticky, _ONE << 30, 32, rounding)
 
 
+@by_identity
 @dataclass(frozen=True, eq=False)
 class Requant:
     """One requantize, resolved once by an op and taken whole by a backend:
@@ -260,6 +261,7 @@ class Requant:
         return np.dtype(np.int64) if self.qd is None else np.dtype(self.qd.storage)
 
 
+@by_identity
 @dataclass(frozen=True, eq=False)
 class Binary:
     """One add, sub or mul (``op``) of two quantized operands, resolved once by
@@ -278,6 +280,7 @@ class Binary:
         return np.dtype(np.int64) if self.rq is None else self.rq.out_dtype
 
 
+@by_identity
 @dataclass(frozen=True, eq=False)
 class Softmax:
     """One softmax or log_softmax of rows, resolved once by ``qarray.ops.softmax``

@@ -12,6 +12,12 @@ blocked        ``k`` / ``B``             ``shape`` with ``shape[k]`` -> ``ceil(s
 
 Example: ``x.shape == (2, 5)``, ``axis=1, block_size=2`` gives scale shape
 ``(2, 3)``; elements ``x[i, 4]`` use ``scale[i, 2]`` (the last block is short).
+
+Also here: ``Quant``, quantize's plan record, and :func:`kept`, qarray's one
+cache of what is worked out from parameters (plans, and the backends' forms of
+them). One cache, not one per layer, because one rule decides every hit:
+equal values, or the same immutable object, give the same result; it lives
+here, at the bottom, so that every layer above can use it.
 """
 
 from __future__ import annotations
@@ -112,10 +118,20 @@ def kept(fn):
     shape, bytes), except read-only arrays that own their data, which are
     keyed by identity, the entry holding them: what ``fn`` returns should be
     read-only for that (``check_params``, ``plan``), so that one op's output
-    parameters are the next op's cheap key. Functions are keyed by their code,
+    parameters are the next op's cheap key. Plan records (``Quant``,
+    ``Requant``, ...: immutable, :func:`by_identity`) are keyed by identity
+    too. Functions are keyed by their code,
     defaults and closure values (``_function_key``: only for functions that
     read no changing state, such as the LUT activations'). Arguments of other
-    types (device arrays, objects) are not kept: ``fn`` runs."""
+    types (device arrays, objects) are not kept: ``fn`` runs.
+
+    This is qarray's one cache of what is worked out from parameters: the
+    ops' plans, and the backends' forms of them (the NumPy backend's parameter
+    arrays, layouts' pieces, GEMM columns, binary's kernel arguments, the
+    floating formats' kernels). One cache, because one rule decides every
+    hit: equal values (or the same immutable object) give the same result,
+    whichever layer asks; each function keeps at most 1024 entries, so a
+    process that sweeps parameters does not grow without bound."""
     cache: dict = {}
 
     @functools.wraps(fn)
@@ -135,6 +151,13 @@ def kept(fn):
 
     call.cache = cache
     return call
+
+
+def by_identity(cls):
+    """Class decorator: :func:`kept` keys instances of ``cls`` (immutable plan
+    records, kept themselves call after call) by identity, the entry holding them."""
+    _KEY_OF[cls] = id
+    return cls
 
 
 def float_values(x):
@@ -292,6 +315,7 @@ def check_zero_point(zero_point, dtype: QDType, want=(), axis=None, block_size=N
     return z.astype(np.int32)
 
 
+@by_identity
 @dataclass(frozen=True, eq=False)
 class Quant:
     """One quantize, resolved once by an op (``check_params``' parameters and the

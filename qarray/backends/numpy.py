@@ -18,7 +18,7 @@ from .. import _formats
 from .._blocks import rounded
 from .._config import THREADS, config
 from .._fixed_point import NO_REQUANT
-from .._params import Layout
+from .._params import Layout, kept
 from . import _gemm
 from ._base import BINARY_OPS, Backend, contiguous, nan_error
 
@@ -85,7 +85,7 @@ def _aligned_empty(shape, dtype):
     return raw[start:start + size].view(dtype).reshape(shape)
 
 
-@functools.lru_cache(maxsize=512)
+@kept
 def _pieces(shape, axis, block_size):
     """``Layout(shape, axis, block_size).pieces(_COLS)``, each piece as ``(slice,
     data dims, parameter shape, bidx, rows, row length)``: what ``_run`` passes
@@ -106,35 +106,21 @@ def _column(p, n):
     return np.array(np.broadcast_to(p, (n,)))  # a copy: writable
 
 
-@functools.lru_cache(maxsize=256)
+@kept
 def _columns(rq, n):
     """``rq``'s output parameters (zp_out, m, shift, f) as ``(n,)`` columns, the
     GEMM epilogue's: kept per plan (plans repeat call after call)."""
     return tuple(_column(p, n) for p in rq.params[1:])
 
 
-_KEPT: dict = {}
-
-
+@kept
 def _param(p, dtype, pshape, f=None):
     """Parameter array ``p`` as the kernels take it: ``dtype``, ``pshape``,
     C-contiguous and writable (one Numba signature), and ``f`` of that if given
-    (quantize's reciprocals). An array that owns its
-    data and is read-only (``check_params``' and ``plan``'s: the same objects
-    call after call) is converted once and kept, keyed by its id while the
-    entry holds it (so no other array has that id)."""
-    key = (id(p), dtype, pshape, f)
-    kept = _KEPT.get(key)
-    if kept is not None:
-        return kept[1]
+    (quantize's reciprocals); kept (``check_params``' arrays are the same objects
+    call after call)."""
     c = np.array(p, dtype).reshape(pshape)
-    if f is not None:
-        c = f(c)
-    if p.base is None and not p.flags.writeable:
-        if len(_KEPT) >= 1024:
-            _KEPT.clear()
-        _KEPT[key] = (p, c)
-    return c
+    return c if f is None else f(c)
 
 
 def _viewed(a, dims, sl=slice(None)):
@@ -142,7 +128,7 @@ def _viewed(a, dims, sl=slice(None)):
     return None if a is None else a[sl].reshape(dims)
 
 
-@functools.lru_cache(maxsize=64)
+@kept
 def _bounds(qd, dtype):
     """quantize's clamp type and bounds (<= 16-bit results clamp exactly in
     float32; qint32 and float64 input need float64), and whether it multiplies
@@ -153,13 +139,13 @@ def _bounds(qd, dtype):
     return ct, lo, hi, _cpu().quantize.multiplies(dtype, lo, hi)
 
 
-@functools.lru_cache(maxsize=256)
+@kept
 def _plan_params(rq, pshape):
     """``rq``'s parameters as the kernels take them (``_param``), kept per plan."""
     return [np.array(p).reshape(pshape) for p in rq.params]
 
 
-@functools.lru_cache(maxsize=256)
+@kept
 def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
     """``cpu.elementwise.binary``'s kernel and its parameter arrays for these plans (kept: plans repeat)."""
     ints = [ra.zp_in, ra.m, ra.shift, ra.narrow(a_dtype), rb.zp_in, rb.m, rb.shift, rb.narrow(b_dtype), rq.zp_out,

@@ -11,12 +11,11 @@ position ``l``.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from ..._params import kept
 from .llvm import _fence, _store_line, _wide
 from .pool import _KERNEL, always, kernel
 from .requantize import _SOURCE, _bits, _first, _outer, _round_stochastic, _span
@@ -88,10 +87,10 @@ def reciprocals(s):
     return np.stack([np.nextafter(r, -np.inf), np.nextafter(r, np.inf)]).astype(s.dtype)
 
 
-@functools.lru_cache(maxsize=64)
 def multiplies(dtype, lo, hi):
     """Whether quantize multiplies (``_q_mul``) for ``dtype`` input and the
-    clamp ``[lo, hi]``: not where values flag too often (see above)."""
+    clamp ``[lo, hi]``: not where values flag too often (see above); asked once
+    a dtype pair (``numpy._bounds``, kept)."""
     return bool(2 * np.finfo(dtype).eps * (float(hi) - float(lo)) <= 2 ** -12)
 
 
@@ -433,23 +432,21 @@ def _make_quantize_float(mul, consts):
     return quantize_float
 
 
-_FLOAT_KERNELS = {}
-
-
 def quantize_float(codes, mul):
     """The kernel of :func:`_make_quantize_float` for ``codes`` (a
-    ``qarray._formats.Codes``) and ``mul``, made once each."""
-    m, emin, maxc, ovf, nanc, sign_at, zeros = (int(v) for v in codes)
+    ``qarray._formats.Codes``) and ``mul``, made once each (kept)."""
+    return _float_kernel(*(int(v) for v in codes), bool(mul))
+
+
+@kept
+def _float_kernel(m, emin, maxc, ovf, nanc, sign_at, zeros, mul):
     e, frac = divmod(maxc, 1 << m)  # the largest finite value, for saturation
     sat = float(np.float32((1 + frac / 2.0**m) * 2.0 ** (emin + e - 1))) if ovf == maxc else 0.0
     magic = 2.0 ** (emin - m + 23)  # exact in float32
     top = (127 + emin) << 23  # the bits of 2**emin
     k = (1 << (22 - m)) - 1 - (((126 + emin) << m) << (23 - m))  # half an ulp, less the bias
     consts = (top, k, 23 - m, magic, int(np.float32(magic).view(np.uint32)), sat, maxc, ovf, nanc, sign_at, zeros)
-    key = (bool(mul), consts)
-    if key not in _FLOAT_KERNELS:
-        _FLOAT_KERNELS[key] = _make_quantize_float(*key)
-    return _FLOAT_KERNELS[key]
+    return _make_quantize_float(mul, consts)
 
 
 @kernel
