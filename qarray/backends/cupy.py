@@ -710,7 +710,7 @@ class CupyBackend(Backend):
 
     def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
         plan = self._block_plan(fmt, None)  # (pack_blocks gives None here: the kernel reads the blocks as stored)
-        if plan is None or block_plan(fmt)[0][PLAN_INTEGERS] < 0 or 0 in xraw.shape or not raw.shape[0]:
+        if plan is None or block_plan(fmt)[0][PLAN_INTEGERS] < 0 or fmt.sub < 8 or 0 in xraw.shape or not raw.shape[0]:
             return super().block_linear_q8(xraw, raw, fmt, bias, packed)
         with self.on(xraw):
             m, k, n = xraw.shape[0], xraw.shape[1] // 34 * 32, raw.shape[0]

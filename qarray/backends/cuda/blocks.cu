@@ -334,7 +334,7 @@ extern "C" __global__ void block_gemm(const double* x, i64 M, i64 K, const float
 }
 
 // -- Q8_0 activations --------------------------------------------------------------------------------
-#define GQ_K 64  // k a chunk of block_gemv_q8 (GV_N outputs n, GV_M rows m a block)
+#define GQ_K 64  // k a chunk of block_gemv_q8 (GV_N outputs n, GV_M rows m a block; pieces of 8 k or more)
 typedef signed char qa_i8;
 
 // out (M x N): xraw the M rows of Q8_0 blocks (K / 32 of 34 bytes: a float16 scale dx, 32 int8
