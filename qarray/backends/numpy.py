@@ -10,6 +10,7 @@ integers and the same float bits.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import numpy as np
@@ -47,13 +48,6 @@ def _cpu():
 
 
 _kernels = False
-
-
-def _block_kernels():
-    """``qarray.backends.cpu.blocks``, the block formats' kernels (Numba: loaded on first use)."""
-    from .cpu import blocks
-
-    return blocks
 
 
 def _streams(cpu, x, out):
@@ -154,6 +148,12 @@ def _binary_args(op, ra, rb, rq, a_dtype, b_dtype):
     return kernel, (np.array([int(v) for v in ints], np.int64), np.array([float(ra.f), float(rb.f), float(rq.f)]))
 
 
+def _family(cpu, name):
+    """Kernel module ``cpu.<name>``, imported on first use (``gemm`` and ``blocks`` compile LLVM IR)."""
+    module = getattr(cpu, name, None)
+    return module if module is not None else importlib.import_module(f"{cpu.__name__}.{name}")
+
+
 def _fast_path(family):
     """A primitive's Numba path: the method runs, with the kernels (``qarray.backends.cpu``) as its
     first argument, where Numba runs for the input (``_fast``) and ``cpu.<family>.ACCEPTS[name]``,
@@ -165,7 +165,7 @@ def _fast_path(family):
         @functools.wraps(method)
         def primitive(self, x, *args, **kwargs):
             cpu = self._fast(x)
-            if cpu is None or not getattr(cpu, family).ACCEPTS[name](x, *args, **kwargs):
+            if cpu is None or not _family(cpu, family).ACCEPTS[name](x, *args, **kwargs):
                 return generic(self, x, *args, **kwargs)
             return method(self, cpu, x, *args, **kwargs)
 
@@ -319,11 +319,9 @@ class NumpyBackend(Backend):
         with np.errstate(over="ignore"):
             return out if dtype == np.float32 else out.astype(dtype)
 
-    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
-        cpu = self._fast(raw)
-        if cpu is None or not x.shape[0] or not raw.shape[0]:
-            return super().block_linear(x, raw, fmt, g, columns, bias)
-        blocks = _block_kernels()
+    @_fast_path("blocks")
+    def block_linear(self, cpu, x, raw, fmt, g=None, columns=None, bias=None):
+        blocks = _family(cpu, "blocks")
         n, k_len = raw.shape[0], x.shape[1]
         out = np.empty((x.shape[0], n), np.float32)
         b = np.zeros(1) if bias is None else bias
@@ -352,7 +350,8 @@ class NumpyBackend(Backend):
         (``_ggml._q8_0``) on the Numba kernel; None without Numba."""
         if not config.numba or _cpu() is None:
             return None
-        cpu, blocks = _cpu(), _block_kernels()
+        cpu = _cpu()
+        blocks = _family(cpu, "blocks")
 
         def fill(x, out):
             d = np.empty(len(x), np.float32)
@@ -362,15 +361,12 @@ class NumpyBackend(Backend):
         return fill
 
     def pack_blocks(self, raw, fmt):
-        if not config.numba or _cpu() is None or not _block_kernels().packable(fmt):
-            return None
-        return _block_kernels().PackedQ8(contiguous(raw), fmt)
+        blocks = _family(_cpu(), "blocks") if config.numba and _cpu() is not None else None
+        return blocks.PackedQ8(contiguous(raw), fmt) if blocks is not None and blocks.packable(fmt) else None
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
-        cpu = self._fast(raw)
-        if cpu is None or not xraw.shape[0] or not raw.shape[0]:
-            return super().block_linear_q8(xraw, raw, fmt, bias)
-        blocks = _block_kernels()
+    @_fast_path("blocks")
+    def block_linear_q8(self, cpu, xraw, raw, fmt, bias=None, packed=None):
+        blocks = _family(cpu, "blocks")
         dx, qx = self.q8_0_parts(xraw)
         n, k_len = raw.shape[0], qx.shape[1]
         out = np.empty((qx.shape[0], n), np.float32)

@@ -39,6 +39,10 @@ from .llvm import _wide
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
+# the calls the kernels take (NumpyBackend's @_fast_path): any with rows of x and of w
+ACCEPTS = {"block_linear": lambda x, raw, *args, **kwargs: x.shape[0] > 0 and raw.shape[0] > 0,
+           "block_linear_q8": lambda xraw, raw, *args, **kwargs: xraw.shape[0] > 0 and raw.shape[0] > 0}
+
 LANES = 64  # weight rows a task: the sums of 8 512-bit vectors (16 256-bit ones), enough independent
 # chains of adds to hide their latency (8 lanes ran 3.5x slower: each lane one add a k, in order)
 KC = 128  # k a pass over the rows of x: the rows' chunk, side by side (KC, LANES), 32 KB, stays in L1
