@@ -339,7 +339,7 @@ def test_large_per_tensor_requantize_streams_its_codes(d_in, z_in, monkeypatch):
         monkeypatch.setitem(k.requantize_stream, key, lambda *a, fn=fn: ran.append(a[-2:]) or fn(*a))
     qi = qdtype(d_in)
     rng = np.random.default_rng(7)
-    n = k.STREAM + 37
+    n = nb._cpu().quantize.STREAM + 37
     codes = rng.integers(qi.qmin, qi.qmax + 1, n, dtype=np.int64)
     if qi.bits == 32:  # most near the zero point: outputs over the whole 8-bit range, not only clamped
         near = rng.random(n) < 0.7
