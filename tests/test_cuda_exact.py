@@ -1,10 +1,11 @@
 """The CUDA requantize and binary kernels (common.cuh's qa_rescale, ops.cu),
 host-run through tests/cuda_host, against the exact rational reference of
-tests/_reference.py and the NumPy backend (both CPU paths) bit for bit: int64
+tests/_reference.py and the NumPy backend bit for bit: int64
 accumulators up to +-(2**63 - 1), every rounding, per-axis parameters."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import qarray
 from qarray import qdtype
 from qarray._fixed_point import Binary
 
@@ -20,6 +22,7 @@ from _reference import (DTYPES, RULES, CODES, ref_scale, ref_out, f32_ratio, exp
                         numpy_and_host)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 
 
 @st.composite
@@ -41,15 +44,33 @@ def host_binary_cases(draw):
     return op, (da, qa_, za, Ma), (db, qb_, zb, Mb)
 
 
+def _same_on_numba(fn, ref, err_msg):
+    """``fn(NumPy backend)`` on the Numba kernels (checked to be the path taken) is
+    ``ref``; nothing without Numba. The tests here hold the host-run CUDA kernels and
+    the generic NumPy code (``numpy_and_host``) to the exact reference, and the Numba
+    kernels too where they are the ones test_exact_requantize compiles (int64
+    accumulators into qint32, every rounding: ``paths``, there): a Numba
+    specialisation costs seconds of compiling in a fresh run, and random dtypes
+    would compile dozens. test_exact_requantize and test_exact_elementwise hold the
+    Numba kernels to this reference, and test_requantize, test_elementwise and
+    test_wide to the generic code over the dtypes."""
+    from qarray.backends import get
+
+    if not HAVE_NUMBA:
+        return
+    with qarray.config.using(numba=True):
+        check_path("numba")
+        np.testing.assert_array_equal(fn(get("numpy")), ref, err_msg=err_msg)
+
+
 @pytest.mark.parametrize("M", [2.0**29, 0.75, 0.5, 2.0**-31 * 1.5, 2.0**-31, 2.0**-33, 2.0**-40], ids=str)
 @pytest.mark.parametrize("qo", ["qint32", "qint8"])
-def test_cuda_host_rescale_either_side_of_the_narrow_path(host, kernels, M, qo):
+def test_cuda_host_rescale_either_side_of_the_narrow_path(host, M, qo):
     """common.cuh's qa_rescale takes one 32 x 32 -> 64-bit product where |d| < 2**31
     and 1 <= shift <= 62, else the 94-bit one: d at -2**31 - 1, -2**31, 2**31 - 1,
     2**31, a shift of 1 (M = 2**29) and of 62 (M = 2**-31) and beyond, ties (M = 1/2
     with odd d; M = 2**-31 with d = +-2**31, +-3 * 2**30), every rounding: bit for
-    bit the exact reference and the NumPy backend."""
-    check_path(kernels)
+    bit the exact reference and the NumPy backend (generic code; Numba kernels too into qint32)."""
     qd = qdtype(qo)
     d = np.array([-(2**31) - 1, -(2**31), -(2**31) + 1, -3 * 2**30, -3, -1, 0, 1, 3, 3 * 2**30, 2**31 - 1, 2**31,
                   2**31 + 1, 2**40 + 1, -(2**62)], np.int64)
@@ -60,18 +81,18 @@ def test_cuda_host_rescale_either_side_of_the_narrow_path(host, kernels, M, qo):
         ref = ref_int64(d, None, np.float64(M), np.int64(0), qd, rule)
         np.testing.assert_array_equal(got, ref, err_msg=rule)
         np.testing.assert_array_equal(want, ref, err_msg=rule)
+        if qo == "qint32":
+            _same_on_numba(lambda b: b.requantize(d, rq), ref, rule)
 
 
-@exact_settings(80)
+@exact_settings(160)  # the examples of the two runs (kernels numba and generic) it was
 @given(data=st.data())
-def test_cuda_host_requantize_and_binary(host, kernels, data):
+def test_cuda_host_requantize_and_binary(host, data):
     """The CUDA requantize and binary kernels (host-run) on int64 accumulators up to
     +-2**62 and +-(2**63 - 1), every rounding, per-axis parameters: bit for bit the
-    NumPy backend (both CPU paths) and the exact reference."""
+    NumPy backend (generic code; Numba kernels too into qint32) and the exact reference."""
     from qarray._fixed_point import identity
-    from qarray.backends import get
 
-    check_path(kernels)
     qo = qdtype(data.draw(st.sampled_from(["qint32", "qint8", "quint16", "quint2"])))
     d, axis, M, zo = data.draw(int64_cases(qo))
     for rule in RULES:
@@ -82,7 +103,8 @@ def test_cuda_host_requantize_and_binary(host, kernels, data):
         ref = ref_int64(d, axis, M, zo, qo, rule)
         np.testing.assert_array_equal(want, ref, err_msg=rule)
         np.testing.assert_array_equal(got, ref, err_msg=rule)
-        np.testing.assert_array_equal(get("numpy").requantize(d, rq), ref, err_msg=rule)
+        if qo.name == "qint32":
+            _same_on_numba(lambda b: b.requantize(d, rq), ref, rule)
     # binary: operands onto add's common scale (or centred, for mul), the exact
     # result requantized in the same pass, output parameters per axis
     op, (da, qa_, za, Ma), (db, qb_, zb, Mb) = data.draw(host_binary_cases())
@@ -115,4 +137,3 @@ def test_cuda_host_requantize_and_binary(host, kernels, data):
             ref[idx] = ref_out(v, float(Mx[idx]), f32_ratio(num=[Mx[idx]]), int(Zo[idx]), qo.qmin, qo.qmax, rule)
         np.testing.assert_array_equal(want, ref, err_msg=f"{op} {rule}")
         np.testing.assert_array_equal(got, ref, err_msg=f"{op} {rule}")
-        np.testing.assert_array_equal(fn(get("numpy")), ref, err_msg=f"{op} {rule}")
