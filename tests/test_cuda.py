@@ -1,7 +1,10 @@
-"""CUDA kernels without a GPU: nvcc compiles them for sm_75/80/90 with warnings as
-errors, and a host build runs them, launched exactly as CupyBackend launches
-them, against the NumPy backend bit for bit."""
+"""CUDA kernels without a GPU: nvcc compiles them for sm_75 and sm_90 (and sm_80
+where a branch of the sources tells it from both) with warnings as errors, and a
+host build runs them, launched exactly as CupyBackend launches them, against the
+NumPy backend bit for bit."""
 
+import operator
+import re
 import shutil
 import subprocess
 import types
@@ -19,7 +22,38 @@ from cuda_host.harness import HOST_GRID, SOURCES
 from _reference import LAYOUTS, make_rq, numpy_and_host
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+ARCHS = [75, 80, 90]  # the oldest the kernels support, ..., the newest
+_ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(>=|<=|==|!=|>|<)\s*(\d+)\b")
+_ARCH_DEFINED = re.compile(r"#\s*if(?:n?def)?\s+(?:!\s*)?(?:defined\s*\(\s*)?__CUDA_ARCH__\b(?!\s*[<>=!])")
+_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
+
+
+def nvcc_archs(texts=None):
+    """The architectures nvcc compiles for: the oldest and the newest of ``ARCHS``,
+    and each other that takes a different side of some ``__CUDA_ARCH__`` comparison
+    in the sources than both (sm_80 took sm_75's every branch: the same code, built
+    for a newer, less restrictive target). Every arch when a ``__CUDA_ARCH__`` is
+    read some other way."""
+    texts = texts if texts is not None else [f.read_text() for f in sorted(CUDA_DIR.glob("*.cu*"))]
+    uses = sum(t.count("__CUDA_ARCH__") for t in texts)
+    tests = {(op, int(v)) for t in texts for op, v in _ARCH_TEST.findall(t)}
+    if uses != sum(len(_ARCH_TEST.findall(t)) + len(_ARCH_DEFINED.findall(t)) for t in texts):
+        return [f"sm_{a}" for a in ARCHS]
+    kept = {}
+    for arch in (ARCHS[0], ARCHS[-1], *ARCHS[1:-1]):
+        kept.setdefault(tuple(_OPS[op](arch * 10, v) for op, v in sorted(tests)), arch)
+    return [f"sm_{a}" for a in sorted(kept.values())]
+
+
+def test_nvcc_archs_take_every_branch():
+    assert nvcc_archs(["#ifdef __CUDA_ARCH__\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890"]) == ["sm_75", "sm_90"]
+    assert nvcc_archs(["#if __CUDA_ARCH__ >= 800\n#endif"]) == ["sm_75", "sm_90"]
+    assert nvcc_archs(["#if __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 900"]) == ["sm_75", "sm_80", "sm_90"]
+    assert nvcc_archs(["#ifndef __CUDA_ARCH__", "#if __CUDA_ARCH__ > 750"]) == ["sm_75", "sm_90"]
+    assert nvcc_archs(["#if __CUDA_ARCH__ >= QA_ARCH"]) == ["sm_75", "sm_80", "sm_90"]  # read some other way: all
+
+
+@pytest.mark.parametrize("arch", nvcc_archs())
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_nvcc_compiles(source, arch, tmp_path):
     if shutil.which("nvcc") is None:
