@@ -22,8 +22,9 @@ def test_gpu_tests_pass_on_the_host_harness(tmp_path_factory):
     # the kernels' host build is this session's (built once, shared: cuda_host.harness.shared_build)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
            SHARED_BUILDS: str(session_folder(tmp_path_factory))}
+    # -n 0: one process (workers of its own would each import and set up everything, beside this session's)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cuda_host.gpu_dryrun", "-p", "no:cacheprovider",
-                        "-m", "gpu", "-k", "not beyond_2_31", str(TESTS / "test_gpu.py"), str(TESTS / "test_gpu_dask.py")],
+                        "-n", "0", "-m", "gpu", "-k", "not beyond_2_31", str(TESTS / "test_gpu.py"), str(TESTS / "test_gpu_dask.py")],
                        capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout and " error" not in r.stdout, r.stdout[-2000:]

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "fake_cupy"))
 import cupy  # noqa: E402  (the fake)
 
+import qarray  # noqa: E402
 import qarray.backends as qb  # noqa: E402
 from qarray.backends.cupy import CupyBackend  # noqa: E402
 
@@ -65,6 +66,11 @@ class HostModule:
 
 @pytest.fixture(autouse=True, scope="session")
 def fake_device(tmp_path_factory):
+    # The tests' NumPy references on the generic code, not Numba: the Numba specialisations
+    # they would compile (the stochastic and streamed kernels of every dtype the GPU tests
+    # take) cost minutes of a fresh run and hold the CUDA kernels to the same results; the
+    # CPU suite holds the Numba kernels to the generic code bit for bit.
+    qarray.config.numba = False
     host = HostCupyBackend(shared_build(session_folder(tmp_path_factory)))  # the parent session's build
     host.devices = []
     cupy.RawModule = lambda *, code, options: HostModule(host, code, options)  # as the backend calls it
