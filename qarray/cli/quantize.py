@@ -174,6 +174,22 @@ def _lazy_arrays(path: Path):
     return {name: da.from_array(x, chunks="auto") for name, x in arrays.items()}
 
 
+def _process_pool(dask):
+    """The processes of ``--scheduler processes``, started once for the whole run: Dask's
+    scheduler, given no pool, starts one for each compute, so every tensor's graphs spawned
+    new processes, each importing qarray again. Set up as Dask sets up its own (its context,
+    a fixed str hash seed, a fresh NumPy random state in each process)."""
+    import concurrent.futures
+
+    import dask.multiprocessing
+
+    if os.environ.get("PYTHONHASHSEED") in (None, "0"):
+        os.environ["PYTHONHASHSEED"] = "6640"  # as dask.multiprocessing.get does
+    return concurrent.futures.ProcessPoolExecutor(dask.config.get("num_workers", None) or dask.system.CPU_COUNT,
+                                                  mp_context=dask.multiprocessing.get_context(),
+                                                  initializer=dask.multiprocessing.initialize_worker_process)
+
+
 def _quantize_lazily(args, target: Path) -> list:
     """Quantize IN into ``target`` (OUT's staging path) tensor by tensor, each
     computed chunk by chunk as it is written: a Zarr store (``qarray.zarr``: a
@@ -185,8 +201,12 @@ def _quantize_lazily(args, target: Path) -> list:
 
     with dask.config.set({"array.chunk-size": "4MiB"}):  # a few such chunks in flight per thread: bounded memory
         arrays = _lazy_arrays(args.input)
-    if args.scheduler in (None, "threads", "processes"):
-        ctx = dask.config.set(scheduler=args.scheduler or "threads")
+    if args.scheduler == "processes":
+        ctx = contextlib.ExitStack()
+        pool = ctx.enter_context(_process_pool(dask))
+        ctx.enter_context(dask.config.set(scheduler="processes", pool=pool))
+    elif args.scheduler in (None, "threads"):
+        ctx = dask.config.set(scheduler="threads")
     else:
         distributed = _need("distributed", "pip install 'qarray[dask]'")
         try:
