@@ -129,8 +129,8 @@ def with_mlas(make):
 
 
 # multiply-adds a cycle a core of each instruction set of qarray's GEMM:
-# tdpbusd, 16 x 16 x 64 in 16 cycles; vpdpbusd, 64 (32) a cycle on two ports
-PEAK = {"amx": 1024, "avx512vnni": 128, "avxvnni": 64}
+# tdpbusd, 16 x 16 x 64 in 16 cycles; vpdpbusd, 64 (32) a cycle on two ports; vpmaddwd, 16 on two
+PEAK = {"amx": 1024, "avx512vnni": 128, "avxvnni": 64, "avx2": 32}
 
 
 def peak_share(op, shape, t, who, macs):

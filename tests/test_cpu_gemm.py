@@ -1,5 +1,5 @@
 """qarray's own int8 GEMM (``qarray.backends.cpu.gemm``): every instruction set
-(AMX, AVX-512 VNNI, AVX-VNNI, portable loops) gives int64's products exactly,
+(AMX, AVX-512 VNNI, AVX-VNNI, AVX2, portable loops) gives int64's products exactly,
 at the extremes of u8 x s8, on every block shape (rows and columns past 32,
 AMX's 16-row and VNNI's 8-row branches, K past 64 and past int32's reach);
 the epilogue fused into each block's store equals the accumulator requantized
@@ -76,6 +76,27 @@ def test_k_beyond_int32_sums_in_int64(only):
     want = a.astype(np.int64) @ w.astype(np.int64)
     assert got.dtype == np.int64 and np.abs(want).max() > 2**31
     np.testing.assert_array_equal(got, want)
+
+
+def test_pairs_past_int16_are_exact(only):
+    """Signed activations flipped to unsigned (``a + 128``: 127 -> 255) against
+    -128 or 127 in adjacent k: a pair of products, 255 * -128 * 2 = -65,280 or
+    255 * 127 * 2 = 64,770, is past int16, where ``vpmaddubsw`` saturates it
+    (to -32,768, 32,767); beside them, pairs that fit (255 and 0 against w, 255
+    against -128 and 127). Summed without saturating, every element is exact."""
+    k = 4 * 64 + 8
+    a = np.full((3, k), 127, np.int8)
+    a[1, 1::2] = -128  # 255, 0, 255, 0, ...: pairs within int16
+    a[2, ::4] = -128
+    w = np.full((k, 3), -128, np.int8)
+    w[:, 1] = 127
+    w[1::2, 2] = 127  # -128, 127 in each pair
+    out = np.empty((3, 3), np.int32)
+    zero = np.zeros(3, np.int64)
+    gemm.run(only, IDENTITY, False, a, True, gemm.pack(w), None, (zero,) * 5 + (np.zeros(3),), -2**31, 2**31 - 1, out)
+    want = (a.astype(np.int64) + 128) @ w.astype(np.int64)
+    assert want[0, 0] == 255 * -128 * k and want[0, 1] == 255 * 127 * k
+    np.testing.assert_array_equal(out, want)
 
 
 # The epilogue is one function for every instruction set: every rounding and

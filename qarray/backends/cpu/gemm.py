@@ -5,7 +5,8 @@ The weights are packed once (:func:`pack`) into panels of 16 columns; within
 a panel, each step of 64 k holds 16 rows of 64 bytes, row ``k4`` holding, for
 each of the 16 columns, its 4 weights ``k = 4 k4 .. 4 k4 + 3``. That is the
 layout of an AMX B tile, and each row is one AVX-512 VNNI operand (two for
-AVX-VNNI's 256 bits), so every instruction set reads the same bytes.
+AVX-VNNI's 256 bits, four for AVX2's, widened), so every instruction set reads
+the same bytes.
 
 The result is computed in blocks of 32 rows by 32 columns, one task each
 (column blocks outer, so consecutive tasks share their weights). A block's
@@ -23,6 +24,8 @@ integers, which the tests check with each turned off in turn):
   and two B tiles, four ``tdpbusd``;
 - ``avx512vnni`` / ``avxvnni``: rows of ``vpdpbusd`` on 512 / 256 bits, each
   row's 4 bytes of ``a`` broadcast against a row of the panel;
+- ``avx2`` (no VNNI): the same rows, both operands widened to int16 and
+  multiplied by ``vpmaddwd`` (exact; ``vpmaddubsw`` saturates u8 x s8 pairs);
 - ``portable``: the same sums in plain Numba loops.
 
 The other integer kernels of matmul and conv2d follow it:
@@ -180,28 +183,49 @@ def _block_amx(typingctx, a, rows, b, p0, k0, k1, c, keep):
     return _signature(a, rows, b, p0, k0, k1, c, keep), codegen
 
 
-def _make_block_vnni(width, rows_at_once):
-    """The block of :func:`_block_amx` by ``vpdpbusd`` on ``width`` int32 lanes
-    (16: AVX-512 VNNI, 8: AVX-VNNI): ``rows_at_once`` rows at a time while
-    that many are left (``rows_at_once * 32 / width`` accumulators, as many as
-    the registers hold beside the panel's ``32 / width`` vectors and a
-    broadcast), then one at a time. Reads only rows below ``rows``."""
-    vec = ir.VectorType(_I32, width)
+def _make_block_vnni(width, rows_at_once, widen=False):
+    """The block of :func:`_block_amx` on vectors of ``width`` columns (16:
+    AVX-512 VNNI, 8: AVX-VNNI, 4: AVX2), each an accumulator: ``vpdpbusd``
+    (u8 x s8, four products a int32 lane), or, ``widen`` (AVX2, no VNNI), the
+    bytes widened to int16 (``a`` by zero, ``w`` by sign: ``vpmovzxbw``,
+    ``vpmovsxbw``) and ``vpmaddwd`` + ``vpaddd``: two int32 lanes a column,
+    each two products (``|255 * -128 * 2| < 2**31``: exact, where
+    ``vpmaddubsw``'s int16 pair sums saturate), the pair summed as the block
+    is stored. ``rows_at_once`` rows at a time while that many are left
+    (``rows_at_once * 32 / width`` accumulators, as many as the registers hold
+    beside the panel's ``32 / width`` vectors and a broadcast; AVX2's 16
+    registers, 8 accumulators a row: one), then one at a time. Reads only rows
+    below ``rows``."""
+    lanes = 2 * width if widen else width  # int32 lanes of an accumulator
+    vec, cvec = ir.VectorType(_I32, lanes), ir.VectorType(_I32, width)
+    # a's 4 bytes (one k4 of a row) as the CPU multiplies them; broadcast ``width`` times
+    word, bcast = (ir.IntType(64), ir.VectorType(ir.IntType(64), width)) if widen else (_I32, cvec)
+    operand = ir.VectorType(ir.IntType(16), 4 * width) if widen else cvec
     per_row = BN // width  # vectors in a row of the block
-    name = f"llvm.x86.avx512.vpdpbusd.{width * 32}"
+    name = "llvm.x86.avx2.pmadd.wd" if widen else f"llvm.x86.avx512.vpdpbusd.{width * 32}"
+    if widen:  # shuffles: a column's sum into lane 2j, its pair of lanes out of 2j and 2j + 1
+        spread = ir.Constant(vec, [j // 2 if j % 2 == 0 else width for j in range(lanes)])
+        evens, odds = (ir.Constant(cvec, list(range(j, lanes, 2))) for j in (0, 1))
 
     def at(builder, c, first, r, v):
         """Where vector ``v`` of block row ``first + r`` lies in ``c``."""
         off = builder.add(builder.mul(builder.add(first, _const(r)), _const(BN * 4)), _const(v * width * 4))
-        return builder.bitcast(_at(builder, c, off), vec.as_pointer())
+        return builder.bitcast(_at(builder, c, off), cvec.as_pointer())
+
+    def dot(builder, acc, av, wv):
+        if widen:  # the empty asm keeps LLVM from fusing the two into AVX-VNNI's vpdpwssd where it may
+            pairs = builder.call(_fn(builder, name, vec, [operand] * 2), [av, wv])
+            return builder.add(acc, builder.asm(ir.FunctionType(vec, [vec]), "", "=x,0", [pairs], False))
+        return builder.call(_fn(builder, name, vec, [vec] * 3), [acc, av, wv])
 
     def rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, count):
         """Block rows ``first .. first + count - 1`` (``count`` a constant)."""
-        dot = _fn(builder, name, vec, [vec] * 3)
         accs = [[cgutils.alloca_once(builder, vec) for _ in range(per_row)] for _ in range(count)]
         for r in range(count):
             for v in range(per_row):
                 kept = builder.load(at(builder, c, first, r, v), align=1)
+                if widen:  # a column's sum in the first lane of its pair
+                    kept = builder.shuffle_vector(kept, ir.Constant(cvec, None), spread)
                 builder.store(builder.select(keep, kept, ir.Constant(vec, None)), accs[r][v])
         with cgutils.for_range_slice(builder, builder.mul(k0, _const(16)), builder.mul(k1, _const(16)),
                                      _const(1)) as (k4, _):
@@ -210,19 +234,27 @@ def _make_block_vnni(width, rows_at_once):
                 p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
                                                     builder.add(builder.mul(k4, _const(64)),
                                                                 _const(v * width % 16 * 4))))
-                wv.append(builder.load(builder.bitcast(p, vec.as_pointer()), align=1))
+                bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
+                wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
             for r in range(count):
                 # a[k4 // 16, first + r, k4 % 16 * 4]
                 pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), _const(BM * BK)),
                                                  builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
                                                              builder.mul(builder.and_(k4, _const(15)), _const(4)))))
-                word = builder.load(builder.bitcast(pa, _I32.as_pointer()), align=1)
-                av = _splat(builder, word, vec)
+                if widen:
+                    four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
+                    four = builder.bitcast(builder.zext(four, ir.VectorType(ir.IntType(16), 4)), word)
+                else:
+                    four = builder.load(builder.bitcast(pa, word.as_pointer()), align=1)
+                av = builder.bitcast(_splat(builder, four, bcast), operand)
                 for v in range(per_row):
-                    builder.store(builder.call(dot, [builder.load(accs[r][v]), av, wv[v]]), accs[r][v])
+                    builder.store(dot(builder, builder.load(accs[r][v]), av, wv[v]), accs[r][v])
         for r in range(count):
             for v in range(per_row):
-                builder.store(builder.load(accs[r][v]), at(builder, c, first, r, v), align=1)
+                acc = builder.load(accs[r][v])
+                if widen:  # each column's two lanes summed
+                    acc = builder.add(*(builder.shuffle_vector(acc, acc, s) for s in (evens, odds)))
+                builder.store(acc, at(builder, c, first, r, v), align=1)
 
     @intrinsic
     def block(typingctx, a, rows, b, p0, k0, k1, c, keep):
@@ -258,8 +290,9 @@ def _block_portable(a, rows, b, p0, k0, k1, c, keep):
                     crow[j] += s
 
 
-_block_vnni512, _block_vnni256 = _make_block_vnni(16, 8), _make_block_vnni(8, 2)
-_ISAS = ("amx", "avx512vnni", "avxvnni", "portable")
+_block_vnni512, _block_vnni256, _block_avx2 = _make_block_vnni(16, 8), _make_block_vnni(8, 2), _make_block_vnni(4, 1, True)
+# the kernels' indices (blocks.py reads them too: a new one goes last)
+_ISAS = ("amx", "avx512vnni", "avxvnni", "portable", "avx2")
 
 
 @njit(inline="always")
@@ -277,6 +310,8 @@ def _block(isa, a, rows, b, p0, k0, k1, c, keep):
         _block_vnni512(a, rows, b, p0, k0, k1, c, keep)
     elif isa == 2:
         _block_vnni256(a, rows, b, p0, k0, k1, c, keep)
+    elif isa == 4:
+        _block_avx2(a, rows, b, p0, k0, k1, c, keep)
     else:
         _block_portable(a, rows, b, p0, k0, k1, c, keep)
 
