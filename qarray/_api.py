@@ -140,8 +140,9 @@ def _block_bytes(x, f, g=None):
                          f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
     blocks = x.reshape(-1, f.block)
     out = np.empty((len(blocks), f.nbytes), np.uint8)
-    if f.name == "Q8_0" and _backends.get("numpy").q8_0_quantizer() is not None:  # (activations, call after call)
-        _backends.get("numpy").q8_0_quantizer()(blocks, out)
+    fill = _backends.get("numpy").q8_quantizer(f.name) if f.name in ("Q8_0", "Q8_K") else None
+    if fill is not None:  # (activations, call after call)
+        fill(blocks, out)
         return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
     step = max(1, _BLOCK_CHUNK // f.block)  # a chunk's temporaries stay in cache (2x on Q8_0 at 2^24 values)
     for i in range(0, len(blocks), step):

@@ -105,6 +105,23 @@ def _q8_0(x):
     return {"d": d.astype(F16), "q": q.view(np.uint8)}
 
 
+def _q8_k(x):
+    """ggml's ``quantize_row_q8_K_ref`` (the activations of its K-quant dot products): ``iscale = -127 /
+    max`` (``max`` the value of largest magnitude, the first on ties), codes ``min(127, nearest_int(iscale
+    * x))`` stored in an int8, ``d = 1 / iscale``, ``bsums`` the codes' sums over 16; an all-zero block
+    is zeros (ggml leaves its bsums unwritten). ``nearest_int`` is ggml's: the float32 product plus
+    ``1.5 * 2^23``, whose low 23 bits less ``2^22`` are the product to nearest even; a block of float32
+    subnormals, whose ``iscale`` overflows to -inf, gets its codes from the bits of inf and NaN as ggml
+    does (0)."""
+    mx = _amax_signed(x)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        iscale = np.where(mx == 0, np.float32(0), np.float32(-127) / mx).astype(np.float32)
+        bits = ((x * iscale).astype(np.float32) + np.float32(12582912)).view(np.int32)
+        d = np.where(mx == 0, np.float32(0), _inverse(iscale)).astype(np.float32)
+    q = (np.minimum((bits & 0x7FFFFF) - 0x400000, 127) & 0xFF).astype(np.uint8)
+    return {"d": d, "q": q, "bsums": q.view(np.int8).reshape(len(q), -1, 16).sum(axis=2, dtype=np.int16)}
+
+
 def _trits(x):
     """TQ1_0 / TQ2_0: d = max|x|, t = roundf(x / d) + 1 in {0, 1, 2}."""
     d = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32)
@@ -277,6 +294,9 @@ _type("Q5_0", 6, 32, 22, [_d(), Field("q", 32, 5, lambda i: _split4(6)(i) + [(16
 _type("Q5_1", 7, 32, 24, [_d(), _d("m", 2), Field("q", 32, 5, lambda i: _split4(8)(i) + [(32 + i, 1)])],
       values=_INT[:32], offset=(("m", None), 1), quantize=lambda x: _q_affine(x, 31))
 _type("Q8_0", 8, 32, 34, [_d(), Field("q", 32, 8, bits_at(2, 8))], values=_signed(8), quantize=_q8_0)
+
+_type("Q8_K", 15, QK_K, 292, [_d("d", 0, np.float32), Field("q", QK_K, 8, bits_at(4, 8)),
+                             Field("bsums", 16, 16, bits_at(260, 16), np.int16)], values=_signed(8), quantize=_q8_k)
 
 _6BIT = _INT[:64]
 _type("Q2_K", 10, QK_K, 84,

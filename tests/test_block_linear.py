@@ -23,6 +23,13 @@ GROUPED = ["int4_g128_f16", "uint4_g64_f16_zp", "int8_g32_bf16", "uint4_g32_bf16
 Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "NVFP4", "TQ2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
       "Q6_K", "IQ4_XS", "int4_g128_f16", "uint4_g64_f16_zp", "int8_g32_bf16", "uint4_g32_f16_bias", "int2_g16_f32",
       "uint8_g32_f16_zp"]
+# the formats Q8_K activations take (blocks of 256, integer sub-scales), and the test's own reading of
+# their two levels: (d field, sub-scale field or None, its integers; offset's field, its sub-field)
+Q8K = {"Q2_K": ("d", "scales", lambda c: c, "dmin", "mins"),
+       "Q3_K": ("d", "scales", lambda c: c.astype(np.int64) - 32, None, None),
+       "Q4_K": ("d", "scales", lambda c: c, "dmin", "mins"), "Q5_K": ("d", "scales", lambda c: c, "dmin", "mins"),
+       "Q6_K": ("d", "scales", lambda c: c.view(np.int8), None, None),
+       "IQ4_XS": ("d", "scales", lambda c: c.astype(np.int64) - 32, None, None), "TQ2_0": ("d", None, None, None, None)}
 
 
 def weights(name, n, k, rng, global_scale=None):
@@ -253,6 +260,87 @@ def _with_bias(xq, w, bias):
     return out
 
 
+def ref_q8k(xq, w, bias=None):
+    """The Q8_K contract in Python floats (IEEE float64) and ints, read off the fields by the test
+    (``Q8K``), plus the exact value (Fraction) and a float32 sum as ggml's (``sumf += d * S - dmin *
+    M`` a block, float32)."""
+    name = w.dtype.name.upper()
+    dfield, scfield, table, mfield, minfield = Q8K[name]
+    fmt = w.dtype.layout
+    n, k_len = w.shape
+    nb, subs = k_len // 256, 256 // fmt.sub
+    f = w.fields
+    dx = xq.fields["d"].reshape(-1, nb).astype(np.float32)
+    qx = xq.fields["q"].view(np.int8).reshape(-1, k_len).astype(np.int64)
+    d = f[dfield].reshape(n, nb).astype(np.float32)
+    sc = np.ones((n, nb * subs), np.int64) if scfield is None else \
+        table(f[scfield]).astype(np.int64).reshape(n, nb * subs)
+    dm = None if mfield is None else -f[mfield].reshape(n, nb).astype(np.float32)
+    mins = None if minfield is None else f[minfield].astype(np.int64).reshape(n, nb * subs)
+    v = fmt.values.astype(np.int64)[f["q"].reshape(n, k_len)]
+    m_len = qx.shape[0]
+    want, exact, f32 = (np.zeros((m_len, n), t) for t in (np.float32, object, np.float32))
+    with np.errstate(over="ignore", invalid="ignore"):  # (float32 overflows to inf, as the kernels' results)
+        for m in range(m_len):
+            for j in range(n):
+                acc, ex, sf = 0.0, Fraction(0), np.float32(0)
+                for b in range(nb):
+                    big = small = 0
+                    for t in range(subs):
+                        part = slice(b * 256 + t * fmt.sub, b * 256 + (t + 1) * fmt.sub)
+                        big += int(sc[j, b * subs + t]) * int(np.dot(qx[m, part], v[j, part]))
+                        small += 0 if mins is None else int(mins[j, b * subs + t]) * int(qx[m, part].sum())
+                    c, dj = float(dx[m, b]), float(d[j, b])
+                    dmj = 0.0 if dm is None else float(dm[j, b])
+                    acc += c * dj * big + c * dmj * small
+                    ex += Fraction(c) * Fraction(dj) * big + Fraction(c) * Fraction(dmj) * small
+                    sf = np.float32(sf + np.float32(dx[m, b] * d[j, b]) * np.float32(big)
+                                    + np.float32(dx[m, b] * np.float32(dmj)) * np.float32(small))
+                if bias is not None:
+                    acc += float(bias[j])
+                want[m, j], exact[m, j], f32[m, j] = np.float32(acc), ex, sf
+    return want, exact, f32
+
+
+@pytest.mark.parametrize("name", sorted(Q8K))
+def test_q8k_activations(name, rng, kernels):
+    """Q8_K activations (ggml's for the K-quants) against every format they take: the contract written
+    out (``ref_q8k``), bit for bit, with and without bias; within half an ulp of the exact value, and
+    no further from it than ggml's float32 sums."""
+    w = weights(name, 21, 512, rng)
+    xq = qa.quantize(rng.standard_normal((3, 512)).astype(np.float32), dtype="Q8_K")
+    want, exact, ggml = ref_q8k(xq, w)
+    y = qa.linear(xq, w)
+    assert_same(y, want)
+    ulp = np.spacing(np.abs(y))
+    err = [abs(Fraction(float(a)) - e) for a, e in zip(y.ravel(), exact.ravel())]
+    assert all(float(e) <= 0.5 * u * (1 + 2.0**-20) for e, u in zip(err, ulp.ravel()))
+    assert sum(float(e) for e in err) <= sum(float(abs(Fraction(float(a)) - e)) for a, e in zip(ggml.ravel(), exact.ravel()))
+    bias = rng.standard_normal(21)
+    assert_same(qa.linear(xq, w, bias), ref_q8k(xq, w, bias)[0])
+    assert_same(qa.linear(xq.reshape(3, 1, 512), w), want.reshape(3, 1, 21))
+
+
+def test_q8k_refuses(rng):
+    """Formats whose blocks or scales do not meet Q8_K's, act-order columns, and the messages."""
+    xq = qa.quantize(rng.standard_normal((2, 256)).astype(np.float32), dtype="Q8_K")
+    with pytest.raises(TypeError, match=r"Q4_0's blocks of 32 elements do not meet Q8_K's blocks of 256.*"
+                                        r"float activations.* or Q8_0 activations instead"):
+        qa.linear(xq, weights("Q4_0", 4, 256, rng))
+    with pytest.raises(TypeError, match="uint4_g256_f16_zp has zero points.* or Q8_0 activations instead"):
+        qa.linear(xq, weights("uint4_g256_f16_zp", 4, 256, rng))
+    w = weights("int4_g256_f16", 4, 256, rng)  # one level over the block: taken
+    assert_same(qa.linear(xq, w), _generic(xq, w))
+    with pytest.raises(TypeError, match="lattice codebook"):
+        qa.linear(xq, weights("IQ2_XS", 4, 256, rng))
+    with pytest.raises(TypeError, match="int4_g128_f16's blocks of 128"):
+        qa.linear(xq, weights("int4_g128_f16", 4, 256, rng))
+    with pytest.raises(ValueError, match="x's last axis must be 512"):
+        qa.linear(xq, weights("Q4_K", 4, 512, rng))
+    with pytest.raises(TypeError, match="takes float activations .* or Q8_0 / Q8_K ones"):
+        qa.linear(qa.quantize(np.ones((2, 256), np.float32), dtype="Q4_K"), weights("Q4_K", 4, 256, rng))
+
+
 def test_q8_more_accurate_than_float32_sums(rng, kernels):
     """Long rows of large, cancelling terms: float32 sums (ggml's) drift, float64 ones do not."""
     k_len = 8192
@@ -409,6 +497,19 @@ def test_packed_q8_every_format(name, rng, only):
         assert_same(plain(xq), _generic(xq, w))
 
 
+@pytest.mark.parametrize("name", sorted(Q8K))
+def test_packed_q8k_every_format(name, rng, only):
+    """Q8_K activations on each instruction set, packed (the layer) and packed on the fly (``linear``):
+    37 rows, 1 and 9 rows of x, with and without bias, against the generic code, bit for bit."""
+    w = weights(name, 37, 512, rng)
+    bias = rng.standard_normal(37)
+    layer = qnn.BlockLinear(w, bias)
+    for m in (1, 9):
+        xq = qa.quantize(rng.standard_normal((m, 512)).astype(np.float32) * 3, dtype="Q8_K")
+        assert_same(layer(xq), _generic(xq, w, bias))
+        assert_same(qa.linear(xq, w), _generic(xq, w))
+
+
 def _blocks_of(name, n, fields):
     fmt = _blocks.get(name)
     return QArray.from_blocks(fmt.pack(fields).reshape(n, -1), name)
@@ -449,6 +550,13 @@ def test_packed_q8_extremes(name, only):
     layer = qnn.BlockLinear(w)
     assert layer._packed.has_sc == (name in ("Q6_K", "Q4_K", "IQ4_XS")) and layer._packed.has_osc == (name == "Q4_K")
     assert_same(layer(xq), want)
+    if name in Q8K:  # Q8_K: float32 scales up to 2^127 (the float32 result overflows to inf)
+        d = np.array([3.0, 2.0**-126, 2.0**127, -1e-3, 7.5, 1.0, -3.0, 2.0**100, 1e-30], np.float32)
+        xk = QArray.from_blocks(_blocks.get("Q8_K").pack({
+            "d": d, "q": codes.astype(np.int8), "bsums": codes.reshape(9, 16, 16).sum(axis=2).astype(np.int16)}), "Q8_K")
+        want = ref_q8k(xk, w)[0]
+        assert np.isinf(want).any() and (want != 0).all()
+        assert_same(layer(xk), want)
 
 
 def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):

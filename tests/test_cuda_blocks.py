@@ -119,7 +119,7 @@ def test_plans():
     assert LATTICES == ["IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "TQ1_0"]
     assert all((block_plan(_blocks.get(n)) is None) == (n in LATTICES) for n in FORMATS)
     assert all(block_plan(_blocks.get(n))[0][PLAN_INTEGERS] >= 0 for n in Q8)
-    assert len(Q8) == 23 and not {"nf4_g64_f32", "e4m3_g32_f16", "e2m1_g16_e4m3_gdiv", "int8_g64_f32_scb"} & set(Q8)
+    assert len(Q8) == 24 and not {"nf4_g64_f32", "e4m3_g32_f16", "e2m1_g16_e4m3_gdiv", "int8_g64_f32_scb"} & set(Q8)
     ints, floats = block_plan(_blocks.get("Q5_0"))
     # Q5_0's element 17: its low 4 bits the high nibble of byte 7 (the nibbles from byte 6), its fifth bit
     # bit 17 of the 32 from byte 2: bit 1 of byte 4

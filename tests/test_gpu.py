@@ -108,7 +108,8 @@ def test_grouped_formats(dtype, rng):
 @pytest.mark.parametrize("dtype", ["Q4_K", "int4_g128_f16", "uint4_g32_f16_zp"])
 def test_block_linear(dtype, rng):
     """linear on block-format weights on the device (cuda/blocks.cu: block_gemv for a token or a few,
-    dequantize-then-GEMM for a prompt, Q8_0 activations), the NumPy backend's bits; act-order columns."""
+    dequantize-then-GEMM for a prompt, Q8_0 activations; Q8_K ones), the NumPy backend's bits; act-order
+    columns."""
     w = qarray.quantize(rng.standard_normal((40, 512)).astype(np.float32), dtype=dtype)
     if dtype.startswith("uint"):
         w = qarray.QArray._blocks(w.data, w.dtype, None, rng.permutation(512))
@@ -118,8 +119,10 @@ def test_block_linear(dtype, rng):
         got = qarray.linear(cupy.asarray(x), wd, cupy.asarray(bias))
         assert isinstance(got, cupy.ndarray)
         assert_same(got.get(), qarray.linear(x, w, bias))
-        if w.columns is None:
-            xq = qarray.quantize(x, dtype="Q8_0")
+        for act in ("Q8_0", "Q8_K") if w.columns is None else ():
+            if act == "Q8_K" and qarray.ops.block_linear.q8k_supported(w.dtype.layout) is not None:
+                continue
+            xq = qarray.quantize(x, dtype=act)  # (Q8_K: the generic code on the device's arrays)
             assert_same(qarray.linear(xq.to("cupy"), wd, cupy.asarray(bias)).get(), qarray.linear(xq, w, bias))
 
 

@@ -43,3 +43,20 @@ def test_vectors_not_trivial(ggml_vectors, t):
     if "scales" in fields:
         s = fields["scales"]
         assert len(np.unique(s)) > (1 << f.fields["scales"].bits) // 2
+
+
+def test_q8_k_is_ggml_bit_for_bit(ggml_vectors, kernels):
+    """Q8_K (the K-quants' activations) by ``qarray.quantize`` (the Numba kernel, and the generic
+    ``_ggml._q8_k``): the bytes of ggml's quantize_row_q8_K_ref, bsums included, on the hard rows
+    (ties, zero blocks, float16 and float32 extremes, float32 subnormals whose iscale overflows), and
+    the values of ggml's dequantize_row_q8_K."""
+    import qarray as qa
+
+    x, raw = ggml_vectors["q8_k_x"], ggml_vectors["q8_k_bytes"]
+    got = qa.quantize(x, dtype="Q8_K")
+    np.testing.assert_array_equal(got.data, raw)
+    np.testing.assert_array_equal(got.dequantize().view(np.uint32), ggml_vectors["q8_k_deq"].view(np.uint32))
+    fields = _blocks.FORMATS["Q8_K"].unpack(raw)
+    q = fields["q"].view(np.int8)
+    assert q.min() == -127 and q.max() == 127 and (fields["d"] == 0).any()  # (ggml's codes never reach -128)
+    assert (np.abs(x).max(axis=1) < 2.0**-126).any()  # a block whose iscale overflows

@@ -209,27 +209,31 @@ class Backend:
                 acc += bias
             return acc.astype(np.float32)
 
-    def q8_0_parts(self, xraw):
-        """Q8_0 rows ``xraw`` (uint8 ``(M, K // 32 * 34)``) as their scales, float64 ``(M, K // 32)``, and
-        codes, int8 ``(M, K)``."""
-        m, nb = xraw.shape[0], xraw.shape[1] // 34
-        blocks = xraw.reshape(m, nb, 34)
-        dx = blocks[:, :, :2].copy().view(np.float16).reshape(m, nb).astype(np.float64)
-        return dx, blocks[:, :, 2:].copy().view(np.int8).reshape(m, nb * 32)
+    def q8_parts(self, xraw, act="Q8_0"):
+        """Q8_0 rows ``xraw`` (uint8 ``(M, K // 32 * 34)``) as their scales, float64 ``(M, K // 32)``,
+        and codes, int8 ``(M, K)``; Q8_K rows (``act``; ``(M, K // 256 * 292)``) likewise, a scale
+        each 256."""
+        size, block, head, dtype = (292, 256, 4, np.float32) if act == "Q8_K" else (34, 32, 2, np.float16)
+        m, nb = xraw.shape[0], xraw.shape[1] // size
+        blocks = xraw.reshape(m, nb, size)
+        dx = blocks[:, :, :head].copy().view(dtype).reshape(m, nb).astype(np.float64)
+        return dx, blocks[:, :, head:head + block].copy().view(np.int8).reshape(m, nb * block)
 
     def pack_blocks(self, raw, fmt):
         """Block-format rows ``raw`` of format ``fmt`` (one that takes Q8_0 activations) prepared once
         for :meth:`block_linear_q8`'s ``packed``, or None where this backend has no packed path (here)."""
         return None
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
-        """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_0_parts`) against
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
+        """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_parts`) against
         block-format rows ``raw`` of integer values
         (``qarray.ops.block_linear``'s Q8_0 contract): per piece of ``min(sub, 32)`` k, ``dx * s *
-        isum + dx * o * xsum`` in float64, summed in order. The weights' integers and parameters are
-        read on the host (``BlockFormat.unpack``, ``parameters``); ``packed``: :meth:`pack_blocks`'s."""
+        isum + dx * o * xsum`` in float64, summed in order; Q8_K activations (``act``): its Q8_K
+        contract, the sub-scales folded into integer sums a block. The weights' integers and
+        parameters are read on the host (``BlockFormat.unpack``, ``parameters``, ``levels``);
+        ``packed``: :meth:`pack_blocks`'s."""
         xp = self.xp
-        dx, qx = self.q8_0_parts(xraw)
+        dx, qx = self.q8_parts(xraw, act)
         blocks = np.ascontiguousarray(self.to_host(raw)).reshape(-1, fmt.nbytes)
         n, k_len = raw.shape[0], qx.shape[1]
         s, o, z = fmt.parameters(blocks)
@@ -237,17 +241,34 @@ class Backend:
         if z is not None:
             v = v - z.astype(np.int64)[:, :, None]
         v = self.asarray(v.reshape(n, k_len))
-        s = self.asarray(s.reshape(n, -1).astype(np.float64))
-        o = None if o is None else self.asarray(o.reshape(n, -1).astype(np.float64))
         q = qx.astype(np.int64)
-        piece = min(fmt.sub, 32)
         acc = xp.zeros((qx.shape[0], n), np.float64)
+        if act == "Q8_K":
+            d, sc, dm, mn = (None if a is None else self.asarray(a.reshape(n, -1)) for a in fmt.levels(blocks))
+            d, dm = d.astype(np.float64), None if dm is None else dm.astype(np.float64)
+            subs = sc.shape[1] // (k_len // fmt.block)
+        else:
+            s = self.asarray(s.reshape(n, -1).astype(np.float64))
+            o = None if o is None else self.asarray(o.reshape(n, -1).astype(np.float64))
+        piece = fmt.sub if act == "Q8_K" else min(fmt.sub, 32)
         with np.errstate(over="ignore", invalid="ignore"):
-            for k0 in range(0, k_len, piece):
-                d, j = dx[:, k0 // 32, None], k0 // fmt.sub
-                term = d * s[:, j] * (q[:, k0:k0 + piece] @ v[:, k0:k0 + piece].T).astype(np.float64)
-                if o is not None:
-                    term = term + d * o[:, j] * q[:, k0:k0 + piece].sum(axis=1, keepdims=True).astype(np.float64)
+            for k0 in range(0, k_len, fmt.block if act == "Q8_K" else piece):
+                if act == "Q8_K":  # one block: integer sums of sub-scales times sub-block sums
+                    b = k0 // fmt.block
+                    big, small = (xp.zeros((qx.shape[0], n), np.int64) for _ in range(2))
+                    for j in range(subs):
+                        part = slice(k0 + j * piece, k0 + (j + 1) * piece)
+                        big += (q[:, part] @ v[:, part].T) * sc[:, b * subs + j]
+                        if dm is not None:
+                            small += q[:, part].sum(axis=1, keepdims=True) * mn[:, b * subs + j]
+                    term = dx[:, b, None] * d[:, b] * big.astype(np.float64)
+                    if dm is not None:
+                        term = term + dx[:, b, None] * dm[:, b] * small.astype(np.float64)
+                else:
+                    c, j = dx[:, k0 // 32, None], k0 // fmt.sub
+                    term = c * s[:, j] * (q[:, k0:k0 + piece] @ v[:, k0:k0 + piece].T).astype(np.float64)
+                    if o is not None:
+                        term = term + c * o[:, j] * q[:, k0:k0 + piece].sum(axis=1, keepdims=True).astype(np.float64)
                 acc += term
             if bias is not None:
                 acc += bias

@@ -708,10 +708,10 @@ class CupyBackend(Backend):
                          (x, np.int64(m), np.int64(k), w, np.int64(n), *self._bias_args(bias), out))
             return out
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
         plan = self._block_plan(fmt, None)  # (pack_blocks gives None here: the kernel reads the blocks as stored)
-        if plan is None or block_plan(fmt)[0][PLAN_INTEGERS] < 0 or fmt.sub < 8 or 0 in xraw.shape or not raw.shape[0]:
-            return super().block_linear_q8(xraw, raw, fmt, bias, packed)
+        if act != "Q8_0" or plan is None or block_plan(fmt)[0][PLAN_INTEGERS] < 0 or fmt.sub < 8 or 0 in xraw.shape or not raw.shape[0]:
+            return super().block_linear_q8(xraw, raw, fmt, bias, packed, act)
         with self.on(xraw):
             m, k, n = xraw.shape[0], xraw.shape[1] // 34 * 32, raw.shape[0]
             out = self.xp.empty((m, n), np.float32)

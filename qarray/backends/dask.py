@@ -203,9 +203,9 @@ class DaskBackend(Backend):
         inner = self._chunks_backend()
         return self._over_rows(lambda c, r: inner.block_linear(c, r, fmt, g, columns, bias), x, raw)
 
-    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None):  # (None: Dask packs nothing)
+    def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):  # (None: Dask packs nothing)
         inner = self._chunks_backend()
-        return self._over_rows(lambda c, r: inner.block_linear_q8(c, r, fmt, bias), xraw, raw)
+        return self._over_rows(lambda c, r: inner.block_linear_q8(c, r, fmt, bias, act=act), xraw, raw)
 
     @staticmethod
     def _over_rows(fn, x, raw):

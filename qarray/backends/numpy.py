@@ -345,9 +345,10 @@ class NumpyBackend(Backend):
                           out, grain=grain)
         return out
 
-    def q8_0_quantizer(self):
-        """``fill(x, out)``: float32 blocks ``x`` (n, 32) as Q8_0's bytes ``out`` (n, 34), ggml's rounding
-        (``_ggml._q8_0``) on the Numba kernel; None without Numba."""
+    def q8_quantizer(self, name):
+        """``fill(x, out)``: float32 blocks ``x`` (n, 32 or 256) as the bytes ``out`` of Q8_0 or Q8_K
+        (``name``) with ggml's rounding (``_ggml._q8_0``, ``_q8_k``) on the Numba kernels; None without
+        Numba."""
         if not config.numba or _cpu() is None:
             return None
         cpu = _cpu()
@@ -355,8 +356,16 @@ class NumpyBackend(Backend):
 
         def fill(x, out):
             d = np.empty(len(x), np.float32)
-            cpu.pool.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out, grain=cpu.pool.GRAIN // 32)
-            out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+            if name == "Q8_0":
+                cpu.pool.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out,
+                                  grain=cpu.pool.GRAIN // 32)
+                out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+                return
+            sums = np.empty((len(x), 16), np.int16)
+            cpu.pool.parallel(blocks.quantize_q8_k, len(x), x, x.view(np.int32), d, sums, out,
+                              grain=cpu.pool.GRAIN // 256)
+            out[:, :4] = d.view(np.uint8).reshape(-1, 4)
+            out[:, 260:] = sums.view(np.uint8).reshape(-1, 32)
 
         return fill
 
@@ -365,13 +374,15 @@ class NumpyBackend(Backend):
         return blocks.PackedQ8(contiguous(raw), fmt) if blocks is not None and blocks.packable(fmt) else None
 
     @_fast_path("blocks")
-    def block_linear_q8(self, cpu, xraw, raw, fmt, bias=None, packed=None):
+    def block_linear_q8(self, cpu, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
         blocks = _family(cpu, "blocks")
-        dx, qx = self.q8_0_parts(xraw)
+        dx, qx = self.q8_parts(xraw, act)
         n, k_len = raw.shape[0], qx.shape[1]
         out = np.empty((qx.shape[0], n), np.float32)
+        if act == "Q8_K" and packed is None:  # (the Q8_K contract runs on packed weights only)
+            packed = blocks.PackedQ8(contiguous(raw), fmt)
         if packed is not None:
-            return blocks.linear_q8_packed(dx, qx, packed, bias, out)
+            return blocks.linear_q8_packed(dx, qx, packed, bias, out, act=act)
         blk = contiguous(raw).reshape(-1, fmt.nbytes)
         scale, offset, zero = fmt.parameters(blk)
         segments, values = fmt.plan

@@ -37,6 +37,19 @@ terms in float32; this is at least as accurate. Formats whose values are not int
 codebooks, e4m3, the IQ lattices, LLM.int8's ``_scb``), whose sub-blocks do not meet Q8_0's 32,
 or with act-order ``columns`` raise TypeError: use float activations for them.
 
+**Q8_K activations** (``x = qarray.quantize(x, dtype="Q8_K")``: ggml's activations for the
+K-quants, one float32 scale ``dx`` and 256 int8 codes a block) against a format of blocks of 256
+whose scale is a float ``d`` a block times integer sub-scales ``sc[j]`` (and its offset, if any, a
+float ``dm`` times integers ``m[j]``), or ``d`` alone over the block: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_XS, TQ2_0. The sub-scales go into the integer sums, and the float work is done once a block
+(``BlockFormat.levels`` gives ``d, sc, dm, m``). Per output and block ``b``, in increasing ``b``::
+
+    S = sum_j sc[j] * sum_{k in sub-block j} qx * v,   M = sum_j m[j] * sum_{k in j} qx   # exact
+    term = float64(dx) * float64(d) * S + float64(dx) * float64(dm) * M                   # left to right
+    acc += term;  then acc += float64(bias[n]);  y[m, n] = float32(acc)
+
+ggml computes the same sums (its ``bsums`` are the ``sum qx`` of 16 codes) in float32.
+
 ``matmul(x, w)`` with a block-format ``w`` raises TypeError: block formats hold ``(N, K)``
 weights with blocks along K; use ``linear(x, w)``.
 """
@@ -50,7 +63,7 @@ from .._formats import ml_dtypes
 from .._params import to_host
 from .._qarray import QArray
 
-__all__ = ["block_linear", "q8_supported"]
+__all__ = ["block_linear", "q8_supported", "q8k_supported"]
 
 _KEYWORDS = ("scale", "zero_point", "mode", "rounding")
 
@@ -95,6 +108,23 @@ def q8_supported(fmt) -> str | None:
     return None
 
 
+def q8k_supported(fmt) -> str | None:
+    """Why block format ``fmt`` cannot take Q8_K activations, or None where it can."""
+    why = q8_supported(fmt)
+    if why is not None:
+        return why
+    if fmt.block != 256:
+        return f"{fmt.name}'s blocks of {fmt.block} elements do not meet Q8_K's blocks of 256"
+    if fmt.zero is not None:
+        return f"{fmt.name} has zero points"
+    if fmt.levels(np.zeros((0, fmt.nbytes), np.uint8)) is None:
+        return f"{fmt.name}'s scales are not a float a block times integer sub-scales"
+    return None
+
+
+ACTIVATIONS = {"Q8_0": q8_supported, "Q8_K": q8k_supported}  # integer activation formats: why a weight cannot
+
+
 def _bias(b, bias, n):
     if bias is None:
         return None
@@ -116,9 +146,9 @@ def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, **given):
         raise ValueError(f"linear: w must have shape (out_features, in_features), got {w.shape}")
     n, k_len = w.shape
     if isinstance(x, QArray):
-        if x.dtype.kind != "block" or x.dtype.name.upper() != "Q8_0":
+        if x.dtype.kind != "block" or x.dtype.name.upper() not in ACTIVATIONS:
             raise TypeError(f"linear with {w.dtype.name} weights takes float activations (float32, float16, "
-                            f"bfloat16 arrays) or Q8_0 ones (qarray.quantize(x, dtype='Q8_0')), not "
+                            f"bfloat16 arrays) or Q8_0 / Q8_K ones (qarray.quantize(x, dtype='Q8_0')), not "
                             f"{x.dtype.name}; dequantize x or quantize it to Q8_0")
         return _q8(x, w, fmt, bias, dtype, n, k_len, packed)
     x, b = _backends.user_array(x, "linear")
@@ -146,19 +176,22 @@ def _finish(y, lead, n, out_dtype):
 
 
 def _q8(xq, w, fmt, bias, dtype, n, k_len, packed=None):
-    why = q8_supported(fmt)
+    act = xq.dtype.name.upper()
+    why = ACTIVATIONS[act](fmt)
     if why is None and w.columns is not None:
         why = "w's columns are stored in act-order (w.columns), so its blocks do not meet x's"
     if why is not None:
-        raise TypeError(f"linear: Q8_0 activations take weights of integer values whose sub-blocks meet Q8_0's "
-                        f"blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, NVFP4, TQ2_0, Q2_K..Q6_K, "
-                        f"IQ4_XS, int*/uint*_g32/64/128...); {why}: pass float activations (x.dequantize(), "
-                        "or the float x itself) instead")
+        takes = ("integer values whose sub-blocks meet Q8_0's blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, "
+                 "MXFP4, NVFP4, TQ2_0, Q2_K..Q6_K, IQ4_XS, int*/uint*_g32/64/128...)") if act == "Q8_0" else \
+            "blocks of 256 integer values with integer sub-scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, TQ2_0)"
+        other = " or Q8_0 activations" if act == "Q8_K" and q8_supported(fmt) is None and w.columns is None else ""
+        raise TypeError(f"linear: {act} activations take weights of {takes}; {why}: pass float activations "
+                        f"(x.dequantize(), or the float x itself){other} instead")
     out_dtype = _out_dtype(dtype, None)
     if xq.shape[-1] != k_len:
         raise ValueError(f"linear: x of shape {xq.shape} does not meet w of shape {w.shape}: x's last axis must be "
                          f"{k_len} (in_features)")
     b = _backends.common(xq.data, w.data)
     lead = xq.shape[:-1]
-    y = b.block_linear_q8(xq.data.reshape(-1, xq.data.shape[-1]), w.data, fmt, _bias(b, bias, n), packed)
+    y = b.block_linear_q8(xq.data.reshape(-1, xq.data.shape[-1]), w.data, fmt, _bias(b, bias, n), packed, act)
     return _finish(y, lead, n, out_dtype)

@@ -41,7 +41,8 @@ from .quantize import block_codes, block_values
 
 # the calls the kernels take (NumpyBackend's @_fast_path): any with rows of x and of w
 ACCEPTS = {"block_linear": lambda x, raw, *args, **kwargs: x.shape[0] > 0 and raw.shape[0] > 0,
-           "block_linear_q8": lambda xraw, raw, *args, **kwargs: xraw.shape[0] > 0 and raw.shape[0] > 0}
+           "block_linear_q8": lambda xraw, raw, fmt, bias=None, packed=None, act="Q8_0":
+               xraw.shape[0] > 0 and raw.shape[0] > 0 and (act == "Q8_0" or packed is not None or packable(fmt))}
 
 LANES = 64  # weight rows a task: the sums of 8 512-bit vectors (16 256-bit ones), enough independent
 # chains of adds to hide their latency (8 lanes ran 3.5x slower: each lane one add a k, in order)
@@ -321,7 +322,7 @@ class PackedQ8:
     an entry a sub-block (a block: two levels' d), ``spans`` the pieces an entry covers (16 bits each:
     s's, o's, the zero's). ``flags``: has_sc, has_o, has_osc, has_zero as bits 0..3."""
 
-    __slots__ = ("n", "k", "piece", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
+    __slots__ = ("n", "k", "block", "piece", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
                  "has_zero", "spans", "flags")
 
     def __init__(self, raw, fmt):
@@ -329,6 +330,7 @@ class PackedQ8:
         self.n, self.k = raw.shape[0], raw.shape[1] // fmt.nbytes * fmt.block
         n, k = self.n, self.k
         self.piece = piece = min(fmt.sub, 32)
+        self.block = fmt.block
         g = -(-n // ROWS)
         vmin = int(fmt.values.min())
         u_of = (fmt.values - vmin).astype(np.int64)
@@ -359,40 +361,34 @@ class PackedQ8:
             full[:n] = np.repeat(p.reshape(n, -1), repeat, axis=1)
             return np.ascontiguousarray(full.reshape(g, ROWS, -1).transpose(0, 2, 1))
 
-        fields = fmt.unpack(blocks)
+        levels = fmt.levels(blocks) or (None,) * 4
         self.has_o, self.has_zero = o is not None, z is not None
         dummy_f, dummy_i = np.zeros((1, 1, ROWS), np.float32), np.zeros((1, 1, ROWS), np.int8)
         spans = [each, each]  # pieces an entry of s, o: a sub-block's, or a block's (two levels' d)
 
-        def parameter(p, spec, which, sign=1):
-            two = spec and _levels(spec, fields, p, sign)
-            if two is None:
+        def parameter(p, spec, which, d, sc):
+            two = spec and spec[1] is not None and _levels(d, sc, p)
+            if not two:
                 return side(p, np.float32), dummy_i, False
             spans[which] = fmt.block // piece
             return side(two[0], np.float32), side(two[1], np.int8, each), True
 
-        self.s, self.sc, self.has_sc = parameter(s, fmt.scale, 0)
+        self.s, self.sc, self.has_sc = parameter(s, fmt.scale, 0, *levels[:2])
         self.o, self.osc, self.has_osc = dummy_f, dummy_i, False
         if self.has_o:
-            self.o, self.osc, self.has_osc = parameter(o, fmt.offset and fmt.offset[0], 1, fmt.offset and fmt.offset[1])
+            self.o, self.osc, self.has_osc = parameter(o, fmt.offset and fmt.offset[0], 1, *levels[2:])
         self.shift = side(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
         self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
         self.spans = spans[0] | spans[1] << 16 | each << 32  # s's, o's, the zero's (a sub-block's)
 
 
-def _levels(spec, fields, p, sign=1):
-    """A two-level parameter ``p`` (float32 ``(blocks, subs)``: the K-quants' ``d * scales[j]``, ``dmin *
-    mins[j]``) as ``(d (blocks,) float32, sc (blocks, subs) int8)`` with ``sign * d * sc == p`` bit for bit
-    (so its float64 product is ``p`` too: the float32 one is exact), or None (one level, a callable
-    spec, or any block where that does not hold): 5 bytes a block and one a piece where ``p`` takes
-    four a piece."""
-    if spec is None or callable(spec) or spec[0] is None or spec[1] is None or \
-            np.any(spec[1][1] != np.rint(spec[1][1])):  # (NVFP4's: a table of float scales)
-        return None
-    d = (fields[spec[0]].astype(np.float32) * np.float32(sign)).reshape(-1)
-    sc = spec[1][1][fields[spec[1][0]].astype(np.int64)].reshape(len(d), -1)
-    if sc.size and (sc.min() < -128 or sc.max() > 127):
+def _levels(d, sc, p):
+    """A two-level parameter ``p`` (float32 ``(blocks, subs)``: the K-quants' ``d * scales[j]``, ``-dmin *
+    mins[j]``) as ``(d (blocks,) float32, sc (blocks, subs) int8)`` (``BlockFormat.levels``' ``d``, ``sc``;
+    None: one level) where ``d * sc == p`` bit for bit (so its float64 product is ``p`` too: the float32
+    one is exact), else None: 5 bytes a block and one a piece where ``p`` takes four a piece."""
+    if d is None or sc.size and (sc.min() < -128 or sc.max() > 127):
         return None
     with np.errstate(over="ignore", invalid="ignore"):
         same = (d[:, None] * sc.astype(np.float32)).view(np.int32) == p.reshape(len(d), -1).view(np.int32)
@@ -439,7 +435,8 @@ def _make_dot(width, planes, count):
             arrays = {i: context.make_array(sig.args[i])(context, builder, args[i])
                       for i in (0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 14, 15)}
             lines, m0, flags, spans = args[1], args[4], args[12], args[13]
-            span = [builder.and_(builder.lshr(spans, const(16 * i)), const(0xFFFF)) for i in range(3)]
+            span = [builder.and_(builder.lshr(spans, const(16 * i)), const(0xFFFF)) for i in range(3)] + \
+                [builder.and_(builder.lshr(spans, const(i)), const(0xFF)) for i in (48, 56)]  # step, x's block
             has_sc, has_o, has_osc, has_zero = (builder.icmp_signed("!=", builder.and_(flags, const(1 << i)), const(0))
                                                 for i in range(4))
 
@@ -464,80 +461,92 @@ def _make_dot(width, planes, count):
                     for _ in range(count)]
             totals = [cgutils.alloca_once_value(builder, ir.Constant(lanes64, [0.0] * ROWS)) for _ in range(count)]
             c = builder.bitcast(arrays[0].data, _P8)
-            with cgutils.for_range(builder, pieces) as piece:
-                p = piece.index
-                for a in (a for by_row in accs for by_chain in by_row for a in by_chain):
-                    builder.store(ir.Constant(vec, [0] * width), a)
-                first = builder.mul(p, lines)
-                with cgutils.for_range(builder, builder.udiv(lines, const(2))) as loop:  # (an even count)
-                    for parity in range(2):
-                        t = builder.add(first, builder.add(builder.mul(loop.index, const(2)), const(parity)))
-                        line = builder.gep(c, [builder.mul(t, const(64))])
-                        ops = []  # each half's operands: the line's bytes, or its low and high nibbles' u
-                        if planes == 2:  # bits 4, 5: byte q's two pairs, in the low (q < 32) or high nibble
-                            plane = load(row(15, t), ir.VectorType(i8, 32))
-                            fours = [builder.and_(plane, ir.Constant(plane.type, [15] * 32)),
-                                     builder.lshr(plane, ir.Constant(plane.type, [4] * 32))]
-                            fours = [builder.shuffle_vector(fours[0], fours[1], ir.Constant(
-                                ir.VectorType(i32, 64), list(range(64))))] if halves == 1 else fours
-                        for h in range(halves):
-                            v = load(builder.gep(line, [const(h * width * 4)]), bytes_)
-                            if not nib:
-                                ops.append([v])
-                                continue
-                            pair = [builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
-                                    builder.lshr(v, ir.Constant(bytes_, [4] * width * 4))]
-                            if planes == 1:
-                                pair = [builder.call(shuffle, [table, o_]) for o_ in pair]
-                            elif planes == 2:
-                                f = fours[h]
-                                pair = [builder.or_(pair[0], builder.shl(builder.and_(f, ir.Constant(bytes_, [3] * width * 4)),
-                                                                        ir.Constant(bytes_, [4] * width * 4))),
-                                        builder.or_(pair[1], builder.shl(builder.and_(f, ir.Constant(bytes_, [12] * width * 4)),
-                                                                        ir.Constant(bytes_, [2] * width * 4)))]
-                            ops.append(pair)
-                        for r in range(count):
-                            words = []
-                            for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
-                                xa = builder.gep(xrows[r], [builder.add(builder.mul(t, const(per)), const(4 * j))])
-                                w = builder.load(builder.bitcast(xa, i32.as_pointer()), align=1)
-                                words.append(builder.shuffle_vector(
-                                    builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0)),
-                                    ir.Constant(vec, None), ir.Constant(vec, [0] * width)))
-                            for h in range(halves):
-                                a = accs[r][parity % chains][h]
-                                acc = builder.load(a)
-                                for o_, w in zip(ops[h], words):
-                                    acc = builder.call(vpdpbusd, [acc, builder.bitcast(o_, vec), w])
-                                builder.store(acc, a)
-                # the piece's terms: isum = dots + shift * xsum (int32, exact), then float64
-                def parameter(has, two, span_, i, j):  # s (or o): one level, or d * sc (two, exact)
-                    f32s, i8s = ir.VectorType(ir.FloatType(), ROWS), ir.VectorType(i8, ROWS)
-                    d = builder.fpext(load(row(i, builder.select(has, builder.udiv(p, span_), const(0))), f32s), lanes64)
-                    sc = builder.sitofp(load(row(j, builder.select(two, p, const(0))), i8s), lanes64)
-                    return builder.select(two, builder.fmul(d, sc), d)
-
-                sp = parameter(ir.Constant(ir.IntType(1), 1), has_sc, span[0], 7, 8)
-                op = parameter(has_o, has_osc, span[1], 9, 10)
-                hp = load(row(11, builder.select(has_zero, builder.udiv(p, span[2]), const(0))), lanes32)
-                block = builder.udiv(builder.mul(first, const(per)), const(32))  # dx's block of the piece
+            sums_i = [cgutils.alloca_once(builder, lanes32) for _ in range(count)]  # a step's integers
+            sums_o = [cgutils.alloca_once(builder, lanes32) for _ in range(count)]
+            with cgutils.for_range(builder, builder.udiv(pieces, span[3])) as step:
                 for r in range(count):
-                    halves_ = []
-                    for h in range(halves):
-                        v = builder.load(accs[r][0][h])
-                        for k in range(1, chains):
-                            v = builder.add(v, builder.load(accs[r][k][h]))
-                        halves_.append(v)
-                    isum = halves_[0] if halves == 1 else builder.shuffle_vector(
-                        halves_[0], halves_[1], ir.Constant(ir.VectorType(i32, ROWS), list(range(ROWS))))
-                    xs = builder.load(builder.bitcast(builder.gep(sums[r], [builder.mul(p, const(4))]),
-                                                      i32.as_pointer()))
-                    isum = builder.add(isum, builder.mul(hp, splat(builder, xs, lanes32)))
+                    builder.store(ir.Constant(lanes32, [0] * ROWS), sums_i[r])
+                    builder.store(ir.Constant(lanes32, [0] * ROWS), sums_o[r])
+                p0 = builder.mul(step.index, span[3])
+                with cgutils.for_range(builder, span[3]) as inner:
+                    p = builder.add(p0, inner.index)
+                    for a in (a for by_row in accs for by_chain in by_row for a in by_chain):
+                        builder.store(ir.Constant(vec, [0] * width), a)
+                    first = builder.mul(p, lines)
+                    with cgutils.for_range(builder, builder.udiv(lines, const(2))) as loop:  # (an even count)
+                        for parity in range(2):
+                            t = builder.add(first, builder.add(builder.mul(loop.index, const(2)), const(parity)))
+                            line = builder.gep(c, [builder.mul(t, const(64))])
+                            ops = []  # each half's operands: the line's bytes, or its low and high nibbles' u
+                            if planes == 2:  # bits 4, 5: byte q's two pairs, in the low (q < 32) or high nibble
+                                plane = load(row(15, t), ir.VectorType(i8, 32))
+                                fours = [builder.and_(plane, ir.Constant(plane.type, [15] * 32)),
+                                         builder.lshr(plane, ir.Constant(plane.type, [4] * 32))]
+                                fours = [builder.shuffle_vector(fours[0], fours[1], ir.Constant(
+                                    ir.VectorType(i32, 64), list(range(64))))] if halves == 1 else fours
+                            for h in range(halves):
+                                v = load(builder.gep(line, [const(h * width * 4)]), bytes_)
+                                if not nib:
+                                    ops.append([v])
+                                    continue
+                                pair = [builder.and_(v, ir.Constant(bytes_, [15] * width * 4)),
+                                        builder.lshr(v, ir.Constant(bytes_, [4] * width * 4))]
+                                if planes == 1:
+                                    pair = [builder.call(shuffle, [table, o_]) for o_ in pair]
+                                elif planes == 2:
+                                    f = fours[h]
+                                    pair = [builder.or_(pair[0], builder.shl(builder.and_(f, ir.Constant(bytes_, [3] * width * 4)),
+                                                                            ir.Constant(bytes_, [4] * width * 4))),
+                                            builder.or_(pair[1], builder.shl(builder.and_(f, ir.Constant(bytes_, [12] * width * 4)),
+                                                                            ir.Constant(bytes_, [2] * width * 4)))]
+                                ops.append(pair)
+                            for r in range(count):
+                                words = []
+                                for j in range(2 if nib else 1):  # x's 4 bytes of each operand, broadcast
+                                    xa = builder.gep(xrows[r], [builder.add(builder.mul(t, const(per)), const(4 * j))])
+                                    w = builder.load(builder.bitcast(xa, i32.as_pointer()), align=1)
+                                    words.append(builder.shuffle_vector(
+                                        builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0)),
+                                        ir.Constant(vec, None), ir.Constant(vec, [0] * width)))
+                                for h in range(halves):
+                                    a = accs[r][parity % chains][h]
+                                    acc = builder.load(a)
+                                    for o_, w in zip(ops[h], words):
+                                        acc = builder.call(vpdpbusd, [acc, builder.bitcast(o_, vec), w])
+                                    builder.store(acc, a)
+                    # the piece's integers: isum = dots + shift * xsum, times its sub-scale (1 for one level),
+                    # added to the step's (exact in int32: 256 * 128 * 255 * 128 < 2^31)
+                    def small(has, i):  # row p of int8 array argument i as int32, or ones
+                        v = builder.sext(load(row(i, builder.select(has, p, const(0))), ir.VectorType(i8, ROWS)), lanes32)
+                        return builder.select(has, v, ir.Constant(lanes32, [1] * ROWS))
+
+                    scv, oscv = small(has_sc, 8), small(has_osc, 10)
+                    hp = load(row(11, builder.select(has_zero, builder.udiv(p, span[2]), const(0))), lanes32)
+                    for r in range(count):
+                        halves_ = []
+                        for h in range(halves):
+                            v = builder.load(accs[r][0][h])
+                            for k in range(1, chains):
+                                v = builder.add(v, builder.load(accs[r][k][h]))
+                            halves_.append(v)
+                        isum = halves_[0] if halves == 1 else builder.shuffle_vector(
+                            halves_[0], halves_[1], ir.Constant(ir.VectorType(i32, ROWS), list(range(ROWS))))
+                        xs = splat(builder, builder.load(builder.bitcast(builder.gep(sums[r], [builder.mul(p, const(4))]),
+                                                                         i32.as_pointer())), lanes32)
+                        isum = builder.add(isum, builder.mul(hp, xs))
+                        builder.store(builder.add(builder.load(sums_i[r]), builder.mul(scv, isum)), sums_i[r])
+                        builder.store(builder.add(builder.load(sums_o[r]), builder.mul(oscv, xs)), sums_o[r])
+                # the step's terms, float64: (dx * d) * S (+ (dx * dm) * M), d a step's scale (a sub-block's, or a block's d)
+                f32s = ir.VectorType(ir.FloatType(), ROWS)
+                sp = builder.fpext(load(row(7, builder.udiv(p0, span[0])), f32s), lanes64)
+                op = builder.fpext(load(row(9, builder.select(has_o, builder.udiv(p0, span[1]), const(0))), f32s), lanes64)
+                block = builder.udiv(p0, span[4])  # dx's block of the step
+                for r in range(count):
                     d = builder.load(builder.bitcast(builder.gep(scales[r], [builder.mul(block, const(8))]),
                                                      f64.as_pointer()))
                     dv = splat(builder, d, lanes64)
-                    term = builder.fmul(builder.fmul(dv, sp), builder.sitofp(isum, lanes64))
-                    offset = builder.fmul(builder.fmul(dv, op), splat(builder, builder.sitofp(xs, f64), lanes64))
+                    term = builder.fmul(builder.fmul(dv, sp), builder.sitofp(builder.load(sums_i[r]), lanes64))
+                    offset = builder.fmul(builder.fmul(dv, op), builder.sitofp(builder.load(sums_o[r]), lanes64))
                     term = builder.select(has_o, builder.fadd(term, offset), term)
                     builder.store(builder.fadd(builder.load(totals[r]), term), totals[r])
             for r in range(count):
@@ -560,36 +569,41 @@ def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, o
     """:func:`_make_dot`'s sums in plain loops."""
     per = 8 if planes else 4
     has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
-    isum = np.empty(ROWS, np.int32)
+    group, xspan = (spans >> 48) & 0xFF, (spans >> 56) & 0xFF
+    isum, big, small = np.empty(ROWS, np.int32), np.empty(ROWS, np.int32), np.empty(ROWS, np.int32)
     for r in range(count):
         m = m0 + r
         xr, a = x[m], acc[r]
         a[:] = 0
-        for p in range(xsum.shape[1]):
-            isum[:] = 0
-            for t in range(p * lines, p * lines + lines):
-                line = codes[t]
+        for p0 in range(0, xsum.shape[1], group):
+            big[:] = 0
+            small[:] = 0
+            for p in range(p0, p0 + group):
+                isum[:] = 0
+                for t in range(p * lines, p * lines + lines):
+                    line = codes[t]
+                    for l in range(ROWS):
+                        for b in range(4):
+                            c, q = np.int32(line[4 * l + b]), 4 * l + b
+                            if planes == 0:
+                                isum[l] += c * np.int32(xr[t * per + b])
+                                continue
+                            lo, up = np.int32(lut[c & 15]), np.int32(lut[c >> 4])
+                            if planes == 2:  # bits 4, 5 from hi: byte q % 32, its low nibble for q < 32
+                                f = (np.int32(hi[t, q % 32]) >> (4 if q >= 32 else 0)) & 15
+                                lo, up = lo | (f & 3) << 4, up | (f >> 2) << 4
+                            isum[l] += lo * np.int32(xr[t * per + b]) + up * np.int32(xr[t * per + 4 + b])
+                xs = xsum[m, p]
+                hp = shift[p // (spans >> 32 & 0xFFFF) if has_zero else 0]
                 for l in range(ROWS):
-                    for b in range(4):
-                        c, q = np.int32(line[4 * l + b]), 4 * l + b
-                        if planes == 0:
-                            isum[l] += c * np.int32(xr[t * per + b])
-                            continue
-                        lo, up = np.int32(lut[c & 15]), np.int32(lut[c >> 4])
-                        if planes == 2:  # bits 4, 5 from hi: byte q % 32, its low nibble for q < 32
-                            f = (np.int32(hi[t, q % 32]) >> (4 if q >= 32 else 0)) & 15
-                            lo, up = lo | (f & 3) << 4, up | (f >> 2) << 4
-                        isum[l] += lo * np.int32(xr[t * per + b]) + up * np.int32(xr[t * per + 4 + b])
-            xs = xsum[m, p]
-            d = dx[m, p * lines * per // 32]
-            hp = shift[p // (spans >> 32) if has_zero else 0]
-            sr, orow = s[p // (spans & 0xFFFF)], o[p // ((spans >> 16) & 0xFFFF) if has_o else 0]
+                    big[l] += (np.int32(sc[p, l]) if has_sc else np.int32(1)) * (isum[l] + hp[l] * xs)
+                    small[l] += (np.int32(osc[p, l]) if has_osc else np.int32(1)) * xs
+            d = dx[m, p0 // xspan]
+            sr, orow = s[p0 // (spans & 0xFFFF)], o[p0 // ((spans >> 16) & 0xFFFF) if has_o else 0]
             for l in range(ROWS):
-                sp = np.float64(sr[l]) * np.float64(sc[p, l]) if has_sc else np.float64(sr[l])
-                term = d * sp * np.float64(isum[l] + hp[l] * xs)
+                term = d * np.float64(sr[l]) * np.float64(big[l])
                 if has_o:
-                    op = np.float64(orow[l]) * np.float64(osc[p, l]) if has_osc else np.float64(orow[l])
-                    term += d * op * np.float64(xs)
+                    term += d * np.float64(orow[l]) * np.float64(small[l])
                 a[l] += term
 
 
@@ -599,7 +613,7 @@ def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, 
     ``planes`` (both the kernel's closure constants) for rows ``m0 .. m0 + count`` of ``x`` (``count`` 1
     or ``RM``), the intrinsics named as globals (``gemm._block``)."""
     a = (codes, lines, lut, x, m0, xsum, dx, s, sc, o, osc, shift, flags, spans, acc, hi)
-    if isa == 3:
+    if isa >= 3:  # portable, and AVX2 without VNNI (its dots are the portable loops)
         _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, osc, shift, flags, spans,
                       acc, hi)
     elif isa <= 1 and count == 1:
@@ -641,18 +655,24 @@ def _make_packed(isa, planes):
 _packed_kernel = functools.cache(_make_packed)
 
 
-def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None):
-    """``out`` (M, N) = mode 2 of Q8_0 rows ``dx``, ``qx`` against packed ``w``, on instruction set
-    ``isa`` (``isa.usable``'s; the best by default), on the pool's threads or one."""
+def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act="Q8_0"):
+    """``out`` (M, N) = the Q8_0 contract of rows ``dx``, ``qx`` against packed ``w`` (or the Q8_K one,
+    ``act``), on instruction set ``isa`` (``isa.usable``'s; the best by default), on the pool's threads
+    or one. A step of the dots' float work is a piece (Q8_0) or a block (Q8_K: ``w``'s scales then
+    hold a block's ``d``, as ``BlockFormat.levels`` gives it)."""
     isa = best() if isa is None else isa
     ok, why = usable(isa)
     if not ok:
         raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
     m = qx.shape[0]
     xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
+    group = w.block // w.piece if act == "Q8_K" else 1
+    if act == "Q8_K" and ((w.spans & 0xFFFF) != group or w.has_o and (w.spans >> 16 & 0xFFFF) != group):
+        raise ValueError("Q8_K activations take weights whose scales (and offsets) are a block's d times integers")
+    step = group | (256 if act == "Q8_K" else 32) // w.piece << 8  # pieces a float step, a block of x
     args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
-            w.shift, np.int64(w.flags), np.int64(w.spans), np.zeros(1) if bias is None else bias, bias is not None,
-            out)
+            w.shift, np.int64(w.flags), np.int64(w.spans | step << 48), np.zeros(1) if bias is None else bias,
+            bias is not None, out)
     kernel = _packed_kernel(isa, w.planes)
     groups = w.codes.shape[0]
     if threads == 1:
@@ -686,3 +706,37 @@ def quantize_q8_0(x, bits, d, out, start, stop):
             f = np.floor(a)
             r = f + np.floor(2 * (a - f))
             codes[j] = np.uint8(np.int32(-r if v < 0 else r) & 0xFF)
+
+
+@kernel
+def quantize_q8_k(x, bits, d, sums, out, start, stop):
+    """Q8_K blocks ``start .. stop`` of float32 ``x`` (n, 256), as ggml's ``quantize_row_q8_K_ref`` (and
+    ``qarray._ggml._q8_k``): ``max`` the first value of largest magnitude (found on ``bits``, ``x`` as
+    int32, whose magnitudes order as the finite values do), ``iscale = -127 / max``, codes
+    ``min(127, nearest_int(iscale * x))`` as ggml's ``nearest_int`` reads them off the float32 bits of
+    ``iscale * x + 1.5 * 2^23`` (an int8 keeps the low byte), ``d = 1 / iscale``; ``d`` (n,) float32 and
+    ``sums`` int16 (n, 16), the codes' sums over 16, for the caller to store; the codes into ``out[:,
+    4:260]``. An all-zero block is zeros."""
+    for b in range(start, stop):
+        row, top = x[b], np.int32(0)
+        for j in range(256):
+            top = max(top, bits[b, j] & np.int32(0x7FFFFFFF))
+        codes = out[b, 4:260]
+        if top == 0:
+            d[b] = 0
+            codes[:] = 0
+            sums[b] = 0
+            continue
+        j = 0
+        while bits[b, j] & np.int32(0x7FFFFFFF) != top:
+            j += 1
+        iscale = np.float32(-127) / row[j]
+        for j in range(256):
+            v = (_bits(np.float32(np.float32(row[j] * iscale) + np.float32(12582912))) & 0x7FFFFF) - 0x400000
+            codes[j] = np.uint8(min(v, 127) & 0xFF)
+        for t in range(16):
+            s = 0
+            for j in range(16 * t, 16 * t + 16):
+                s += np.int32(np.int8(codes[j]))
+            sums[b, t] = s
+        d[b] = np.float32(1) / iscale

@@ -25,7 +25,8 @@ are ``ggml_quantize_chunk(type, x, dst, 0, nrows, 256, NULL)``: no importance ma
 K-types run ``quantize_row_q*_K_ref`` and IQ4_NL/IQ4_XS run ``quantize_iq4_nl`` /
 ``quantize_iq4_xs`` (ntry=7).
 
-Stored per type T (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs), 53 rows each:
+Stored per type T (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, and q8_k: quantize_row_q8_K_ref's
+bytes, the activations of the K-quants' dot products), 53 rows each:
   T_x      float32 (rows, 256): the input rows (IQ4_NL: 8 blocks of 32 per row)
   T_bytes  uint8 (rows, row_size): ggml's quantized rows
   T_deq    float32 (rows, 256): ggml's dequantization of T_bytes (the type traits' to_float),
@@ -147,6 +148,18 @@ class Ggml:
         lib.ggml_row_size.restype = ctypes.c_size_t
         lib.ggml_get_type_traits.argtypes = (ctypes.c_int,)
         lib.ggml_get_type_traits.restype = ctypes.POINTER(TypeTraits)
+        lib.quantize_row_q8_K_ref.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+        lib.quantize_row_q8_K_ref.restype = None
+        lib.dequantize_row_q8_K.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+        lib.dequantize_row_q8_K.restype = None
+
+    def quantize_q8_k(self, x):
+        """ggml-quants.c's quantize_row_q8_K_ref (Q8_K is the K-quants' activation type, not one of
+        ggml_quantize_chunk's), into zeroed bytes: it leaves an all-zero block's bsums unwritten."""
+        x = np.ascontiguousarray(x, dtype=F)
+        out = np.zeros((x.shape[0], x.shape[1] // 256 * 292), dtype=np.uint8)
+        self.lib.quantize_row_q8_K_ref(x.ctypes.data, out.ctypes.data, x.size)
+        return out
 
     def quantize(self, type_id, x):
         x = np.ascontiguousarray(x, dtype=F)
@@ -184,6 +197,12 @@ def main(lib_path):
         out[f"{name}_bytes"] = raw
         with np.errstate(all="ignore"):
             out[f"{name}_deq"] = ggml.dequantize(type_id, raw, x.shape[1])
+    x = rows(np.random.default_rng(20240611 + len(TYPES)))
+    out["q8_k_x"] = x
+    out["q8_k_bytes"] = raw = ggml.quantize_q8_k(x)
+    y = np.empty_like(x)  # (its type traits have no to_float: ggml-quants.c's dequantize_row_q8_K)
+    ggml.lib.dequantize_row_q8_K(raw.ctypes.data, y.ctypes.data, y.size)
+    out["q8_k_deq"] = y
     path = Path(__file__).with_name("kquants.npz")
     np.savez_compressed(path, **out)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
