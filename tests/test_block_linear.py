@@ -460,10 +460,11 @@ def test_dask(rng):
     y = qa.linear(da.from_array(x, chunks=(3, 256)), w.to("dask"), bias)
     assert isinstance(y, da.Array)
     assert_same(y.compute(), qa.linear(x, w, bias))
-    xq = qa.quantize(da.from_array(x, chunks=(2, 512)), dtype="Q8_0")
-    y = qa.linear(xq, w, bias)
-    assert isinstance(y, da.Array)
-    assert_same(y.compute(), qa.linear(qa.quantize(x, dtype="Q8_0"), w, bias))
+    for act in ("Q8_0", "Q8_K"):
+        xq = qa.quantize(da.from_array(x, chunks=(2, 512)), dtype=act)
+        y = qa.linear(xq, w, bias)
+        assert isinstance(y, da.Array)
+        assert_same(y.compute(), qa.linear(qa.quantize(x, dtype=act), w, bias))
 
 
 # -- BlockLinear: Q8_0 activations on weights packed once (cpu/blocks.py's PackedQ8, VNNI dots) ------
