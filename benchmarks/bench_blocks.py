@@ -12,7 +12,8 @@ Release, GGML_NATIVE); without it, ggml's rows are skipped. The rows, on as many
 - ggml's ``perf -o MUL_MAT -b CPU`` shapes: weights 4096 x 14336 (N x K) of Q8_0, Q4_0, Q4_K, Q6_K
   and IQ4_XS, float32 activations of M = 1, 8 and 512 rows. ggml quantizes the activations to its
   8-bit blocks and runs integer block dot products; qarray's row is the same work:
-  ``BlockLinear(w)(qarray.quantize(x, dtype="Q8_0"))``, the quantization of ``x`` in the timed call.
+  ``BlockLinear(w)(qarray.quantize(x, dtype=ACT))``, the quantization of ``x`` in the timed call, ``ACT``
+  ggml's own choice (its ``vec_dot_type``): Q8_K for the K-quants and IQ4_XS, Q8_0 otherwise.
   ggml runs as one process a row and a round (its us/run), alternating with qarray's calls, three
   rounds; medians with min-max, ratio qarray / ggml;
 - M = 512 against qarray's own int8 GEMM at the same shape (``nn.Linear``, per-channel qint8
@@ -54,6 +55,11 @@ from qarray.backends.cpu import isa  # noqa: E402
 
 TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "IQ4_XS"]
 LINES, ROWS = [], []
+
+
+def act(w):
+    """The activations' format for weights ``w``, as ggml picks it: Q8_K where the format takes it."""
+    return "Q8_K" if qa.ops.block_linear.q8k_supported(w.dtype.layout) is None else "Q8_0"
 
 
 def say(text=""):
@@ -98,7 +104,7 @@ def calls_ms(fn, repeats):
 
 def against_ggml(ops, n_len, k_len, ms, repeats, rng):
     say(f"-- ggml's MUL_MAT perf shapes: weights {n_len} x {k_len}, float32 activations quantized in the call "
-        f"(qarray: to Q8_0)")
+        f"(qarray: to Q8_K for the K-quants and IQ4_XS, to Q8_0 otherwise, as ggml)")
     for name in TYPES:
         w = qa.quantize(rng.standard_normal((n_len, k_len)).astype(np.float32), dtype=name)
         layer = qnn.BlockLinear(w)
@@ -107,7 +113,7 @@ def against_ggml(ops, n_len, k_len, ms, repeats, rng):
             ours, theirs = [], []
             for _ in range(3):  # rounds: ggml's process, then qarray's calls
                 theirs.append(ggml_us(ops, name, n_len, m, k_len) / 1e3)
-                ours += calls_ms(lambda: layer(qa.quantize(x, dtype="Q8_0")), repeats if m < 512 else 2)
+                ours += calls_ms(lambda: layer(qa.quantize(x, dtype=act(w))), repeats if m < 512 else 2)
             row(f"{name} M={m}", ours, theirs, "ggml")
 
 
@@ -120,9 +126,10 @@ def against_int8(n_len, k_len, m, repeats, rng):
     lin.calibrate(xq, dtype="qint8")
     int8 = calls_ms(lambda: lin(xq), repeats)
     for name in TYPES:
-        layer = qnn.BlockLinear(qa.quantize(w, dtype=name))
-        row(f"{name} M={m} vs int8 GEMM", calls_ms(lambda: layer(qa.quantize(x, dtype="Q8_0")), repeats), int8,
-            "qarray int8 nn.Linear")
+        wq = qa.quantize(w, dtype=name)
+        layer = qnn.BlockLinear(wq)
+        row(f"{name} M={m} vs int8 GEMM", calls_ms(lambda: layer(qa.quantize(x, dtype=act(wq))), repeats), int8,
+            "qarray int8 nn.Linear", x=act(wq))
 
 
 def matmul_nbits(n_len, k_len, ms, repeats, rng):
