@@ -13,11 +13,12 @@ blocked        ``k`` / ``B``             ``shape`` with ``shape[k]`` -> ``ceil(s
 Example: ``x.shape == (2, 5)``, ``axis=1, block_size=2`` gives scale shape
 ``(2, 3)``; elements ``x[i, 4]`` use ``scale[i, 2]`` (the last block is short).
 
-Also here: ``Quant``, quantize's plan record, and :func:`kept`, qarray's one
-cache of what is worked out from parameters (plans, and the backends' forms of
-them). One cache, not one per layer, because one rule decides every hit:
-equal values, or the same immutable object, give the same result; it lives
-here, at the bottom, so that every layer above can use it.
+Also here: ``Quant`` and ``Gemm``, the plan records of quantize and of the
+integer GEMM, and :func:`kept`, qarray's one cache of what is worked out from
+parameters (plans, and the backends' forms of them). One cache, not one per
+layer, because one rule decides every hit: equal values, or the same immutable
+object, give the same result; it lives here, at the bottom, so that every
+layer above can use it.
 """
 
 from __future__ import annotations
@@ -331,6 +332,39 @@ class Quant:
     qd: QDType
     axis: int | None = None
     block_size: int | None = None
+
+
+@by_identity
+@dataclass(frozen=True, eq=False)
+class Gemm:
+    """One exact integer product, resolved once by ``qarray.ops.linear`` or
+    ``qarray.ops.conv`` and taken whole by a backend's ``int_matmul``,
+    ``gemm_epilogue`` and ``conv_grouped`` (the arrays multiplied are their
+    inputs; what stays the same for the call is here):
+
+        out = sum_k (a - za) * (w - zw) + bias,  then rq
+
+    ``za`` the activations' zero point (an int) and ``qd`` their QDType
+    (``int_matmul``'s 8-bit or narrower codes); ``zw`` the weights' zero points
+    (host int64, a scalar or ``(N,)``; ``conv_grouped`` takes centred weights
+    and no ``zw``); ``bias`` int64 ``(N,)`` (an array of the backend) or None;
+    ``rq`` the output's ``qarray._fixed_point.Requant``, or None for the exact
+    sums in ``acc_dtype`` (``int_matmul``'s: int32 only where no sum can
+    overflow it; None for ``conv_grouped``, whose sums are int64, or int32
+    where a backend's kernel knows they fit and there is no bias);
+    ``groups``, ``stride`` and ``dilation`` (pairs) a grouped conv2d's.
+    Here beside ``Quant`` rather than in ``_fixed_point``, whose source is
+    in the key of every cached Numba kernel that requantizes."""
+
+    za: int
+    zw: np.ndarray | int = 0
+    bias: object = None
+    rq: object = None  # a qarray._fixed_point.Requant, or None
+    acc_dtype: type | None = None
+    qd: QDType | None = None
+    groups: int = 1
+    stride: tuple = (1, 1)
+    dilation: tuple = (1, 1)
 
 
 def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):

@@ -10,6 +10,7 @@ from cuda_host import cublas_host
 
 import qarray
 from qarray import QArray, qdtype
+from qarray._params import Gemm
 from qarray.backends import cupy as cuda_backend
 
 WEIGHTS = ["qint8", "quint8", "qint4", "quint4", "qint2"]
@@ -48,7 +49,7 @@ def test_exact_sums_against_int64(host, shape, ad, wd, rng):
                        (int(rng.integers(qa_.qmin, qa_.qmax + 1)), rng.integers(qw.qmin, qw.qmax + 1, n))):
             bias = rng.integers(-(2**40), 2**40, n)
             want = (a.astype(np.int64) - za) @ (w.astype(np.int64) - zw) + bias
-            got = host.int_matmul(a, qa_, za, host.pack_weight(w, qw), zw, bias, None, np.int64)
+            got = host.int_matmul(a, host.pack_weight(w, qw), Gemm(za, zw, bias, acc_dtype=np.int64, qd=qa_))
             assert got.dtype == np.int64
             np.testing.assert_array_equal(got, want)
             want_kernel = (f"gemv{4 if qw.bits <= 4 else 8}_" if m <= 16 else "gemm_epilogue_int32_")
@@ -66,7 +67,7 @@ def test_int8_activations_are_read_in_place(host, rng, m):
     for offset, copies in ((0, 0), (1, 1)):
         a = buf[offset:offset + m * 64].reshape(m, 64)
         before = len(host.launches)
-        got = host.int_matmul(a, qdtype("qint8"), -128, pw, np.int64(127), None, None, np.int64)
+        got = host.int_matmul(a, pw, Gemm(-128, np.int64(127), acc_dtype=np.int64, qd=qdtype("qint8")))
         np.testing.assert_array_equal(got, (a.astype(np.int64) + 128) @ (w.astype(np.int64) - 127))
         assert sum(n.startswith("to_s8") for n, _, _ in host.launches[before:]) == copies
 
@@ -80,13 +81,13 @@ def test_paths(host, rng):
     for m, kernel in ((1, "gemv4_1"), (5, "gemv4_16"), (16, "gemv4_16"), (17, "gemm_epilogue_int32_int64")):
         before = len(cublas_host.calls)
         a = _codes(rng, "quint8", (m, 70))
-        got = host.int_matmul(a, qdtype("quint8"), 3, pw, np.int64(-2), None, None, np.int64)
+        got = host.int_matmul(a, pw, Gemm(3, np.int64(-2), acc_dtype=np.int64, qd=qdtype("quint8")))
         np.testing.assert_array_equal(got, (a.astype(np.int64) - 3) @ (w.astype(np.int64) + 2))
         assert _kernel(host) == kernel
         assert cublas_host.calls[before:] == ([] if m <= 16 else [(12, m, 96)])
     pw8 = host.pack_weight(_codes(rng, "qint8", (70, 9)), qdtype("qint8"))
     assert pw8.w4 is None
-    host.int_matmul(_codes(rng, "qint8", (3, 70)), qdtype("qint8"), 0, pw8, np.int64(0), None, None, np.int32)
+    host.int_matmul(_codes(rng, "qint8", (3, 70)), pw8, Gemm(0, np.int64(0), acc_dtype=np.int32, qd=qdtype("qint8")))
     assert _kernel(host) == "gemv8_4"
 
 
@@ -99,14 +100,14 @@ def test_k_beyond_int32_is_split_and_exact(host, rng, monkeypatch):
     k = 200
     a, w = np.full((20, k), -128, np.int8), np.full((k, 3), -128, np.int8)
     before = len(cublas_host.calls)
-    got = host.int_matmul(a, qd, 0, host.pack_weight(w, qd), np.int64(0), None, None, np.int64)
+    got = host.int_matmul(a, host.pack_weight(w, qd), Gemm(0, np.int64(0), acc_dtype=np.int64, qd=qd))
     assert cublas_host.calls[before:] == [(4, 20, 64)] * 3 + [(4, 20, 32)]
     np.testing.assert_array_equal(got, np.full((20, 3), k * 2**14))
     monkeypatch.undo()
     k = cuda_backend.K_INT32 + 4000  # the true bound: 2**31 < k * 2**14
     assert k * 2**14 > 2**31
     a, w = np.full((17, k), -128, np.int8), np.full((k, 4), -128, np.int8)
-    got = host.int_matmul(a, qd, 0, host.pack_weight(w, qd), np.int64(0), None, None, np.int64)
+    got = host.int_matmul(a, host.pack_weight(w, qd), Gemm(0, np.int64(0), acc_dtype=np.int64, qd=qd))
     np.testing.assert_array_equal(got, np.full((17, 4), k * 2**14))
 
 

@@ -13,6 +13,7 @@ import pytest
 import qarray
 from qarray import QArray, qdtype
 from qarray._config import THREADS
+from qarray._params import Gemm
 from qarray.backends import _gemm
 from qarray.ops import conv2d, linear, matmul
 
@@ -114,7 +115,7 @@ def test_long_k_is_split_and_summed_in_int64(k, engine):
     w = QArray.from_int(wc, 1.0, np.array([0, -128, 127]), "qint8", axis=1)
     b = qarray.backends.get("numpy")
     pw = b.pack_weight(w.data, w.dtype, keep=True)
-    got = b.int_matmul(a.data, a.dtype, 0, pw, np.array([0, -128, 127]), None, None, np.int64)
+    got = b.int_matmul(a.data, pw, Gemm(0, np.array([0, -128, 127]), acc_dtype=np.int64, qd=a.dtype))
     want = ref(a.data, 0, wc, [0, -128, 127])
     assert np.abs(want).max() > 2**31 * (k // 2**16)  # beyond 2**32 at K = 2**17
     np.testing.assert_array_equal(got, want)

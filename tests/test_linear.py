@@ -1,8 +1,12 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
 import qarray
 from qarray import QArray
+from qarray._fixed_point import plan
+from qarray._params import Gemm, kept
 from qarray.ops import linear, matmul
 
 from _reference import rand_q
@@ -160,3 +164,59 @@ def test_bias_that_does_not_fit_names_the_channels(rng):
     w5 = QArray.from_int(rng.integers(-5, 5, (5, 4)), 1e-12, 0, "qint8")
     with pytest.raises(ValueError, match=r"output channel\(s\) \[0, 1, 2\] and 2 more"):
         linear(x, w5, np.ones(5, np.float32))
+
+
+def test_a_gemm_plan_is_frozen_and_kept_by_identity():
+    """``Gemm``, as ``Requant``, is an immutable record taken whole by the
+    backends: its fields cannot be set, it hashes, and ``kept`` keys it by
+    identity (the entry holds it): two plans of the same fields are two keys."""
+    gp = Gemm(3, np.arange(4), None, None, np.int32, qarray.qint8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gp.za = 4
+    twin = dataclasses.replace(gp)
+    assert hash(gp) == hash(gp) and twin != gp and len({gp, twin}) == 2
+    calls = []
+    count = kept(lambda g: calls.append(g) or len(calls))
+    assert count(gp) == count(gp) == 1 and count(twin) == 2
+
+
+def _primitives(backend):
+    """The ``Backend`` the ``backend`` fixture's ops run on."""
+    return backend.host or qarray.backends.get("dask" if backend.name == "dask" else "numpy")
+
+
+@pytest.mark.parametrize("gemm", ["auto", "blas"])
+def test_gemm_primitives_write_into_out(gemm, rng, backend):
+    """int_matmul and conv_grouped take their inputs, one ``Gemm`` and ``out=``:
+    the result is written into ``out`` (returned itself; a strided view is
+    filled, what lies around it untouched), the integers of the call without
+    it. Dask, whose arrays cannot be written, refuses ``out=``: TypeError.
+    (``gemm="blas"``: the NumPy backend's generic int_matmul and its Numba epilogue.)"""
+    b = _primitives(backend)
+    rq = plan([np.float32(0.05), np.float32(0.02)], np.float32(0.3), np.int64(0), np.int32(-3), qarray.qint8, "fixed",
+              "half_even")
+    a, xpad = rng.integers(0, 256, (40, 64)).astype(np.uint8), rng.integers(0, 256, (2, 6, 7, 9)).astype(np.uint8)
+    wc = rng.integers(-100, 100, (12, 3, 3, 2)).astype(np.int32)
+    with qarray.config.using(gemm=gemm):
+        pw = b.pack_weight(rng.integers(-128, 128, (64, 33)).astype(np.int8), qarray.qint8)
+        if backend.name == "dask":
+            a, xpad = b.xp.from_array(a, chunks=(16, 64)), b.xp.from_array(xpad, chunks=(1, 6, 7, 9))
+        cases = [(lambda gp, out=None: b.int_matmul(a, pw, gp, out=out),
+                  Gemm(3, np.arange(33) % 5, rng.integers(-999, 999, 33), r, np.int32, qarray.quint8))
+                 for r in (None, rq)]
+        cases += [(lambda gp, out=None: b.conv_grouped(xpad, wc, gp, out=out),
+                   Gemm(3, bias=rng.integers(-999, 999, 12), rq=r, groups=2, stride=(2, 1), dilation=(1, 2)))
+                  for r in (None, rq)]
+        for call, gp in cases:
+            want = backend.get(call(gp))
+            if backend.name == "dask":
+                with pytest.raises(TypeError, match="out= is not supported for dask arrays"):
+                    call(gp, out=np.empty(want.shape, want.dtype))
+                continue
+            out = np.empty(want.shape, want.dtype)
+            assert call(gp, out=out) is out
+            np.testing.assert_array_equal(out, want)
+            around = np.full(want.shape[:-1] + (want.shape[-1] + 2,), 7, want.dtype)
+            assert call(gp, out=around[..., 1:-1]).base is around
+            np.testing.assert_array_equal(around[..., 1:-1], want)
+            assert (around[..., [0, -1]] == 7).all()

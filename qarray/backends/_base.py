@@ -19,7 +19,7 @@ import numpy as np
 from .. import _formats, _philox
 from .._dtypes import qdtype
 from .._fixed_point import FLOAT, IDENTITY, rescale, rescale_stochastic
-from .._params import Layout, Quant, expand, kept, to_host
+from .._params import Gemm, Layout, Quant, expand, kept, to_host
 
 
 class FloatWeight(NamedTuple):
@@ -94,7 +94,8 @@ class Backend:
 
     - ``writable`` (True): arrays take slice assignment, so the generic code
       writes results in pieces into one output (bounded temporaries) and honours
-      ``out=``. False (Dask, JAX): every primitive returns new arrays, whole.
+      ``out=``. False (Dask, JAX): every primitive returns new arrays, whole,
+      and an ``out=`` given raises TypeError (``_no_out``).
     - ``float_bits`` (False): floating-format codes are stored as their uint8
       bit patterns (CuPy, Dask) rather than as ml_dtypes' element types.
 
@@ -563,13 +564,24 @@ class Backend:
         overflows int64.
         """
         x, y = self.requantize(a, bp.ra), self.requantize(b, bp.rb)
-        acc = x * y if bp.op == "mul" else (x + y if bp.op == "add" else x - y)
-        if bp.rq is not None:
-            return self.requantize(acc, bp.rq, out)
+        return self._result(x * y if bp.op == "mul" else (x + y if bp.op == "add" else x - y), bp.rq, out)
+
+    def _result(self, acc, rq, out):
+        """``acc`` requantized by ``rq`` (None: as it is), written into ``out``
+        when given."""
+        self._no_out(out)
+        if rq is not None:
+            return self.requantize(acc, rq, out)
         if out is None:
             return acc
         out[...] = acc
         return out
+
+    def _no_out(self, out):
+        """Raise TypeError for an ``out=`` given where arrays cannot be written
+        (``writable`` False)."""
+        if out is not None and not self.writable:
+            raise TypeError(f"out= is not supported for {self.name} arrays (they are immutable); drop out=")
 
     def minmax(self, x, axis, block_size):
         """Minimum and maximum of ``x`` per parameter slot (shapes as the params)."""
@@ -677,39 +689,41 @@ class Backend:
             raw = part if raw is None else raw + part
         return raw, off
 
-    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
-        """``sum_k (a - za) * (w - zw) + bias`` exactly: in ``acc_dtype`` when
-        ``rq`` is None, else requantized by ``rq`` (a ``Requant``).
+    def int_matmul(self, a, pw, gp: Gemm, out=None):
+        """``sum_k (a - za) * (w - zw) + bias`` exactly by the plan ``gp`` (a
+        ``qarray._params.Gemm``: ``za``, ``zw``, ``bias``): in
+        ``gp.acc_dtype`` when ``gp.rq`` is None, else requantized by ``gp.rq``;
+        written into ``out`` when given (that dtype, ``(..., M, N)``).
 
-        ``a`` holds codes of QDType ``qd`` (8 bits or less), ``(..., M, K)``;
-        ``pw`` the weights from :meth:`pack_weight`; ``za`` an int, ``zw`` the
-        weight zero points (host int64, a scalar or ``(N,)``), ``bias`` int64
-        ``(N,)`` or None. With ``a' = a + off`` and ``w' = w - shift`` as
-        :meth:`raw_matmul` computes ``a' @ w'``, the zero-point terms are
-        ``- za' * colsum(w') - zw' * rowsum(a') + K * za' * zw'``.
+        ``a`` holds codes of QDType ``gp.qd`` (8 bits or less), ``(..., M, K)``;
+        ``pw`` the weights from :meth:`pack_weight`. With ``a' = a + off`` and
+        ``w' = w - shift`` as :meth:`raw_matmul` computes ``a' @ w'``, the
+        zero-point terms are ``- za' * colsum(w') - zw' * rowsum(a') + K * za' * zw'``.
         """
-        raw, off = self.raw_matmul(a, qd, pw, acc_dtype)
-        return self.gemm_epilogue(raw, *self._gemm_terms(a, off, za, pw, zw, bias, raw.shape), rq, acc_dtype)
+        raw, off = self.raw_matmul(a, gp.qd, pw, gp.acc_dtype)
+        return self.gemm_epilogue(raw, *self._gemm_terms(a, off, pw, gp, raw.shape), gp, out)
 
-    def _gemm_terms(self, a, off, za, pw, zw, bias, shape):
+    def _gemm_terms(self, a, off, pw, gp, shape):
         """:meth:`int_matmul`'s ``(rowsum, c, zw)`` for :meth:`gemm_epilogue`, with
         ``a' = a + off``, and ``c`` broadcast to the batch of a result of ``shape``."""
         xp = self.xp
         k = a.shape[-1]
         terms = _host_column_terms if isinstance(pw.colsum, np.ndarray) else functools.partial(_column_terms, xp)
-        zw, c, rows = terms(k, int(za) + off, zw, pw.shift, pw.colsum, bias)
+        zw, c, rows = terms(k, int(gp.za) + off, gp.zw, pw.shift, pw.colsum, gp.bias)
         rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if rows else None
         want = shape[:-2] + shape[-1:]
         return rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw
 
-    def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
-        """``raw + c - zw * rowsum`` (int64 arithmetic; ``c`` per column, ``rowsum``
-        per row or None) in ``acc_dtype``, or requantized by ``rq``."""
+    def gemm_epilogue(self, raw, rowsum, c, zw, gp: Gemm, out=None):
+        """``raw + c - zw * rowsum`` (int64 arithmetic; the products ``raw`` and
+        :meth:`int_matmul`'s terms: ``c`` per column, ``rowsum`` per row or None,
+        ``zw`` the weights' zero points less their packing's shift) in
+        ``gp.acc_dtype``, or requantized by ``gp.rq``; written into ``out`` when given."""
         xp = self.xp
         acc = raw.astype(xp.int64) + c[..., None, :]
         if rowsum is not None:
             acc -= rowsum[..., :, None] * xp.asarray(zw)
-        return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
+        return self._result(acc.astype(gp.acc_dtype) if gp.rq is None else acc, gp.rq, out)
 
     # -- convolution ----------------------------------------------------------
     def im2col(self, xpad, kh, kw, stride, dilation):
@@ -723,29 +737,31 @@ class Backend:
                 for p in range(kh) for q in range(kw)]  # slices only: any array library has them
         return self.xp.stack(taps, axis=3).reshape(n * oh * ow, kh * kw * c)
 
-    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
-        """Grouped conv2d: the exact sums ``sum (xpad - za) * wc`` over the taps
-        of each output channel's group, plus ``bias`` (int64 ``(O,)`` or None),
-        as integers ``(N, O, OH, OW)`` (``rq`` None) or requantized by ``rq``.
-        ``wc`` holds centred weights ``(O, C / groups, kh, kw)``; output
+    def conv_grouped(self, xpad, wc, gp: Gemm, out=None):
+        """Grouped conv2d by the plan ``gp`` (a ``qarray._params.Gemm``:
+        ``za``, ``bias``, ``groups``, ``stride``, ``dilation``): the exact sums
+        ``sum (xpad - za) * wc`` over the taps of each output channel's group,
+        plus ``bias`` (int64 ``(O,)`` or None), as integers ``(N, O, OH, OW)``
+        (``gp.rq`` None) or requantized by ``gp.rq``; written into ``out`` when
+        given. ``wc`` holds centred weights ``(O, C / groups, kh, kw)``; output
         channel ``o`` reads the input channels of group ``o // (O / groups)``.
         Here one int64 contraction per tap, never one GEMM per group."""
-        xp = self.xp
+        xp, groups = self.xp, gp.groups
         n, c, hp, wp = xpad.shape
         o, cg, kh, kw = wc.shape
-        (sh, sw), (dh, dw) = stride, dilation
+        (sh, sw), (dh, dw) = gp.stride, gp.dilation
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-        xg = (xpad.astype(xp.int64) - za).reshape(n, groups, cg, hp, wp)
+        xg = (xpad.astype(xp.int64) - gp.za).reshape(n, groups, cg, hp, wp)
         wg = wc.astype(xp.int64).reshape(groups, o // groups, cg, kh, kw)
-        out = xp.zeros((n, groups, o // groups, oh, ow), xp.int64)
+        acc = xp.zeros((n, groups, o // groups, oh, ow), xp.int64)
         for p in range(kh):
             for q in range(kw):
                 tap = xg[..., p * dh : p * dh + (oh - 1) * sh + 1 : sh, q * dw : q * dw + (ow - 1) * sw + 1 : sw]
-                out += xp.einsum("ngchw,goc->ngohw", tap, wg[..., p, q])
-        out = out.reshape(n, o, oh, ow)
-        if bias is not None:
-            out += bias[:, None, None]
-        return out if rq is None else self.requantize(out, rq)
+                acc += xp.einsum("ngchw,goc->ngohw", tap, wg[..., p, q])
+        acc = acc.reshape(n, o, oh, ow)
+        if gp.bias is not None:
+            acc += gp.bias[:, None, None]
+        return self._result(acc, gp.rq, out)
 
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):

@@ -299,6 +299,13 @@ class Packed:
         return not (a.ndim != 2 or a.shape[0] < BY_ROWS * max(THREADS[0], 2) or self.w.shape[-1] < BY_ROWS_N
                     or self.sessions is None or len(self.sessions) != 1 or a.size * self.w.shape[1] < SMALL_WORK)
 
+    def fused(self, a):
+        """Whether ``a @ w`` runs on qarray's own kernels with the epilogue in each
+        block's store (``NumpyBackend.int_matmul``): 2-D 8-bit ``a``, 2-D weights
+        packed as panels, and not :meth:`packed4`'s small M."""
+        return (self.panels is not None and a.ndim == 2 and len(self.panels) == 1 and a.dtype.itemsize == 1
+                and not self.packed4(a))
+
     def single(self):
         """The kept sessions on one thread each, made on first use: for small
         products, and for the shares of :meth:`by_rows`."""

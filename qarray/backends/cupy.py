@@ -561,52 +561,58 @@ class CupyBackend(Backend):
             total += p
         return total
 
-    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+    def int_matmul(self, a, pw, gp, out=None):
+        rq = gp.rq
         if not isinstance(pw, DeviceWeight) or a.dtype.itemsize != 1 or (
                 rq is not None and (rq.block_size is not None or rq.f.size not in (1, pw.colsum.size))):
-            return super().int_matmul(a, qd, za, pw, zw, bias, rq, acc_dtype)
-        xp = self.xp
+            return super().int_matmul(a, pw, gp, out)
         with self.on(a):
-            n, k = pw.colsum.size, a.shape[-1]
-            rows = math.prod(a.shape[:-1])
-            npad, kpad = pw.w8.shape
-            out = xp.empty(a.shape[:-1] + (n,), acc_dtype if rq is None else rq.out_dtype)
-            if out.size == 0:
-                return out
-            off = 0 if qd.signed else -(1 << (qd.bits - 1))
-            a = xp.ascontiguousarray(a)
-            if off == 0 and k == kpad and self._ptr(a) % 16 == 0:  # int8 rows as cuBLAS and gemv read them
-                a8 = a.reshape(rows, kpad)
-            else:
-                a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
-                self._elementwise(kernel_name("to_s8", a.dtype), a8.size,
-                                  (a, np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8), "gemm.cu")
-            za, zw = int(za) + off, np.asarray(zw, np.int64).reshape(-1) - pw.shift
-            gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
-            use_w4 = gemv and pw.w4 is not None
-            zero = self.param(np.zeros(1, np.int64))
-            rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else zero
-            rq = NO_REQUANT if rq is None else rq
-            zo, m, sh, f = self.kept(("epilogue", self._device_id(), id(rq)),  # the entry holds rq: its id stays its own
-                                     lambda: (rq, *(self.param(p.reshape(-1)) for p in rq.params[1:])))[1:]
-            terms = (zero if bias is None else xp.ascontiguousarray(bias),
-                     np.int64(bias is not None), pw.colsum, self.param(zw), np.int64(zw.size > 1), rowsum,
-                     np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
-            outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
-            name = _name(out.dtype)
-            if gemv:
-                mt = next(r for r in GEMV_ROWS if r >= rows)
-                bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
-                kernel = f"gemv{bits}_{mt}"
-                grid, block = launch_config(-(-n // GEMV_COLS) * 32, self._max_grid("gemm.cu", kernel))
-                self._launch("gemm.cu", kernel, grid, block,
-                             (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq,
-                              np.int32(OUT_KINDS[name]), out))
-            else:
-                raw = self._gemm_raw(a8, pw)
-                self._elementwise(kernel_name("gemm_epilogue", raw.dtype, out.dtype), rows * n,
-                                  (raw, np.int64(npad), np.int64(rows), np.int64(n), *terms, *outq, out), "gemm.cu")
+            return self._into(out, lambda target: self._int_matmul(a, pw, gp, target), a.shape[:-1] + (pw.colsum.size,),
+                              gp.acc_dtype if rq is None else rq.out_dtype)
+
+    def _int_matmul(self, a, pw, gp, out):
+        """:meth:`int_matmul` into ``out`` (C-contiguous): our gemv kernels for
+        small M, else cuBLAS's int8 GEMM and our epilogue."""
+        xp, qd, rq, bias = self.xp, gp.qd, gp.rq, gp.bias
+        n, k = pw.colsum.size, a.shape[-1]
+        rows = math.prod(a.shape[:-1])
+        npad, kpad = pw.w8.shape
+        if out.size == 0:
             return out
+        off = 0 if qd.signed else -(1 << (qd.bits - 1))
+        a = xp.ascontiguousarray(a)
+        if off == 0 and k == kpad and self._ptr(a) % 16 == 0:  # int8 rows as cuBLAS and gemv read them
+            a8 = a.reshape(rows, kpad)
+        else:
+            a8 = xp.empty((rows, kpad), xp.int8)  # a' = a + off, padded: what cuBLAS and gemv read
+            self._elementwise(kernel_name("to_s8", a.dtype), a8.size,
+                              (a, np.int64(rows), np.int64(k), np.int64(kpad), np.int32(off), a8), "gemm.cu")
+        za, zw = int(gp.za) + off, np.asarray(gp.zw, np.int64).reshape(-1) - pw.shift
+        gemv = rows <= GEMV_ROWS[-1] and kpad <= K_INT32 * 32  # each lane sums at most K_INT32 products
+        use_w4 = gemv and pw.w4 is not None
+        zero = self.param(np.zeros(1, np.int64))
+        rowsum = a8.sum(axis=1, dtype=xp.int64) if (np.any(zw) or use_w4) else zero
+        rq = NO_REQUANT if rq is None else rq
+        zo, m, sh, f = self.kept(("epilogue", self._device_id(), id(rq)),  # the entry holds rq: its id stays its own
+                                 lambda: (rq, *(self.param(p.reshape(-1)) for p in rq.params[1:])))[1:]
+        terms = (zero if bias is None else xp.ascontiguousarray(bias),
+                 np.int64(bias is not None), pw.colsum, self.param(zw), np.int64(zw.size > 1), rowsum,
+                 np.int64(rowsum.size > 1), np.int64(za), np.int64(k * za))
+        outq = (zo, m, sh, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi), np.int32(rq.rounding))
+        name = _name(out.dtype)
+        if gemv:
+            mt = next(r for r in GEMV_ROWS if r >= rows)
+            bits, w = (4, pw.w4) if use_w4 else (8, pw.w8)
+            kernel = f"gemv{bits}_{mt}"
+            grid, block = launch_config(-(-n // GEMV_COLS) * 32, self._max_grid("gemm.cu", kernel))
+            self._launch("gemm.cu", kernel, grid, block,
+                         (a8, np.int64(rows), np.int64(kpad), w, np.int64(n), *terms, *outq,
+                          np.int32(OUT_KINDS[name]), out))
+        else:
+            raw = self._gemm_raw(a8, pw)
+            self._elementwise(kernel_name("gemm_epilogue", raw.dtype, out.dtype), rows * n,
+                              (raw, np.int64(npad), np.int64(rows), np.int64(n), *terms, *outq, out), "gemm.cu")
+        return out
 
     # -- convolution: im2col into the GEMM, grouped conv direct -------------------
     def im2col(self, xpad, kh, kw, stride, dilation):
@@ -625,28 +631,34 @@ class CupyBackend(Backend):
                                    out), "gemm.cu")
             return out
 
-    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
+    def conv_grouped(self, xpad, wc, gp, out=None):
+        rq, bias = gp.rq, gp.bias
         if _name(xpad.dtype) not in ("int8", "uint8", "int16", "uint16") or (
                 rq is not None and (rq.block_size is not None or rq.f.size not in (1, wc.shape[0]))):
-            return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
+            return super().conv_grouped(xpad, wc, gp, out)
         xp = self.xp
         with self.on(xpad):
-            (sh, sw), (dh, dw) = stride, dilation
+            (sh, sw), (dh, dw) = gp.stride, gp.dilation
             n, c, hp, wp = xpad.shape
             o, cg, kh, kw = wc.shape
             oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-            out = xp.empty((n, o, oh, ow), np.int64 if rq is None else rq.out_dtype)
+            dtype = np.int64 if rq is None else rq.out_dtype
             rq = NO_REQUANT if rq is None else rq
-            if out.size:
-                zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
-                b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
-                self._elementwise(
-                    kernel_name("conv_grouped", xpad.dtype, out.dtype), out.size,
-                    (xp.ascontiguousarray(xpad), np.int64(za), xp.ascontiguousarray(wc.astype(xp.int32, copy=False)),
-                     *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
-                     np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo), np.int64(rq.hi),
-                     np.int32(rq.rounding), np.int64(out.size), out), "gemm.cu")
-            return out
+
+            def fill(target):
+                if target.size:
+                    zo, m, s, f = (self.param(p.reshape(-1)) for p in rq.params[1:])
+                    b = self.param(np.zeros(1, np.int64)) if bias is None else xp.ascontiguousarray(bias)
+                    self._elementwise(
+                        kernel_name("conv_grouped", xpad.dtype, target.dtype), target.size,
+                        (xp.ascontiguousarray(xpad), np.int64(gp.za),
+                         xp.ascontiguousarray(wc.astype(xp.int32, copy=False)),
+                         *(np.int64(v) for v in (c, hp, wp, o, cg, kh, kw, oh, ow, sh, sw, dh, dw)), b,
+                         np.int64(bias is not None), zo, m, s, f, np.int64(f.size > 1), np.int64(rq.lo),
+                         np.int64(rq.hi), np.int32(rq.rounding), np.int64(target.size), target), "gemm.cu")
+                return target
+
+            return self._into(out, fill, (n, o, oh, ow), dtype)
 
     # -- block formats (cuda/blocks.cu): linear and dequantize from the blocks' bytes on the device;
     # the formats whose values come from functions (IQ lattices, TQ1_0) take the generic code ------------

@@ -103,10 +103,10 @@ def _on_batch(op, like, args, kwargs, chunk):
     return op(x, *args, **kwargs).data
 
 
-def _chunk_matmul(inner, qd, za, zw, bias, rq, acc_dtype, chunk, pw):
+def _chunk_matmul(inner, gp, chunk, pw):
     from . import get
 
-    return get(inner).int_matmul(chunk, qd, za, pw, zw, bias, rq, acc_dtype)
+    return get(inner).int_matmul(chunk, pw, gp)
 
 
 class DaskBackend(Backend):
@@ -219,7 +219,7 @@ class DaskBackend(Backend):
     # quantize's NaN error is raised at compute(): a chunk backend that reports it
     # late (CuPy) is asked in the chunk's own task and thread (a flag read a chunk)
     def quantize(self, x, qp, out=None):
-        _no_out(out)
+        self._no_out(out)
         return self.map_chunks(lambda b, c, s, z: _checked(b, b.quantize(c, _chunk_quant(qp, s, z))),
                                x, qp.axis, qp.block_size, (qp.scale, qp.zero_point), qp.qd.storage)
 
@@ -235,7 +235,7 @@ class DaskBackend(Backend):
     def fake_quantize(self, x, qp, dtype, mask=False, key=None, index=None, out=None):
         # one task a chunk for the values; the mask (on request) is a second one,
         # which runs the chunk's fused kernel again: dask's blocks have one output
-        _no_out(out)
+        self._no_out(out)
         x = da.asarray(x)
         if key is not None and index is None:
             index = _flat_index(x)
@@ -267,7 +267,7 @@ class DaskBackend(Backend):
                                q, axis, block_size, (scale,), np.dtype(dtype))
 
     def requantize(self, q, rq, out=None):
-        _no_out(out)
+        self._no_out(out)
 
         def fn(b, c, *params):
             return b.requantize(c, dataclasses.replace(rq, **dict(zip(_REQUANT_FIELDS, params))))
@@ -286,7 +286,7 @@ class DaskBackend(Backend):
         return self.map_chunks(lambda b, c, t: b.lut(c, b.param(t), axis), q, axis, None, (table,), table.dtype)
 
     def softmax(self, x, sm, out=None):
-        _no_out(out)
+        self._no_out(out)
         x = x.rechunk({1: -1})  # whole rows in each chunk
         return self.map_chunks(lambda b, c: b.softmax(c, sm), x, None, None, (), sm.out_dtype)
 
@@ -313,29 +313,31 @@ class DaskBackend(Backend):
         inner = self._chunks_backend()
         return DaskWeight(inner, inner.asarray(codes), qd, keep)
 
-    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
+    def int_matmul(self, a, pw, gp, out=None):
         """The inner backend's ``int_matmul`` on each chunk of rows. Where K is split
         across chunks, each K chunk gives the exact int64 partial sum of
         ``(a - za) * (w - zw)`` over its K (the zero-point terms are sums over K
         too), the partials add up in a tree, then the bias and one requantize."""
+        self._no_out(out)
         a = da.asarray(a)
         n = pw.codes.shape[-1]
         out_chunks = a.chunks[:-1] + ((n,),)
         ks = np.cumsum((0,) + a.chunks[-1])
 
-        def product(k, bias_, rq_, acc):
+        def product(k, gp_):
             part = a[..., ks[k]:ks[k + 1]]
             weights = dask.delayed(pw.part(ks[k], ks[k + 1]))  # one node of the graph, sent once to each worker
-            fn = functools.partial(_chunk_matmul, self.inner, qd, za, zw, bias_, rq_, acc)
-            out = rq_.out_dtype if rq_ is not None else np.dtype(acc)
+            fn = functools.partial(_chunk_matmul, self.inner, gp_)
+            out = gp_.rq.out_dtype if gp_.rq is not None else np.dtype(gp_.acc_dtype)
             return part.map_blocks(fn, weights, chunks=out_chunks, dtype=out, meta=meta_from_array(a, a.ndim, out))
 
         if len(ks) == 2:  # K whole in every chunk: one fused call per chunk of rows
-            return product(0, bias, rq, acc_dtype)
-        parts = da.stack([product(k, None, None, np.int64) for k in range(len(ks) - 1)])
+            return product(0, gp)
+        sums = dataclasses.replace(gp, bias=None, rq=None, acc_dtype=np.int64)
+        parts = da.stack([product(k, sums) for k in range(len(ks) - 1)])
         acc = parts.sum(axis=0, dtype=np.int64)  # exact int64 sums, in dask's tree
-        acc = acc if bias is None else acc + self.param(to_host(bias).astype(np.int64))
-        return acc.astype(acc_dtype) if rq is None else self.requantize(acc, rq)
+        acc = acc if gp.bias is None else acc + self.param(to_host(gp.bias).astype(np.int64))
+        return acc.astype(gp.acc_dtype) if gp.rq is None else self.requantize(acc, gp.rq)
 
     # -- whole ops over chunks of samples ------------------------------------
     def over_batches(self, op, x, *args, **kwargs):
@@ -353,11 +355,6 @@ class DaskBackend(Backend):
                               dtype=probe.data.dtype, meta=probe.data)
         return QArray._new(out, probe.scale, probe.zero_point, probe.dtype, probe.axis, probe.block_size, self,
                            probe.global_scale)
-
-
-def _no_out(out):
-    if out is not None:
-        raise TypeError("out= is not supported for dask arrays (they are immutable); drop out=")
 
 
 def _chunk_quant(qp, scale, zero_point):

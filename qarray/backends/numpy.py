@@ -467,79 +467,68 @@ class NumpyBackend(Backend):
             return np.zeros(np.broadcast_shapes(a.shape[:-1], pw.w.shape[:-2] + (1,)) + pw.w.shape[-1:], np.int32), off
         return pw.raw(np.ascontiguousarray(au)), off
 
-    def int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype):
-        fused = isinstance(pw, _gemm.Packed) and pw.panels is not None and a.ndim == 2 and len(pw.panels) == 1 \
-            and a.dtype.itemsize == 1 and not pw.packed4(a)
-        if fused and a.size and self._fast(a):  # qarray's own kernels: the epilogue in each block's store
+    @_fast_path("gemm")
+    def int_matmul(self, cpu, a, pw, gp, out=None):
+        shape = (a.shape[0], pw.w.shape[1])
+        if pw.fused(a):  # qarray's own kernels: the epilogue in each block's store
             gemm = _gemm.own()
-            shape = (a.shape[0], pw.w.shape[1])
-            rowsum, c, zw = self._gemm_terms(a, 128 * qd.signed, za, pw, zw, bias, shape)
-            out, columns, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
-            return gemm.run(gemm.best(), rq.rounding, self._narrow(rq, acc_dtype), a, qd.signed, pw.panels[0], rowsum,
-                            columns, rq.lo, rq.hi, out)
-        cpu = isinstance(pw, _gemm.Packed) and pw.by_rows(a) and self._fast(a)  # small calls: the first two checks
-        if not cpu:
-            return Backend.int_matmul(self, a, qd, za, pw, zw, bias, rq, acc_dtype)
+            rowsum, c, zw = self._gemm_terms(a, 128 * gp.qd.signed, pw, gp, shape)
+            columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
+            return self._into(out, lambda target: gemm.run(gemm.best(), rq.rounding, self._narrow(gp), a, gp.qd.signed,
+                                                           pw.panels[0], rowsum, columns, rq.lo, rq.hi, target),
+                              shape, dtype)
         pw.single()  # made here, before the threads ask for them
 
         def products(start, stop):  # each thread maps its own rows to unsigned codes too
-            return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], qd.signed)[0]), threads=1)
+            return pw.raw(np.ascontiguousarray(_gemm.to_unsigned(a[start:stop], gp.qd.signed)[0]), threads=1)
 
-        off = _gemm.to_unsigned(a[:0], qd.signed)[1]  # what mapping adds (no rows mapped here)
-        shape = (a.shape[0], pw.w.shape[1])
-        return self._epilogue(cpu, products, shape, *self._gemm_terms(a, off, za, pw, zw, bias, shape), rq, acc_dtype)
+        off = _gemm.to_unsigned(a[:0], gp.qd.signed)[1]  # what mapping adds (no rows mapped here)
+        return self._epilogue(cpu, products, shape, *self._gemm_terms(a, off, pw, gp, shape), gp, out)
 
-    def gemm_epilogue(self, raw, rowsum, c, zw, rq, acc_dtype):
-        cpu = self._fast(raw)
-        if cpu is None or raw.ndim != 2:
-            return super().gemm_epilogue(raw, rowsum, c, zw, rq, acc_dtype)
-        return self._epilogue(cpu, contiguous(raw), raw.shape, rowsum, c, zw, rq, acc_dtype)
+    @_fast_path("gemm")
+    def gemm_epilogue(self, cpu, raw, rowsum, c, zw, gp, out=None):
+        return self._epilogue(cpu, contiguous(raw), raw.shape, rowsum, c, zw, gp, out)
 
-    def _epilogue(self, cpu, raw, shape, rowsum, c, zw, rq, acc_dtype):
+    def _epilogue(self, cpu, raw, shape, rowsum, c, zw, gp, out):
         """``gemm_epilogue`` on Numba. ``raw`` is the products, or (``int_matmul``)
         ``raw(start, stop)`` gives those of rows ``start..stop``: each thread then
         computes its share of rows and their epilogue while they are in its
         cache, instead of the engine's threads computing all of them and the
         pool's threads reading them back (``_gemm.BY_ROWS``)."""
         m, n = shape
-        narrow = self._narrow(rq, acc_dtype)
-        out, cols, rq = self._epilogue_plan(shape, c, zw, rq, acc_dtype)
-        kernel, ends = _gemm.own().gemm_epilogue[rq.rounding, narrow], (np.int64(rq.lo), np.int64(rq.hi))
-        if not callable(raw):
-            cpu.pool.parallel(kernel, m, raw, rowsum, *cols, *ends, out, grain=cpu.pool.GRAIN // max(n, 1))
-            return out
+        cols, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
+        kernel, ends = _gemm.own().gemm_epilogue[rq.rounding, self._narrow(gp)], (np.int64(rq.lo), np.int64(rq.hi))
 
-        def rows(start, stop):
-            part = None if rowsum is None else rowsum[start:stop]
-            kernel(raw(start, stop), part, *cols, *ends, out[start:stop], 0, stop - start)
+        def fill(target):
+            if not callable(raw):
+                cpu.pool.parallel(kernel, m, raw, rowsum, *cols, *ends, target, grain=cpu.pool.GRAIN // max(n, 1))
+                return target
 
-        cpu.pool.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
-        return out
+            def rows(start, stop):
+                part = None if rowsum is None else rowsum[start:stop]
+                kernel(raw(start, stop), part, *cols, *ends, target[start:stop], 0, stop - start)
+
+            cpu.pool.parallel(rows, m, grain=-(-m // THREADS[0]), parts=1)
+            return target
+
+        return self._into(out, fill, shape, dtype)
 
     @staticmethod
-    def _narrow(rq, acc_dtype):
+    def _narrow(gp):
         """Whether every total of the epilogue fits in int32 (``Requant.narrow``)."""
-        return acc_dtype == np.int32 and rq is not None and rq.narrow(np.int32)
+        return gp.acc_dtype == np.int32 and gp.rq is not None and gp.rq.narrow(np.int32)
 
-    def _epilogue_plan(self, shape, c, zw, rq, acc_dtype):
-        """The epilogue's output array, its (N,) columns ``c, zw, zo, m, sh, f``
-        and its ``Requant`` (``NO_REQUANT`` for None)."""
-        rq = NO_REQUANT if rq is None else rq
-        out = self.empty(shape, acc_dtype if rq.qd is None else rq.out_dtype)
-        return out, [_column(c, shape[1]), _column(zw, shape[1]), *_columns(rq, shape[1])], rq
+    @staticmethod
+    def _epilogue_plan(shape, c, zw, gp):
+        """The epilogue's (N,) columns ``c, zw, zo, m, sh, f``, its ``Requant``
+        (``NO_REQUANT`` for None) and its output dtype."""
+        rq = NO_REQUANT if gp.rq is None else gp.rq
+        dtype = gp.acc_dtype if rq.qd is None else rq.out_dtype
+        return [_column(c, shape[1]), _column(zw, shape[1]), *_columns(rq, shape[1])], rq, dtype
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
-    def _conv_kernels(self, x):
-        """``cpu`` (with ``cpu.gemm``) when its conv kernels should run on 8-bit ``x``, else None."""
-        if self._fast(x) is None or x.dtype.itemsize != 1:
-            return None
-        _gemm.own()
-        return _cpu()
-
-    def im2col(self, xpad, kh, kw, stride, dilation):
-        cpu = self._conv_kernels(xpad)
-        if cpu is None:
-            return super().im2col(xpad, kh, kw, stride, dilation)
+    @_fast_path("gemm")
+    def im2col(self, cpu, xpad, kh, kw, stride, dilation):
         (sh, sw), (dh, dw) = stride, dilation
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
@@ -547,25 +536,26 @@ class NumpyBackend(Backend):
         cpu.pool.parallel(cpu.gemm.im2col, n * oh, contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
         return out
 
-    def conv_grouped(self, xpad, za, wc, groups, stride, dilation, bias, rq):
-        cpu = self._conv_kernels(xpad)
-        wmax = int(np.abs(wc).max(initial=0))
-        xmax = max(abs(255 - za), abs(za)) if xpad.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
-        if cpu is None or np.prod(wc.shape[1:]) * wmax * xmax >= 2**31:  # its int32 sums must not wrap
-            return super().conv_grouped(xpad, za, wc, groups, stride, dilation, bias, rq)
-        (sh, sw), (dh, dw) = stride, dilation
+    @_fast_path("gemm")
+    def conv_grouped(self, cpu, xpad, wc, gp, out=None):
+        (sh, sw), (dh, dw) = gp.stride, gp.dilation
         n, _, hp, wp = xpad.shape
         o, _, kh, kw = wc.shape
-        narrow = bias is None and rq is not None and rq.narrow(np.int32)
-        dtype = (np.int32 if bias is None else np.int64) if rq is None else rq.out_dtype
-        rq = NO_REQUANT if rq is None else rq
-        out = self.empty((n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1), dtype)
-        cols = [_column(0 if bias is None else bias, o), *_columns(rq, o)]
+        narrow = gp.bias is None and gp.rq is not None and gp.rq.narrow(np.int32)
+        dtype = (np.int32 if gp.bias is None else np.int64) if gp.rq is None else gp.rq.out_dtype
+        rq = NO_REQUANT if gp.rq is None else gp.rq
+        cols = [_column(0 if gp.bias is None else gp.bias, o), *_columns(rq, o)]
         xpad = contiguous(xpad)
         flat = xpad.reshape(n, xpad.shape[1], hp * wp)  # its planes seen flat (strides 1)
-        cpu.pool.parallel(cpu.gemm.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(za), contiguous(wc),
-                          groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi), out)
-        return out
+
+        def fill(target):
+            cpu.pool.parallel(cpu.gemm.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(gp.za),
+                              contiguous(wc), gp.groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi),
+                              target)
+            return target
+
+        shape = (n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1)
+        return self._into(out, fill, shape, dtype)
 
     @_fast_path("softmax")
     def softmax(self, cpu, x, sm, out=None):

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import backends as _backends
 from ..backends import on_data_device, per_sample
-from .._params import to_host
+from .._params import Gemm, to_host
 from .._qarray import QArray
 from ._output import finish
 from .linear import PackedWeight, _bias_ints, _check_operand
@@ -96,8 +96,8 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
             return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
         xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=fill)
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
-        return b.conv_grouped(xpad, za, packed.data.astype(xp.int32) - b.param(zw), groups, stride, dilation,
-                              bias, rq)
+        return b.conv_grouped(xpad, packed.data.astype(xp.int32) - b.param(zw),
+                              Gemm(za, bias=bias, rq=rq, groups=groups, stride=stride, dilation=dilation))
 
     return finish(op, b, acc, factors, 1, scale, zero_point, dtype,
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)

@@ -9,9 +9,11 @@ of 2, 4, 8 or 16 bits (TFLite's 16x8 mode), signed or not, in any mix.
 
 From an op to the arithmetic: :class:`PackedWeight` (the weights as the
 backend packs them: :meth:`Backend.pack_weight`) -> :meth:`Backend.int_matmul`
-(``raw_matmul``: the products of codes, on the CPU onnxruntime's int8 kernels,
-``qarray.backends._gemm``, or exact float32 BLAS chunks; then
-``gemm_epilogue``: zero-point terms, bias and requantize in one pass).
+of the activations, those weights and one plan, a ``qarray._params.Gemm``
+(zero points, bias, the output ``Requant``, accumulator dtype): ``raw_matmul``,
+the products of codes (on the CPU onnxruntime's int8 kernels,
+``qarray.backends._gemm``, or exact float32 BLAS chunks), then
+``gemm_epilogue``: zero-point terms, bias and requantize in one pass.
 Floating-format operands (float8/float6/float4, MX, NVFP4, alone or mixed with
 integer ones) go to :mod:`qarray.ops._exact`: the exact rational product,
 rounded once.
@@ -24,7 +26,7 @@ import numpy as np
 from .. import backends as _backends
 from ..backends import block_error, on_data_device
 from .._dtypes import qint8, qint32, quint8
-from .._params import kept, to_host
+from .._params import Gemm, kept, to_host
 from .._qarray import QArray
 from . import _exact
 from ._output import finish
@@ -102,8 +104,8 @@ class PackedWeight:
         za = int(to_host(a.zero_point))
         if a.dtype.bits > 8:  # a = 256 * hi + lo: two 8-bit products, combined in int64
             (hi, dh), (lo, dl) = _bytes(a)
-            acc = 256 * b.int_matmul(hi, dh, 0, pw, self.zp, None, None, np.int64)
-            acc += b.int_matmul(lo, dl, 0, pw, self.zp, None, None, np.int64)
+            acc = 256 * b.int_matmul(hi, pw, Gemm(0, self.zp, acc_dtype=np.int64, qd=dh))
+            acc += b.int_matmul(lo, pw, Gemm(0, self.zp, acc_dtype=np.int64, qd=dl))
             colsum = pw.colsum + k_len * (pw.shift - b.param(self.zp))  # sum_k (w - zw)
             acc -= za * colsum[..., None, :]
             if bias is not None:
@@ -112,7 +114,7 @@ class PackedWeight:
         # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
         wide = wide or k_len * wa * self.reach + _reach(bias) >= 2**31 - 2**30
-        return b.int_matmul(a.data, a.dtype, za, pw, self.zp, bias, rq, np.int64 if wide else np.int32)
+        return b.int_matmul(a.data, pw, Gemm(za, self.zp, bias, rq, np.int64 if wide else np.int32, a.dtype))
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         b = self.backend

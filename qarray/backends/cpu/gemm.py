@@ -55,11 +55,29 @@ from numba.extending import intrinsic
 
 from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
-from .._gemm import SMALL_WORK  # products from which a call wakes the pool
+from .._gemm import SMALL_WORK, Packed  # SMALL_WORK: products from which a call wakes the pool
 from .isa import best, usable
 from .llvm import _call, _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _wide
 from .pool import kernel, parallel
 from .requantize import _SOURCE, _rq
+
+
+def _conv_sums_fit(xpad, wc, gp, out=None):
+    """Whether :func:`conv_grouped` takes the call: 8-bit codes whose int32 sums cannot wrap."""
+    if xpad.dtype.itemsize != 1:
+        return False
+    za, wmax = gp.za, int(np.abs(wc).max(initial=0))
+    xmax = max(abs(255 - za), abs(za)) if xpad.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
+    return np.prod(wc.shape[1:]) * wmax * xmax < 2**31
+
+
+# the calls the NumPy backend's GEMM primitives pass to these kernels (qarray.backends.numpy._fast_path)
+ACCEPTS = {
+    "int_matmul": lambda a, pw, gp, out=None: isinstance(pw, Packed) and (a.size > 0 and pw.fused(a) or pw.by_rows(a)),
+    "gemm_epilogue": lambda raw, rowsum, c, zw, gp, out=None: raw.ndim == 2,
+    "im2col": lambda xpad, kh, kw, stride, dilation: xpad.dtype.itemsize == 1,
+    "conv_grouped": _conv_sums_fit,
+}
 
 BM = BN = 32  # a block's rows and columns
 BK = 64  # k a step
