@@ -469,7 +469,7 @@ def test_dask(rng):
 
 # -- BlockLinear: Q8_0 activations on weights packed once (cpu/blocks.py's PackedQ8, VNNI dots) ------
 
-@pytest.fixture(params=["avx512vnni", "avxvnni", "portable"])  # (AMX's dots are AVX-512 VNNI's)
+@pytest.fixture(params=["amx", "avx512vnni", "avxvnni", "portable"])  # (AMX: Q8_K x of 32 rows or more)
 def only(request, monkeypatch):
     pytest.importorskip("numba")
     return force_isa(monkeypatch, request.param)
@@ -501,11 +501,12 @@ def test_packed_q8_every_format(name, rng, only):
 @pytest.mark.parametrize("name", sorted(Q8K))
 def test_packed_q8k_every_format(name, rng, only):
     """Q8_K activations on each instruction set, packed (the layer) and packed on the fly (``linear``):
-    37 rows, 1 and 9 rows of x, with and without bias, against the generic code, bit for bit."""
+    37 rows, 1, 9 and 37 rows of x (AMX's tiles of 16, the last one part), with and without bias,
+    against the generic code, bit for bit."""
     w = weights(name, 37, 512, rng)
     bias = rng.standard_normal(37)
     layer = qnn.BlockLinear(w, bias)
-    for m in (1, 9):
+    for m in (1, 9, 37):
         xq = qa.quantize(rng.standard_normal((m, 512)).astype(np.float32) * 3, dtype="Q8_K")
         assert_same(layer(xq), _generic(xq, w, bias))
         assert_same(qa.linear(xq, w), _generic(xq, w))
@@ -551,32 +552,35 @@ def test_packed_q8_extremes(name, only):
     layer = qnn.BlockLinear(w)
     assert layer._packed.has_sc == (name in ("Q6_K", "Q4_K", "IQ4_XS")) and layer._packed.has_osc == (name == "Q4_K")
     assert_same(layer(xq), want)
-    if name in Q8K:  # Q8_K: float32 scales up to 2^127 (the float32 result overflows to inf)
-        d = np.array([3.0, 2.0**-126, 2.0**127, -1e-3, 7.5, 1.0, -3.0, 2.0**100, 1e-30], np.float32)
+    if name in Q8K:  # Q8_K: float32 scales up to 2^127 (the float32 result overflows to inf); 36 rows (AMX's path)
+        d = np.tile(np.array([3.0, 2.0**-126, 2.0**127, -1e-3, 7.5, 1.0, -3.0, 2.0**100, 1e-30], np.float32), 4)
+        codes = np.tile(codes, (4, 1))
         xk = QArray.from_blocks(_blocks.get("Q8_K").pack({
-            "d": d, "q": codes.astype(np.int8), "bsums": codes.reshape(9, 16, 16).sum(axis=2).astype(np.int16)}), "Q8_K")
+            "d": d, "q": codes.astype(np.int8), "bsums": codes.reshape(36, 16, 16).sum(axis=2).astype(np.int16)}),
+                                "Q8_K")
         want = ref_q8k(xk, w)[0]
         assert np.isinf(want).any() and (want != 0).all()
         assert_same(layer(xk), want)
 
 
 def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
-    """K = 8192 (128 pieces a row), 16 * 9 + 5 rows, both threads taking groups: the same bits as
-    one thread and as the generic code."""
+    """K = 8192 (128 pieces a row), 16 * 9 + 5 rows, both threads taking groups, Q8_0 and Q8_K x: the
+    same bits as one thread and as the generic code."""
     from qarray.backends.cpu import pool
 
     monkeypatch.setattr(pool, "GRAIN", 1)
     w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
-    xq = qa.quantize(rng.standard_normal((11, 8192)).astype(np.float32), dtype="Q8_0")
     layer, n = qnn.BlockLinear(w), THREADS[0]
-    try:
-        qa.set_num_threads(1)
-        one = layer(xq)
-        qa.set_num_threads(2)
-        assert_same(layer(xq), one)
-    finally:
-        qa.set_num_threads(n)
-    assert_same(one, _generic(xq, w))
+    for act, m in (("Q8_0", 11), ("Q8_K", 33)):  # (Q8_K's 33 rows: AMX's tiles where it runs)
+        xq = qa.quantize(rng.standard_normal((m, 8192)).astype(np.float32), dtype=act)
+        try:
+            qa.set_num_threads(1)
+            one = layer(xq)
+            qa.set_num_threads(2)
+            assert_same(layer(xq), one)
+        finally:
+            qa.set_num_threads(n)
+        assert_same(one, _generic(xq, w))
 
 
 def test_block_linear_layer(rng):

@@ -33,9 +33,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemm import _ISAS
+from .gemm import _ISAS, _tiles_begin, _tiles_end
 from .isa import best, usable
-from .llvm import _wide
+from .llvm import _fn, _wide
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
@@ -322,7 +322,7 @@ class PackedQ8:
     an entry a sub-block (a block: two levels' d), ``spans`` the pieces an entry covers (16 bits each:
     s's, o's, the zero's). ``flags``: has_sc, has_o, has_osc, has_zero as bits 0..3."""
 
-    __slots__ = ("n", "k", "block", "piece", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
+    __slots__ = ("n", "k", "block", "piece", "signed", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
                  "has_zero", "spans", "flags")
 
     def __init__(self, raw, fmt):
@@ -380,6 +380,8 @@ class PackedQ8:
         self.shift = side(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
         self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
+        umax = int(u_of.max())  # AMX multiplies signed values: v = u + shift, each in an int8
+        self.signed = -128 <= int(self.shift.min()) and int(self.shift.max()) + umax <= 127
         self.spans = spans[0] | spans[1] << 16 | each << 32  # s's, o's, the zero's (a sub-block's)
 
 
@@ -655,6 +657,202 @@ def _make_packed(isa, planes):
 _packed_kernel = functools.cache(_make_packed)
 
 
+# -- many rows of x on AMX: the tiles take a piece of 16 rows of x against a group ---------------------
+#
+# ``tdpbssd`` (signed bytes by signed bytes) multiplies tile A, 16 rows of x's codes (a piece's k,
+# read where they lie), by tile B, the group's signed values ``v = u + shift`` for the piece, 4 k of
+# the 16 weight rows a row of 64 bytes (a packed line's layout; nibbles decoded once a group into
+# ``v``): C = the 16 x 16 exact ``isum``s, with no ``shift * xsum`` term. The sums and float steps
+# then are the portable twin's, on the 16 rows at once, so the bits are the same.
+
+AMX_ROWS = 32  # rows of x from which the AMX path runs (fewer: AVX-512 VNNI's, which decodes nothing);
+# Q8_K activations only (steps of 8 or 16 pieces, taken two at a time): under Q8_0's step of one piece
+# the float work a piece bounds it, and AVX-512 VNNI was faster (4096 x 14336, M = 512, Q8_0: 0.73x)
+
+
+@intrinsic
+def _amx_pieces(typingctx, a, a_at, a_next, a_stride, b, b_at, b_next, c):
+    """Two pieces' products, side by side in the tiles: C (tiles 0, 3) = A (tiles 1, 4: 16 rows of
+    ``a``'s bytes from byte ``a_at``, ``a_next``, ``a_stride`` apart) times B (tiles 2, 5: ``b``'s
+    bytes from ``b_at``, ``b_next``, rows of 64) by ``tdpbssd``, stored to ``c`` (2 x 16 x 16 int32):
+    neither piece waits for the other's store."""
+    def codegen(context, builder, sig, args):
+        p8, i8, i64 = ir.IntType(8).as_pointer(), ir.IntType(8), ir.IntType(64)
+        ptr = [builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, p8) for i in (0, 4, 7)]
+        load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [i8, p8, i64])
+        zero = _fn(builder, "llvm.x86.tilezero", ir.VoidType(), [i8])
+        dot = _fn(builder, "llvm.x86.tdpbssd", ir.VoidType(), [i8] * 3)
+        store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [i8, p8, i64])
+        tile = functools.partial(ir.Constant, i8)
+        for h, (at_a, at_b) in enumerate(((args[1], args[5]), (args[2], args[6]))):
+            builder.call(load, [tile(3 * h + 1), builder.gep(ptr[0], [at_a]), args[3]])
+            builder.call(load, [tile(3 * h + 2), builder.gep(ptr[1], [at_b]), ir.Constant(i64, 64)])
+            builder.call(zero, [tile(3 * h)])
+        for h in range(2):
+            builder.call(dot, [tile(3 * h), tile(3 * h + 1), tile(3 * h + 2)])
+        for h in range(2):
+            builder.call(store, [tile(3 * h), builder.gep(ptr[2], [ir.Constant(i64, 1024 * h)]), ir.Constant(i64, 64)])
+        return context.get_dummy_value()
+
+    return types.void(a, a_at, a_next, a_stride, b, b_at, b_next, c), codegen
+
+
+def _tile_config(piece):
+    """``ldtilecfg``'s 64 bytes: twice C 16 rows of 64 bytes, A 16 rows of ``piece``, B ``piece // 4`` of 64."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    cfg[16:28].view(np.uint16)[:] = (64, piece, 64) * 2
+    cfg[48:54] = (16, 16, piece // 4) * 2
+    return cfg
+
+
+@njit(inline="always")
+def _signed_rows(codes, hi, lut, planes, shift, has_zero, spans, piece, out):
+    """The group's values ``v = u + shift`` as B rows (``out``: K / 4 rows of 64 int8, row ``r`` the k
+    ``4 r .. 4 r + 3`` of the 16 weight rows), from its packed lines."""
+    each = spans >> 32 & 0xFFFF
+    sh = np.empty(64, np.int32)
+    for r in range(out.shape[0]):
+        hp = shift[(4 * r // piece) // each if has_zero else 0]
+        for q in range(64):
+            sh[q] = hp[q // 4]
+        dest = out[r]
+        if planes == 0:
+            line = codes[r]
+            for q in range(64):
+                dest[q] = np.int8(np.int32(line[q]) + sh[q])
+            continue
+        line, half = codes[r // 2], r % 2
+        for q in range(64):
+            c = (np.int32(line[q]) >> (4 * half)) & 15
+            if planes == 1:
+                c = np.int32(lut[c])
+            elif planes == 2:
+                f = (np.int32(hi[r // 2, q % 32]) >> (4 if q >= 32 else 0)) & 15
+                c |= ((f >> (2 * half)) & 3) << 4
+            dest[q] = np.int8(c + sh[q])
+
+
+def _vectors(context, builder, sig, args, which):
+    """Pointers to the data of array arguments ``which``, as bytes."""
+    p8 = ir.IntType(8).as_pointer()
+    return [builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, p8) for i in which]
+
+
+def _row(builder, base, r, vtype):
+    """Pointer to row ``r`` of ``vtype`` vectors (of int32 or float64) from ``base`` (bytes)."""
+    size = vtype.count * (8 if isinstance(vtype.element, ir.DoubleType) else vtype.element.width // 8)
+    return builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), r * size)]), vtype.as_pointer())
+
+
+_I32X16, _F64X16, _I8X16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.DoubleType(), 16), ir.VectorType(ir.IntType(8), 16)
+
+
+def _ones_or(builder, flag, ptr):
+    """The int8 vector at ``ptr`` as int32 where ``flag`` (non-zero), else ones."""
+    v = builder.sext(builder.load(builder.bitcast(ptr, _I8X16.as_pointer()), align=1), _I32X16)
+    return builder.select(builder.icmp_signed("!=", flag, ir.Constant(flag.type, 0)), v,
+                          ir.Constant(_I32X16, [1] * 16))
+
+
+@intrinsic
+def _add_piece(typingctx, big, small, c, sc, osc, xs, has_sc, has_osc):
+    """A piece's products ``c`` (16 rows of x by 16 weight rows, int32) into the step's integers:
+    ``big += sc * c`` (``sc`` int8, ones where not ``has_sc``), ``small += osc * xs[r]`` (``xs`` the 16
+    rows' xsums)."""
+    def codegen(context, builder, sig, args):
+        big_, small_, c_, sc_, osc_, xs_ = _vectors(context, builder, sig, args, range(6))
+        scv, oscv = _ones_or(builder, args[6], sc_), _ones_or(builder, args[7], osc_)
+        xsv = builder.bitcast(xs_, ir.IntType(32).as_pointer())
+        for r in range(16):
+            pb, pc, ps = (_row(builder, x, r, _I32X16) for x in (big_, c_, small_))
+            builder.store(builder.add(builder.load(pb, align=4), builder.mul(scv, builder.load(pc, align=4))), pb,
+                          align=4)
+            x = builder.load(builder.gep(xsv, [ir.Constant(ir.IntType(64), r)]))
+            xv = builder.shuffle_vector(builder.insert_element(ir.Constant(_I32X16, None), x, ir.Constant(ir.IntType(32), 0)),
+                                        ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
+            builder.store(builder.add(builder.load(ps, align=4), builder.mul(oscv, xv)), ps, align=4)
+        return context.get_dummy_value()
+
+    return types.void(big, small, c, sc, osc, xs, has_sc, has_osc), codegen
+
+
+@intrinsic
+def _add_step(typingctx, acc, big, small, d, s, o, has_o):
+    """A step's float64 terms into the 16 rows' sums: ``acc[r] += d[r] * s * big[r] (+ d[r] * o *
+    small[r])``, ``s``, ``o`` float32 (16 weight rows), ``d`` float64 (16 rows of x); unfused, left to
+    right (the contract's roundings)."""
+    def codegen(context, builder, sig, args):
+        acc_, big_, small_, d_, s_, o_ = _vectors(context, builder, sig, args, range(6))
+        f32x16 = ir.VectorType(ir.FloatType(), 16)
+        sv = builder.fpext(builder.load(builder.bitcast(s_, f32x16.as_pointer()), align=4), _F64X16)
+        ov = builder.fpext(builder.load(builder.bitcast(o_, f32x16.as_pointer()), align=4), _F64X16)
+        has_o = builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))
+        dp = builder.bitcast(d_, ir.DoubleType().as_pointer())
+        for r in range(16):
+            x = builder.load(builder.gep(dp, [ir.Constant(ir.IntType(64), r)]))
+            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_F64X16, None), x, ir.Constant(ir.IntType(32), 0)),
+                                        ir.Constant(_F64X16, None), ir.Constant(_I32X16, [0] * 16))
+            term = builder.fmul(builder.fmul(dv, sv), builder.sitofp(builder.load(_row(builder, big_, r, _I32X16), align=4),
+                                                                    _F64X16))
+            off = builder.fmul(builder.fmul(dv, ov), builder.sitofp(builder.load(_row(builder, small_, r, _I32X16), align=4),
+                                                                   _F64X16))
+            term = builder.select(has_o, builder.fadd(term, off), term)
+            pa = _row(builder, acc_, r, _F64X16)
+            builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
+        return context.get_dummy_value()
+
+    return types.void(acc, big, small, d, s, o, has_o), codegen
+
+
+def _make_amx(planes):
+    @kernel
+    def linear_amx(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, cfg, bias, has_bias, out, start,
+                   stop):
+        """The Q8_0 / Q8_K contract on groups ``start .. stop`` (:func:`linear_q8_packed`'s arguments; ``qx``
+        with rows padded to 16, ``dx`` and ``xsum`` transposed, ``(blocks, rows)``, ``(pieces, rows)``), 16
+        rows of x at a time on AMX."""
+        m_len, k_len = qx.shape
+        n_len = out.shape[1]
+        piece = k_len // xsum.shape[0]
+        group, xspan = (spans >> 48) & 0xFF, (spans >> 56) & 0xFF
+        has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
+        b = np.empty((k_len // 4, 64), np.int8)
+        c = np.empty((2, 16, ROWS), np.int32)
+        big, small = np.empty((16, ROWS), np.int32), np.empty((16, ROWS), np.int32)
+        acc = np.empty((16, ROWS), np.float64)
+        rows_b = piece // 4 * 64  # B's bytes a piece
+        _tiles_begin(cfg)
+        _wide()
+        for g in range(start, stop):
+            n0 = g * ROWS
+            scg, og, oscg = sc[g if has_sc else 0], o[g if has_o else 0], osc[g if has_osc else 0]
+            _signed_rows(codes[g], hi[g if planes == 2 else 0], lut, planes, shift[g if has_zero else 0], has_zero,
+                         spans, piece, b)
+            sg = s[g]
+            for m0 in range(0, m_len, 16):
+                acc[:] = 0
+                for p0 in range(0, xsum.shape[0], group):
+                    big[:] = 0
+                    small[:] = 0
+                    for p in range(p0, p0 + group, 2):  # (a step has an even count of pieces: AMX_STEP)
+                        at = m0 * k_len + p * piece
+                        _amx_pieces(qx, at, at + piece, np.int64(k_len), b, p * rows_b, (p + 1) * rows_b, c)
+                        for h in range(2):
+                            _add_piece(big, small, c[h], scg[p + h if has_sc else 0], oscg[p + h if has_osc else 0],
+                                       xsum[p + h, m0:m0 + 16], has_sc, has_osc)
+                    _add_step(acc, big, small, dx[p0 // xspan, m0:m0 + 16], sg[p0 // (spans & 0xFFFF)],
+                              og[p0 // ((spans >> 16) & 0xFFFF) if has_o else 0], has_o)
+                rows = min(16, out.shape[0] - m0)
+                _store(acc[:rows], bias, has_bias, out[m0:m0 + rows], n0, min(ROWS, n_len - n0))
+        _tiles_end()
+
+    return linear_amx
+
+
+_amx_kernel = functools.cache(_make_amx)
+
+
 def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act="Q8_0"):
     """``out`` (M, N) = the Q8_0 contract of rows ``dx``, ``qx`` against packed ``w`` (or the Q8_K one,
     ``act``), on instruction set ``isa`` (``isa.usable``'s; the best by default), on the pool's threads
@@ -673,8 +871,15 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
     args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
             w.shift, np.int64(w.flags), np.int64(w.spans | step << 48), np.zeros(1) if bias is None else bias,
             bias is not None, out)
-    kernel = _packed_kernel(isa, w.planes)
     groups = w.codes.shape[0]
+    if isa == "amx" and m >= AMX_ROWS and w.signed and group % 2 == 0:  # (rows padded to 16: zeros, whose results are not stored)
+        pad = -(-m // 16) * 16
+        dx, qx, xsum = (np.concatenate([a, np.zeros((pad - m, a.shape[1]), a.dtype)]) for a in (args[0], args[1], xsum))
+        dx, xsum = np.ascontiguousarray(dx.T), np.ascontiguousarray(xsum.T)
+        kernel = _amx_kernel(w.planes)
+        args = (dx, qx, xsum) + args[3:13] + (_tile_config(w.piece),) + args[13:]
+    else:
+        kernel = _packed_kernel(isa, w.planes)
     if threads == 1:
         kernel(*args, 0, groups)
     else:
