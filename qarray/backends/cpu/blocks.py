@@ -33,9 +33,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemm import _ISAS, _tiles_begin, _tiles_end
+from .gemm import _ISAS
 from .isa import best, usable
-from .llvm import _fn, _wide
+from .llvm import _SOURCE as _LLVM, _fn, _tiles_begin, _tiles_end, _wide
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
@@ -113,7 +113,7 @@ def _rounding_decoder(source):
 
 
 _HELPERS = hashlib.sha256("".join(inspect.getsource(f.py_func) for f in (block_codes, block_values)).encode()
-                          ).hexdigest()
+                          ).hexdigest() + _LLVM  # (and llvm.py's intrinsics, which the packed kernels inline)
 _decode_rounded = _rounding_decoder(_HELPERS)
 
 
@@ -629,13 +629,14 @@ def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, 
 
 
 def _make_packed(isa, planes):
-    which = _ISAS.index(isa)
+    which, source = _ISAS.index(isa), _HELPERS
 
     @kernel
     def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, bias, has_bias, out,
                       start, stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
+        _ = source  # in the cache key: llvm.py's intrinsics
         m_len, k_len = qx.shape
         n_len = out.shape[1]
         lines = k_len // xsum.shape[1] // (8 if planes else 4)
@@ -806,12 +807,15 @@ def _add_step(typingctx, acc, big, small, d, s, o, has_o):
 
 
 def _make_amx(planes):
+    source = _HELPERS
+
     @kernel
     def linear_amx(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, cfg, bias, has_bias, out, start,
                    stop):
         """The Q8_0 / Q8_K contract on groups ``start .. stop`` (:func:`linear_q8_packed`'s arguments; ``qx``
         with rows padded to 16, ``dx`` and ``xsum`` transposed, ``(blocks, rows)``, ``(pieces, rows)``), 16
         rows of x at a time on AMX."""
+        _ = source  # in the cache key: llvm.py's intrinsics
         m_len, k_len = qx.shape
         n_len = out.shape[1]
         piece = k_len // xsum.shape[0]

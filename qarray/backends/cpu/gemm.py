@@ -57,7 +57,7 @@ from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
 from .._gemm import SMALL_WORK, Packed  # SMALL_WORK: products from which a call wakes the pool
 from .isa import best, usable
-from .llvm import _call, _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _wide
+from .llvm import _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _tiles_begin, _tiles_end, _wide
 from .pool import kernel, parallel
 from .requantize import _SOURCE, _rq
 
@@ -125,19 +125,6 @@ def _signature(a, rows, b, p0, k0, k1, c, keep):
 def _const(v):
     return ir.Constant(_I64, v)
 
-
-@intrinsic
-def _tiles_begin(typingctx, cfg):
-    """``ldtilecfg``: eight tiles of 16 rows x 64 bytes (``_CONFIG``)."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        builder.call(_fn(builder, "llvm.x86.ldtilecfg", ir.VoidType(), [_P8]), [builder.bitcast(data, _P8)])
-        return context.get_dummy_value()
-
-    return types.void(cfg), codegen
-
-
-_tiles_end = _call("llvm.x86.tilerelease")  # the tile state back to its initial (unused) state
 
 
 def _config():

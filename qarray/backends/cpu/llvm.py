@@ -91,6 +91,21 @@ def _call(name):
     return f
 
 
+@intrinsic
+def _tiles_begin(typingctx, cfg):
+    """``ldtilecfg``: the AMX tiles as the 64 bytes of ``cfg`` say (palette 1: each tile's bytes a row,
+    then its rows; ``gemm._CONFIG``, ``blocks._tile_config``)."""
+    def codegen(context, builder, sig, args):
+        p8 = ir.IntType(8).as_pointer()
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        builder.call(_fn(builder, "llvm.x86.ldtilecfg", ir.VoidType(), [p8]), [builder.bitcast(data, p8)])
+        return context.get_dummy_value()
+
+    return types.void(cfg), codegen
+
+
+_tiles_end = _call("llvm.x86.tilerelease")  # the tile state back to its initial (unused) state
+
 # sfence: the non-temporal stores before it are visible before any store after it
 _fence = _call("llvm.x86.sse.sfence")
 
