@@ -757,25 +757,29 @@ def _ones_or(builder, flag, ptr):
 
 
 @intrinsic
-def _add_piece(typingctx, big, small, c, sc, osc, xs, has_sc, has_osc):
-    """A piece's products ``c`` (16 rows of x by 16 weight rows, int32) into the step's integers:
-    ``big += sc * c`` (``sc`` int8, ones where not ``has_sc``), ``small += osc * xs[r]`` (``xs`` the 16
-    rows' xsums)."""
+def _add_pieces(typingctx, big, small, c, sc0, sc1, osc0, osc1, xs0, xs1, has_sc, has_osc):
+    """Two pieces' products ``c`` (2 x 16 rows of x by 16 weight rows, int32) into the step's integers:
+    ``big += sc0 * c[0] + sc1 * c[1]`` (``sc`` int8, ones where not ``has_sc``), ``small += osc0 * xs0[r]
+    + osc1 * xs1[r]`` (``xs`` the 16 rows' xsums), each row loaded and stored once."""
     def codegen(context, builder, sig, args):
-        big_, small_, c_, sc_, osc_, xs_ = _vectors(context, builder, sig, args, range(6))
-        scv, oscv = _ones_or(builder, args[6], sc_), _ones_or(builder, args[7], osc_)
-        xsv = builder.bitcast(xs_, ir.IntType(32).as_pointer())
+        big_, small_, c_, sc0_, sc1_, osc0_, osc1_, xs0_, xs1_ = _vectors(context, builder, sig, args, range(9))
+        scv = [_ones_or(builder, args[9], x) for x in (sc0_, sc1_)]
+        oscv = [_ones_or(builder, args[10], x) for x in (osc0_, osc1_)]
+        xsv = [builder.bitcast(x, ir.IntType(32).as_pointer()) for x in (xs0_, xs1_)]
         for r in range(16):
-            pb, pc, ps = (_row(builder, x, r, _I32X16) for x in (big_, c_, small_))
-            builder.store(builder.add(builder.load(pb, align=4), builder.mul(scv, builder.load(pc, align=4))), pb,
-                          align=4)
-            x = builder.load(builder.gep(xsv, [ir.Constant(ir.IntType(64), r)]))
-            xv = builder.shuffle_vector(builder.insert_element(ir.Constant(_I32X16, None), x, ir.Constant(ir.IntType(32), 0)),
-                                        ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
-            builder.store(builder.add(builder.load(ps, align=4), builder.mul(oscv, xv)), ps, align=4)
+            pb, ps = _row(builder, big_, r, _I32X16), _row(builder, small_, r, _I32X16)
+            b, sm = builder.load(pb, align=4), builder.load(ps, align=4)
+            for h in range(2):
+                b = builder.add(b, builder.mul(scv[h], builder.load(_row(builder, c_, 16 * h + r, _I32X16), align=4)))
+                x = builder.load(builder.gep(xsv[h], [ir.Constant(ir.IntType(64), r)]))
+                xv = builder.shuffle_vector(builder.insert_element(ir.Constant(_I32X16, None), x, ir.Constant(ir.IntType(32), 0)),
+                                            ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
+                sm = builder.add(sm, builder.mul(oscv[h], xv))
+            builder.store(b, pb, align=4)
+            builder.store(sm, ps, align=4)
         return context.get_dummy_value()
 
-    return types.void(big, small, c, sc, osc, xs, has_sc, has_osc), codegen
+    return types.void(big, small, c, sc0, sc1, osc0, osc1, xs0, xs1, has_sc, has_osc), codegen
 
 
 @intrinsic
@@ -842,9 +846,9 @@ def _make_amx(planes):
                     for p in range(p0, p0 + group, 2):  # (a step has an even count of pieces: AMX_STEP)
                         at = m0 * k_len + p * piece
                         _amx_pieces(qx, at, at + piece, np.int64(k_len), b, p * rows_b, (p + 1) * rows_b, c)
-                        for h in range(2):
-                            _add_piece(big, small, c[h], scg[p + h if has_sc else 0], oscg[p + h if has_osc else 0],
-                                       xsum[p + h, m0:m0 + 16], has_sc, has_osc)
+                        _add_pieces(big, small, c, scg[p if has_sc else 0], scg[p + 1 if has_sc else 0],
+                                    oscg[p if has_osc else 0], oscg[p + 1 if has_osc else 0], xsum[p, m0:m0 + 16],
+                                    xsum[p + 1, m0:m0 + 16], has_sc, has_osc)
                     _add_step(acc, big, small, dx[p0 // xspan, m0:m0 + 16], sg[p0 // (spans & 0xFFFF)],
                               og[p0 // ((spans >> 16) & 0xFFFF) if has_o else 0], has_o)
                 rows = min(16, out.shape[0] - m0)
