@@ -312,7 +312,9 @@ class BlockLinear:
     ``qarray.linear(x, weight, bias, dtype=dtype)`` gives, bit for bit (the exact contracts of
     :mod:`qarray.ops.block_linear`), a float32 array (or ``dtype``'s). ``x`` is a float array, or
     Q8_0 activations, ``qarray.quantize(x, dtype="Q8_0")``, whose integer dot products run on the
-    packed weights where the backend packs them (NumPy with Numba: 16 rows side by side for VNNI).
+    packed weights where the backend packs them (NumPy with Numba: 16 rows side by side for VNNI);
+    float ``x`` against formats of 16 values or fewer runs on their 4-bit codes packed once too (16
+    rows' codes a k, decoded in vector registers: ``qarray.backends.cpu.blocks_float``).
 
     >>> w = qarray.quantize(numpy.linspace(-1, 1, 4 * 64, dtype=numpy.float32).reshape(4, 64), dtype="Q4_0")
     >>> layer = BlockLinear(w)
@@ -333,9 +335,11 @@ class BlockLinear:
         fmt = weight.dtype.layout
         takes_q8 = q8_supported(fmt) is None and weight.columns is None
         self._packed = weight._backend.pack_blocks(weight.data, fmt) if takes_q8 else None
+        self._packed_float = weight._backend.pack_blocks_float(weight.data, fmt, weight.global_scale) \
+            if weight.columns is None else None
 
     def __call__(self, x, dtype=None):
-        return block_linear(x, self.weight, self.bias, dtype, packed=self._packed)
+        return block_linear(x, self.weight, self.bias, dtype, packed=self._packed, packed_float=self._packed_float)
 
     def __repr__(self):
         return (f"BlockLinear(in_features={self.in_features}, out_features={self.out_features}, "

@@ -225,6 +225,16 @@ class Backend:
         for :meth:`block_linear_q8`'s ``packed``, or None where this backend has no packed path (here)."""
         return None
 
+    def pack_blocks_float(self, raw, fmt, g=None):
+        """Block-format rows ``raw`` of format ``fmt`` (``g``: the tensor's scale) prepared once for
+        :meth:`block_linear_packed` (float activations), or None where this backend has no packed path
+        for them (here)."""
+        return None
+
+    def block_linear_packed(self, x, packed, bias=None):
+        """:meth:`block_linear` against :meth:`pack_blocks_float`'s ``packed`` weights, bit for bit."""
+        raise NotImplementedError(f"{self.name} packs no block weights for float activations")
+
     def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
         """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_parts`) against
         block-format rows ``raw`` of integer values

@@ -373,6 +373,19 @@ class NumpyBackend(Backend):
         blocks = _family(_cpu(), "blocks") if config.numba and _cpu() is not None else None
         return blocks.PackedQ8(contiguous(raw), fmt) if blocks is not None and blocks.packable(fmt) else None
 
+    def pack_blocks_float(self, raw, fmt, g=None):
+        cpu = _cpu() if config.numba else None
+        packing = _family(cpu, "blocks_float") if cpu is not None else None
+        return packing.PackedFloat(contiguous(raw), fmt, g) if packing is not None and packing.float_packable(fmt) \
+            else None
+
+    def block_linear_packed(self, x, packed, bias=None):
+        cpu = self._fast(x) if x.shape[0] else None
+        if cpu is None:  # (Numba turned off since packing, or no rows: the generic code)
+            return self.block_linear(x, packed.raw, packed.fmt, packed.g, None, bias)
+        out = np.empty((x.shape[0], packed.n), np.float32)
+        return _family(cpu, "blocks_float").linear_float_packed(x, packed, bias, out)
+
     @_fast_path("blocks")
     def block_linear_q8(self, cpu, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
         blocks = _family(cpu, "blocks")

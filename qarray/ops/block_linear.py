@@ -134,9 +134,10 @@ def _bias(b, bias, n):
     return b.param(h.astype(np.float64))
 
 
-def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, **given):
+def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, packed_float=None, **given):
     """``linear(x, w, bias, dtype=...)`` for a block-format ``w`` (the module's docstring); ``packed``:
-    ``w`` as its backend's ``pack_blocks`` prepared it (:class:`qarray.nn.BlockLinear`), for Q8_0 ``x``."""
+    ``w`` as its backend's ``pack_blocks`` prepared it (:class:`qarray.nn.BlockLinear`), for Q8_0 ``x``;
+    ``packed_float``: as its ``pack_blocks_float`` did, for float ``x``."""
     used = [k for k in _KEYWORDS if given.get(k) is not None] + (["relu"] if given.get("relu") else [])
     if used:
         raise TypeError(f"linear with block-format weights ({w.dtype.name}) gives a float array; "
@@ -163,7 +164,10 @@ def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, **given):
     lead = x.shape[:-1]
     x2 = b.asarray(x).reshape(-1, k_len).astype(np.float64)
     cols = None if w.columns is None else np.asarray(to_host(w.columns))
-    y = b.block_linear(x2, w.data, fmt, w.global_scale, cols, _bias(b, bias, n))
+    if packed_float is not None and cols is None and b is w._backend:
+        y = b.block_linear_packed(x2, packed_float, _bias(b, bias, n))
+    else:
+        y = b.block_linear(x2, w.data, fmt, w.global_scale, cols, _bias(b, bias, n))
     return _finish(y, lead, n, out_dtype)
 
 
