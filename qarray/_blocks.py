@@ -287,7 +287,8 @@ class BlockFormat:
             if callable(spec) or spec[0] is None or (spec[1] is None and self.sub != self.block) or \
                     spec[1] is not None and np.any(np.asarray(spec[1][1]) != np.rint(spec[1][1])):
                 return None
-            d = (self.fields[spec[0]].unpack(raw).astype(np.float32) * np.float32(sign)).reshape(-1)
+            with np.errstate(invalid="ignore"):  # (a signalling NaN scale stays NaN, quietly)
+                d = (self.fields[spec[0]].unpack(raw).astype(np.float32) * np.float32(sign)).reshape(-1)
             sc = np.ones((len(raw), 1), np.int64) if spec[1] is None else \
                 np.asarray(spec[1][1], np.int64)[self.fields[spec[1][0]].unpack(raw).astype(np.int64)]
             out += [d, sc]

@@ -17,8 +17,6 @@ numba = pytest.importorskip("numba")
 
 from qarray.backends.cpu.blocks_float import float_packable  # noqa: E402  (Numba's)
 
-# BlockLinear packs Q8_0 weights too: PackedQ8 (BlockFormat.levels) multiplies NaN scales, with NumPy's warning
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 
 # every format the packed float path takes (value tables of 16 entries or fewer), and some it does not
 COVERED = [n for n in GGML + GROUPED + ["int4_g32_f16", "uint4_g64_f16_bias", "uint4_g64_f16_zp"]
