@@ -615,3 +615,20 @@ def force_isa(monkeypatch, name):
     monkeypatch.setattr(isa, "OFF", set(isa.ORDER[:isa.ORDER.index(name)]))
     assert isa.best() == name
     return name
+
+
+def same_on_threads(call):
+    """``call()`` on one thread and on two (the pool's, each taking some tasks where the caller set
+    ``pool.GRAIN`` low): asserts the same bits, returns the result."""
+    import qarray as qa
+    from qarray._config import THREADS
+
+    n = THREADS[0]
+    try:
+        qa.set_num_threads(1)
+        one = call()
+        qa.set_num_threads(2)
+        assert_same(call(), one)
+    finally:
+        qa.set_num_threads(n)
+    return one

@@ -9,7 +9,7 @@ import pytest
 
 import qarray as qa
 import qarray.nn as qnn
-from _reference import assert_same, force_isa
+from _reference import assert_same, force_isa, same_on_threads
 from qarray import QArray, _blocks
 from qarray._config import THREADS
 
@@ -570,17 +570,10 @@ def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
 
     monkeypatch.setattr(pool, "GRAIN", 1)
     w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
-    layer, n = qnn.BlockLinear(w), THREADS[0]
+    layer = qnn.BlockLinear(w)
     for act, m in (("Q8_0", 11), ("Q8_K", 33)):  # (Q8_K's 33 rows: AMX's tiles where it runs)
         xq = qa.quantize(rng.standard_normal((m, 8192)).astype(np.float32), dtype=act)
-        try:
-            qa.set_num_threads(1)
-            one = layer(xq)
-            qa.set_num_threads(2)
-            assert_same(layer(xq), one)
-        finally:
-            qa.set_num_threads(n)
-        assert_same(one, _generic(xq, w))
+        assert_same(same_on_threads(lambda: layer(xq)), _generic(xq, w))
 
 
 def test_block_linear_layer(rng):

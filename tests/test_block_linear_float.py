@@ -7,9 +7,8 @@ import pytest
 
 import qarray as qa
 import qarray.nn as qnn
-from _reference import assert_same, force_isa
+from _reference import assert_same, force_isa, same_on_threads
 from qarray import QArray, _blocks
-from qarray._config import THREADS
 from test_block_linear import GGML, GROUPED, _blocks_of, _k, ref_float, weights
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -118,20 +117,12 @@ def test_packed_float_threads_and_long_rows(rng, only, monkeypatch):
     from qarray.backends.cpu import pool
 
     monkeypatch.setattr(pool, "GRAIN", 1)
-    n = THREADS[0]
     for name in ("int4_g128_f16", "uint4_g32_bf16_bias"):
         w = weights(name, 16 * 9 + 5, 8192, rng)
         layer = qnn.BlockLinear(w)
         for m in (1, 11):
             x = rng.standard_normal((m, 8192)).astype(np.float32)
-            try:
-                qa.set_num_threads(1)
-                one = layer(x)
-                qa.set_num_threads(2)
-                assert_same(layer(x), one)
-            finally:
-                qa.set_num_threads(n)
-            assert_same(one, _generic(x, w))
+            assert_same(same_on_threads(lambda: layer(x)), _generic(x, w))
 
 
 def test_packed_float_sum_order(only):

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .gemm import _ISAS
 from .isa import best, usable
-from .llvm import _SOURCE as _LLVM, _fn, _tiles_begin, _tiles_end, _wide
+from .llvm import _SOURCE as _LLVM, _fn, _loadu, _row_of, _tiles_begin, _tiles_end, _wide
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
@@ -442,12 +442,8 @@ def _make_dot(width, planes, count):
             has_sc, has_o, has_osc, has_zero = (builder.icmp_signed("!=", builder.and_(flags, const(1 << i)), const(0))
                                                 for i in range(4))
 
-            def row(i, index):  # bytes of row ``index`` of 2-D array argument i
-                a = arrays[i]
-                return builder.gep(builder.bitcast(a.data, _P8), [builder.mul(index, builder.extract_value(a.strides, 0))])
-
-            def load(ptr, vtype):
-                return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
+            row = lambda i, index: _row_of(builder, arrays[i], index)  # noqa: E731  (bytes of row index of array i)
+            load = functools.partial(_loadu, builder)
 
             pieces = builder.extract_value(arrays[5].shape, 1)
             xrows = [row(3, builder.add(m0, const(r))) for r in range(count)]

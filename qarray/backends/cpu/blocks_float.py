@@ -39,13 +39,13 @@ from numba.extending import intrinsic
 from .blocks import PRECISION, _store, rounded
 from .gemm import _ISAS
 from .isa import best, usable
-from .llvm import _fn
+from .llvm import _SOURCE as _LLVM, _fn, _loadu, _row_of
 from .pool import kernel, parallel
 
 ROWS = 16  # weight rows of a group: 16 float32 lanes
 RM = 8  # rows of x a call takes, each k's weights decoded once for them
 # the helpers the kernels inline from blocks.py (Numba's cache sees this file's timestamp only)
-_SOURCE = hashlib.sha256("".join(inspect.getsource(f.py_func) for f in (rounded, _store)).encode()).hexdigest()
+_SOURCE = hashlib.sha256("".join(inspect.getsource(f.py_func) for f in (rounded, _store)).encode()).hexdigest() + _LLVM
 
 
 def float_packable(fmt, columns=None) -> bool:
@@ -150,12 +150,8 @@ def _make_fdot(width, count):
             arr = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 9)}
             m0, variant, sub2 = args[6], args[7], args[8]
 
-            def row(i, index):  # bytes of row ``index`` of 2-D array argument i
-                a = arr[i]
-                return builder.gep(builder.bitcast(a.data, p8), [builder.mul(index, builder.extract_value(a.strides, 0))])
-
-            def load(ptr, vtype):
-                return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
+            row = lambda i, index: _row_of(builder, arr[i], index)  # noqa: E731  (bytes of row index of array i)
+            load = functools.partial(_loadu, builder)
 
             pairs = builder.extract_value(arr[0].shape, 0)
             tab = load(builder.bitcast(arr[1].data, p8), _F32X16)
@@ -252,7 +248,7 @@ def _make_kernel(isa):
     def linear_float_packed(x, codes, table, s, z, o, variant, sub2, bias, has_bias, out, start, stop):
         """The float contract on groups ``start .. stop`` of :class:`PackedFloat`'s weights: ``x`` float64
         ``(M, K)``, ``bias`` float64 ``(N,)``, ``out`` float32 ``(M, N)``."""
-        _ = source  # in the cache key: a changed blocks.rounded / _store recompiles
+        _ = source  # in the cache key: a changed blocks.rounded / _store or llvm.py recompiles
         m_len = x.shape[0]
         n_len = out.shape[1]
         acc = np.empty((RM, ROWS), np.float64)

@@ -61,6 +61,17 @@ def _splat(builder, value, vtype):
                                   ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), None))
 
 
+def _row_of(builder, array, index):
+    """The bytes of row ``index`` of a 2-D array (``context.make_array``'s struct), by its stride."""
+    return builder.gep(builder.bitcast(array.data, ir.IntType(8).as_pointer()),
+                       [builder.mul(index, builder.extract_value(array.strides, 0))])
+
+
+def _loadu(builder, ptr, vtype):
+    """A ``vtype`` loaded from ``ptr`` (any pointer), unaligned."""
+    return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
+
+
 # -- streamed stores: quantize.quantize_stream, requantize.requantize_stream -------------------
 @intrinsic
 def _store_line(typingctx, out, offset, line, at):
