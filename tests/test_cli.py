@@ -53,8 +53,8 @@ def test_version(capsys):
          "argument --dtype: unknown quantized dtype 'int3'; use one of qint2, quint2, qint4, quint4, qint8, quint8, "
          "qint16, quint16, qint32 (or int8, uint4, quint4x2, ...), or a floating format: float8_e4m3fn, "
          "float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float6_e2m3fn, float6_e3m2fn, float4_e2m1fn, mxint8; "
-         "or a block format (GGUF's types, case-insensitive): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, "
-         "Q5_K, Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, "
+         "or a block format (GGUF's types, case-insensitive): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_K, Q2_K, Q3_K, "
+         "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, "
          "IQ1_M (and grouped ones such as int4_g128_f16) (see 'qarray quantize --help')"),
         (["quantize", "m.npz", "-o", "q.npz", "--block-size", "0"],
          "argument --block-size: expected a positive integer, got '0' (see 'qarray quantize --help')"),
