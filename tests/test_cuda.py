@@ -1,5 +1,6 @@
-"""CUDA kernels without a GPU: nvcc compiles them for sm_75 and sm_90 (and sm_80
-where a branch of the sources tells it from both) with warnings as errors, and a
+"""CUDA kernels without a GPU: nvcc compiles each source for sm_75, and for sm_90
+(sm_80) where a branch of that source or its headers tells it from sm_75 (from
+both), with warnings as errors, and a
 host build runs them, launched exactly as CupyBackend launches them, against the
 NumPy backend bit for bit."""
 
@@ -28,19 +29,20 @@ _ARCH_DEFINED = re.compile(r"#\s*if(?:n?def)?\s+(?:!\s*)?(?:defined\s*\(\s*)?__C
 _OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
 
 
-def nvcc_archs(texts=None):
+def nvcc_archs(texts=None, newest_where_it_differs=False):
     """The architectures nvcc compiles for: the oldest and the newest of ``ARCHS``,
     and each other that takes a different side of some ``__CUDA_ARCH__`` comparison
     in the sources than both (sm_80 took sm_75's every branch: the same code, built
-    for a newer, less restrictive target). Every arch when a ``__CUDA_ARCH__`` is
-    read some other way."""
+    for a newer, less restrictive target). With ``newest_where_it_differs`` (one
+    source's text), the oldest, and each other only where it takes a different
+    side than the oldest. Every arch when a ``__CUDA_ARCH__`` is read some other way."""
     texts = texts if texts is not None else [f.read_text() for f in sorted(CUDA_DIR.glob("*.cu*"))]
     uses = sum(t.count("__CUDA_ARCH__") for t in texts)
     tests = {(op, int(v)) for t in texts for op, v in _ARCH_TEST.findall(t)}
     if uses != sum(len(_ARCH_TEST.findall(t)) + len(_ARCH_DEFINED.findall(t)) for t in texts):
         return [f"sm_{a}" for a in ARCHS]
     kept = {}
-    for arch in (ARCHS[0], ARCHS[-1], *ARCHS[1:-1]):
+    for arch in (ARCHS[0], *ARCHS[1:]) if newest_where_it_differs else (ARCHS[0], ARCHS[-1], *ARCHS[1:-1]):
         kept.setdefault(tuple(_OPS[op](arch * 10, v) for op, v in sorted(tests)), arch)
     return [f"sm_{a}" for a in sorted(kept.values())]
 
@@ -51,10 +53,24 @@ def test_nvcc_archs_take_every_branch():
     assert nvcc_archs(["#if __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 900"]) == ["sm_75", "sm_80", "sm_90"]
     assert nvcc_archs(["#ifndef __CUDA_ARCH__", "#if __CUDA_ARCH__ > 750"]) == ["sm_75", "sm_90"]
     assert nvcc_archs(["#if __CUDA_ARCH__ >= QA_ARCH"]) == ["sm_75", "sm_80", "sm_90"]  # read some other way: all
+    # one source at a time: the newer archs only where a comparison tells them from sm_75
+    assert nvcc_archs(["#ifdef __CUDA_ARCH__\nint k;\n#endif"], newest_where_it_differs=True) == ["sm_75"]
+    for text, archs in (("#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890", ["sm_75", "sm_90"]),
+                        ("#if __CUDA_ARCH__ >= 800", ["sm_75", "sm_80"]),
+                        ("#if __CUDA_ARCH__ >= QA_ARCH", ["sm_75", "sm_80", "sm_90"])):
+        assert nvcc_archs([text], newest_where_it_differs=True) == archs, text
 
 
-@pytest.mark.parametrize("arch", nvcc_archs())
-@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+# Each source on its own (headers inlined, as RawModule gets it): where nothing in
+# it compares __CUDA_ARCH__, sm_90 compiled sm_75's code for a less restrictive
+# target (the same limits or larger), as sm_80 did (e1ce077); NVRTC compiles every
+# source for arch 90 the way CuPy does (test_cuda_nvrtc). formats.cu's >= 890
+# branch keeps its sm_90 build
+_BUILDS = [(source, arch) for source in SOURCES
+           for arch in nvcc_archs([_cuda.kernel_source(source.name)], newest_where_it_differs=True)]
+
+
+@pytest.mark.parametrize("source,arch", _BUILDS, ids=lambda v: getattr(v, "name", v))
 def test_nvcc_compiles(source, arch, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
