@@ -107,13 +107,13 @@ def against_ggml(ops, n_len, k_len, ms, repeats, rng):
         f"(qarray: to Q8_K for the K-quants and IQ4_XS, to Q8_0 otherwise, as ggml)")
     for name in TYPES:
         w = qa.quantize(rng.standard_normal((n_len, k_len)).astype(np.float32), dtype=name)
-        layer = qnn.BlockLinear(w)
+        layer, a = qnn.BlockLinear(w), act(w)
         for m in ms:
             x = rng.standard_normal((m, k_len)).astype(np.float32)
             ours, theirs = [], []
             for _ in range(3):  # rounds: ggml's process, then qarray's calls
                 theirs.append(ggml_us(ops, name, n_len, m, k_len) / 1e3)
-                ours += calls_ms(lambda: layer(qa.quantize(x, dtype=act(w))), repeats if m < 512 else 2)
+                ours += calls_ms(lambda: layer(qa.quantize(x, dtype=a)), repeats if m < 512 else 2)
             row(f"{name} M={m}", ours, theirs, "ggml")
 
 
@@ -127,9 +127,9 @@ def against_int8(n_len, k_len, m, repeats, rng):
     int8 = calls_ms(lambda: lin(xq), repeats)
     for name in TYPES:
         wq = qa.quantize(w, dtype=name)
-        layer = qnn.BlockLinear(wq)
-        row(f"{name} M={m} vs int8 GEMM", calls_ms(lambda: layer(qa.quantize(x, dtype=act(wq))), repeats), int8,
-            "qarray int8 nn.Linear", x=act(wq))
+        layer, a = qnn.BlockLinear(wq), act(wq)
+        row(f"{name} M={m} vs int8 GEMM", calls_ms(lambda: layer(qa.quantize(x, dtype=a)), repeats), int8,
+            "qarray int8 nn.Linear", x=a)
 
 
 def matmul_nbits(n_len, k_len, ms, repeats, rng):

@@ -272,21 +272,28 @@ class BlockFormat:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return self.scales(fields, g), self.offsets(fields), zero
 
+    @functools.cached_property
+    def leveled(self) -> bool:
+        """Whether :meth:`levels` reads this format's scales (and offsets) as two levels."""
+        if self.zero is not None or self.factor is not None or self.tensor_scale is not None:
+            return False
+        return all(not callable(spec) and spec[0] is not None and (spec[1] is not None or self.sub == self.block)
+                   and (spec[1] is None or np.all(np.asarray(spec[1][1]) == np.rint(spec[1][1])))
+                   for spec in (self.scale, self.offset and self.offset[0]) if spec)
+
     def levels(self, raw):
         """The scales and offsets of blocks ``raw`` as their two levels, where each is a float field
         times a table of integers (the K-quants' ``d * scales[j]`` and ``-dmin * mins[j]``, IQ4_XS's
         ``d * (ls - 32)``) or a float field alone over the whole block (TQ2_0's ``d``): ``(d, sc, dm,
         m)``, ``d`` float32 ``(n,)``, ``sc`` int64 ``(n, block // sub)`` (ones for one level), ``dm``
         (the offset's, its sign included) and ``m`` likewise, or None where there is no offset. None
-        where a scale or offset has another form, or the format a zero point, factor or tensor scale."""
-        if self.zero is not None or self.factor is not None or self.tensor_scale is not None:
+        where a scale or offset has another form, or the format a zero point, factor or tensor scale
+        (:attr:`leveled`)."""
+        if not self.leveled:
             return None
         sides = [(self.scale, 1)] + ([self.offset] if self.offset is not None else [])
         out = []
         for spec, sign in sides:
-            if callable(spec) or spec[0] is None or (spec[1] is None and self.sub != self.block) or \
-                    spec[1] is not None and np.any(np.asarray(spec[1][1]) != np.rint(spec[1][1])):
-                return None
             with np.errstate(invalid="ignore"):  # (a signalling NaN scale stays NaN, quietly)
                 d = (self.fields[spec[0]].unpack(raw).astype(np.float32) * np.float32(sign)).reshape(-1)
             sc = np.ones((len(raw), 1), np.int64) if spec[1] is None else \

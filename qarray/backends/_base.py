@@ -192,12 +192,13 @@ class Backend:
 
         return self.map_rows(decode, raw, fmt.block / fmt.nbytes, dtype)
 
-    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None, packed=None):
         """float32 ``(M, N)``: ``float32(sum_k x[m, k] * w[n, k] (+ bias[n]))`` summed in float64 in
         increasing ``k`` (``qarray.ops.block_linear``'s float contract), ``w`` the values of
         block-format rows ``raw`` ``(N, row bytes)`` as ``dequantize`` gives them (``g`` the tensor's
         scale, ``columns`` act-order's column order or None); ``x`` float64 ``(M, K)``, ``bias``
-        float64 ``(N,)`` or None. One step a ``k``, over all outputs at once."""
+        float64 ``(N,)`` or None; ``packed``: :meth:`pack_blocks_float`'s, which a backend with a packed
+        path runs on (here: unused). One step a ``k``, over all outputs at once."""
         w = self.dequantize_blocks(raw, fmt, np.float32, g)
         if columns is not None:
             w = w[:, self.param(np.argsort(columns))]
@@ -226,14 +227,10 @@ class Backend:
         return None
 
     def pack_blocks_float(self, raw, fmt, g=None):
-        """Block-format rows ``raw`` of format ``fmt`` (``g``: the tensor's scale) prepared once for
-        :meth:`block_linear_packed` (float activations), or None where this backend has no packed path
-        for them (here)."""
+        """Block-format rows ``raw`` of format ``fmt`` (``g``: the tensor's scale; in stored column order)
+        prepared once for :meth:`block_linear`'s ``packed`` (float activations), or None where this
+        backend has no packed path for them (here)."""
         return None
-
-    def block_linear_packed(self, x, packed, bias=None):
-        """:meth:`block_linear` against :meth:`pack_blocks_float`'s ``packed`` weights, bit for bit."""
-        raise NotImplementedError(f"{self.name} packs no block weights for float activations")
 
     def block_linear_q8(self, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):
         """float32 ``(M, N)`` of Q8_0 activations (rows of blocks ``xraw``: :meth:`q8_parts`) against
@@ -254,32 +251,29 @@ class Backend:
         v = self.asarray(v.reshape(n, k_len))
         q = qx.astype(np.int64)
         acc = xp.zeros((qx.shape[0], n), np.float64)
+        # a float step: one piece of min(sub, 32) k (Q8_0), or a block whose pieces' integer sums are
+        # weighted by their sub-scales sc and m (Q8_K); d and dm an entry each span k
         if act == "Q8_K":
-            d, sc, dm, mn = (None if a is None else self.asarray(a.reshape(n, -1)) for a in fmt.levels(blocks))
-            d, dm = d.astype(np.float64), None if dm is None else dm.astype(np.float64)
-            subs = sc.shape[1] // (k_len // fmt.block)
+            d, sc, dm, mn = fmt.levels(blocks)
+            step, piece, span, xblock = fmt.block, fmt.sub, fmt.block, 256
         else:
-            s = self.asarray(s.reshape(n, -1).astype(np.float64))
-            o = None if o is None else self.asarray(o.reshape(n, -1).astype(np.float64))
-        piece = fmt.sub if act == "Q8_K" else min(fmt.sub, 32)
+            d, sc, dm, mn = s, None, o, None
+            step = piece = min(fmt.sub, 32)
+            span, xblock = fmt.sub, 32
+        d, sc, dm, mn = (None if a is None else self.asarray(a.reshape(n, -1)) for a in (d, sc, dm, mn))
+        d, dm = d.astype(np.float64), None if dm is None else dm.astype(np.float64)
         with np.errstate(over="ignore", invalid="ignore"):
-            for k0 in range(0, k_len, fmt.block if act == "Q8_K" else piece):
-                if act == "Q8_K":  # one block: integer sums of sub-scales times sub-block sums
-                    b = k0 // fmt.block
-                    big, small = (xp.zeros((qx.shape[0], n), np.int64) for _ in range(2))
-                    for j in range(subs):
-                        part = slice(k0 + j * piece, k0 + (j + 1) * piece)
-                        big += (q[:, part] @ v[:, part].T) * sc[:, b * subs + j]
-                        if dm is not None:
-                            small += q[:, part].sum(axis=1, keepdims=True) * mn[:, b * subs + j]
-                    term = dx[:, b, None] * d[:, b] * big.astype(np.float64)
-                    if dm is not None:
-                        term = term + dx[:, b, None] * dm[:, b] * small.astype(np.float64)
-                else:
-                    c, j = dx[:, k0 // 32, None], k0 // fmt.sub
-                    term = c * s[:, j] * (q[:, k0:k0 + piece] @ v[:, k0:k0 + piece].T).astype(np.float64)
-                    if o is not None:
-                        term = term + c * o[:, j] * q[:, k0:k0 + piece].sum(axis=1, keepdims=True).astype(np.float64)
+            for k0 in range(0, k_len, step):
+                big, small = (xp.zeros((qx.shape[0], n), np.int64) for _ in range(2))
+                for p0 in range(k0, k0 + step, piece):
+                    part = slice(p0, p0 + piece)
+                    isum, xsum = q[:, part] @ v[:, part].T, q[:, part].sum(axis=1, keepdims=True)
+                    big += isum if sc is None else isum * sc[:, p0 // piece]
+                    small += xsum if mn is None else xsum * mn[:, p0 // piece]
+                c, j = dx[:, k0 // xblock, None], k0 // span
+                term = c * d[:, j] * big.astype(np.float64)
+                if dm is not None:
+                    term = term + c * dm[:, j] * small.astype(np.float64)
                 acc += term
             if bias is not None:
                 acc += bias

@@ -693,7 +693,7 @@ class CupyBackend(Backend):
             return self.param(np.zeros(1)), np.int32(0)
         return self.xp.ascontiguousarray(bias), np.int32(1)
 
-    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None, packed=None):  # (packed: None here)
         """M <= 16: ``block_gemv``, the weights decoded in the kernel; larger M: dequantize-then-GEMM,
         the weights decoded to float32 once (``block_decode``, act-order's columns put in order) and
         ``block_gemm``'s float64 sums. Both sum each output in increasing k by fused multiply-adds

@@ -198,7 +198,7 @@ class DaskBackend(Backend):
         return raw.map_blocks(functools.partial(inner.dequantize_blocks, fmt=fmt, dtype=dtype, g=g), dtype=dtype,
                               chunks=chunks, meta=meta_from_array(raw, raw.ndim, dtype))
 
-    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None):
+    def block_linear(self, x, raw, fmt, g=None, columns=None, bias=None, packed=None):  # (None: Dask packs nothing)
         """The chunks' backend's on each chunk of rows of ``x`` (whole rows), with all the weights."""
         inner = self._chunks_backend()
         return self._over_rows(lambda c, r: inner.block_linear(c, r, fmt, g, columns, bias), x, raw)

@@ -320,10 +320,12 @@ class NumpyBackend(Backend):
             return out if dtype == np.float32 else out.astype(dtype)
 
     @_fast_path("blocks")
-    def block_linear(self, cpu, x, raw, fmt, g=None, columns=None, bias=None):
+    def block_linear(self, cpu, x, raw, fmt, g=None, columns=None, bias=None, packed=None):
         blocks = _family(cpu, "blocks")
         n, k_len = raw.shape[0], x.shape[1]
         out = np.empty((x.shape[0], n), np.float32)
+        if packed is not None:
+            return _family(cpu, "blocks_float").linear_float_packed(np.ascontiguousarray(x), packed, bias, out)
         b = np.zeros(1) if bias is None else bias
         tasks, grain = -(-n // blocks.LANES), max(1, cpu.pool.GRAIN // (blocks.LANES * k_len * (x.shape[0] + 8)))
         x = np.ascontiguousarray(x)
@@ -378,13 +380,6 @@ class NumpyBackend(Backend):
         packing = _family(cpu, "blocks_float") if cpu is not None else None
         return packing.PackedFloat(contiguous(raw), fmt, g) if packing is not None and packing.float_packable(fmt) \
             else None
-
-    def block_linear_packed(self, x, packed, bias=None):
-        cpu = self._fast(x) if x.shape[0] else None
-        if cpu is None:  # (Numba turned off since packing, or no rows: the generic code)
-            return self.block_linear(x, packed.raw, packed.fmt, packed.g, None, bias)
-        out = np.empty((x.shape[0], packed.n), np.float32)
-        return _family(cpu, "blocks_float").linear_float_packed(x, packed, bias, out)
 
     @_fast_path("blocks")
     def block_linear_q8(self, cpu, xraw, raw, fmt, bias=None, packed=None, act="Q8_0"):

@@ -117,7 +117,7 @@ def q8k_supported(fmt) -> str | None:
         return f"{fmt.name}'s blocks of {fmt.block} elements do not meet Q8_K's blocks of 256"
     if fmt.zero is not None:
         return f"{fmt.name} has zero points"
-    if fmt.levels(np.zeros((0, fmt.nbytes), np.uint8)) is None:
+    if not fmt.leveled:
         return f"{fmt.name}'s scales are not a float a block times integer sub-scales"
     return None
 
@@ -164,10 +164,8 @@ def block_linear(x, w: QArray, bias=None, dtype=None, packed=None, packed_float=
     lead = x.shape[:-1]
     x2 = b.asarray(x).reshape(-1, k_len).astype(np.float64)
     cols = None if w.columns is None else np.asarray(to_host(w.columns))
-    if packed_float is not None and cols is None and b is w._backend:
-        y = b.block_linear_packed(x2, packed_float, _bias(b, bias, n))
-    else:
-        y = b.block_linear(x2, w.data, fmt, w.global_scale, cols, _bias(b, bias, n))
+    packed_float = packed_float if cols is None and b is w._backend else None
+    y = b.block_linear(x2, w.data, fmt, w.global_scale, cols, _bias(b, bias, n), packed_float)
     return _finish(y, lead, n, out_dtype)
 
 

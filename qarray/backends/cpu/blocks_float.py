@@ -60,14 +60,12 @@ class PackedFloat:
     ``codes`` uint8 ``(groups, K // 2, 16)``; ``table`` float32 ``(16,)`` (the value table, zeros
     after it); ``s``, ``z``, ``o`` float32 ``(groups, K // sub, 16)`` (``z``, ``o`` ``(1, 1, 16)``
     zeros where the format has no zero point / offset); ``variant``: the precision (0 float32, 1
-    float16, 2 bfloat16) | has_zero << 2 | has_offset << 3; ``raw``, ``fmt``, ``g``: the weight's
-    bytes, format and tensor scale (for the generic code, where Numba is turned off)."""
+    float16, 2 bfloat16) | has_zero << 2 | has_offset << 3."""
 
-    __slots__ = ("n", "k", "sub", "codes", "table", "s", "z", "o", "variant", "raw", "fmt", "g")
+    __slots__ = ("n", "k", "sub", "codes", "table", "s", "z", "o", "variant")
 
     def __init__(self, raw, fmt, g=None):
         blocks = np.ascontiguousarray(raw).reshape(-1, fmt.nbytes)
-        self.raw, self.fmt, self.g = raw, fmt, g
         self.n, self.k = raw.shape[0], raw.shape[1] // fmt.nbytes * fmt.block
         n, k = self.n, self.k
         self.sub = fmt.sub
