@@ -512,6 +512,38 @@ def test_packed_q8k_every_format(name, rng, only):
         assert_same(qa.linear(xq, w), _generic(xq, w))
 
 
+@pytest.mark.parametrize("vmin, vmax, smin, smax, small, planes", [
+    (0, 3, 4, 15, 1, 1),  # Q2_K: 2-bit values, 4-bit sub-scales and mins
+    (-4, 3, -32, 31, 0, 2),  # Q3_K
+    (0, 15, 0, 63, 1, 2),  # Q4_K
+    (0, 31, 0, 63, 1, 3),  # Q5_K
+    (-32, 31, -128, 127, 0, 4),  # Q6_K: int8 sub-scales at both ends
+    (-127, 113, -32, 31, 0, 4),  # IQ4_XS: its table's values, split in two 4-bit parts
+    (-1, 1, 1, 1, 0, 1),  # TQ2_0: no sub-scales
+    (-128, 127, -128, 127, 0, None)])  # no split into 5 tiles: AVX-512 VNNI's path
+def test_amx_plan_splits_exactly(vmin, vmax, smin, smax, small, planes):
+    """AMX's planes (``blocks.amx_plan``): for every value and sub-scale in range, the planes' products
+    each fit an int8 (tdpbssd's operand) and their sum, each shifted by its weight, is ``v * sc``
+    exactly; at most 5 C tiles with the offset's plane."""
+    blocks = pytest.importorskip("qarray.backends.cpu.blocks")
+    plan = blocks.amx_plan(vmin, vmax, smin, smax, small)
+    if planes is None:
+        assert plan is None
+        return
+    parts, digits, bits = plan
+    assert parts * digits == planes and planes + small <= blocks.AMX_TILES
+    v, sc = np.arange(vmin, vmax + 1)[:, None], np.arange(smin, smax + 1)[None, :]
+    total = np.zeros(np.broadcast_shapes(v.shape, sc.shape), np.int64)
+    for i in range(parts):
+        part = v if parts == 1 else v & 15 if i == 0 else v >> 4
+        for t in range(digits):
+            d = sc >> bits * t
+            prod = part * (d if t == digits - 1 else d & (1 << bits) - 1)
+            assert -128 <= prod.min() and prod.max() <= 127
+            total += prod << 4 * i + bits * t
+    np.testing.assert_array_equal(total, v * sc)
+
+
 def _blocks_of(name, n, fields):
     fmt = _blocks.get(name)
     return QArray.from_blocks(fmt.pack(fields).reshape(n, -1), name)

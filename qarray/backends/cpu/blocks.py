@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .gemm import _ISAS
 from .isa import best, usable
-from .llvm import _SOURCE as _LLVM, _fn, _loadu, _row_of, _tiles_begin, _tiles_end, _wide
+from .llvm import _SOURCE as _LLVM, _fn, _loadu, _row_of, _splat, _tiles_begin, _tiles_end, _wide
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
@@ -322,7 +322,7 @@ class PackedQ8:
     an entry a sub-block (a block: two levels' d), ``spans`` the pieces an entry covers (16 bits each:
     s's, o's, the zero's). ``flags``: has_sc, has_o, has_osc, has_zero as bits 0..3."""
 
-    __slots__ = ("n", "k", "block", "piece", "signed", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
+    __slots__ = ("n", "k", "block", "piece", "amx", "codes", "planes", "hi", "lut", "s", "sc", "has_sc", "o", "osc", "has_o", "has_osc", "shift",
                  "has_zero", "spans", "flags")
 
     def __init__(self, raw, fmt):
@@ -380,8 +380,8 @@ class PackedQ8:
         self.shift = side(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
         self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
-        umax = int(u_of.max())  # AMX multiplies signed values: v = u + shift, each in an int8
-        self.signed = -128 <= int(self.shift.min()) and int(self.shift.max()) + umax <= 127
+        sc_range = (int(self.sc.min()), int(self.sc.max())) if self.has_sc else (1, 1)  # AMX's planes
+        self.amx = amx_plan(int(self.shift.min()), int(self.shift.max()) + int(u_of.max()), *sc_range, self.has_o)
         self.spans = spans[0] | spans[1] << 16 | each << 32  # s's, o's, the zero's (a sub-block's)
 
 
@@ -654,80 +654,46 @@ def _make_packed(isa, planes):
 _packed_kernel = functools.cache(_make_packed)
 
 
-# -- many rows of x on AMX: the tiles take a piece of 16 rows of x against a group ---------------------
+# -- many rows of x on AMX: the tiles take a block of 16 rows of x against a group --------------------
 #
-# ``tdpbssd`` (signed bytes by signed bytes) multiplies tile A, 16 rows of x's codes (a piece's k,
-# read where they lie), by tile B, the group's signed values ``v = u + shift`` for the piece, 4 k of
-# the 16 weight rows a row of 64 bytes (a packed line's layout; nibbles decoded once a group into
-# ``v``): C = the 16 x 16 exact ``isum``s, with no ``shift * xsum`` term. The sums and float steps
-# then are the portable twin's, on the 16 rows at once, so the bits are the same.
+# ``tdpbssd`` (signed bytes by signed bytes) multiplies tile A, 16 rows of x's codes (64 k, read
+# where they lie), by tile B, 4 k of the 16 weight rows a row of 64 bytes (a packed line's layout).
+# A Q8_K step is a block of 256 k, whose integers are ``big = sum_p sc_p * sum_k x * v`` (``v = u +
+# shift``) and ``small = sum_p osc_p * xsum_p``. The sub-scales go into B: ``sc`` splits into digits of
+# ``bits`` (the top one signed) and ``v`` into ``parts`` of 4 bits (the top one signed) where a
+# product would not fit a byte, and each plane ``(part, digit)`` holds ``part(v) * digit(sc)``; then
+# ``big = sum over planes of C_plane << shift_plane``, and ``small`` is one more plane, ``osc`` (ones
+# without sub-scales): ``sum_k x * osc``. Every integer is the one the dots sum, so the float step and
+# the bits are theirs, and the block's products stay in the tiles: no work a piece.
 
 AMX_ROWS = 32  # rows of x from which the AMX path runs (fewer: AVX-512 VNNI's, which decodes nothing);
-# Q8_K activations only (steps of 8 or 16 pieces, taken two at a time): under Q8_0's step of one piece
-# the float work a piece bounds it, and AVX-512 VNNI was faster (4096 x 14336, M = 512, Q8_0: 0.73x)
+# Q8_K activations only: under Q8_0's float step a piece, AVX-512 VNNI was faster (4096 x 14336, M =
+# 512, Q8_0: 0.73x)
+AMX_GROUPS = 2  # groups a pass over x's rows takes, each block's planes decoded for them
+AMX_TILES = 5  # planes a block at most: C tiles 0..4, A tile 5, B tiles 6 and 7 in turn
+_STEPS = 256 // 64  # tile products of 64 k a Q8_K block
 
 
-@intrinsic
-def _amx_pieces(typingctx, a, a_at, a_next, a_stride, b, b_at, b_next, c):
-    """Two pieces' products, side by side in the tiles: C (tiles 0, 3) = A (tiles 1, 4: 16 rows of
-    ``a``'s bytes from byte ``a_at``, ``a_next``, ``a_stride`` apart) times B (tiles 2, 5: ``b``'s
-    bytes from ``b_at``, ``b_next``, rows of 64) by ``tdpbssd``, stored to ``c`` (2 x 16 x 16 int32):
-    neither piece waits for the other's store."""
-    def codegen(context, builder, sig, args):
-        p8, i8, i64 = ir.IntType(8).as_pointer(), ir.IntType(8), ir.IntType(64)
-        ptr = [builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, p8) for i in (0, 4, 7)]
-        load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [i8, p8, i64])
-        zero = _fn(builder, "llvm.x86.tilezero", ir.VoidType(), [i8])
-        dot = _fn(builder, "llvm.x86.tdpbssd", ir.VoidType(), [i8] * 3)
-        store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [i8, p8, i64])
-        tile = functools.partial(ir.Constant, i8)
-        for h, (at_a, at_b) in enumerate(((args[1], args[5]), (args[2], args[6]))):
-            builder.call(load, [tile(3 * h + 1), builder.gep(ptr[0], [at_a]), args[3]])
-            builder.call(load, [tile(3 * h + 2), builder.gep(ptr[1], [at_b]), ir.Constant(i64, 64)])
-            builder.call(zero, [tile(3 * h)])
-        for h in range(2):
-            builder.call(dot, [tile(3 * h), tile(3 * h + 1), tile(3 * h + 2)])
-        for h in range(2):
-            builder.call(store, [tile(3 * h), builder.gep(ptr[2], [ir.Constant(i64, 1024 * h)]), ir.Constant(i64, 64)])
-        return context.get_dummy_value()
+def amx_plan(vmin, vmax, smin, smax, small):
+    """``(parts, digits, bits)`` with the fewest planes for values ``v`` in ``vmin .. vmax`` and
+    sub-scales in ``smin .. smax``: every ``part(v) * digit(sc)`` in an int8, and no more than
+    ``AMX_TILES`` planes with ``small``'s; None if there is no such split."""
+    def ranges(lo, hi, width, count):  # each piece's range: the low ones unsigned, the top one lo >> ...
+        return [(0, (1 << width) - 1)] * (count - 1) + [(lo >> width * (count - 1), hi >> width * (count - 1))]
 
-    return types.void(a, a_at, a_next, a_stride, b, b_at, b_next, c), codegen
+    def fits(a, b):
+        ends = [x * y for x in a for y in b]
+        return -128 <= min(ends) and max(ends) <= 127
 
-
-def _tile_config(piece):
-    """``ldtilecfg``'s 64 bytes: twice C 16 rows of 64 bytes, A 16 rows of ``piece``, B ``piece // 4`` of 64."""
-    cfg = np.zeros(64, np.uint8)
-    cfg[0] = 1
-    cfg[16:28].view(np.uint16)[:] = (64, piece, 64) * 2
-    cfg[48:54] = (16, 16, piece // 4) * 2
-    return cfg
-
-
-@njit(inline="always")
-def _signed_rows(codes, hi, lut, planes, shift, has_zero, spans, piece, out):
-    """The group's values ``v = u + shift`` as B rows (``out``: K / 4 rows of 64 int8, row ``r`` the k
-    ``4 r .. 4 r + 3`` of the 16 weight rows), from its packed lines."""
-    each = spans >> 32 & 0xFFFF
-    sh = np.empty(64, np.int32)
-    for r in range(out.shape[0]):
-        hp = shift[(4 * r // piece) // each if has_zero else 0]
-        for q in range(64):
-            sh[q] = hp[q // 4]
-        dest = out[r]
-        if planes == 0:
-            line = codes[r]
-            for q in range(64):
-                dest[q] = np.int8(np.int32(line[q]) + sh[q])
-            continue
-        line, half = codes[r // 2], r % 2
-        for q in range(64):
-            c = (np.int32(line[q]) >> (4 * half)) & 15
-            if planes == 1:
-                c = np.int32(lut[c])
-            elif planes == 2:
-                f = (np.int32(hi[r // 2, q % 32]) >> (4 if q >= 32 else 0)) & 15
-                c |= ((f >> (2 * half)) & 3) << 4
-            dest[q] = np.int8(c + sh[q])
+    best = None
+    for parts in (1, 2):
+        for bits in range(1, 9):
+            for digits in range(1, 9):
+                count = parts * digits
+                if count + small <= AMX_TILES and bits * (digits - 1) < 8 and -128 <= vmin and vmax <= 127 and (best is None or count < best[0] * best[1]) and all(
+                        fits(p, d) for p in ranges(vmin, vmax, 4, parts) for d in ranges(smin, smax, bits, digits)):
+                    best = (parts, digits, bits)
+    return best
 
 
 def _vectors(context, builder, sig, args, which):
@@ -742,113 +708,225 @@ def _row(builder, base, r, vtype):
     return builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), r * size)]), vtype.as_pointer())
 
 
-_I32X16, _F64X16, _I8X16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.DoubleType(), 16), ir.VectorType(ir.IntType(8), 16)
+_I32X16, _F64X16, _I8X64, _I8X16 = (ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.DoubleType(), 16),
+                                    ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 16))
 
 
-def _ones_or(builder, flag, ptr):
-    """The int8 vector at ``ptr`` as int32 where ``flag`` (non-zero), else ones."""
-    v = builder.sext(builder.load(builder.bitcast(ptr, _I8X16.as_pointer()), align=1), _I32X16)
-    return builder.select(builder.icmp_signed("!=", flag, ir.Constant(flag.type, 0)), v,
-                          ir.Constant(_I32X16, [1] * 16))
+def _make_amx_block(tiles, nb=3, order=0):
+    @intrinsic
+    def block(typingctx, a, a_at, a_stride, b, b_at, b_plane, c, shifts, small, acc, d, s, o):
+        """A Q8_K block of 16 rows of x by a group on AMX. Its ``tiles`` planes: C (tiles ``0 .. tiles -
+        1``) = the sum over the block's 4 steps of 64 k of A (tile 5: 16 rows of ``a``'s bytes from byte
+        ``a_at + 64 s``, ``a_stride`` apart) times B (tiles 6, 7 in turn: ``b``'s bytes from ``b_at +
+        plane * b_plane + 1024 s``, rows of 64) by ``tdpbssd``, stored to ``c`` (tiles x 16 x 16
+        int32). Then its float step into ``acc`` (16 x 16 float64): ``big = sum of c[t] << shifts[t]``
+        over the planes but ``small``'s (the last, where ``small``), ``acc[r] += d[r] * s * big[r] (+
+        d[r] * o * small[r])``, ``s``, ``o`` float32 (16 weight rows), ``d`` float64 (16 rows of x);
+        unfused, left to right (the contract's roundings)."""
+        def codegen(context, builder, sig, args):
+            p8, i8, i64 = ir.IntType(8).as_pointer(), ir.IntType(8), ir.IntType(64)
+            a_, b_, c_, sh_, acc_, d_, s_, o_ = _vectors(context, builder, sig, args, (0, 3, 6, 7, 9, 10, 11, 12))
+            load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [i8, p8, i64])
+            dot = _fn(builder, "llvm.x86.tdpbssd", ir.VoidType(), [i8] * 3)
+            store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [i8, p8, i64])
+            tile, at = functools.partial(ir.Constant, i8), functools.partial(ir.Constant, i64)
+            for t in range(tiles):
+                builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [i8]), [tile(t)])
+            for st in range(_STEPS):
+                ta = tile(5)
+                builder.call(load, [ta, builder.gep(a_, [builder.add(args[1], at(1024 * st))]), args[2]])
+                for t in range(tiles):
+                    bt = tile(6 + (st * tiles + t) % 2)
+                    off = builder.add(builder.add(args[4], builder.mul(args[5], at(t))), at(1024 * st))
+                    builder.call(load, [bt, builder.gep(b_, [off]), at(64)])
+                    builder.call(dot, [tile(t), ta, bt])
+            for t in range(tiles):
+                builder.call(store, [tile(t), builder.gep(c_, [at(1024 * t)]), at(64)])
+            has_small = builder.icmp_signed("!=", args[8], ir.Constant(args[8].type, 0))
+            shp = builder.bitcast(sh_, i64.as_pointer())
+            shv = [_splat(builder, builder.trunc(builder.load(builder.gep(shp, [at(t)])), ir.IntType(32)), _I32X16)
+                   for t in range(tiles)]
+            f32x16 = ir.VectorType(ir.FloatType(), 16)
+            sv = builder.fpext(builder.load(builder.bitcast(s_, f32x16.as_pointer()), align=4), _F64X16)
+            ov = builder.fpext(builder.load(builder.bitcast(o_, f32x16.as_pointer()), align=4), _F64X16)
+            dp = builder.bitcast(d_, ir.DoubleType().as_pointer())
+            for r in range(16):
+                cs = [builder.load(_row(builder, c_, 16 * t + r, _I32X16), align=4) for t in range(tiles)]
+                big = builder.shl(cs[0], shv[0])
+                for t in range(1, tiles):
+                    term = builder.shl(cs[t], shv[t])
+                    if t == tiles - 1:  # small's plane where small
+                        term = builder.select(has_small, ir.Constant(_I32X16, [0] * 16), term)
+                    big = builder.add(big, term)
+                dv = _splat(builder, builder.load(builder.gep(dp, [at(r)])), _F64X16)
+                term = builder.fmul(builder.fmul(dv, sv), builder.sitofp(big, _F64X16))
+                off = builder.fmul(builder.fmul(dv, ov), builder.sitofp(cs[-1], _F64X16))
+                term = builder.select(has_small, builder.fadd(term, off), term)
+                pa = _row(builder, acc_, r, _F64X16)
+                builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
+            return context.get_dummy_value()
+
+        return types.void(a, a_at, a_stride, b, b_at, b_plane, c, shifts, small, acc, d, s, o), codegen
+
+    return block
+
+
+_amx1, _amx2, _amx3, _amx4, _amx5 = (_make_amx_block(tiles) for tiles in range(1, AMX_TILES + 1))
+
+# ldtilecfg's 64 bytes: palette 1, tiles 0..7 16 rows of 64 bytes (C, A, B alike)
+_AMX_CONFIG = np.zeros(64, np.uint8)
+_AMX_CONFIG[0] = 1
+_AMX_CONFIG[16:32].view(np.uint16)[:] = 64
+_AMX_CONFIG[48:56] = 16
 
 
 @intrinsic
-def _add_pieces(typingctx, big, small, c, sc0, sc1, osc0, osc1, xs0, xs1, has_sc, has_osc):
-    """Two pieces' products ``c`` (2 x 16 rows of x by 16 weight rows, int32) into the step's integers:
-    ``big += sc0 * c[0] + sc1 * c[1]`` (``sc`` int8, ones where not ``has_sc``), ``small += osc0 * xs0[r]
-    + osc1 * xs1[r]`` (``xs`` the 16 rows' xsums), each row loaded and stored once."""
+def _plane_row(typingctx, out, at, line, hrow, lut, kind, half, shift, sc, has_sc, part, dshift, mask):
+    """Row ``r`` of a B plane (64 int8: the k ``4 r .. 4 r + 3`` of the 16 weight rows) to byte ``at`` of
+    ``out``: ``part(v) * digit``. ``v = u + shift`` (``shift`` 16 int32, a weight row's each) from the
+    packed row's ``line`` (64 bytes; ``kind`` :class:`PackedQ8`'s planes: 0 the codes, else nibble
+    ``half`` of each byte, through ``lut`` (1), with bits 4, 5 from ``hrow``, 32 bytes (2)); ``part``
+    0: v, 1: its low 4 bits, 2: the rest, shifted down; -1: the digits alone. ``digit = (sc >> dshift)
+    & mask`` of each weight row (``sc`` 16 int8; ones where not ``has_sc``), each 4 times."""
     def codegen(context, builder, sig, args):
-        big_, small_, c_, sc0_, sc1_, osc0_, osc1_, xs0_, xs1_ = _vectors(context, builder, sig, args, range(9))
-        scv = [_ones_or(builder, args[9], x) for x in (sc0_, sc1_)]
-        oscv = [_ones_or(builder, args[10], x) for x in (osc0_, osc1_)]
-        xsv = [builder.bitcast(x, ir.IntType(32).as_pointer()) for x in (xs0_, xs1_)]
-        for r in range(16):
-            pb, ps = _row(builder, big_, r, _I32X16), _row(builder, small_, r, _I32X16)
-            b, sm = builder.load(pb, align=4), builder.load(ps, align=4)
-            for h in range(2):
-                b = builder.add(b, builder.mul(scv[h], builder.load(_row(builder, c_, 16 * h + r, _I32X16), align=4)))
-                x = builder.load(builder.gep(xsv[h], [ir.Constant(ir.IntType(64), r)]))
-                xv = builder.shuffle_vector(builder.insert_element(ir.Constant(_I32X16, None), x, ir.Constant(ir.IntType(32), 0)),
-                                            ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
-                sm = builder.add(sm, builder.mul(oscv[h], xv))
-            builder.store(b, pb, align=4)
-            builder.store(sm, ps, align=4)
+        out_, line_, hrow_, lut_, shift_, sc_ = _vectors(context, builder, sig, args, (0, 2, 3, 4, 7, 8))
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        i8x16, i8x32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
+
+        def bytes_(v):
+            return ir.Constant(_I8X64, [v] * 64)
+
+        def eq(arg, v):
+            return builder.icmp_signed("==", arg, ir.Constant(arg.type, v))
+
+        def each4(v16):  # 16 lanes, each 4 times
+            return builder.shuffle_vector(v16, ir.Constant(v16.type, None),
+                                          ir.Constant(ir.VectorType(i32, 64), [q // 4 for q in range(64)]))
+
+        raw = builder.load(builder.bitcast(line_, _I8X64.as_pointer()), align=1)
+        nib = builder.and_(builder.lshr(raw, builder.select(eq(args[6], 1), bytes_(4), bytes_(0))), bytes_(15))
+        table = builder.load(builder.bitcast(lut_, i8x16.as_pointer()), align=1)
+        looked = builder.call(_fn(builder, "llvm.x86.avx512.pshuf.b.512", _I8X64, [_I8X64, _I8X64]),
+                              [builder.shuffle_vector(table, ir.Constant(i8x16, None),
+                                                      ir.Constant(ir.VectorType(i32, 64), [q % 16 for q in range(64)])), nib])
+        h32 = builder.load(builder.bitcast(hrow_, i8x32.as_pointer()), align=1)
+        h64 = builder.shuffle_vector(builder.and_(h32, ir.Constant(i8x32, [15] * 32)),
+                                     builder.lshr(h32, ir.Constant(i8x32, [4] * 32)),
+                                     ir.Constant(ir.VectorType(i32, 64), list(range(64))))
+        top = builder.and_(builder.lshr(h64, builder.select(eq(args[6], 1), bytes_(2), bytes_(0))), bytes_(3))
+        u = builder.select(eq(args[5], 0), raw, builder.select(eq(args[5], 1), looked, builder.select(
+            eq(args[5], 2), builder.or_(nib, builder.shl(top, bytes_(4))), nib)))
+        sh = each4(builder.trunc(builder.load(builder.bitcast(shift_, _I32X16.as_pointer()), align=1), _I8X16))
+        v = builder.add(u, sh)
+        s16 = builder.select(builder.icmp_signed("!=", args[9], ir.Constant(args[9].type, 0)),
+                             builder.load(builder.bitcast(sc_, i8x16.as_pointer()), align=1), ir.Constant(i8x16, [1] * 16))
+        dig = builder.and_(builder.ashr(each4(s16), _splat(builder, builder.trunc(args[11], i8), _I8X64)),
+                           _splat(builder, builder.trunc(args[12], i8), _I8X64))
+        pv = builder.select(eq(args[10], 1), builder.and_(v, bytes_(15)), v)
+        pv = builder.select(eq(args[10], 2), builder.ashr(v, bytes_(4)), pv)
+        res = builder.select(builder.icmp_signed("<", args[10], ir.Constant(args[10].type, 0)), dig, builder.mul(pv, dig))
+        builder.store(res, builder.bitcast(builder.gep(out_, [args[1]]), _I8X64.as_pointer()), align=1)
         return context.get_dummy_value()
 
-    return types.void(big, small, c, sc0, sc1, osc0, osc1, xs0, xs1, has_sc, has_osc), codegen
+    return types.void(out, at, line, hrow, lut, kind, half, shift, sc, has_sc, part, dshift, mask), codegen
 
 
-@intrinsic
-def _add_step(typingctx, acc, big, small, d, s, o, has_o):
-    """A step's float64 terms into the 16 rows' sums: ``acc[r] += d[r] * s * big[r] (+ d[r] * o *
-    small[r])``, ``s``, ``o`` float32 (16 weight rows), ``d`` float64 (16 rows of x); unfused, left to
-    right (the contract's roundings)."""
-    def codegen(context, builder, sig, args):
-        acc_, big_, small_, d_, s_, o_ = _vectors(context, builder, sig, args, range(6))
-        f32x16 = ir.VectorType(ir.FloatType(), 16)
-        sv = builder.fpext(builder.load(builder.bitcast(s_, f32x16.as_pointer()), align=4), _F64X16)
-        ov = builder.fpext(builder.load(builder.bitcast(o_, f32x16.as_pointer()), align=4), _F64X16)
-        has_o = builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))
-        dp = builder.bitcast(d_, ir.DoubleType().as_pointer())
-        for r in range(16):
-            x = builder.load(builder.gep(dp, [ir.Constant(ir.IntType(64), r)]))
-            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_F64X16, None), x, ir.Constant(ir.IntType(32), 0)),
-                                        ir.Constant(_F64X16, None), ir.Constant(_I32X16, [0] * 16))
-            term = builder.fmul(builder.fmul(dv, sv), builder.sitofp(builder.load(_row(builder, big_, r, _I32X16), align=4),
-                                                                    _F64X16))
-            off = builder.fmul(builder.fmul(dv, ov), builder.sitofp(builder.load(_row(builder, small_, r, _I32X16), align=4),
-                                                                   _F64X16))
-            term = builder.select(has_o, builder.fadd(term, off), term)
-            pa = _row(builder, acc_, r, _F64X16)
-            builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
-        return context.get_dummy_value()
-
-    return types.void(acc, big, small, d, s, o, has_o), codegen
+@njit(inline="always")
+def _amx_planes(codes, hi, lut, kind, shift, has_zero, spans, r0, sc, has_sc, osc, has_osc, piece, parts, digits,
+                bits, small, out):
+    """A block's B planes (``out``, bytes, 64 rows of 64 a plane) from its group's packed rows (B's rows
+    from ``r0``): plane ``i * digits + t`` = part ``i`` of ``v = u + shift`` (all of it, or its low 4
+    bits and the rest) times digit ``t`` of its piece's ``sc`` (the last digit signed; ones without
+    sub-scales), plane ``parts * digits`` = ``osc`` where ``small``."""
+    each = spans >> 32 & 0xFFFF
+    for r in range(64):
+        a = r0 + r
+        p = 4 * a // piece
+        line, hrow = codes[a if kind == 0 else a // 2], hi[a // 2 if kind == 2 else 0]
+        sh, scr = shift[p // each if has_zero else 0], sc[p if has_sc else 0]
+        for i in range(parts):
+            for t in range(digits):
+                _plane_row(out, ((i * digits + t) * 64 + r) * 64, line, hrow, lut, kind, a % 2, sh, scr, has_sc,
+                           i + (parts > 1), bits * t, -1 if t == digits - 1 else (1 << bits) - 1)
+        if small:
+            _plane_row(out, ((parts * digits) * 64 + r) * 64, line, hrow, lut, kind, a % 2, sh,
+                       osc[p if has_osc else 0], has_osc, -1, 0, -1)
 
 
-def _make_amx(planes):
-    source = _HELPERS
+@njit(inline="always")
+def _aligned(a, n):
+    """``n`` items of 1-d ``a`` from its first 64-byte boundary (``a`` 64 bytes longer): tile rows, and
+    vectors, that never straddle two cache lines."""
+    off = ((-a.ctypes.data) & 63) // a.itemsize
+    return a[off:off + n]
+
+
+def aligned_copy(a):
+    """``a`` C-contiguous at a 64-byte boundary (NumPy's large buffers start 16 bytes past a page)."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _make_amx(planes, parts, digits, small):
+    source, tiles = _HELPERS, parts * digits + small
 
     @kernel
-    def linear_amx(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, cfg, bias, has_bias, out, start,
-                   stop):
-        """The Q8_0 / Q8_K contract on groups ``start .. stop`` (:func:`linear_q8_packed`'s arguments; ``qx``
-        with rows padded to 16, ``dx`` and ``xsum`` transposed, ``(blocks, rows)``, ``(pieces, rows)``), 16
-        rows of x at a time on AMX."""
+    def linear_amx(dx, qx, codes, hi, lut, s, sc, o, osc, shift, flags, spans, plan, shifts, bias, has_bias, out,
+                   start, stop):
+        """The Q8_K contract on groups ``start .. stop`` (:func:`linear_q8_packed`'s arguments; ``qx`` with
+        rows padded to 16, ``dx`` transposed, ``(blocks, rows)``), 16 rows of x at a time on AMX, in
+        ``tiles`` planes (``parts`` of v by ``digits`` of sc, then ``small``'s; ``plan``: the digits'
+        bits, the piece; ``shifts`` the planes' weights: the kernel's constants, as a runtime split
+        made the decoding 4x slower). A block's planes are decoded for ``AMX_GROUPS`` groups, then all rows of x run
+        against them: the planes stay in L1, and x's rows are read once for the groups."""
         _ = source  # in the cache key: llvm.py's intrinsics
         m_len, k_len = qx.shape
         n_len = out.shape[1]
-        piece = k_len // xsum.shape[0]
-        group, xspan = (spans >> 48) & 0xFF, (spans >> 56) & 0xFF
+        bits, piece = plan[0], plan[1]
         has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
-        b = np.empty((k_len // 4, 64), np.int8)
-        c = np.empty((2, 16, ROWS), np.int32)
-        big, small = np.empty((16, ROWS), np.int32), np.empty((16, ROWS), np.int32)
-        acc = np.empty((16, ROWS), np.float64)
-        rows_b = piece // 4 * 64  # B's bytes a piece
-        _tiles_begin(cfg)
+        b = _aligned(np.empty(2 * AMX_GROUPS * tiles * 4096 + 64, np.int8), 2 * AMX_GROUPS * tiles * 4096).reshape(
+            2, AMX_GROUPS, -1)
+        c = _aligned(np.empty(tiles * 256 + 16, np.int32), tiles * 256).reshape(tiles, 16, ROWS)
+        acc = _aligned(np.empty(AMX_GROUPS * m_len * ROWS + 8, np.float64), AMX_GROUPS * m_len * ROWS).reshape(
+            AMX_GROUPS, m_len, ROWS)
+        _tiles_begin(_AMX_CONFIG)
         _wide()
-        for g in range(start, stop):
-            n0 = g * ROWS
-            scg, og, oscg = sc[g if has_sc else 0], o[g if has_o else 0], osc[g if has_osc else 0]
-            _signed_rows(codes[g], hi[g if planes == 2 else 0], lut, planes, shift[g if has_zero else 0], has_zero,
-                         spans, piece, b)
-            sg = s[g]
-            for m0 in range(0, m_len, 16):
-                acc[:] = 0
-                for p0 in range(0, xsum.shape[0], group):
-                    big[:] = 0
-                    small[:] = 0
-                    for p in range(p0, p0 + group, 2):  # (a step has an even count of pieces: AMX_STEP)
-                        at = m0 * k_len + p * piece
-                        _amx_pieces(qx, at, at + piece, np.int64(k_len), b, p * rows_b, (p + 1) * rows_b, c)
-                        _add_pieces(big, small, c, scg[p if has_sc else 0], scg[p + 1 if has_sc else 0],
-                                    oscg[p if has_osc else 0], oscg[p + 1 if has_osc else 0], xsum[p, m0:m0 + 16],
-                                    xsum[p + 1, m0:m0 + 16], has_sc, has_osc)
-                    _add_step(acc, big, small, dx[p0 // xspan, m0:m0 + 16], sg[p0 // (spans & 0xFFFF)],
-                              og[p0 // ((spans >> 16) & 0xFFFF) if has_o else 0], has_o)
-                rows = min(16, out.shape[0] - m0)
-                _store(acc[:rows], bias, has_bias, out[m0:m0 + rows], n0, min(ROWS, n_len - n0))
+        for g0 in range(start, stop, AMX_GROUPS):
+            gs = min(AMX_GROUPS, stop - g0)
+            acc[:] = 0
+            for blk in range(-1, k_len // 256):
+                nxt = blk + 1  # the next block's planes, decoded a block ahead: a tile load of bytes
+                if nxt < k_len // 256:  # just stored waits for them (2-5x at few rows of x)
+                    for i in range(gs):
+                        g = g0 + i
+                        _amx_planes(codes[g], hi[g if planes == 2 else 0], lut, planes, shift[g if has_zero else 0],
+                                    has_zero, spans, 64 * nxt, sc[g if has_sc else 0], has_sc, osc[g if has_osc else 0],
+                                    has_osc, piece, parts, digits, bits, small, b[nxt % 2, i])
+                if blk < 0:
+                    continue
+                for m0 in range(0, m_len, 16):
+                    for i in range(gs):
+                        g = g0 + i
+                        args = (qx, m0 * k_len + 4096 * blk, np.int64(64), b[blk % 2, i], 0, np.int64(64 * 64), c, shifts,
+                                small, acc[i, m0:m0 + 16], dx[blk, m0:m0 + 16], s[g, blk], o[g if has_o else 0, blk if has_o else 0])
+                        if tiles == 1:
+                            _amx1(*args)
+                        elif tiles == 2:
+                            _amx2(*args)
+                        elif tiles == 3:
+                            _amx3(*args)
+                        elif tiles == 4:
+                            _amx4(*args)
+                        else:
+                            _amx5(*args)
+            for i in range(gs):
+                n0 = (g0 + i) * ROWS
+                for m0 in range(0, out.shape[0], 16):
+                    rows = min(16, out.shape[0] - m0)
+                    _store(acc[i, m0:m0 + rows], bias, has_bias, out[m0:m0 + rows], n0, min(ROWS, n_len - n0))
         _tiles_end()
 
     return linear_amx
@@ -876,12 +954,14 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
             w.shift, np.int64(w.flags), np.int64(w.spans | step << 48), np.zeros(1) if bias is None else bias,
             bias is not None, out)
     groups = w.codes.shape[0]
-    if isa == "amx" and m >= AMX_ROWS and w.signed and group % 2 == 0:  # (rows padded to 16: zeros, whose results are not stored)
-        pad = -(-m // 16) * 16
-        dx, qx, xsum = (np.concatenate([a, np.zeros((pad - m, a.shape[1]), a.dtype)]) for a in (args[0], args[1], xsum))
-        dx, xsum = np.ascontiguousarray(dx.T), np.ascontiguousarray(xsum.T)
-        kernel = _amx_kernel(w.planes)
-        args = (dx, qx, xsum) + args[3:13] + (_tile_config(w.piece),) + args[13:]
+    if isa == "amx" and act == "Q8_K" and m >= AMX_ROWS and w.amx is not None:  # (rows padded to 16: zeros, whose results are not stored)
+        pad, (parts, digits, bits) = -(-m // 16) * 16, w.amx
+        dx, qx = (np.concatenate([a, np.zeros((pad - m, a.shape[1]), a.dtype)]) for a in args[:2])
+        plan = np.array([bits, w.piece], np.int64)
+        shifts = np.array([4 * i + bits * t for i in range(parts) for t in range(digits)] + [0] * w.has_o, np.int64)
+        kernel = _amx_kernel(w.planes, parts, digits, int(w.has_o))
+        qx = aligned_copy(qx.reshape(pad // 16, 16, -1, 64).transpose(0, 2, 1, 3)).reshape(pad, -1)
+        args = (np.ascontiguousarray(dx.T), qx) + args[3:13] + (plan, shifts) + args[13:]
     else:
         kernel = _packed_kernel(isa, w.planes)
     if threads == 1:

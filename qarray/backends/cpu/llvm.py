@@ -105,7 +105,7 @@ def _call(name):
 @intrinsic
 def _tiles_begin(typingctx, cfg):
     """``ldtilecfg``: the AMX tiles as the 64 bytes of ``cfg`` say (palette 1: each tile's bytes a row,
-    then its rows; ``gemm._CONFIG``, ``blocks._tile_config``)."""
+    then its rows; ``gemm._CONFIG``, ``blocks._AMX_CONFIG``)."""
     def codegen(context, builder, sig, args):
         p8 = ir.IntType(8).as_pointer()
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
