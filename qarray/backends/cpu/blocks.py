@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .gemm import _ISAS
 from .isa import best, usable
-from .llvm import _SOURCE as _LLVM, _fn, _loadu, _row_of, _splat, _tiles_begin, _tiles_end, _wide
+from .llvm import _SOURCE as _LLVM, _aligned, _fn, _loadu, _row_of, _splat, _tiles_begin, _tiles_end, _wide, aligned_copy
 from .pool import kernel, parallel
 from .quantize import block_codes, block_values
 
@@ -851,23 +851,6 @@ def _amx_planes(codes, hi, lut, kind, shift, has_zero, spans, r0, sc, has_sc, os
         if small:
             _plane_row(out, ((parts * digits) * 64 + r) * 64, line, hrow, lut, kind, a % 2, sh,
                        osc[p if has_osc else 0], has_osc, -1, 0, -1)
-
-
-@njit(inline="always")
-def _aligned(a, n):
-    """``n`` items of 1-d ``a`` from its first 64-byte boundary (``a`` 64 bytes longer): tile rows, and
-    vectors, that never straddle two cache lines."""
-    off = ((-a.ctypes.data) & 63) // a.itemsize
-    return a[off:off + n]
-
-
-def aligned_copy(a):
-    """``a`` C-contiguous at a 64-byte boundary (NumPy's large buffers start 16 bytes past a page)."""
-    buf = np.empty(a.nbytes + 64, np.uint8)
-    off = -buf.ctypes.data % 64
-    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 def _make_amx(planes, parts, digits, small):

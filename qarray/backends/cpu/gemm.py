@@ -57,7 +57,7 @@ from ..._fixed_point import FLOAT, IDENTITY, ROUNDINGS
 
 from .._gemm import SMALL_WORK, Packed  # SMALL_WORK: products from which a call wakes the pool
 from .isa import best, usable
-from .llvm import _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _tiles_begin, _tiles_end, _wide
+from .llvm import _aligned, _dot1_s, _dot1_u, _dot4_s, _dot4_u, _fn, _splat, _tiles_begin, _tiles_end, _wide, aligned_copy
 from .pool import kernel, parallel
 from .requantize import _SOURCE, _rq
 
@@ -100,7 +100,7 @@ def pack(w):
     # (panel, column, k4) -> (panel, k4, column), moving int32s: 4 bytes at once
     # (the bytes one at a time took 150 ms on 4096 x 4096 weights)
     panels = rows.view(np.int32).reshape(n_p // 16, 16, kp // 4).transpose(0, 2, 1)
-    return np.ascontiguousarray(panels).view(np.int8).reshape(n_p // 16, kp * 16)
+    return aligned_copy(panels).view(np.int8).reshape(n_p // 16, kp * 16)  # (tile rows in one cache line)
 
 
 def _at(builder, base, offset):
@@ -395,7 +395,7 @@ def _make_gemm(isa, code, narrow):
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
         nblocks = (nlen + BN - 1) // BN
-        part = np.empty(GROUP * BM * BN, np.int32)
+        part = _aligned(np.empty(GROUP * BM * BN + 16, np.int32), GROUP * BM * BN)
         total = np.empty(GROUP * BM * BN, np.int64)
         part[:] = 0  # K = 0: no step writes it
         if amx:
@@ -465,7 +465,7 @@ def _scratch(shape):
     size = int(np.prod(shape))
     buf = getattr(_kept, "buf", None)
     if buf is None or buf.size < size:
-        buf = _kept.buf = np.empty(max(size, 1 << 16), np.uint8)
+        buf = _kept.buf = aligned_copy(np.zeros(max(size, 1 << 16), np.uint8))  # (tile rows in one cache line)
     return buf[:size].reshape(shape)
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -116,6 +117,24 @@ def _tiles_begin(typingctx, cfg):
 
 
 _tiles_end = _call("llvm.x86.tilerelease")  # the tile state back to its initial (unused) state
+
+
+@njit(inline="always")
+def _aligned(a, n):
+    """``n`` items of 1-d ``a`` from its first 64-byte boundary (``a`` 64 bytes longer): tile rows, and
+    vectors, that never straddle two cache lines."""
+    off = ((-a.ctypes.data) & 63) // a.itemsize
+    return a[off:off + n]
+
+
+def aligned_copy(a):
+    """``a`` C-contiguous at a 64-byte boundary (NumPy's large buffers start 16 bytes past a page)."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
 
 # sfence: the non-temporal stores before it are visible before any store after it
 _fence = _call("llvm.x86.sse.sfence")
