@@ -91,9 +91,14 @@ def ggml_us(ops, type_name, m, n, k):
     return float(found[0])
 
 
-def calls_ms(fn, repeats):
-    """Per-call ms of ``fn`` over ``repeats`` calls after a warm-up (one round)."""
+def calls_ms(fn, repeats, settle=0.5):
+    """Per-call ms of ``fn`` over ``repeats`` calls after a warm-up: untimed calls for ``settle`` seconds
+    (at least one). Right after ggml's process, qarray's M = 1 calls ran 1.5x slower for a few hundred
+    ms (Q4_0: 7.3 ms median against 5.0 alone and 6.4 a second later, on a noisy day)."""
+    end = time.perf_counter() + settle
     fn()
+    while time.perf_counter() < end:
+        fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
