@@ -8,4 +8,4 @@ it (or an example module) imports nothing beyond NumPy and qarray: scikit-learn
 and rich (the ``examples`` extra) are imported when an example runs.
 """
 
-NAMES = ("digits", "train", "lstm", "concat", "cuda", "quickstart")
+NAMES = ("digits", "train", "lstm", "lm", "concat", "cuda", "quickstart")

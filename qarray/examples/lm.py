@@ -1,0 +1,122 @@
+"""A language model quantized: held-out perplexity of a small llama, float32 against block formats.
+
+The data is the English text every Python installation ships (``pydoc_data.topics``, about
+466,000 bytes), read byte by byte; the last 10% is held out. The model is a decoder-only
+transformer of the llama architecture (``qarray.examples._llama``: RMSNorm, rotary positions,
+SwiGLU; 2 layers, width 256, 4 heads, feed-forward 512, 128 bytes of context, 1.4M weights),
+trained here with Adam in NumPy (600 steps of 16 windows, a few minutes on 2 cores). The
+weights are cached after the first run (``$QARRAY_CACHE`` or ``~/.cache/qarray``).
+
+The table: held-out perplexity (``exp`` of the mean negative log-likelihood a byte) with float32
+weights, then with every linear layer's weights (``wq wk wv wo w1 w3 w2``; the embedding, the
+output head and the norms stay float32) in a format at 8, 4, 3 and 2 bits: GGUF's Q8_0, Q4_0,
+Q4_K, IQ4_XS, Q3_K, Q2_K and the grouped formats of GPTQ / AWQ (``uint4_g128_f16_zp``), MLX
+(``uint4_g64_f16_bias``) and bitsandbytes (``nf4_g64_f32``), each by round to nearest
+(``qarray.quantize``). ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
+the cached model or a shorter training run.
+
+Run: ``python -m qarray.examples.lm [--quick]`` (or ``qarray run lm``)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import qarray as qa
+
+from . import _common, _llama
+
+NAME = "lm"
+CONFIG = _llama.config(dim=256, layers=2, heads=4, hidden=512, ctx=128)
+STEPS, QUICK_STEPS, BATCH, SEED = 600, 150, 16, 0
+# (name, bits): the rows; --quick keeps the 4- and 3-bit ones
+FORMATS = [("Q8_0", 8), ("Q4_0", 4), ("Q4_K", 4), ("IQ4_XS", 4), ("uint4_g128_f16_zp", 4), ("uint4_g64_f16_bias", 4),
+           ("nf4_g64_f32", 4), ("Q3_K", 3), ("uint3_g128_f16_zp", 3), ("Q2_K", 2), ("uint2_g64_f16_zp", 2)]
+
+
+def text():
+    """``pydoc_data.topics``' texts in key order, as uint8 bytes (UTF-8): ``(train, held_out)``, the
+    last 10% held out."""
+    from pydoc_data.topics import topics
+
+    data = np.frombuffer("".join(topics[k] for k in sorted(topics)).encode(), np.uint8)
+    cut = len(data) * 9 // 10
+    return data[:cut], data[cut:]
+
+
+def _cache_path(cfg, steps):
+    """The cached weights' file: a key of the model's shape, the steps, the seed, the data's length and
+    the model's code (a change to any retrains)."""
+    key = repr((sorted(cfg.items()), steps, BATCH, SEED, len(text()[0]), inspect.getsource(_llama)))
+    root = Path(os.environ.get("QARRAY_CACHE") or Path.home() / ".cache" / "qarray")
+    return root / f"lm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+
+
+def model(cfg=CONFIG, steps=STEPS, log=print):
+    """The trained weights: from the cache, else trained (and cached; an unwritable cache is skipped)."""
+    path = _cache_path(cfg, steps)
+    if path.exists():
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}, 0.0
+    params = _llama.init(cfg, SEED)
+    t = time.perf_counter()
+    _llama.train(params, cfg, text()[0], steps, BATCH, seed=SEED,
+                 log=lambda step, loss: log(f"  step {step}/{steps}: training loss {loss:.3f} nats a byte"))
+    seconds = time.perf_counter() - t
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **params)
+    except OSError:
+        pass
+    return params, seconds
+
+
+def quantized(params, fmt):
+    """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values; and the
+    weights' bits a value (codes, scales and all)."""
+    out, nbytes, count = dict(params), 0, 0
+    for name, w in params.items():
+        if name.split(".")[-1] in _llama.LINEARS:
+            q = qa.quantize(w, dtype=fmt)
+            out[name] = np.asarray(q.dequantize(), np.float32)
+            nbytes, count = nbytes + q.nbytes, count + w.size
+    return out, 8 * nbytes / count
+
+
+def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, log=print):
+    """``{"trained_s", "float32": ppl, "rows": [(format, bits, bits a weight, ppl)]}``."""
+    steps = steps or (STEPS if not quick or _cache_path(cfg, STEPS).exists() else QUICK_STEPS)
+    params, seconds = model(cfg, steps, log)
+    held = text()[1]
+    windows = windows or (96 if quick else None)
+    ppl = lambda p: float(np.exp(_llama.nll(p, cfg, held, windows=windows)))  # noqa: E731
+    rows = []
+    for fmt, bits in FORMATS:
+        if not quick or bits in (4, 3):
+            weights, bpw = quantized(params, fmt)
+            rows.append((fmt, bits, bpw, ppl(weights)))
+    return {"steps": steps, "trained_s": seconds, "float32": ppl(params), "rows": rows}
+
+
+def show(res, backend):
+    base = res["float32"]
+    rows = [("float32", 32, "32.00", f"{base:.3f}", "")]
+    rows += [(fmt, bits, f"{bpw:.2f}", f"{p:.3f}", f"{100 * (p / base - 1):+.1f}%") for fmt, bits, bpw, p in res["rows"]]
+    trained = f"trained {res['steps']} steps in {res['trained_s']:.0f} s" if res["trained_s"] else "cached weights"
+    _common.print_table("held-out perplexity of a byte-level llama (pydoc_data.topics)",
+                        ["weights", "bits", "bits a weight", "perplexity", "vs float32"], rows,
+                        caption=f"round to nearest, every linear layer; {trained}")
+
+
+def main(argv=None) -> int:
+    return _common.main(NAME, __doc__, argv, run, show, needs=("rich",))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The lm example (qarray/examples/lm.py) and its model (qarray/examples/_llama.py): the gradients
+against finite differences, training, the cache and the perplexity table."""
+
+import numpy as np
+import pytest
+
+from qarray.examples import _llama, lm
+
+TINY = _llama.config(vocab=11, dim=8, layers=2, heads=2, hidden=12, ctx=6)
+
+
+def test_gradients_match_finite_differences():
+    """Every weight's gradient (the backward pass written out: RMSNorm, rotary positions, causal
+    attention, SwiGLU, cross-entropy) against central differences, float64, at 5 entries a weight;
+    weights scaled up and norms away from 1 so that no term is negligible."""
+    p = _llama.init(TINY, seed=1, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    for k in p:
+        p[k] = p[k] + rng.standard_normal(p[k].shape) * 0.3 if k.endswith("norm") else p[k] * 20
+    x, y = rng.integers(0, 11, (3, 6)), rng.integers(0, 11, (3, 6))
+    _, g = _llama.loss_and_grads(p, TINY, x, y)
+    for k in p:
+        flat = p[k].reshape(-1)
+        for j in rng.choice(flat.size, min(5, flat.size), replace=False):
+            old = flat[j]
+            flat[j] = old + 1e-6
+            up, _ = _llama.loss_and_grads(p, TINY, x, y)
+            flat[j] = old - 1e-6
+            down, _ = _llama.loss_and_grads(p, TINY, x, y)
+            flat[j] = old
+            num, ana = (up - down) / 2e-6, g[k].reshape(-1)[j]
+            assert abs(num - ana) <= 1e-6 * (abs(num) + abs(ana)) + 1e-10, (k, j, num, ana)
+
+
+def test_attention_is_causal():
+    """A later byte changes no earlier position's logits."""
+    p = _llama.init(TINY, seed=3, dtype=np.float64)
+    x = np.random.default_rng(4).integers(0, 11, (2, 6))
+    y = x.copy()
+    y[:, 4] = (y[:, 4] + 1) % 11
+    a, b = _llama.forward(p, TINY, x), _llama.forward(p, TINY, y)
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    assert not np.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_rope_turns_adjacent_pairs():
+    """Position t turns pair (x[2i], x[2i+1]) by t * 10000 ** (-2i / head_dim) (llama.cpp's NORM rope),
+    and the gradient's rotation undoes it."""
+    cos, sin = _llama.rope_tables(5, 4, np.float64)
+    x = np.random.default_rng(5).standard_normal((5, 4))
+    y = _llama._rope(x, cos, sin)
+    t, i = 3, 1
+    angle = t * 10000.0 ** (-2 * i / 4)
+    np.testing.assert_allclose(y[t, 2:4], [x[t, 2] * np.cos(angle) - x[t, 3] * np.sin(angle),
+                                           x[t, 2] * np.sin(angle) + x[t, 3] * np.cos(angle)], rtol=1e-12)
+    np.testing.assert_allclose(_llama._rope(y, cos, sin, -1), x, rtol=1e-12, atol=1e-15)
+
+
+def test_training_learns_the_text():
+    """40 Adam steps on pydoc_data.topics take a tiny model well below the uniform 5.55 nats a byte."""
+    cfg = _llama.config(dim=32, layers=1, heads=2, hidden=64, ctx=32)
+    p = _llama.init(cfg, seed=0)
+    losses = _llama.train(p, cfg, lm.text()[0], 40, batch=8, lr=1e-2)
+    assert losses[0] > 5.0 and np.mean(losses[-5:]) < 3.5
+
+
+def test_config_refuses_odd_heads():
+    with pytest.raises(ValueError, match="dim 10 must split into 4 heads of an even size"):
+        _llama.config(dim=10, heads=4)
+
+
+def test_table_and_cache(tmp_path, monkeypatch):
+    """The table on a small model: float32, then each format's rows with their exact bits a weight
+    (the formats' bytes over their values) and perplexities (8 bits within 1% of float32, 2 bits
+    worse than 8); the second run reads the cached weights and gives the same numbers."""
+    monkeypatch.setenv("QARRAY_CACHE", str(tmp_path))
+    cfg = _llama.config(dim=256, layers=1, heads=4, hidden=256, ctx=32)
+    logs = []
+    first = lm.run(cfg=cfg, steps=30, windows=8, log=logs.append)
+    assert first["trained_s"] > 0 and logs and len(list(tmp_path.glob("lm-*.npz"))) == 1
+    bpw = {fmt: round(b, 4) for fmt, _, b, _ in first["rows"]}
+    assert bpw == {"Q8_0": 34 * 8 / 32, "Q4_0": 18 * 8 / 32, "Q4_K": 144 * 8 / 256, "IQ4_XS": 136 * 8 / 256,
+                   "uint4_g128_f16_zp": 4 + 24 / 128, "uint4_g64_f16_bias": 4 + 32 / 64, "nf4_g64_f32": 4 + 32 / 64,
+                   "Q3_K": 110 * 8 / 256, "uint3_g128_f16_zp": 3 + 24 / 128, "Q2_K": 84 * 8 / 256,
+                   "uint2_g64_f16_zp": 2 + 24 / 64}  # (bytes a block; the groups: f16 scale + uint8 zero, or two f16 / one f32)
+    ppl = {fmt: p for fmt, _, _, p in first["rows"]}
+    assert abs(ppl["Q8_0"] / first["float32"] - 1) < 0.01
+    assert ppl["Q2_K"] > ppl["Q8_0"]
+    again = lm.run(cfg=cfg, steps=30, windows=8, log=logs.append)
+    assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"]
