@@ -88,3 +88,38 @@ def test_table_and_cache(tmp_path, monkeypatch):
     assert ppl["Q2_K"] > ppl["Q8_0"]
     again = lm.run(cfg=cfg, steps=30, windows=8, log=logs.append)
     assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"]
+
+
+def test_gguf_has_llama_cpp_names_types_and_shapes(tmp_path):
+    """``write_gguf``: llama.cpp's keys with the types its loader demands (uint32 counts, float32 eps
+    and rope base), the 256 byte tokens, the tensors under llama.cpp's names with its shapes (a
+    ``(out, in)`` weight is ``ne = (in, out)``: qarray's reader gives ``(out, in)`` back), the linear
+    layers in the asked type and the rest float32, and the same forward pass from the file's weights.
+    (llama.cpp's own logits on such a file: benchmarks/check_lm_gguf.py, which needs its build.)"""
+    from qarray.io import gguf
+
+    cfg = _llama.config(dim=256, layers=2, heads=4, hidden=512, ctx=16)
+    p = _llama.init(cfg, seed=7)
+    lm.write_gguf(tmp_path / "m.gguf", p, cfg, "Q4_K")
+    tensors, meta = gguf.read(tmp_path / "m.gguf")
+    u32 = {"llama.context_length": 16, "llama.embedding_length": 256, "llama.block_count": 2,
+           "llama.feed_forward_length": 512, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 4,
+           "llama.rope.dimension_count": 64, "llama.vocab_size": 256}
+    for k, v in u32.items():
+        assert type(meta[k]) is np.uint32 and meta[k] == v, k
+    assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.model"] == "llama"
+    assert type(meta["llama.attention.layer_norm_rms_epsilon"]) is np.float32
+    assert meta["llama.rope.freq_base"] == np.float32(10000)
+    assert list(meta["tokenizer.ggml.tokens"])[:2] == ["<0x00>", "<0x01>"] and len(meta["tokenizer.ggml.tokens"]) == 256
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
+                                                          "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    assert tensors["blk.1.ffn_down.weight"].shape == (256, 512) and tensors["blk.1.ffn_gate.weight"].shape == (512, 256)
+    assert gguf.type_name(tensors["blk.0.attn_q.weight"]) == "Q4_K" and gguf.type_name(tensors["token_embd.weight"]) == "F32"
+    back = {}
+    for name in p:
+        layer, _, short = name.rpartition(".")
+        t = tensors[lm.GGUF_NAMES[short].format(i=layer)]
+        back[name] = np.asarray(t.dequantize() if hasattr(t, "dequantize") else t, np.float32)
+    x = np.arange(16)[None] * 7 % 256
+    np.testing.assert_array_equal(_llama.forward(back, cfg, x), _llama.forward(lm.quantized(p, "Q4_K")[0], cfg, x))

@@ -77,6 +77,45 @@ def model(cfg=CONFIG, steps=STEPS, log=print):
     return params, seconds
 
 
+# llama.cpp's names: the model's weight -> the GGUF tensor (``{i}``: the layer)
+GGUF_NAMES = {"emb": "token_embd.weight", "norm": "output_norm.weight", "out": "output.weight",
+              "attn_norm": "blk.{i}.attn_norm.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
+              "wq": "blk.{i}.attn_q.weight", "wk": "blk.{i}.attn_k.weight", "wv": "blk.{i}.attn_v.weight",
+              "wo": "blk.{i}.attn_output.weight", "w1": "blk.{i}.ffn_gate.weight", "w3": "blk.{i}.ffn_up.weight",
+              "w2": "blk.{i}.ffn_down.weight"}
+
+
+def write_gguf(path, params, cfg, dtype=None):
+    """The model as a GGUF file llama.cpp loads (architecture ``llama``): its hyperparameters, a
+    vocabulary of the 256 bytes (``<0x00>`` .. ``<0xFF>``, SentencePiece byte tokens) and the weights,
+    the linear layers' in ``dtype`` (a ggml type: ``"Q4_K"``, ...; None: float32), the rest float32.
+    The rotary positions turn adjacent pairs, llama.cpp's own order for this architecture: no
+    permutation of ``wq`` / ``wk``."""
+    from ..io import gguf
+
+    u32 = np.uint32
+    d, heads = cfg["dim"], cfg["heads"]
+    meta = {"general.architecture": "llama", "general.name": "qarray lm example",
+            "llama.context_length": u32(cfg["ctx"]), "llama.embedding_length": u32(d),
+            "llama.block_count": u32(cfg["layers"]), "llama.feed_forward_length": u32(cfg["hidden"]),
+            "llama.attention.head_count": u32(heads), "llama.attention.head_count_kv": u32(heads),
+            "llama.rope.dimension_count": u32(d // heads), "llama.rope.freq_base": np.float32(_llama.THETA),
+            "llama.attention.layer_norm_rms_epsilon": np.float32(_llama.EPS), "llama.vocab_size": u32(cfg["vocab"]),
+            "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [f"<0x{b:02X}>" for b in range(cfg["vocab"])],
+            "tokenizer.ggml.scores": np.zeros(cfg["vocab"], np.float32),
+            "tokenizer.ggml.token_type": np.full(cfg["vocab"], 6, np.int32),  # LLAMA_TOKEN_TYPE_BYTE
+            "tokenizer.ggml.bos_token_id": u32(1), "tokenizer.ggml.eos_token_id": u32(2),
+            "tokenizer.ggml.unknown_token_id": u32(0), "tokenizer.ggml.add_bos_token": False}
+    tensors = {}
+    for name, w in params.items():
+        layer, _, short = name.rpartition(".")
+        w = np.ascontiguousarray(w, np.float32)
+        if dtype is not None and short in _llama.LINEARS:
+            w = qa.quantize(w, dtype=dtype)
+        tensors[GGUF_NAMES[short].format(i=layer)] = w
+    gguf.save(path, tensors, meta)
+
+
 def quantized(params, fmt):
     """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values; and the
     weights' bits a value (codes, scales and all)."""
