@@ -1,7 +1,8 @@
 """qarray/_kquants.py (ggml's K-quant and IQ4 quantizers in NumPy) against ggml itself: the fields of
 every block equal those of the bytes ggml_quantize_chunk wrote (tests/data/ggml/kquants.npz, made by
-tests/data/ggml/make_vectors.py), read by the library's block description; and those bytes hold the
-values ggml's own to_float gives."""
+tests/data/ggml/make_vectors.py), read by the library's block description, without an importance
+matrix and with each of the vectors' importance matrices; and those bytes hold the values ggml's own
+to_float gives."""
 
 import numpy as np
 import pytest
@@ -11,18 +12,34 @@ from qarray import _blocks, _kquants
 TYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 
 
-@pytest.mark.parametrize("t", TYPES)
-def test_port_gives_ggml_fields(ggml_vectors, t):
-    f = _blocks.FORMATS[t.upper()]
-    x = ggml_vectors[f"{t}_x"].reshape(-1, f.block)
-    want = f.unpack(ggml_vectors[f"{t}_bytes"].reshape(-1, f.nbytes))
-    got = getattr(_kquants, f"quantize_{t}")(x)
+def _same_fields(f, t, got, raw, what=""):
+    want = f.unpack(raw.reshape(-1, f.nbytes))
     assert set(got) == set(want)
     for name, w in want.items():
         field = f.fields[name]
         g = field.check(t, got[name])  # the field's bits, as ggml stores them
         bad = np.flatnonzero((g != w.view(field.store)).any(axis=1))
-        assert bad.size == 0, f"{t}.{name}: blocks {bad.tolist()} differ"
+        assert bad.size == 0, f"{t}.{name}{what}: blocks {bad.tolist()} differ"
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_port_gives_ggml_fields(ggml_vectors, t):
+    f = _blocks.FORMATS[t.upper()]
+    x = ggml_vectors[f"{t}_x"].reshape(-1, f.block)
+    _same_fields(f, t, getattr(_kquants, f"quantize_{t}")(x), ggml_vectors[f"{t}_bytes"])
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_port_gives_ggml_fields_with_an_importance_matrix(ggml_vectors, t):
+    """ggml's quantize_row_*_impl paths (ggml_quantize_chunk with an imatrix), every row under every
+    importance matrix of the vectors; the port takes each value's entry, the imatrix laid over the blocks."""
+    f = _blocks.FORMATS[t.upper()]
+    x = ggml_vectors[f"{t}_imatrix_x"]
+    per_row = x.shape[1] // f.block
+    for case, w in enumerate(ggml_vectors["imatrix"]):
+        got = getattr(_kquants, f"quantize_{t}")(x.reshape(-1, f.block), np.tile(w.reshape(per_row, f.block),
+                                                                                 (len(x), 1)))
+        _same_fields(f, t, got, ggml_vectors[f"{t}_imatrix_bytes"][case], f" (imatrix {case})")
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -31,6 +48,19 @@ def test_ggml_bytes_hold_ggml_values(ggml_vectors, t):
     with np.errstate(all="ignore"):
         y = f.decode(ggml_vectors[f"{t}_bytes"].reshape(-1, f.nbytes)).reshape(ggml_vectors[f"{t}_deq"].shape)
     np.testing.assert_array_equal(y.view(np.uint32), ggml_vectors[f"{t}_deq"].view(np.uint32))
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_importance_vectors_not_trivial(ggml_vectors, t):
+    """Each importance matrix changes most rows' bytes from the plain path's and from the other
+    matrices' (all zero and all equal excepted: both are ggml's weighting too, not the plain path)."""
+    x = ggml_vectors[f"{t}_imatrix_x"]
+    f = _blocks.FORMATS[t.upper()]
+    raw = ggml_vectors[f"{t}_imatrix_bytes"].reshape(len(ggml_vectors["imatrix"]), -1, f.nbytes)
+    plain = getattr(_kquants, f"quantize_{t}")(x.reshape(-1, f.block))
+    differ = (raw != f.pack(plain)).any(axis=2).mean(axis=1)
+    assert (differ > 0.3).sum() >= len(raw) - 2, differ
+    assert len({r.tobytes() for r in raw}) == len(raw)
 
 
 @pytest.mark.parametrize("t", TYPES)

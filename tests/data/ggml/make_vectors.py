@@ -20,13 +20,12 @@ ggml.pc.in that a standalone ggml configure wants). Then rerun with
 
     python tests/data/ggml/make_vectors.py /tmp/ggml-build/bin/libggml-base.so
 
-(only NumPy is needed; written with NumPy 2.4.6, and a rerun gives the same arrays). The bytes
-are ``ggml_quantize_chunk(type, x, dst, 0, nrows, 256, NULL)``: no importance matrix, so the
-K-types run ``quantize_row_q*_K_ref`` and IQ4_NL/IQ4_XS run ``quantize_iq4_nl`` /
-``quantize_iq4_xs`` (ntry=7).
+(only NumPy is needed; written with NumPy 2.4.6, and a rerun gives the same arrays).
 
-Stored per type T (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, and q8_k: quantize_row_q8_K_ref's
-bytes, the activations of the K-quants' dot products), 53 rows each:
+Without an importance matrix the bytes are ``ggml_quantize_chunk(type, x, dst, 0, nrows, 256,
+NULL)``: the K-types run ``quantize_row_q*_K_ref`` and IQ4_NL/IQ4_XS run ``quantize_iq4_nl`` /
+``quantize_iq4_xs`` (ntry=7). Stored per type T (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, and
+q8_k: quantize_row_q8_K_ref's bytes, the activations of the K-quants' dot products), 53 rows each:
   T_x      float32 (rows, 256): the input rows (IQ4_NL: 8 blocks of 32 per row)
   T_bytes  uint8 (rows, row_size): ggml's quantized rows
   T_deq    float32 (rows, 256): ggml's dequantization of T_bytes (the type traits' to_float),
@@ -38,6 +37,32 @@ float16 range and at the float32 extremes, whose scales and sums overflow to inf
 that this arithmetic is pinned too), and integer rows picked (fixed indices into fixed pools)
 because a port that got one detail wrong (5 make_q3_quants passes, ties in best_index_int8,
 id*x vs x/d) differs on them.
+
+With an importance matrix (llama.cpp's ``--imatrix``: one float32 per column of the weight
+tensor, shared by all its rows) the bytes are ``ggml_quantize_chunk(type, x, dst, 0, nrows,
+1024, imatrix)``, whose ``quantize_*`` then take ggml-quants.c's weighted paths:
+  Q2_K    quantize_q2_K -> quantize_row_q2_K_impl: weights quant_weights * sqrtf(sigma2 + x^2),
+          sigma2 = sum x^2 / 256; make_qkx3_quants per 16 values, then make_qp_quants (nmax
+          15) for the sub-scales and for the mins, weighted by each sub-block's summed weights
+  Q3_K    quantize_q3_K -> quantize_row_q3_K_impl: sigma2 = 2 sum x^2 / 256; make_qx_quants
+          (nmax 4) with the weights, then make_qx_quants (nmax 32) for the sub-scales
+  Q4_K    quantize_q4_K -> quantize_row_q4_K_impl, quantize_q5_K -> quantize_row_q5_K_impl:
+  Q5_K    sigma2 = 2 sum x^2 / 256; make_qkx3_quants per 32, make_qp_quants (nmax 63) for the
+          sub-scales and mins (Q5_K clamps their codes to 63, Q4_K does not)
+  Q6_K    quantize_q6_K -> quantize_row_q6_K_impl: make_qx_quants (nmax 32) weighted by
+          quant_weights alone
+  IQ4_NL  quantize_iq4_nl / quantize_iq4_xs -> quantize_row_iq4_nl_impl with quant_weights:
+  IQ4_XS  weights quant_weights * sqrtf(sigma2 + x^2), sigma2 = sum x^2 * 2 / super-block (32
+          for IQ4_NL, 256 for IQ4_XS)
+Stored:
+  imatrix          float32 (cases, 1024): the importance matrices, one per case (:func:`imatrices`:
+                   typical means of squared activations, very uneven columns, zeros scattered and
+                   over whole sub-blocks and a block, all equal, all zero, one to three nonzero
+                   entries per 16 columns, tiny, float32-subnormal and huge values, 16 decades)
+  T_imatrix_x      float32 (rows, 1024): the input rows (:func:`imatrix_rows`: T_x four to a row,
+                   then rows picked for make_qp_quants' rare paths)
+  T_imatrix_bytes  uint8 (cases, rows, row_size): ggml's rows with imatrix[case]
+  T_imatrix_deq    float32 (cases, rows, 1024): ggml's to_float of T_imatrix_bytes
 """
 
 import ctypes
@@ -136,6 +161,57 @@ def rows(rng):
     return np.array(out, dtype=F)
 
 
+IMATRIX_COLUMNS = 1024  # n_per_row of the importance-matrix vectors: 4 K super-blocks, 32 IQ4_NL blocks
+
+
+def imatrices(rng):
+    """The importance matrices (float32, IMATRIX_COLUMNS each) the imatrix vectors use, one per case."""
+    n = IMATRIX_COLUMNS
+    acts = rng.standard_normal((512, n)) * 10.0 ** rng.uniform(-1, 1, n)  # columns of different scales
+    typical = np.mean(acts.astype(F) ** 2, axis=0)  # llama.cpp's imatrix: mean of squared activations
+    uneven = rng.uniform(0.5, 1.5, n)
+    uneven[rng.choice(n, 8, replace=False)] *= 1e4  # a few columns dominate
+    uneven[272:288] *= 1e4  # and a whole 16-sub-block
+    zeros = typical.copy()
+    zeros[rng.random(n) < 0.3] = 0  # zero weights scattered, and whole sub-blocks and a block
+    zeros[16:32] = 0
+    zeros[64:96] = 0
+    zeros[512:768] = 0
+    sparse = np.zeros(n)  # one to three nonzero weights per 16-sub-block: make_qkx3_quants' fits over
+    for j in range(0, n, 16):  # so few points give negative sub-scales, whose 6-bit codes wrap in Q4_K
+        keep = j + rng.choice(16, rng.integers(1, 4), replace=False)
+        sparse[keep] = typical[keep]
+    return {
+        "typical": typical,
+        "uneven": uneven,
+        "zeros": zeros,
+        "equal": np.ones(n),
+        "all_zero": np.zeros(n),
+        "sparse": sparse,
+        "tiny": typical * 1e-30,  # weighted sums near the bottom of float32
+        "subnormal": typical * 1e-42,  # float32 subnormal weights
+        "huge": typical * 1e30,  # weighted sums overflow
+        "decades": 10.0 ** rng.uniform(-8, 8, n),
+    }
+
+
+def imatrix_rows(x, rng):
+    """The rows of the imatrix vectors, IMATRIX_COLUMNS wide: the 256-element hard rows of
+    :func:`rows` four to a row (normal rows complete the last), then rows picked (fixed indices
+    into fixed pools) because make_qp_quants reaches its rare paths on them: a negative sub-scale
+    under the 'sparse' imatrix whose code wraps in C's uint8 (Q2_K: 291; Q4_K: 15, 323, which
+    get_scale_min_k4 then reads back altered; Q5_K: 213), and the 5-pass limit of its search
+    under 'uneven' (Q4_K: 77, 110; Q5_K: 110); and a row whose blocks' sums of squares lie where
+    ``2 * sumx2 / 256`` overflows but ``sumx2 / 256`` does not, and in the float32 subnormals
+    (sigma2's order of operations)."""
+    x = np.concatenate([x, rng.standard_normal((-len(x) % 4, x.shape[1]))]).reshape(-1, IMATRIX_COLUMNS)
+    pool = np.random.default_rng(31)
+    pool = pool.standard_normal((600, IMATRIX_COLUMNS)) * 10.0 ** pool.uniform(-2, 2, (600, 1))
+    ints = np.random.default_rng(32).integers(0, 9, (600, IMATRIX_COLUMNS))
+    sums = rng.standard_normal(IMATRIX_COLUMNS) * np.repeat([1.1e18, 1e18, 3e-21, 1e-21], 256)
+    return np.concatenate([x, pool[[291, 15, 323, 213]], ints[[77, 110]], sums[None]]).astype(F)
+
+
 class Ggml:
     def __init__(self, path):
         lib = self.lib = ctypes.CDLL(str(path))
@@ -161,12 +237,17 @@ class Ggml:
         self.lib.quantize_row_q8_K_ref(x.ctypes.data, out.ctypes.data, x.size)
         return out
 
-    def quantize(self, type_id, x):
+    def quantize(self, type_id, x, imatrix=None):
+        """ggml_quantize_chunk's rows for float32 rows ``x``; ``imatrix``: float32, one entry a column."""
         x = np.ascontiguousarray(x, dtype=F)
         nrows, n_per_row = x.shape
+        if imatrix is not None:
+            imatrix = np.ascontiguousarray(imatrix, dtype=F)
+            assert imatrix.shape == (n_per_row,)
         self.lib.ggml_quantize_init(type_id)
         out = np.zeros((nrows, self.lib.ggml_row_size(type_id, n_per_row)), dtype=np.uint8)
-        size = self.lib.ggml_quantize_chunk(type_id, x.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
+        size = self.lib.ggml_quantize_chunk(type_id, x.ctypes.data, out.ctypes.data, 0, nrows, n_per_row,
+                                            None if imatrix is None else imatrix.ctypes.data)
         assert size == out.size
         return out
 
@@ -203,6 +284,13 @@ def main(lib_path):
     y = np.empty_like(x)  # (its type traits have no to_float: ggml-quants.c's dequantize_row_q8_K)
     ggml.lib.dequantize_row_q8_K(raw.ctypes.data, y.ctypes.data, y.size)
     out["q8_k_deq"] = y
+    out["imatrix"] = w = np.array(list(imatrices(np.random.default_rng(20251206)).values()), dtype=F)
+    for k, (name, type_id) in enumerate(TYPES.items()):
+        x = imatrix_rows(rows(np.random.default_rng(20240611 + k)), np.random.default_rng(20251207 + k))
+        out[f"{name}_imatrix_x"] = x
+        out[f"{name}_imatrix_bytes"] = raw = np.array([ggml.quantize(type_id, x, wi) for wi in w])
+        with np.errstate(all="ignore"):
+            out[f"{name}_imatrix_deq"] = np.array([ggml.dequantize(type_id, r, x.shape[1]) for r in raw])
     path = Path(__file__).with_name("kquants.npz")
     np.savez_compressed(path, **out)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
