@@ -9,6 +9,7 @@ array([  50, -100], dtype=int8)
 from importlib.metadata import PackageNotFoundError, version
 
 from . import backends
+from . import hqq
 from . import nn
 from . import observers
 from . import ops
@@ -47,6 +48,7 @@ __all__ = [
     *ops.__all__,
     "QDType",
     "backends",
+    "hqq",
     "choose_qparams",
     "config",
     "dequantize",
