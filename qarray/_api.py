@@ -14,6 +14,7 @@ from .backends import on_data_device, user_array
 from ._config import resolve
 from ._dtypes import QDType, qdtype, quint8
 from ._fixed_point import plan
+from ._blocks import FORMATS
 from ._params import Quant, check_params, check_scale, expand, float_values, kept, param_shape, to_host
 from . import _qarray
 from ._qarray import QArray, float_dtype
@@ -41,7 +42,7 @@ def _float_input(x, what):
 
 @on_data_device
 def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=None, saturate=None,
-             reciprocal=False, rounding=None, seed=None) -> QArray:
+             reciprocal=False, rounding=None, seed=None, importance=None) -> QArray:
     """Quantize float data: ``q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)``.
 
     The division is IEEE float32 for float16/float32 input, float64 for float64
@@ -73,13 +74,25 @@ def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=N
     multiple of its block: the bytes of its reference quantizer (gguf-py's, or
     ggml's ``ggml_quantize_chunk`` for the K-quants and IQ4_NL/IQ4_XS), from the
     values rounded to float32.
+
+    ``importance`` (Q2_K .. Q6_K, IQ4_NL, IQ4_XS) is llama.cpp's importance
+    matrix of the tensor: one value >= 0 per column (``x.shape[-1]`` of them,
+    float32, shared by every row), the mean square of the activations that
+    column multiplies (``observers.ImportanceMatrix`` collects it). The bytes
+    are then ggml's importance-weighted ones, ``ggml_quantize_chunk`` with the
+    matrix, as ``llama-quantize --imatrix`` writes them.
     """
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
+    if importance is not None and not (d.kind == "block" and getattr(d.layout.quantize, "takes_importance", False)):
+        takes = [n for n, f in FORMATS.items() if getattr(f.quantize, "takes_importance", False)]
+        raise TypeError(f"quantize: importance= (llama.cpp's imatrix) is taken by {', '.join(takes[:-1])} and "
+                        f"{takes[-1]}, whose ggml quantizers weight by it; {d.name} has no such quantizer: drop "
+                        "importance, or pick one of those")
     if d.kind == "block":
         given = dict(scale=scale, zero_point=zero_point or None, axis=axis, block_size=block_size, saturate=saturate,
                      reciprocal=reciprocal or None, rounding=rounding, seed=seed)
-        return _quantize_blocks(x, b, d, [k for k, v in given.items() if v is not None])
+        return _quantize_blocks(x, b, d, [k for k, v in given.items() if v is not None], importance)
     if scale is None:
         raise TypeError(f"quantize: {d.name} needs a scale (block formats such as Q4_K choose their own)")
     s, z, axis, block_size = check_params(scale, zero_point, d, x.shape, axis, block_size)
@@ -108,7 +121,7 @@ def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=N
     return QArray._new(b.quantize(x, Quant(s, z, d, axis, block_size)), s, z, d, axis, block_size, b)
 
 
-def _quantize_blocks(x, b, d, given):
+def _quantize_blocks(x, b, d, given, importance=None):
     """quantize's block formats: the format's quantizer on the host, block by block."""
     f = d.layout
     if given:
@@ -124,15 +137,37 @@ def _quantize_blocks(x, b, d, given):
     if f.tensor_scale is not None:  # NVFP4's tensor scale, from the largest magnitude (1 where it is 0)
         amax = float(to_host(b.xp.abs(x).max())) if x.size else 0.0
         g = f.quantize.tensor_scale(amax or 1.0) if np.isfinite(amax) else np.float32(1)
-    return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f, g=g), x, f.nbytes / f.block, np.uint8), d,
-                          b, None, g)
+    if importance is not None:
+        importance = _importance(importance, x.shape[-1])
+    return QArray._blocks(b.map_rows(functools.partial(_block_bytes, f=f, g=g, importance=importance), x,
+                                     f.nbytes / f.block, np.uint8), d, b, None, g)
+
+
+def _importance(w, columns):
+    """quantize's ``importance``, checked: float32 on the host, ``(columns,)``, finite, >= 0."""
+    w = float_values(np.asarray(to_host(w)))
+    if w.dtype.kind not in "fiu":
+        raise TypeError(f"quantize: importance takes real numbers (an importance matrix), got dtype {w.dtype}")
+    if w.shape != (columns,):
+        raise ValueError(f"quantize: importance holds one value per column of x, shape ({columns},) here (llama.cpp's "
+                         f"imatrix of the tensor: one entry per input column), got shape {w.shape}")
+    with np.errstate(over="ignore"):
+        w32 = w.astype(np.float32)
+    for bad, what in ((~np.isfinite(w), "NaN or infinite value(s)"),
+                      (~np.isfinite(w32), "value(s) beyond float32's range"), (w < 0, "negative value(s)")):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"quantize: importance holds {int(bad.sum())} {what} (the first, {w[i].item()!r}, at "
+                             f"column {i}); an importance matrix is a mean of squares, finite float32 values >= 0: "
+                             "collect it again (observers.ImportanceMatrix) or set those columns to 0")
+    return w32
 
 
 _BLOCK_CHUNK = 1 << 15  # values quantized at a time by a block format's quantizer
 
 
-def _block_bytes(x, f, g=None):
-    """The bytes of ``f`` for host values ``x`` (rows along the last axis)."""
+def _block_bytes(x, f, g=None, importance=None):
+    """The bytes of ``f`` for host values ``x`` (rows along the last axis); ``importance`` one value a column."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     bad = ~np.isfinite(x)
     if bad.any():
@@ -145,9 +180,14 @@ def _block_bytes(x, f, g=None):
         fill(blocks, out)
         return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
     step = max(1, _BLOCK_CHUNK // f.block)  # a chunk's temporaries stay in cache (2x on Q8_0 at 2^24 values)
+    per_row = x.shape[-1] // f.block
     for i in range(0, len(blocks), step):
         part = blocks[i:i + step]
-        out[i:i + step] = f.pack(f.quantize(part) if g is None else f.quantize(part, g))
+        if importance is not None:  # each block's entries: its columns' importance
+            fields = f.quantize(part, importance.reshape(per_row, f.block)[np.arange(i, i + len(part)) % per_row])
+        else:
+            fields = f.quantize(part) if g is None else f.quantize(part, g)
+        out[i:i + step] = f.pack(fields)
     return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
 
 

@@ -4,7 +4,7 @@
 >>> for batch in (numpy.array([0.5, -1.0], numpy.float32), numpy.array([2.54], numpy.float32)):
 ...     _ = obs.update(batch)
 >>> obs.qparams()
-(array(0.02, dtype=float32), array(0, dtype=int32))
+(array(0.01992157, dtype=float32), array(0, dtype=int32))
 
 Every observer takes ``dtype``, ``symmetric`` and ``axis`` (None: per tensor;
 an int: one range per index along that axis of each batch, all other axes
@@ -47,6 +47,11 @@ and returns ``(scale, zero_point)`` as :func:`qarray.quantize` takes them.
 State: ``state_dict()`` is a dict of NumPy arrays (``numpy.savez`` /
 ``numpy.load(allow_pickle=False)`` keep it, no pickle) and
 :meth:`Observer.from_state` rebuilds the observer from it.
+
+:class:`ImportanceMatrix` collects llama.cpp's importance matrix of a weight
+tensor (the mean square of each input column's activations), which the GGUF
+K-quants and IQ4 formats take as :func:`qarray.quantize`'s ``importance``; its
+sums are exact integers too, merged across workers bit for bit.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ from ._dtypes import qdtype
 from ._params import float_values, is_lazy, normalize_axis, to_host
 from .backends import for_array
 
-__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "observer", "entropy_threshold"]
+__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "ImportanceMatrix", "observer",
+           "entropy_threshold"]
 
 METHODS = ("percentile", "mse", "entropy")
 ENTROPY_VIEW = 2048  # bins of the histograms the entropy search runs on (ONNX Runtime's 2048)
@@ -602,6 +608,193 @@ def _kl_divergences(counts, nq, candidates):
             np.multiply(p, r, out=r)
             kl[c0 + k] = np.where(valid[:, k], r.sum(axis=1), np.inf)
     return kl
+
+
+_LIMBS = 20  # 32-bit limbs of each column's sum of squares times 2^298: squares reach 2^554, counts 2^63 more
+_SHIFT = 298  # the square of the smallest float32 subnormal is 2^-298
+_ROWS = 1 << 18  # values squared at a time; the float64 counts of a pass stay below 2^53 (rows < 2^21)
+
+
+def _square_sums(rows):
+    """Each column's sum of the squares of float32 ``rows`` (n, K), exactly: int64 ``(K, _LIMBS)``,
+    limb ``i`` holding bits ``32 i ..`` of ``sum x^2 * 2^298``, each below ``2^32`` (read on the host:
+    a device chunk is copied). A float32 ``x`` is ``m * 2^(e - 150)`` (``e`` its exponent field, 1 for
+    subnormals, ``m`` its 24-bit significand), so ``x^2 * 2^298 = m^2 * 2^(2 e - 2)``: ``m^2 * 2^off``
+    (< 2^79, 48 significant bits: exact in float64) at limb ``(e - 1) // 16``, split into its three
+    32-bit pieces exactly in float64 and counted by ``bincount`` (exact integers below 2^53)."""
+    rows = to_host(rows)
+    with np.errstate(over="ignore"):  # (float64 beyond float32's range becomes inf, refused below)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, k = rows.shape
+    acc = np.zeros(k * _LIMBS, np.int64)
+    base = np.arange(k, dtype=np.int64) * _LIMBS
+    step = max(1, _ROWS // max(k, 1))
+    for i in range(0, n, step):
+        part = rows[i:i + step]
+        e = (part.view(np.uint32) >> np.uint32(23)).astype(np.uint8)  # the sign bit falls off the uint8
+        if (e == 255).any():
+            raise ValueError("ImportanceMatrix.update: the batch holds NaN or inf (as float32); observe finite "
+                             "activations only")
+        limb = (np.maximum(e, 1) - np.uint8(1)) >> np.uint8(4)
+        v = part.astype(np.float64)
+        v *= v
+        v *= _LIMB_SCALE[limb]  # m^2 * 2^off
+        mid = np.floor(v * 2.0**-32)
+        v -= mid * 2.0**32
+        high = np.floor(mid * 2.0**-32)
+        mid -= high * 2.0**32
+        index = (base + limb).ravel()
+        for j, piece in enumerate((v, mid, high)):
+            acc += np.bincount(index + j, piece.ravel(), minlength=k * _LIMBS).astype(np.int64)
+    return _carried(acc.reshape(k, _LIMBS))
+
+
+_LIMB_SCALE = np.ldexp(1.0, _SHIFT - 32 * np.arange(16))  # x^2 * 2^298 over limb i's 2^(32 i)
+
+
+def _carried(limbs):
+    """Non-negative int64 limbs ``(K, _LIMBS)`` with each carry moved up: every limb below 2^32."""
+    for i in range(_LIMBS - 1):
+        limbs[:, i + 1] += limbs[:, i] >> 32
+        limbs[:, i] &= 0xFFFFFFFF
+    return limbs
+
+
+def _nearest_float32(num: int, den: int) -> np.float32:
+    """The float32 nearest ``num / den`` (integers, ``num >= 0``, ``den > 0``), ties to even, inf past
+    float32's range: the quotient cut to 53 bits with a sticky last bit (rounded to odd), which float64
+    holds exactly and which rounds to float32 as the exact quotient does."""
+    if num == 0:
+        return np.float32(0)
+    k = 52 - (num.bit_length() - den.bit_length())
+    q, r = divmod(num << k, den) if k >= 0 else divmod(num, den << -k)
+    with np.errstate(over="ignore"):
+        return np.float32(math.ldexp(q | (r != 0), -k))
+
+
+class ImportanceMatrix:
+    """llama.cpp's importance matrix (``llama-imatrix``) of one weight tensor, collected exactly.
+
+    ``update(x)`` takes the tensor's input activations, ``x`` of shape ``(..., K)``:
+    each index of the leading axes is one token, a row of ``K`` values, one per input
+    column of the weight. It adds each column's squares and counts the tokens.
+    ``result()`` is the mean square of each column, ``sum / count`` as llama.cpp's
+    imatrix holds it, rounded once to float32 (the nearest float32 of the exact
+    mean): what ``qarray.quantize(w, dtype="Q4_K", importance=...)`` takes, and
+    ``quantize(w, dtype)`` passes.
+
+    The sums are exact: the square of a float32 is an integer times ``2**-298``,
+    added as an integer in 32-bit limbs. So ``merge`` of collectors that saw any
+    split of the tokens (chunks, processes, in any order) gives the bits of one
+    collector that saw them all. (llama.cpp sums in float32 as tokens come,
+    so its last bits depend on their order and grow apart from the exact mean
+    over many tokens.) Activations are read as float32, as llama.cpp reads them:
+    float16, bfloat16 and integers up to 2**24 exactly, float64 rounded; NaN
+    and inf raise ValueError. NumPy, CuPy (copied to the host for the sums) and
+    Dask arrays (summed chunk by chunk, the sums added in a tree). State:
+    ``state_dict()`` / ``ImportanceMatrix.from_state``, plain arrays.
+
+    >>> m = ImportanceMatrix().update(numpy.array([[1.0, 0.0], [2.0, 3.0]], numpy.float32))
+    >>> m.merge(ImportanceMatrix().update(numpy.array([[3.0, 0.0]], numpy.float32))).result()
+    array([4.6666665, 3.       ], dtype=float32)
+    """
+
+    kind = "importance"
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> "ImportanceMatrix":
+        """Forget every token seen."""
+        self.sums, self.count = None, 0  # sums: int64 (K, _LIMBS) limbs of sum x^2 * 2^298 per column
+        return self
+
+    @property
+    def columns(self):
+        """K, the activations' last axis (None before the first batch)."""
+        return None if self.sums is None else self.sums.shape[0]
+
+    def update(self, x) -> "ImportanceMatrix":
+        """Take one batch of activations ``(..., K)``. Returns ``self``."""
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            x = np.asarray(x)
+        x = float_values(x)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"ImportanceMatrix.update: takes real (float or integer) activations, got dtype {x.dtype}")
+        if x.ndim == 0 or x.size == 0:
+            raise ValueError(f"ImportanceMatrix.update: takes activations of shape (..., K), one row of K per token; "
+                             f"got shape {x.shape}")
+        k = x.shape[-1]
+        if self.sums is not None and k != self.columns:
+            raise ValueError(f"ImportanceMatrix.update: the batch has {k} columns (its last axis), earlier batches had "
+                             f"{self.columns}")
+        if is_lazy(x):
+            import dask.array as da
+
+            rows = x.rechunk({x.ndim - 1: -1}).reshape(-1, k)
+            parts = [rows.blocks[i, 0].map_blocks(_square_sums, chunks=((k,), (_LIMBS,)), dtype=np.int64,
+                                                  meta=np.empty((0, 0), np.int64)) for i in range(rows.numblocks[0])]
+            sums = _carried(da.stack(parts).sum(axis=0).compute())  # (each part's limbs < 2^32: no overflow)
+        else:
+            rows = x.reshape(-1, k)
+            sums = _square_sums(rows)
+        self._add(sums, rows.shape[0])
+        return self
+
+    def _add(self, sums, count):
+        self.sums = sums.copy() if self.sums is None else _carried(self.sums + sums)
+        self.count += int(count)
+
+    def merge(self, other) -> "ImportanceMatrix":
+        """Add the sums and tokens of ``other`` (another ImportanceMatrix) to these."""
+        if type(other) is not type(self):
+            raise ValueError(f"ImportanceMatrix.merge: the other is a {type(other).__name__}")
+        if other.sums is not None:
+            if self.sums is not None and self.columns != other.columns:
+                raise ValueError(f"ImportanceMatrix.merge: {self.columns} columns here, {other.columns} in the other")
+            self._add(other.sums, other.count)
+        return self
+
+    def result(self) -> np.ndarray:
+        """The mean square of each column's activations, float32 ``(K,)``: the float32 nearest the
+        exact ``sum / count`` (inf where that passes float32's range: activations near 2**64)."""
+        if self.sums is None:
+            raise ValueError("ImportanceMatrix: no activations observed yet; call update(x) first")
+        den = self.count << _SHIFT
+        return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
+                         for limbs in self.sums], np.float32)
+
+    def quantize(self, w, dtype="Q4_K"):
+        """``qarray.quantize(w, dtype=dtype, importance=self.result())``: ``w`` the weight, ``(..., K)``."""
+        return quantize(w, dtype=dtype, importance=self.result())
+
+    def state_dict(self) -> dict:
+        """The sums and the token count as ``{name: numpy array}`` (no objects)."""
+        s = {"kind": np.array(self.kind)}
+        if self.sums is not None:
+            s["sums"], s["count"] = self.sums.copy(), np.array(self.count, np.int64)
+        return s
+
+    @classmethod
+    def from_state(cls, state) -> "ImportanceMatrix":
+        """The ImportanceMatrix that :meth:`state_dict` described."""
+        kind = str(_field(state, "kind", "U", ()))
+        if kind != cls.kind:
+            raise ValueError(f"ImportanceMatrix.from_state: field 'kind' is {kind!r}, not {cls.kind!r}")
+        m = cls()
+        if "sums" in state:
+            sums = _field(state, "sums", "iu", None)
+            count = int(_field(state, "count", "iu", ()))
+            if sums.ndim != 2 or sums.shape[1] != _LIMBS or sums.shape[0] == 0 or sums.min() < 0 \
+                    or sums.max() >= 1 << 32 or count <= 0:
+                raise ValueError(f"ImportanceMatrix.from_state: fields 'sums' (K, {_LIMBS}) limbs in [0, 2**32) and "
+                                 "'count' (tokens, > 0) are not what state_dict writes")
+            m.sums, m.count = sums.astype(np.int64), count
+        return m
+
+    def __repr__(self):
+        seen = "no data" if self.sums is None else f"{self.columns} columns, {self.count} tokens"
+        return f"ImportanceMatrix({seen})"
 
 
 def observer(name, dtype="quint8", *, symmetric=False, axis=None) -> Observer:

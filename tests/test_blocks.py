@@ -137,6 +137,54 @@ def test_quantize_errors(rng):
                                   qa.quantize(x.astype(np.float16).astype(np.float32), dtype="Q8_0").data)
 
 
+IMPORTANCE_TAKERS = "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS"
+
+
+@pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "TQ2_0", "int4_g128_f16", "qint8", "float8_e4m3fn"])
+def test_importance_is_for_the_k_quants_and_iq4(dtype, rng):
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    with pytest.raises(TypeError, match=rf"^quantize: importance= \(llama.cpp's imatrix\) is taken by "
+                                        rf"{IMPORTANCE_TAKERS}, whose ggml quantizers weight by it; {dtype} has no "
+                                        "such quantizer: drop importance, or pick one of those$"):
+        qa.quantize(x, 0.1 if "_" not in dtype else None, dtype=dtype, importance=np.ones(256))
+
+
+def _column(v, at, n=512):
+    w = np.ones(n)
+    w[at] = v
+    return w
+
+
+@pytest.mark.parametrize("importance,exc,match", [
+    (np.ones(256), ValueError, r"importance holds one value per column of x, shape \(512,\) here \(llama.cpp's imatrix "
+                               r"of the tensor: one entry per input column\), got shape \(256,\)$"),
+    (np.ones((2, 512)), ValueError, r"shape \(512,\) here .*got shape \(2, 512\)$"),
+    (1.0, ValueError, r"got shape \(\)$"),
+    (_column(-0.5, 7), ValueError, r"^quantize: importance holds 1 negative value\(s\) \(the first, -0.5, at column "
+                                   r"7\); an importance matrix is a mean of squares, finite float32 values >= 0: "
+                                   r"collect it again \(observers.ImportanceMatrix\) or set those columns to 0$"),
+    (_column(np.nan, [3, 300]), ValueError, r"holds 2 NaN or infinite value\(s\) \(the first, nan, at column 3\)"),
+    (_column(-np.inf, 511), ValueError, r"holds 1 NaN or infinite value\(s\) \(the first, -inf, at column 511\)"),
+    (_column(1e39, 9), ValueError, r"holds 1 value\(s\) beyond float32's range \(the first, 1e\+39, at column 9\)"),
+    (np.full(512, "a"), TypeError,
+     r"^quantize: importance takes real numbers \(an importance matrix\), got dtype <U1$"),
+    (np.ones(512, complex), TypeError, "got dtype complex128"),
+])
+def test_importance_errors(importance, exc, match, rng):
+    with pytest.raises(exc, match=match):
+        qa.quantize(rng.standard_normal((3, 512)).astype(np.float32), dtype="Q4_K", importance=importance)
+
+
+@pytest.mark.parametrize("dtype", ["Q3_K", "IQ4_NL"])
+def test_importance_of_any_real_dtype(dtype, rng):
+    """Integers, float16 and float64 (to float32, exactly here), lists: the same bytes; zeros are valid."""
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    w = rng.integers(0, 5, 512)
+    want = qa.quantize(x, dtype=dtype, importance=w.astype(np.float32)).data
+    for v in (w, w.astype(np.float16), w.astype(np.float64), w.tolist()):
+        np.testing.assert_array_equal(qa.quantize(x, dtype=dtype, importance=v).data, want)
+
+
 def test_ops_refuse_block_formats(rng):
     q = qa.quantize(rng.standard_normal((2, 32)).astype(np.float32), dtype="Q4_0")
     p = qa.quantize(rng.standard_normal((2, 32)).astype(np.float32), 0.1)
@@ -146,13 +194,18 @@ def test_ops_refuse_block_formats(rng):
             op()
 
 
-def test_dask(w):
+def test_dask(w, rng):
     da = pytest.importorskip("dask.array")
     x = da.from_array(w, chunks=(1, 2, 256))
     q = qa.quantize(x, dtype="Q6_K")
     assert isinstance(q.data, da.Array)
     want = qa.quantize(w, dtype="Q6_K")
     np.testing.assert_array_equal(q.data.compute(), want.data)
+    importance = rng.uniform(0, 3, 512).astype(np.float32)  # (whole rows a chunk: each block its columns')
+    for imp in (importance, da.from_array(importance, chunks=100)):
+        weighted = qa.quantize(x, dtype="Q6_K", importance=imp)
+        assert isinstance(weighted.data, da.Array)
+        np.testing.assert_array_equal(weighted.data.compute(), qa.quantize(w, dtype="Q6_K", importance=importance).data)
     np.testing.assert_array_equal(q.dequantize().compute(), want.dequantize())
     moved = want.to("dask")
     np.testing.assert_array_equal(moved.dequantize().compute(), want.dequantize())

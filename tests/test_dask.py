@@ -356,6 +356,23 @@ def test_observers_on_dask_data_equal_the_in_memory_ones(chunks, axis):
             np.testing.assert_array_equal(lazy.exponent, mem.exponent)
 
 
+@pytest.mark.parametrize("chunks", [(1, 1), (4, 5), ((3, 16), (2, 9, 12))])
+def test_importance_matrix_on_dask_data_equals_the_in_memory_one(chunks):
+    """update(dask_x): each chunk of rows squared and summed exactly, the sums added in a tree (the
+    columns split across chunks are joined first): the sums, count and result of the array in memory."""
+    from qarray import observers
+
+    mem, lazy = observers.ImportanceMatrix(), observers.ImportanceMatrix()
+    for batch in (X, X * np.float32(1e-21)):
+        mem.update(batch)
+        lazy.update(da.from_array(batch, chunks=chunks))
+    mem.update(X.reshape(19, 1, 23))
+    lazy.update(da.from_array(X.reshape(19, 1, 23), chunks=(chunks[0], 1, chunks[1])))
+    assert lazy.count == mem.count == 57
+    np.testing.assert_array_equal(lazy.sums, mem.sums)
+    np.testing.assert_array_equal(lazy.result(), mem.result())
+
+
 def test_observer_on_a_local_cluster(client):
     from qarray import observers
 

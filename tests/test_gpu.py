@@ -87,6 +87,13 @@ def test_block_formats(dtype, rng):
     assert isinstance(d, cupy.ndarray)
     np.testing.assert_array_equal(d.get(), want.dequantize())
     np.testing.assert_array_equal(got[2:, 256:].dequantize().get(), want[2:, 256:].dequantize())
+    if dtype in ("Q4_K", "IQ4_XS"):  # with an importance matrix, itself on the device or the host
+        imp = rng.uniform(0, 2, 512).astype(np.float32)
+        want, got = both(lambda a, w: qarray.quantize(a, dtype=dtype, importance=w), x, imp)
+        assert got.backend == "cupy"
+        np.testing.assert_array_equal(got.data.get(), want.data)
+        np.testing.assert_array_equal(qarray.quantize(cupy.asarray(x), dtype=dtype, importance=imp).data.get(),
+                                      want.data)
 
 
 @pytest.mark.parametrize("dtype", ["uint3_g32_bf16_zp", "e2m1_g16_e4m3_gdiv"])

@@ -163,6 +163,13 @@ def test_observers():
             np.testing.assert_array_equal(a, b)
         if hasattr(mem, "counts"):
             np.testing.assert_array_equal(lazy.counts, mem.counts)
+    mem, lazy, device = observers.ImportanceMatrix(), observers.ImportanceMatrix(), observers.ImportanceMatrix()
+    for batch in (X, X * np.float32(7)):
+        mem.update(batch)
+        lazy.update(on_gpu(batch, (4, 5)))
+        device.update(cupy.asarray(batch))
+    np.testing.assert_array_equal(lazy.sums, mem.sums)
+    np.testing.assert_array_equal(device.result(), mem.result())
 
 
 def test_zarr_and_safetensors_from_device_chunks(tmp_path):

@@ -42,6 +42,32 @@ def test_port_gives_ggml_fields_with_an_importance_matrix(ggml_vectors, t):
         _same_fields(f, t, got, ggml_vectors[f"{t}_imatrix_bytes"][case], f" (imatrix {case})")
 
 
+def _same_values(got, want):
+    """Bit for bit, NaN where NaN: ggml's ``d * q - dmin * m`` keeps the sign of a negative NaN dmin,
+    which qarray's decoder (``scale * v + offset``, the offset negated) turns positive."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_quantize_with_importance_is_ggml_bit_for_bit(ggml_vectors, t):
+    """``qarray.quantize(x, dtype, importance=imatrix)``: the bytes of ggml_quantize_chunk with the
+    imatrix (rows of 1024: each block takes its own columns' entries) and the values of ggml's to_float;
+    ``importance=None`` is the plain path's bytes."""
+    import qarray as qa
+
+    x = ggml_vectors[f"{t}_imatrix_x"]
+    for case, w in enumerate(ggml_vectors["imatrix"]):
+        q = qa.quantize(x, dtype=t, importance=w)
+        np.testing.assert_array_equal(q.data, ggml_vectors[f"{t}_imatrix_bytes"][case], err_msg=f"imatrix {case}")
+        with np.errstate(all="ignore"):
+            _same_values(q.dequantize(), ggml_vectors[f"{t}_imatrix_deq"][case])
+    plain = ggml_vectors[f"{t}_x"].reshape(-1, 256)
+    np.testing.assert_array_equal(qa.quantize(plain, dtype=t, importance=None).data,
+                                  ggml_vectors[f"{t}_bytes"].reshape(len(plain), -1))
+
+
 @pytest.mark.parametrize("t", TYPES)
 def test_ggml_bytes_hold_ggml_values(ggml_vectors, t):
     f = _blocks.FORMATS[t.upper()]

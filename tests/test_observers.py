@@ -5,6 +5,7 @@ samples and ONNX Runtime's own entropy search."""
 import contextlib
 import io
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -562,3 +563,141 @@ def test_histogram_channels_of_one_value(method, symmetric):
     q = obs.quantize(x)
     err = np.abs(q.dequantize() - x)
     assert np.all(err <= np.asarray(q.scale) * 0.5001), (err, q.scale)  # within half a step (symmetric: at the edge)
+
+
+# -- ImportanceMatrix ---------------------------------------------------------------------
+def _nearest_f32(fr):
+    """The float32 nearest the Fraction ``fr >= 0``, ties to the even significand, inf (as 2**128) past
+    the largest: a search among the neighbours of float(fr), by exact distance."""
+    with np.errstate(over="ignore"):
+        c = np.float32(float(fr))
+    cands = {c, np.nextafter(c, np.float32(0)), np.nextafter(c, np.float32(np.inf))}
+    value = lambda v: Fraction(2) ** 128 if np.isinf(v) else Fraction(float(v))
+    return min(cands, key=lambda v: (abs(value(v) - fr), int(np.float32(v).view(np.uint32)) & 1))
+
+
+def _exact_means(batches):
+    """Each column's mean square over the rows of ``batches`` (as float32 values), as Fractions."""
+    rows = np.concatenate([np.asarray(b, np.float32).reshape(-1, b.shape[-1]) for b in batches])
+    return [sum(Fraction(float(v)) ** 2 for v in col) / len(rows) for col in rows.T]
+
+
+def _activations(rng, n, k):
+    """Activations whose squares span the float32 range: per column scales from 2**-70 to 2**60, float32
+    subnormals, zeros, both signs, so that float sums of them depend on their order."""
+    x = rng.standard_normal((n, k)) * np.exp2(rng.uniform(-70, 60, k))
+    x[rng.random((n, k)) < 0.05] = 0
+    x[:, 0] = rng.choice([1e-45, 3e-42, -1e-40], n)  # subnormals
+    x[:, 1] = rng.choice([1.0, 1.0 + 2.0**-23, 2.0**-12], n)
+    return x.astype(np.float32)
+
+
+def test_importance_matrix_is_the_exact_mean_of_squares_rounded_once(rng):
+    batches = [_activations(rng, 37, 9), _activations(rng, 5, 9).reshape(5, 1, 9), _activations(rng, 64, 9)]
+    batches.append(np.clip(batches[0][:3], -6e4, 6e4).astype(np.float16))  # float16: its values, exactly
+    m = observers.ImportanceMatrix()
+    for b in batches:
+        assert m.update(b) is m
+    assert m.count == 37 + 5 + 64 + 3 and m.columns == 9
+    want = np.array([_nearest_f32(f) for f in _exact_means(batches)], np.float32)
+    np.testing.assert_array_equal(m.result().view(np.uint32), want.view(np.uint32))
+    wide = rng.standard_normal((4, 3)) * 1e-3  # float64 activations: rounded to float32 first, as llama.cpp reads them
+    np.testing.assert_array_equal(observers.ImportanceMatrix().update(wide).result(),
+                                  observers.ImportanceMatrix().update(wide.astype(np.float32)).result())
+    extremes = np.array([[3.0e38, 1.4e-45, 0.0], [-3.0e38, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(observers.ImportanceMatrix().update(extremes).result(),
+                                  np.array([np.inf, 0.0, 0.0], np.float32))  # 9e76 and 1e-90: beyond float32
+
+
+@pytest.mark.parametrize("num,den", [
+    (2**24 + 1, 2**24),  # halfway between 1 and its successor: to even (1)
+    (2**24 + 3, 2**24),  # halfway between 1 + 2**-23 and 1 + 2**-22: to even (up)
+    (2**100 * (2**24 + 1) + 1, 2**124),  # just above a tie: up
+    (2**100 * (2**24 + 1) - 1, 2**124),  # just below: down
+    (1, 2**150), (3, 2**150), (1, 2**150 + 1),  # the subnormal ties around 2**-149, and below half of it
+    (2**128 - 2**103, 1), (2**128 - 2**103 - 1, 1),  # halfway to inf: inf; below: the largest float32
+    (10**40, 7), (123456789, 10**60), (2**617, 3 << 298),
+])
+def test_importance_matrix_rounds_to_the_nearest_float32(num, den):
+    got = observers._nearest_float32(num, den)
+    assert got.dtype == np.float32 and got.view(np.uint32) == _nearest_f32(Fraction(num, den)).view(np.uint32)
+
+
+def test_importance_matrix_merges_exactly_in_any_split_and_order(rng, tmp_path):
+    """Collectors over any split of the tokens, merged in any order (through saved states too), hold the
+    same sums, count and result, bit for bit, as one that saw every token; float sums of these
+    activations differ with the order (so a float accumulator would fail this)."""
+    x = _activations(rng, 300, 16)
+    whole = observers.ImportanceMatrix().update(x)
+    sq = x.astype(np.float64) ** 2
+    assert not np.array_equal(sq.sum(axis=0), sq[::-1].cumsum(axis=0)[-1])  # (order matters to float sums)
+    for cuts, order in [([1, 2, 299], [3, 0, 2, 1]), ([150], [1, 0]), ([17, 50, 51, 200, 260], [5, 3, 1, 0, 4, 2])]:
+        parts = [observers.ImportanceMatrix().update(p) for p in np.split(x, cuts)]
+        merged = observers.ImportanceMatrix()
+        for i in order:
+            merged.merge(parts[i])
+        _same_state(merged, whole)
+        np.testing.assert_array_equal(merged.result().view(np.uint32), whole.result().view(np.uint32))
+    halves = [observers.ImportanceMatrix().update(x[:100]).merge(observers.ImportanceMatrix().update(x[250:])),
+              observers.ImportanceMatrix().update(x[100:250])]
+    np.savez(tmp_path / "half.npz", **halves[1].state_dict())  # another process's collector, by its state
+    with np.load(tmp_path / "half.npz", allow_pickle=False) as f:
+        back = observers.ImportanceMatrix.from_state(dict(f))
+    _same_state(halves[0].merge(back), whole)
+    _same_state(observers.ImportanceMatrix().merge(whole), whole)  # (an empty one takes the other's)
+    _same_state(whole.merge(observers.ImportanceMatrix()), observers.ImportanceMatrix().update(x))
+
+
+def test_importance_matrix_state_and_quantize(rng):
+    m = observers.ImportanceMatrix().update(rng.standard_normal((20, 512)).astype(np.float32))
+    back = observers.ImportanceMatrix.from_state(m.state_dict())
+    _same_state(back, m)
+    assert repr(back) == "ImportanceMatrix(512 columns, 20 tokens)"
+    assert repr(back.reset()) == "ImportanceMatrix(no data)"
+    assert observers.ImportanceMatrix.from_state(back.state_dict()).columns is None
+    w = rng.standard_normal((4, 512)).astype(np.float32)
+    q = m.quantize(w, "Q4_K")
+    np.testing.assert_array_equal(q.data, qarray.quantize(w, dtype="Q4_K", importance=m.result()).data)
+    assert not np.array_equal(q.data, qarray.quantize(w, dtype="Q4_K").data)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s.update(kind=np.array("histogram")), "field 'kind' is 'histogram', not 'importance'"),
+    (lambda s: s.pop("count"), "field 'count' is missing"),
+    (lambda s: s.update(sums=s["sums"][:, :5]), r"fields 'sums' \(K, 20\) limbs in \[0, 2\*\*32\)"),
+    (lambda s: s.update(sums=s["sums"] + (1 << 32)), r"fields 'sums' \(K, 20\) limbs"),
+    (lambda s: s.update(count=np.array(0)), "'count' \\(tokens, > 0\\)"),
+    (lambda s: s.update(sums=s["sums"].astype(float)), "field 'sums' has dtype float64"),
+])
+def test_importance_matrix_damaged_state(rng, change, match):
+    s = observers.ImportanceMatrix().update(rng.standard_normal((3, 4))).state_dict()
+    change(s)
+    with pytest.raises(ValueError, match=match):
+        observers.ImportanceMatrix.from_state(s)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda m: m.result(), ValueError, r"ImportanceMatrix: no activations observed yet; call update\(x\) first"),
+    (lambda m: m.update(np.array([[1.0, np.nan]])), ValueError, r"the batch holds NaN or inf \(as float32\)"),
+    (lambda m: m.update(np.array([[1e39]])), ValueError, r"the batch holds NaN or inf \(as float32\)"),
+    (lambda m: m.update(np.array([["a"]])), TypeError, "ImportanceMatrix.update: takes real"),
+    (lambda m: m.update(np.float32(1)), ValueError, r"shape \(\.\.\., K\), one row of K per token; got shape \(\)"),
+    (lambda m: m.update(np.zeros((0, 4))), ValueError, r"got shape \(0, 4\)"),
+    (lambda m: m.update(np.ones((2, 4))).update(np.ones((2, 5))), ValueError,
+     "the batch has 5 columns .its last axis., earlier batches had 4"),
+    (lambda m: m.update(np.ones((2, 4))).merge(observers.ImportanceMatrix().update(np.ones(3))), ValueError,
+     "ImportanceMatrix.merge: 4 columns here, 3 in the other"),
+    (lambda m: m.merge(MinMax()), ValueError, "ImportanceMatrix.merge: the other is a MinMax"),
+])
+def test_importance_matrix_errors(call, exc, match):
+    m = observers.ImportanceMatrix()
+    with pytest.raises(exc, match=match):
+        call(m)
+    assert m.count in (0, 2)  # (a refused batch leaves the sums as they were)
+
+
+def test_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(observers, extraglobs={"numpy": np}, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted >= 5
