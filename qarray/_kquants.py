@@ -155,6 +155,35 @@ def _make_qkx2_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     return np.where(flat, F(0), scale), -mn, np.where(flat, 0, L)
 
 
+def _refine(x, weights, L, sumlx, suml2, clip, sl2_checked_after, store=lambda l: l):
+    """The 5-pass search of ggml-quants.c ``make_q3_quants`` and ``make_qp_quants`` on the columns:
+    each code ``L[i]`` in turn (a row of ``L``, changed in place) becomes ``clip(nearest_int(x[i] *
+    sl2 / slx))`` (stored as ``store`` gives it: make_qp_quants' uint8) where ``slx > 0``, ``sl2 > 0``
+    (after the move in make_q3_quants, before it in make_qp_quants), the code changes and the move
+    raises ``sumlx^2 / suml2``, the sums without ``L[i]`` being ``slx`` and ``sl2``. A pass with no
+    change leaves the state as it was, so running the passes on columns that C stopped changes
+    nothing. Returns the final (sumlx, suml2)."""
+    for _ in range(5):
+        changed = False
+        for xi, wi, Li in zip(x, weights, L):
+            li = Li.astype(F)
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new_l = clip(_nearest_int(xi * sl2 / slx))
+            nl = new_l.astype(F)
+            slx_new = slx + wi * xi * nl
+            sl2_new = sl2 + wi * nl * nl
+            take = ((slx > 0) & ((sl2_new if sl2_checked_after else sl2) > 0) & (new_l != Li)
+                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
+            Li[take] = store(new_l[take])  # a row of L, in place
+            sumlx = np.where(take, slx_new, sumlx)
+            suml2 = np.where(take, sl2_new, suml2)
+            changed = changed or take.any()
+        if not changed:
+            break
+    return sumlx, suml2
+
+
 def _make_q3_quants(x, nmax):
     """ggml-quants.c ``make_q3_quants`` with do_rmse=true on the columns of ``x``: returns (scale, L + nmax)."""
     amax, mx = _signed_absmax(x)
@@ -163,24 +192,7 @@ def _make_q3_quants(x, nmax):
     lf = L.astype(F)
     sumlx = _seqsum(w * x * lf)
     suml2 = _seqsum(w * lf * lf)
-    for _ in range(5):  # a pass with no change leaves the state as it was, so columns that C stops stay put
-        changed = False
-        for xi, wi, Li in zip(x, w, L):
-            li = Li.astype(F)
-            slx = sumlx - wi * xi * li
-            sl2 = suml2 - wi * li * li
-            new_l = np.clip(_nearest_int(xi * sl2 / slx), -nmax, nmax - 1)
-            nl = new_l.astype(F)
-            slx_new = slx + wi * xi * nl
-            sl2_new = sl2 + wi * nl * nl
-            take = ((slx > 0) & (new_l != Li) & (sl2_new > 0)
-                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
-            Li[take] = new_l[take]  # a row of L, in place
-            sumlx = np.where(take, slx_new, sumlx)
-            suml2 = np.where(take, sl2_new, suml2)
-            changed = changed or take.any()
-        if not changed:
-            break
+    sumlx, suml2 = _refine(x, w, L, sumlx, suml2, lambda l: np.clip(l, -nmax, nmax - 1), sl2_checked_after=True)
     zero = amax < GROUP_MAX_EPS
     scale = np.where(zero | ~(suml2 > 0), F(0), sumlx / suml2)
     return scale, np.where(zero, 0, L + nmax)
@@ -238,24 +250,8 @@ def _make_qp_quants(x, nmax, weights):
     sumlx = _seqsum(weights * x * lf)
     suml2 = _seqsum(weights * lf * lf)
     L = l & 0xFF
-    for _ in range(5):  # as make_q3_quants': a pass with no change leaves the state as it was
-        changed = False
-        for xi, wi, Li in zip(x, weights, L):
-            li = Li.astype(F)
-            slx = sumlx - wi * xi * li
-            sl2 = suml2 - wi * li * li
-            new_l = np.minimum(nmax, _nearest_int(xi * sl2 / slx))
-            nl = new_l.astype(F)
-            slx_new = slx + wi * xi * nl
-            sl2_new = sl2 + wi * nl * nl
-            take = ((slx > 0) & (sl2 > 0) & (new_l != Li)
-                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
-            Li[take] = new_l[take] & 0xFF  # a row of L, in place
-            sumlx = np.where(take, slx_new, sumlx)
-            suml2 = np.where(take, sl2_new, suml2)
-            changed = changed or take.any()
-        if not changed:
-            break
+    sumlx, suml2 = _refine(x, weights, L, sumlx, suml2, lambda l: np.minimum(nmax, l), sl2_checked_after=False,
+                           store=lambda l: l & 0xFF)
     zero = mx < GROUP_MAX_EPS
     return np.where(zero | ~(suml2 > 0), F(0), sumlx / suml2), np.where(zero, 0, L)
 
