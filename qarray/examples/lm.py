@@ -11,8 +11,10 @@ The table: held-out perplexity (``exp`` of the mean negative log-likelihood a by
 weights, then with every linear layer's weights (``wq wk wv wo w1 w3 w2``; the embedding, the
 output head and the norms stay float32) in a format at 8, 4, 3 and 2 bits: GGUF's Q8_0, Q4_0,
 Q4_K, IQ4_XS, Q3_K, Q2_K and the grouped formats of GPTQ / AWQ (``uint4_g128_f16_zp``), MLX
-(``uint4_g64_f16_bias``) and bitsandbytes (``nf4_g64_f32``), each by round to nearest
-(``qarray.quantize``). ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
+(``uint4_g64_f16_bias``) and bitsandbytes (``nf4_g64_f32``). The columns are the methods: round to
+nearest (``qarray.quantize``); llama.cpp's importance matrix (``observers.ImportanceMatrix`` on 64
+windows of the training text, then ``quantize(..., importance=)``: ggml's own weighted search, for the
+K-quants and IQ4); HQQ (``qarray.hqq``, no calibration data, the float-bias formats). ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
 the cached model or a shorter training run.
 
 Run: ``python -m qarray.examples.lm [--quick]`` (or ``qarray run lm``)
@@ -37,7 +39,8 @@ CONFIG = _llama.config(dim=256, layers=2, heads=4, hidden=512, ctx=128)
 STEPS, QUICK_STEPS, BATCH, SEED = 600, 150, 16, 0
 # (name, bits): the rows; --quick keeps the 4- and 3-bit ones
 FORMATS = [("Q8_0", 8), ("Q4_0", 4), ("Q4_K", 4), ("IQ4_XS", 4), ("uint4_g128_f16_zp", 4), ("uint4_g64_f16_bias", 4),
-           ("nf4_g64_f32", 4), ("Q3_K", 3), ("uint3_g128_f16_zp", 3), ("Q2_K", 2), ("uint2_g64_f16_zp", 2)]
+           ("nf4_g64_f32", 4), ("Q3_K", 3), ("uint3_g128_f16_zp", 3), ("uint3_g64_f16_bias", 3), ("Q2_K", 2),
+           ("uint2_g64_f16_zp", 2), ("uint2_g64_f16_bias", 2)]
 
 
 def text():
@@ -116,41 +119,95 @@ def write_gguf(path, params, cfg, dtype=None):
     gguf.save(path, tensors, meta)
 
 
-def quantized(params, fmt):
-    """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values; and the
-    weights' bits a value (codes, scales and all)."""
+def calibration(params, cfg, windows=64):
+    """Each linear layer's input activations ``(tokens, in)`` on ``windows`` windows of the training text,
+    spread evenly over it: what the methods that look at activations calibrate on."""
+    data, t = text()[0], cfg["ctx"]
+    names = {id(w): n for n, w in params.items() if n.split(".")[-1] in _llama.LINEARS}
+    seen = {n: [] for n in names.values()}
+
+    def linear(x, w):
+        if id(w) in names:
+            seen[names[id(w)]].append(x.reshape(-1, x.shape[-1]))
+        return x @ w.T
+
+    starts = np.linspace(0, len(data) - t - 1, windows).astype(np.int64)
+    for i in range(0, windows, 16):
+        _llama.forward(params, cfg, data[starts[i:i + 16, None] + np.arange(t)].astype(np.int64), linear)
+    return {n: np.concatenate(v) for n, v in seen.items()}
+
+
+def round_to_nearest(w, fmt, x):
+    return qa.quantize(w, dtype=fmt)
+
+
+def importance_matrix(w, fmt, x):
+    """llama.cpp's ``--imatrix``: the mean square of each input column's activations weights the
+    K-quants' and IQ4's own search (``qarray.observers.ImportanceMatrix``); None for other formats."""
+    if not getattr(qa.qdtype(fmt).layout.quantize, "takes_importance", False):
+        return None
+    return qa.observers.ImportanceMatrix().update(x).quantize(w, fmt)
+
+
+def half_quadratic(w, fmt, x):
+    """HQQ (``qarray.hqq``): no calibration data, each group's float zero and scale optimized; its
+    formats are the grouped ones with a float bias (MLX's layout); None for others."""
+    from .. import hqq
+
+    return hqq.quantize(w, dtype=fmt) if fmt.endswith("_bias") else None
+
+
+# the table's columns: name -> quantizer(w (out, in), format, its input activations) -> QArray, or
+# None where the method does not apply to the format
+METHODS = {"round to nearest": round_to_nearest, "imatrix": importance_matrix, "HQQ": half_quadratic}
+
+
+def quantized(params, fmt, method=round_to_nearest, calib=None):
+    """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values (by
+    ``method``, given ``calib``'s activations), and the weights' bits a value (codes, scales and all);
+    ``(None, None)`` where the method does not apply."""
     out, nbytes, count = dict(params), 0, 0
     for name, w in params.items():
         if name.split(".")[-1] in _llama.LINEARS:
-            q = qa.quantize(w, dtype=fmt)
+            q = method(w, fmt, None if calib is None else calib[name])
+            if q is None:
+                return None, None
             out[name] = np.asarray(q.dequantize(), np.float32)
             nbytes, count = nbytes + q.nbytes, count + w.size
     return out, 8 * nbytes / count
 
 
-def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, log=print):
-    """``{"trained_s", "float32": ppl, "rows": [(format, bits, bits a weight, ppl)]}``."""
+def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, log=print):
+    """``{"steps", "trained_s", "float32": ppl, "methods": [...], "rows": [(format, bits, bits a weight,
+    {method: ppl or None})]}``."""
     steps = steps or (STEPS if not quick or _cache_path(cfg, STEPS).exists() else QUICK_STEPS)
     params, seconds = model(cfg, steps, log)
     held = text()[1]
     windows = windows or (96 if quick else None)
-    ppl = lambda p: float(np.exp(_llama.nll(p, cfg, held, windows=windows)))  # noqa: E731
+    calib = calibration(params, cfg, calib_windows)
     rows = []
     for fmt, bits in FORMATS:
-        if not quick or bits in (4, 3):
-            weights, bpw = quantized(params, fmt)
-            rows.append((fmt, bits, bpw, ppl(weights)))
-    return {"steps": steps, "trained_s": seconds, "float32": ppl(params), "rows": rows}
+        if quick and bits not in (4, 3):
+            continue
+        ppl, bpw = {}, None
+        for name, method in METHODS.items():
+            weights, b = quantized(params, fmt, method, calib)
+            ppl[name] = None if weights is None else float(np.exp(_llama.nll(weights, cfg, held, windows=windows)))
+            bpw = bpw or b
+        rows.append((fmt, bits, bpw, ppl))
+    return {"steps": steps, "trained_s": seconds, "methods": list(METHODS),
+            "float32": float(np.exp(_llama.nll(params, cfg, held, windows=windows))), "rows": rows}
 
 
 def show(res, backend):
     base = res["float32"]
-    rows = [("float32", 32, "32.00", f"{base:.3f}", "")]
-    rows += [(fmt, bits, f"{bpw:.2f}", f"{p:.3f}", f"{100 * (p / base - 1):+.1f}%") for fmt, bits, bpw, p in res["rows"]]
+    rows = [("float32", 32, "32.00", f"{base:.3f}", *[""] * (len(res["methods"]) - 1))]
+    rows += [(fmt, bits, f"{bpw:.2f}", *("-" if ppl[m] is None else f"{ppl[m]:.3f} ({100 * (ppl[m] / base - 1):+.1f}%)"
+                                          for m in res["methods"])) for fmt, bits, bpw, ppl in res["rows"]]
     trained = f"trained {res['steps']} steps in {res['trained_s']:.0f} s" if res["trained_s"] else "cached weights"
     _common.print_table("held-out perplexity of a byte-level llama (pydoc_data.topics)",
-                        ["weights", "bits", "bits a weight", "perplexity", "vs float32"], rows,
-                        caption=f"round to nearest, every linear layer; {trained}")
+                        ["weights", "bits", "bits a weight", *res["methods"]], rows,
+                        caption=f"every linear layer quantized (vs float32 in brackets); {trained}")
 
 
 def main(argv=None) -> int:
