@@ -427,6 +427,7 @@ def _q45_k(x, qw, nmax, rmin, nstep):
         scales, mins, L = _make_qkx2_quants(xs, weights, nmax, -0.9, 0.05, 36, False)
         d_block, ls = _make_qp_quants(_by_block(scales, nb), 63, sw)
         m_block, lm = _make_qp_quants(_by_block(mins, nb), 63, sw)
+        # Q5_K (nmax 31) clamps the codes to 63; Q4_K stores them as they are
         ls, lm = (ls.T, lm.T) if nmax == 15 else (np.minimum(ls.T, 63), np.minimum(lm.T, 63))
         ls, lm = _k4_read(ls), _k4_read(lm)
         d, dmin = _fp16(d_block), _fp16(m_block)
