@@ -8,6 +8,7 @@ array([  50, -100], dtype=int8)
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import awq
 from . import backends
 from . import hqq
 from . import nn
@@ -47,6 +48,7 @@ __all__ = [
     "ops",
     *ops.__all__,
     "QDType",
+    "awq",
     "backends",
     "hqq",
     "choose_qparams",

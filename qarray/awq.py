@@ -1,0 +1,607 @@
+"""AWQ (activation-aware weight quantization, Lin et al., 2023): each input channel of a linear
+layer scaled by ``s`` before its weight is quantized, ``s`` searched on calibration activations,
+as AutoAWQ's ``AwqQuantizer`` does it (``_search_best_scale``, ``_compute_best_scale``,
+``_compute_best_clip``, ``scale_ln_fcs``, ``scale_fc_fc``; casper-hansen/AutoAWQ 88e4c76), in NumPy.
+
+>>> rng = numpy.random.default_rng(0)
+>>> x = rng.standard_normal((256, 128)).astype(numpy.float32)    # calibration inputs (tokens, in_features)
+>>> x[:, :4] *= 30                                               # a few outlier channels
+>>> w = rng.standard_normal((64, 128)).astype(numpy.float32)     # (out_features, in_features)
+>>> q, s = quantize(x, w, dtype="uint4_g64_f16_zp")
+>>> q.dtype, q.shape, s.shape                                    # q holds w * s; fold 1 / s into x's producer
+(uint4_g64_f16_zp, (64, 128), (128,))
+
+What it does, step by step as AutoAWQ:
+
+- ``x_mean``: each input channel's mean ``|x|`` over the calibration tokens (:class:`MeanAbs`,
+  exact and mergeable across batches, processes and Dask chunks).
+- For ``alpha = i / n_grid``, ``i = 0 .. n_grid - 1`` (20): ``s = max(x_mean^alpha, 1e-4)``
+  (``duo_scaling``: ``max(x_mean^alpha / (w_mean^(1 - alpha) + 1e-4), 1e-4)``, ``w_mean`` each
+  channel's mean of ``|W|`` over its group's largest ``|W|``, AutoAWQ's default), normalized as
+  ``s / sqrt(max(s) * min(s))`` (inf and NaN set to 1); each weight ``W`` (out, in) quantized as
+  ``Q(W * s) / s``; the loss ``mean((f(x, W) - f(x, Q(W s) / s))^2)``, ``f`` the layers' outputs
+  side by side (several layers that take the same input, q/k/v or gate/up, share one search, as
+  in AutoAWQ) or a block's ``forward`` of your own (AutoAWQ's ``module2inspect``: the attention
+  or the MLP). The ``alpha`` of the least loss wins (the first, on ties).
+- Optionally (``clip=True``, AutoAWQ's ``apply_clip``, which it skips for q and k): per output row
+  and group, the largest ``|W s|`` shrunk by ``1 - i / n_grid`` for ``i < max_shrink * n_grid`` (10
+  steps), each candidate scored by the group's part of the outputs on up to ``n_sample_token``
+  (512) evenly spaced tokens of ``x / s``; the weight is clamped to the best.
+- The QArray is of ``W * s`` (clamped); the caller divides the previous operation's output by
+  ``s``: :func:`fold_rmsnorm` (a norm's weight, AutoAWQ's ``scale_ln_fcs``) and
+  :func:`fold_linear` (a linear's output rows, ``scale_fc_fc``: ``v_proj`` before ``o_proj``,
+  ``up_proj`` before ``down_proj``).
+
+``Q`` is the format's quantizer. For AWQ's own formats it is AutoAWQ's ``pseudo_quantize_tensor``:
+``uint{b}_g{G}_{f16|bf16|f32}_zp`` (``zero_point=True``: ``scale = max(max - min, 1e-5) / (2^b -
+1)``, ``zero = clamp(-rint(min / scale), 0, 2^b - 1)``, ``q = clamp(rint(w / scale) + zero)``; the
+range is not widened to hold 0, unlike GPTQ's round to nearest that ``qarray.quantize`` gives these
+formats) and ``int{b}_g{G}_{...}`` (``zero_point=False``: ``scale = max(|w|, 1e-5) / (2^(b-1) -
+1)``). The scale is rounded to the format's float type before the zero point and the codes are
+chosen, and the values are the format's (``scale * (q - zero)`` rounded to float16 for ``_f16``): so
+the search scores exactly what the QArray holds (with ``_f32`` formats, AutoAWQ's float32
+arithmetic itself). Any other block format with a quantizer (``"Q4_K"``, ``"Q4_0"``, MLX's
+``uint4_g64_f16_bias``, ``nf4_g64_f32``, ...) is quantized by :func:`qarray.quantize`, its own
+round to nearest.
+
+Where qarray differs from AutoAWQ: it computes in float32 (AutoAWQ in the model's float16 on a
+GPU); ``x_mean`` is the float32 nearest the exact mean (AutoAWQ sums in float32 in chunks), so its
+last bit may differ; losses are summed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _blocks
+from ._api import quantize as _quantize
+from ._dtypes import qdtype
+from ._grouped import _GROUPED, _stored
+from ._params import float_values, is_lazy, to_host
+from ._qarray import QArray
+
+__all__ = ["MeanAbs", "ScaleSearch", "search_scale", "search_clip", "quantize", "fold_rmsnorm", "fold_linear"]
+
+
+# -- the statistic: each channel's mean |x|, exactly -------------------------------------------------
+
+_LIMBS = 12  # 32-bit limbs of a column's sum of |x| * 2^149: |x| < 2^128, counts < 2^63
+_PASS = 1 << 18  # values read at a time; a float64 count of one pass stays below 2^53 (rows < 2^21)
+
+
+def _abs_sums(rows):
+    """Each column's sum of ``|x|`` over float32 ``rows`` (n, K), exactly: int64 ``(K, _LIMBS)``, limb
+    ``i`` bits ``32 i ..`` of ``sum |x| * 2^149`` (the smallest float32 subnormal is 2^-149), each
+    below 2^32. A float32 ``|x|`` is ``m * 2^(e - 150)`` (``e`` its exponent field, 1 for
+    subnormals, ``m`` its 24-bit significand), so ``|x| * 2^149 = m * 2^(e - 1)``: ``m`` goes into two
+    limbs at bit ``e - 1``, added by ``bincount`` in float64 (exact integers)."""
+    rows = to_host(rows)
+    with np.errstate(over="ignore"):
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, k = rows.shape
+    acc = np.zeros(k * _LIMBS, np.int64)
+    base = np.arange(k, dtype=np.int64) * _LIMBS
+    step = max(1, min(_PASS // max(k, 1), 1 << 21))
+    for i in range(0, n, step):
+        bits = rows[i:i + step].view(np.uint32) & np.uint32(0x7FFFFFFF)
+        e = bits >> np.uint32(23)
+        if (e == 255).any():
+            raise ValueError("MeanAbs.update: the batch holds NaN or inf (as float32); observe finite activations only")
+        m = ((bits & np.uint32(0x7FFFFF)) | np.where(e > 0, np.uint32(0x800000), np.uint32(0))).astype(np.uint64)
+        p = np.maximum(e, 1).astype(np.int64) - 1
+        limb = (base + (p >> 5)).ravel()
+        off = (p & 31).astype(np.uint64).ravel()
+        m = m.ravel()
+        mask = np.uint64(0xFFFFFFFF)
+        for j, piece in enumerate(((m << off) & mask, (m << off) >> np.uint64(32))):
+            acc += np.bincount(limb + j, piece.astype(np.float64), minlength=k * _LIMBS).astype(np.int64)
+        acc = _carried(acc.reshape(k, _LIMBS)).ravel()
+    return acc.reshape(k, _LIMBS)
+
+
+def _carried(limbs):
+    """Non-negative int64 limbs ``(K, _LIMBS)`` with each carry moved up: every limb below 2^32."""
+    for i in range(_LIMBS - 1):
+        limbs[:, i + 1] += limbs[:, i] >> 32
+        limbs[:, i] &= 0xFFFFFFFF
+    return limbs
+
+
+def _nearest_float32(num: int, den: int) -> np.float32:
+    """The float32 nearest ``num / den`` (``num >= 0``, ``den > 0``), ties to even: the quotient cut
+    to 53 bits with a sticky last bit (rounded to odd), which float64 holds and which rounds to
+    float32 as the exact quotient does."""
+    if num == 0:
+        return np.float32(0)
+    k = 52 - (num.bit_length() - den.bit_length())
+    q, r = divmod(num << k, den) if k >= 0 else divmod(num, den << -k)
+    with np.errstate(over="ignore"):
+        return np.float32(math.ldexp(q | (r != 0), -k))
+
+
+class MeanAbs:
+    """Each input channel's mean ``|x|`` over calibration activations: AWQ's ``x_mean``, collected
+    exactly.
+
+    ``update(x)`` takes activations ``(..., K)``, one row of ``K`` a token (NumPy, CuPy or Dask;
+    read as float32, as the model's float16, bfloat16 or float32 values are exactly; NaN and inf
+    raise ValueError). ``result()`` is float32 ``(K,)``, the nearest float32 of the exact ``sum /
+    count``. The sums are exact integers (``|x| * 2^149``, in 32-bit limbs), so :meth:`merge` of
+    collectors that saw any split of the tokens (chunks, processes, in any order) gives the bits of
+    one collector that saw them all. ``state_dict()`` / :meth:`from_state`: plain arrays.
+
+    >>> m = MeanAbs().update(numpy.array([[1.0, -0.5], [-2.0, 0.0]], numpy.float32))
+    >>> m.merge(MeanAbs().update(numpy.array([[3.0, 0.25]], numpy.float32))).result()
+    array([2.  , 0.25], dtype=float32)
+    """
+
+    kind = "awq_mean_abs"
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> "MeanAbs":
+        """Forget every token seen."""
+        self.sums, self.count = None, 0
+        return self
+
+    @property
+    def columns(self):
+        """K, the activations' last axis (None before the first batch)."""
+        return None if self.sums is None else self.sums.shape[0]
+
+    def update(self, x) -> "MeanAbs":
+        """Take one batch of activations ``(..., K)``. Returns ``self``."""
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            x = np.asarray(x)
+        x = float_values(x)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"MeanAbs.update: takes real (float or integer) activations, got dtype {x.dtype}")
+        if x.ndim == 0 or x.size == 0:
+            raise ValueError(f"MeanAbs.update: takes activations of shape (..., K), one row of K per token; got shape "
+                             f"{x.shape}")
+        k = x.shape[-1]
+        if self.sums is not None and k != self.columns:
+            raise ValueError(f"MeanAbs.update: the batch has {k} columns (its last axis), earlier batches had "
+                             f"{self.columns}")
+        if is_lazy(x):
+            import dask.array as da
+
+            rows = x.rechunk({x.ndim - 1: -1}).reshape(-1, k)
+            parts = [rows.blocks[i, 0].map_blocks(_abs_sums, chunks=((k,), (_LIMBS,)), dtype=np.int64,
+                                                  meta=np.empty((0, 0), np.int64)) for i in range(rows.numblocks[0])]
+            sums = _carried(da.stack(parts).sum(axis=0).compute())  # (each part's limbs < 2^32: no overflow)
+        else:
+            rows = x.reshape(-1, k)
+            sums = _abs_sums(rows)
+        self._add(sums, rows.shape[0])
+        return self
+
+    def _add(self, sums, count):
+        self.sums = sums.copy() if self.sums is None else _carried(self.sums + sums)
+        self.count += int(count)
+
+    def merge(self, other) -> "MeanAbs":
+        """Add the sums and tokens of ``other`` (another MeanAbs) to these. Returns ``self``."""
+        if type(other) is not type(self):
+            raise TypeError(f"MeanAbs.merge: takes a MeanAbs, got {type(other).__name__}")
+        if other.sums is not None:
+            if self.sums is not None and self.columns != other.columns:
+                raise ValueError(f"MeanAbs.merge: {self.columns} columns here, {other.columns} in the other")
+            self._add(other.sums, other.count)
+        return self
+
+    def result(self) -> np.ndarray:
+        """Each column's mean ``|x|``, float32 ``(K,)``: the float32 nearest the exact mean."""
+        if self.sums is None:
+            raise ValueError("MeanAbs: no activations observed yet; call update(x) first")
+        den = self.count << 149
+        return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
+                         for limbs in self.sums], np.float32)
+
+    def state_dict(self) -> dict:
+        """The sums and the token count as ``{name: numpy array}`` (no objects)."""
+        s = {"kind": np.array(self.kind)}
+        if self.sums is not None:
+            s["sums"], s["count"] = self.sums.copy(), np.array(self.count, np.int64)
+        return s
+
+    @classmethod
+    def from_state(cls, state) -> "MeanAbs":
+        """The MeanAbs that :meth:`state_dict` described."""
+        try:
+            kind = str(np.asarray(state["kind"]))
+        except (KeyError, TypeError):
+            raise ValueError("MeanAbs.from_state: takes the dict state_dict() gives (its 'kind' is missing)") from None
+        if kind != cls.kind:
+            raise ValueError(f"MeanAbs.from_state: field 'kind' is {kind!r}, not {cls.kind!r}")
+        m = cls()
+        if "sums" in state:
+            sums, count = np.asarray(state["sums"]), np.asarray(state.get("count", -1))
+            if sums.dtype.kind not in "iu" or count.dtype.kind not in "iu" or count.shape != () or sums.ndim != 2 \
+                    or sums.shape[1] != _LIMBS or sums.shape[0] == 0 or sums.min() < 0 or sums.max() >= 1 << 32 \
+                    or int(count) <= 0:
+                raise ValueError(f"MeanAbs.from_state: fields 'sums' (K, {_LIMBS}) integer limbs in [0, 2**32) and "
+                                 "'count' (tokens, > 0) are not what state_dict writes")
+            m.sums, m.count = sums.astype(np.int64), int(count)
+        return m
+
+    def __repr__(self):
+        seen = "no data" if self.sums is None else f"{self.columns} columns, {self.count} tokens"
+        return f"MeanAbs({seen})"
+
+
+# -- the format's quantizer, as the search sees it --------------------------------------------------------
+
+class _Quantizer:
+    """``fake(w)``: float32 values of ``w`` (rows, K) quantized; ``qarray(w)``: the QArray."""
+
+    def __init__(self, dtype, k):
+        name = dtype if isinstance(dtype, str) else qdtype(dtype).name
+        fmt = _blocks.get(name)
+        if fmt is None:
+            raise ValueError(f"awq: dtype {name!r} is not a block format; AWQ's are uint4_g128_f16_zp (AutoAWQ's "
+                             "default: 4 bits, groups of 128, zero points), int4_g128_f16, or any GGUF / grouped "
+                             "format with a quantizer (Q4_K, uint4_g64_f16_bias, ...)")
+        if fmt.quantize is None:
+            raise ValueError(f"awq: {fmt.name} is read only here (no quantizer); pick another format")
+        if fmt.tensor_scale is not None:
+            raise ValueError(f"awq: {fmt.name} has a tensor-wide scale, which a per-channel search would move; pick a "
+                             "format without one")
+        if k % fmt.block:
+            raise ValueError(f"awq: {fmt.name} takes groups of {fmt.block} input channels, which do not divide "
+                             f"in_features {k}")
+        self.fmt, self.group = fmt, fmt.block
+        m = _GROUPED.fullmatch(fmt.name.lower())
+        self.awq = None
+        if m is not None and m.group(1)[0] in "iu" and m.group(2) and m.group(4) in ("f16", "bf16", "f32") \
+                and m.group(5) in (None, "_zp") and (m.group(1)[0] == "i") == (m.group(5) is None):
+            self.awq = (int(m.group(2)), m.group(5) == "_zp", m.group(4))
+
+    def _fields(self, g):
+        """AutoAWQ's pseudo_quantize_tensor on groups ``g`` (n, G): the format's fields."""
+        bits, zero_point, stype = self.awq
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if zero_point:
+                top = np.float32((1 << bits) - 1)
+                hi, lo = g.max(axis=1, keepdims=True), g.min(axis=1, keepdims=True)
+                s = _stored(np.maximum(hi - lo, np.float32(1e-5)) / top, stype)
+                sf = s.astype(np.float32)
+                z = np.clip(-np.rint(lo / sf), 0, top)
+                q = np.clip(np.rint(g / sf) + z, 0, top)
+                return {"d": s, "z": z.astype(np.uint8), "q": q.astype(np.uint8)}
+            half = 1 << (bits - 1)
+            amax = np.maximum(np.abs(g).max(axis=1, keepdims=True), np.float32(1e-5))
+            s = _stored(amax / np.float32(half - 1), stype)
+            q = np.clip(np.rint(g / s.astype(np.float32)), -half, half - 1) + half
+            return {"d": s, "q": q.astype(np.uint8)}
+
+    def _check(self, f):
+        s = np.asarray(f["d"], np.float32)
+        if not np.isfinite(s).all():
+            raise ValueError(f"awq: a group's scale overflows {self.fmt.name}'s parameters (weights times the "
+                             "scales beyond its range); use a format with float32 scales")
+
+    def fake(self, w):
+        if self.awq is None:
+            return np.asarray(_quantize(w, dtype=self.fmt.name).dequantize(), np.float32)
+        f = self._fields(w.reshape(-1, self.group))
+        if not np.isfinite(np.asarray(f["d"], np.float32)).all():
+            return None  # (a candidate the format cannot hold: scored as infinitely bad)
+        return self.fmt.decode(self.fmt.pack(f)).reshape(w.shape)
+
+    def qarray(self, w) -> QArray:
+        if self.awq is None:
+            return _quantize(w, dtype=self.fmt.name)
+        f = self._fields(w.reshape(-1, self.group))
+        self._check(f)
+        raw = self.fmt.pack(f)
+        return QArray.from_blocks(raw.reshape(w.shape[0], -1), self.fmt.name)
+
+
+# -- checks ----------------------------------------------------------------------------------------------
+
+def _floats(a, what, ndim=None):
+    """``a`` as finite float32 on the host."""
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        a = np.asarray(a)
+    a = float_values(a)
+    if np.dtype(a.dtype).kind not in "fiu":
+        raise TypeError(f"awq: {what} must be a float array, got dtype {a.dtype}")
+    if is_lazy(a):
+        a = a.compute()
+    with np.errstate(over="ignore"):
+        a = np.asarray(to_host(a)).astype(np.float32)
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"awq: {what} must be {ndim}-d, got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"awq: {what} is empty (shape {a.shape})")
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = np.argwhere(bad)[0]
+        raise ValueError(f"awq: {what} holds {int(bad.sum())} NaN or infinite value(s) as float32 (the first at "
+                         f"{tuple(int(i) for i in first)})")
+    return a
+
+
+def _activations(x):
+    x = _floats(x, "x")
+    if x.ndim < 1:
+        raise ValueError("awq: x must be activations of shape (..., in_features), one row a token")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _weights(weights, k):
+    """``(list of float32 (out, K) weights, whether one was given)``."""
+    single = hasattr(weights, "shape") and hasattr(weights, "dtype")
+    ws = [weights] if single else list(weights) if isinstance(weights, (list, tuple)) else None
+    if not ws:
+        raise TypeError("awq: weights must be a 2-d weight (out_features, in_features) or a list of them that take "
+                        "the same input")
+    out = []
+    for i, w in enumerate(ws):
+        w = _floats(w, "weights" if single else f"weights[{i}]", ndim=2)
+        if w.shape[1] != k:
+            raise ValueError(f"awq: {'the weight' if single else f'weights[{i}]'} has {w.shape[1]} input features "
+                             f"(shape {w.shape}), x has {k}")
+        out.append(w)
+    return out, single
+
+
+def _positive_int(v, name, lo=1):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"awq: {name} must be an integer, got {v!r}")
+    if v < lo:
+        raise ValueError(f"awq: {name} must be >= {lo}, got {v}")
+    return int(v)
+
+
+def _x_mean(x_mean, x, k):
+    if x_mean is None:
+        return MeanAbs().update(x).result()
+    if isinstance(x_mean, MeanAbs):
+        x_mean = x_mean.result()
+    m = _floats(x_mean, "x_mean", ndim=1)
+    if m.shape != (k,):
+        raise ValueError(f"awq: x_mean holds one value per input channel, ({k},) here; got shape {m.shape}")
+    if (m < 0).any():
+        raise ValueError("awq: x_mean holds negative values; it is each channel's mean |x|")
+    return m
+
+
+def _pow(x, e):
+    """float32 ``x ** e`` as torch's ``pow`` with a scalar exponent takes its shortcuts (0, 1, 0.5)."""
+    if e == 0:
+        return np.ones_like(x)
+    if e == 1:
+        return x.copy()
+    if e == 0.5:
+        return np.sqrt(x)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.power(x, np.float32(e))
+
+
+def _w_mean(ws, group):
+    """AutoAWQ's ``w_mean``: the weights side by side, ``|W|`` over its group's largest (+ 1e-6), the
+    mean over the rows: float32 ``(K,)``."""
+    w = np.concatenate(ws, axis=0)
+    g = np.abs(w).reshape(-1, group)
+    return (g / (g.max(axis=1, keepdims=True) + np.float32(1e-6))).reshape(w.shape).mean(axis=0)
+
+
+def _outputs(x, ws, forward):
+    if forward is None:
+        return np.concatenate([x @ w.T for w in ws], axis=-1)
+    out = forward(x, ws)
+    return np.asarray(to_host(out), np.float32)
+
+
+def _loss(ref, out):
+    """AutoAWQ's ``_compute_loss``: the mean of the squared differences (float64 sums)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = (ref - out).astype(np.float64).ravel()
+    return float(d @ d) / d.size
+
+
+# -- the searches ------------------------------------------------------------------------------------------
+
+class ScaleSearch(NamedTuple):
+    """:func:`search_scale`'s result: ``scales`` float32 ``(in_features,)``, the chosen ``alpha`` and
+    the ``losses`` of every grid point (``n_grid``, float64; inf where a point's weights overflowed
+    the format)."""
+    scales: np.ndarray
+    alpha: float
+    losses: np.ndarray
+
+
+def search_scale(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scaling=False, x_mean=None,
+                 forward=None) -> ScaleSearch:
+    """AutoAWQ's ``_search_best_scale``: the per-input-channel scales of the layers ``weights`` (one
+    ``(out_features, in_features)`` weight, or a list of weights that take the same input ``x``) for
+    format ``dtype`` (see the module's docstring).
+
+    ``x``: the calibration activations the losses are scored on, ``(..., in_features)``. ``x_mean``:
+    the channels' mean ``|x|`` (a :class:`MeanAbs` or a float array), when collected over more data
+    than ``x``; by default from ``x``. ``forward(x, weights) -> outputs``: the block the layers feed
+    (AutoAWQ's ``module2inspect``), called with the float weights for the reference and with each
+    grid point's quantized ones; by default the layers' outputs side by side. ``duo_scaling``:
+    AutoAWQ's default (``True`` there), ``s = x_mean^alpha / w_mean^(1 - alpha)``; ``False`` (here)
+    is the paper's and llm-awq's ``s = x_mean^alpha``."""
+    x = _activations(x)
+    k = x.shape[1]
+    ws, _ = _weights(weights, k)
+    n_grid = _positive_int(n_grid, "n_grid")
+    quant = _Quantizer(dtype, k)
+    x_mean = _x_mean(x_mean, x, k)
+    if forward is not None and not callable(forward):
+        raise TypeError(f"awq: forward must be a function forward(x, weights) -> outputs, got {type(forward).__name__}")
+    w_mean = _w_mean(ws, quant.group) if duo_scaling else None
+    ref = _outputs(x, ws, forward)
+    f32 = np.finfo(np.float32)
+    ref = np.clip(ref, f32.min, f32.max)
+    losses = np.full(n_grid, np.inf)
+    best, best_scales = -1, None
+    for i in range(n_grid):
+        ratio = i / n_grid
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            if duo_scaling:
+                s = np.maximum(_pow(x_mean, ratio) / (_pow(w_mean, 1 - ratio) + np.float32(1e-4)), np.float32(1e-4))
+            else:
+                s = np.maximum(_pow(x_mean, ratio), np.float32(1e-4))
+            s = s / np.sqrt(s.max() * s.min())
+        s[~np.isfinite(s)] = 1
+        s = s.astype(np.float32)
+        fakes = []
+        for w in ws:
+            f = quant.fake(w * s)
+            if f is None:
+                break
+            fakes.append(f / s)
+        if len(fakes) < len(ws):
+            continue
+        out = np.clip(_outputs(x, fakes, forward), f32.min, f32.max)
+        losses[i] = _loss(ref, out)
+        if losses[i] < (losses[best] if best >= 0 else np.inf):
+            best, best_scales = i, s
+    if best < 0:
+        raise ValueError(f"awq: no grid point gives finite losses in {quant.fmt.name} (the outputs or the scaled "
+                         "weights overflow); check the activations and weights, or use a format with float32 scales")
+    return ScaleSearch(best_scales, best / n_grid, losses)
+
+
+def search_clip(x, w, dtype="uint4_g128_f16_zp", *, n_grid=20, max_shrink=0.5, n_sample_token=512) -> np.ndarray:
+    """AutoAWQ's ``_compute_best_clip``: the largest magnitude to keep in each group of weight ``w``
+    (``(out_features, in_features)``, already scaled: ``W * s``), searched on its inputs ``x`` (``x /
+    s``): float32 ``(out_features, in_features // group)``. Clamp with ``numpy.clip(w, -m, m)`` per
+    group (:func:`quantize` does)."""
+    x = _activations(x)
+    k = x.shape[1]
+    (w,), _ = _weights(w, k)
+    n_grid = _positive_int(n_grid, "n_grid")
+    n_sample_token = _positive_int(n_sample_token, "n_sample_token")
+    if isinstance(max_shrink, (bool, np.bool_)) or not isinstance(max_shrink, (int, float, np.integer, np.floating)) \
+            or not 0 <= max_shrink < 1:
+        raise ValueError(f"awq: max_shrink must be a number in [0, 1), got {max_shrink!r}")
+    quant = _Quantizer(dtype, k)
+    g = quant.group
+    x = x[::max(1, x.shape[0] // n_sample_token)]
+    xg = np.ascontiguousarray(x.reshape(x.shape[0], -1, g).transpose(1, 0, 2))  # (groups, tokens, g)
+    co = w.shape[0]
+    best = np.empty((co, k // g), np.float32)
+    rows = max(1, min(co, (1 << 22) // max(1, x.shape[0] * (k // g))))  # output rows at a time
+    for r in range(0, co, rows):
+        wb = w[r:r + rows].reshape(-1, k // g, g)  # (rows, groups, g)
+        org_max = np.abs(wb).max(axis=-1, keepdims=True)
+        org_out = xg @ wb.transpose(1, 2, 0)  # (groups, tokens, rows)
+        best_max, min_err = org_max.copy(), np.full(org_max.shape, 1e9, np.float32)
+        for i_s in range(int(max_shrink * n_grid)):
+            max_val = org_max * np.float32(1 - i_s / n_grid)
+            q = quant.fake(np.clip(wb, -max_val, max_val).reshape(-1, k))
+            if q is None:
+                continue
+            cur = xg @ q.reshape(-1, k // g, g).transpose(1, 2, 0)
+            d = cur - org_out
+            err = (d * d).mean(axis=1).T[..., None]  # (rows, groups, 1)
+            better = err < min_err
+            min_err[better] = err[better]
+            best_max[better] = max_val[better]
+        best[r:r + rows] = best_max[..., 0]
+    return best
+
+
+def _clip_to(w, max_val, g):
+    m = max_val[..., None]
+    return np.clip(w.reshape(w.shape[0], -1, g), -m, m).reshape(w.shape)
+
+
+def quantize(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scaling=False, clip=False, x_mean=None,
+             forward=None):
+    """AWQ for the layers ``weights`` that take input ``x`` (see :func:`search_scale`): the scales'
+    search, then (``clip``: True, False, or one of them a weight) the clipping search on ``x / s``,
+    then the format's quantization of each ``W * s``. Returns ``(q, s)``: the QArray (a list of them
+    for a list of weights) of ``W * s``, and ``s``, float32 ``(in_features,)``, which the caller
+    divides out of ``x`` upstream (:func:`fold_rmsnorm`, :func:`fold_linear`)."""
+    xs = _activations(x)
+    k = xs.shape[1]
+    ws, single = _weights(weights, k)
+    clips = [clip] * len(ws) if isinstance(clip, (bool, np.bool_)) else \
+        list(clip) if isinstance(clip, (list, tuple)) else None
+    if clips is None or len(clips) != len(ws) or not all(isinstance(c, (bool, np.bool_)) for c in clips):
+        raise TypeError(f"awq: clip must be True, False or a list of one bool a weight ({len(ws)}), got {clip!r}")
+    quant = _Quantizer(dtype, k)
+    s = search_scale(xs, ws, dtype, n_grid=n_grid, duo_scaling=duo_scaling, x_mean=x_mean, forward=forward).scales
+    xs = xs / s if any(clips) else None
+    out = []
+    for w, c in zip(ws, clips):
+        ws_ = w * s
+        if c:
+            ws_ = _clip_to(ws_, search_clip(xs, ws_, dtype), quant.group)
+        out.append(quant.qarray(ws_))
+    return (out[0] if single else out), s
+
+
+# -- folding the scales upstream ---------------------------------------------------------------------------
+
+def _scales(s):
+    s = _floats(s, "s", ndim=1)
+    if (s <= 0).any():
+        raise ValueError("awq: the scales s must be > 0")
+    return s
+
+
+def _same_float(a, what):
+    """``a`` as a float array of its own float type (float32 for others), checked finite."""
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        a = np.asarray(a)
+    a = np.asarray(to_host(float_values(a)))
+    if a.dtype.kind != "f":
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"awq: {what} must be a float array, got dtype {a.dtype}")
+        a = a.astype(np.float32)
+    if not np.isfinite(a).all():
+        raise ValueError(f"awq: {what} holds NaN or infinite values")
+    return a
+
+
+def fold_rmsnorm(g, s, bias=None, *, offset=0.0):
+    """A norm's weight ``g`` (``(in_features,)``) divided by the scales ``s``, so the norm's output is
+    ``x / s``: AutoAWQ's ``scale_ln_fcs`` (RMSNorm or LayerNorm; a LayerNorm's ``bias`` too, and
+    ``offset=1`` for Gemma's ``(1 + g)`` norms: ``(g + 1) / s - 1``). Returns the new ``g`` (and the
+    new bias, if given), in ``g``'s float type."""
+    g = _same_float(g, "g")
+    s = _scales(s)
+    if g.shape != s.shape:
+        raise ValueError(f"awq: g has shape {g.shape}, the scales {s.shape}: one scale a channel")
+    s = s.astype(g.dtype)
+    out = (g + g.dtype.type(offset)) / s - g.dtype.type(offset) if offset else g / s
+    if bias is None:
+        return out
+    b = _same_float(bias, "bias")
+    if b.shape != s.shape:
+        raise ValueError(f"awq: bias has shape {b.shape}, the scales {s.shape}")
+    return out, b / s.astype(b.dtype)
+
+
+def fold_linear(w_prev, s, bias=None):
+    """The linear layer before the scaled ones (``(out_features, in)``), its last ``len(s)`` output
+    rows (and bias entries) divided by ``s``: AutoAWQ's ``scale_fc_fc`` (``v_proj`` before
+    ``o_proj``, ``up_proj`` before ``down_proj``; the last rows, as for a fused qkv). Returns the new
+    weight (and bias, if given), in its float type."""
+    w = _same_float(w_prev, "w_prev")
+    s = _scales(s)
+    if w.ndim != 2 or w.shape[0] < len(s):
+        raise ValueError(f"awq: w_prev must be a 2-d weight with at least {len(s)} output rows (one a scale), got "
+                         f"shape {w.shape}")
+    out = w.copy()
+    out[-len(s):] /= s.astype(w.dtype)[:, None]
+    if bias is None:
+        return out
+    b = _same_float(bias, "bias")
+    if b.shape != (w.shape[0],):
+        raise ValueError(f"awq: bias has shape {b.shape}, w_prev {w.shape[0]} output rows")
+    b = b.copy()
+    b[-len(s):] /= s.astype(b.dtype)
+    return out, b
