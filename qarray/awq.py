@@ -30,7 +30,10 @@ What it does, step by step as AutoAWQ:
 - The QArray is of ``W * s`` (clamped); the caller divides the previous operation's output by
   ``s``: :func:`fold_rmsnorm` (a norm's weight, AutoAWQ's ``scale_ln_fcs``) and
   :func:`fold_linear` (a linear's output rows, ``scale_fc_fc``: ``v_proj`` before ``o_proj``,
-  ``up_proj`` before ``down_proj``).
+  ``up_proj`` before ``down_proj``). :func:`quantize` does one group of layers; a whole model goes
+  as AutoAWQ's: every search on the float layers, then the folds, then :func:`search_clip` and
+  :func:`quantize_weight` on the folded weights (``v_proj``'s rows divided by ``o_proj``'s scales
+  before it is quantized).
 
 ``Q`` is the format's quantizer. For AWQ's own formats it is AutoAWQ's ``pseudo_quantize_tensor``:
 ``uint{b}_g{G}_{f16|bf16|f32}_zp`` (``zero_point=True``: ``scale = max(max - min, 1e-5) / (2^b -
@@ -46,7 +49,8 @@ round to nearest.
 
 Where qarray differs from AutoAWQ: it computes in float32 (AutoAWQ in the model's float16 on a
 GPU); ``x_mean`` is the float32 nearest the exact mean (AutoAWQ sums in float32 in chunks), so its
-last bit may differ; losses are summed in float64.
+last bit may differ; losses are summed in float64, and the layers' own output differences formed as
+``x @ (W - Q(W s) / s)^T``, a few thousand tokens at a time (AutoAWQ subtracts the two outputs).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ from ._grouped import _GROUPED, _stored
 from ._params import float_values, is_lazy, to_host
 from ._qarray import QArray
 
-__all__ = ["MeanAbs", "ScaleSearch", "search_scale", "search_clip", "quantize", "fold_rmsnorm", "fold_linear"]
+__all__ = ["MeanAbs", "ScaleSearch", "search_scale", "search_clip", "quantize", "quantize_weight", "fold_rmsnorm",
+           "fold_linear"]
 
 
 # -- the statistic: each channel's mean |x|, exactly -------------------------------------------------
@@ -392,18 +397,31 @@ def _w_mean(ws, group):
     return (g / (g.max(axis=1, keepdims=True) + np.float32(1e-6))).reshape(w.shape).mean(axis=0)
 
 
-def _outputs(x, ws, forward):
-    if forward is None:
-        return np.concatenate([x @ w.T for w in ws], axis=-1)
-    out = forward(x, ws)
-    return np.asarray(to_host(out), np.float32)
+_ROWS = 1 << 12  # tokens whose outputs are formed at a time by the default loss
 
 
-def _loss(ref, out):
-    """AutoAWQ's ``_compute_loss``: the mean of the squared differences (float64 sums)."""
+def _forward(x, ws, forward):
+    out = np.asarray(to_host(forward(x, ws)), np.float32)
+    f32 = np.finfo(np.float32)
+    return np.clip(out, f32.min, f32.max)
+
+
+def _loss(x, ws, fakes, forward, ref):
+    """AutoAWQ's ``_compute_loss``: the mean of the squared differences of the outputs (float64
+    sums). The layers' own outputs (no ``forward``) as ``x @ (W - W')^T``, a few thousand tokens at a
+    time: the same differences as ``x @ W^T - x @ W'^T`` (float32 rounding apart), without holding
+    every token's outputs."""
     with np.errstate(over="ignore", invalid="ignore"):
-        d = (ref - out).astype(np.float64).ravel()
-    return float(d @ d) / d.size
+        if forward is not None:
+            d = (ref - _forward(x, fakes, forward)).astype(np.float64).ravel()
+            return float(d @ d) / d.size
+        total = 0.0
+        diffs = [(w - f).T for w, f in zip(ws, fakes)]
+        for r in range(0, x.shape[0], _ROWS):
+            for dw in diffs:
+                d = (x[r:r + _ROWS] @ dw).astype(np.float64).ravel()
+                total += float(d @ d)
+        return total / (x.shape[0] * sum(w.shape[0] for w in ws))
 
 
 # -- the searches ------------------------------------------------------------------------------------------
@@ -439,9 +457,7 @@ def search_scale(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scalin
     if forward is not None and not callable(forward):
         raise TypeError(f"awq: forward must be a function forward(x, weights) -> outputs, got {type(forward).__name__}")
     w_mean = _w_mean(ws, quant.group) if duo_scaling else None
-    ref = _outputs(x, ws, forward)
-    f32 = np.finfo(np.float32)
-    ref = np.clip(ref, f32.min, f32.max)
+    ref = None if forward is None else _forward(x, ws, forward)
     losses = np.full(n_grid, np.inf)
     best, best_scales = -1, None
     for i in range(n_grid):
@@ -462,8 +478,7 @@ def search_scale(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scalin
             fakes.append(f / s)
         if len(fakes) < len(ws):
             continue
-        out = np.clip(_outputs(x, fakes, forward), f32.min, f32.max)
-        losses[i] = _loss(ref, out)
+        losses[i] = _loss(x, ws, fakes, forward, ref)
         if losses[i] < (losses[best] if best >= 0 else np.inf):
             best, best_scales = i, s
     if best < 0:
@@ -517,6 +532,26 @@ def _clip_to(w, max_val, g):
     return np.clip(w.reshape(w.shape[0], -1, g), -m, m).reshape(w.shape)
 
 
+def quantize_weight(w, dtype="uint4_g128_f16_zp", *, clip=None) -> QArray:
+    """The QArray of weight ``w`` (``(out_features, in_features)``, already scaled and folded) by
+    the format's AWQ quantizer (see the module's docstring: AutoAWQ's ``pseudo_quantize_tensor`` for
+    AWQ's formats); ``clip``: :func:`search_clip`'s result, each group clamped to it first
+    (AutoAWQ's ``apply_clip``). For a whole model, as AutoAWQ: every :func:`search_scale` of a layer
+    on its float inputs, then the folds (:func:`fold_rmsnorm`, :func:`fold_linear`) and ``W * s``,
+    then :func:`search_clip` on ``x / s``, then this."""
+    w = _floats(w, "w", ndim=2)
+    quant = _Quantizer(dtype, w.shape[1])
+    if clip is not None:
+        m = _floats(clip, "clip", ndim=2)
+        if m.shape != (w.shape[0], w.shape[1] // quant.group):
+            raise ValueError(f"awq: clip holds one bound a group, shape {(w.shape[0], w.shape[1] // quant.group)} "
+                             f"here; got {m.shape}")
+        if (m < 0).any():
+            raise ValueError("awq: clip holds negative bounds")
+        w = _clip_to(w, m, quant.group)
+    return quant.qarray(w)
+
+
 def quantize(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scaling=False, clip=False, x_mean=None,
              forward=None):
     """AWQ for the layers ``weights`` that take input ``x`` (see :func:`search_scale`): the scales'
@@ -531,15 +566,10 @@ def quantize(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scaling=Fa
         list(clip) if isinstance(clip, (list, tuple)) else None
     if clips is None or len(clips) != len(ws) or not all(isinstance(c, (bool, np.bool_)) for c in clips):
         raise TypeError(f"awq: clip must be True, False or a list of one bool a weight ({len(ws)}), got {clip!r}")
-    quant = _Quantizer(dtype, k)
+    _Quantizer(dtype, k)
     s = search_scale(xs, ws, dtype, n_grid=n_grid, duo_scaling=duo_scaling, x_mean=x_mean, forward=forward).scales
     xs = xs / s if any(clips) else None
-    out = []
-    for w, c in zip(ws, clips):
-        ws_ = w * s
-        if c:
-            ws_ = _clip_to(ws_, search_clip(xs, ws_, dtype), quant.group)
-        out.append(quant.qarray(ws_))
+    out = [quantize_weight(w * s, dtype, clip=search_clip(xs, w * s, dtype) if c else None) for w, c in zip(ws, clips)]
     return (out[0] if single else out), s
 
 

@@ -298,6 +298,24 @@ def test_quantize_matches_autoawq_pipeline():
     assert (np.abs(got - ref.numpy()) <= 1e-6 * np.abs(ref.numpy()).max()).mean() > 0.995
 
 
+def test_quantize_weight_is_autoawqs_pseudo_quantize():
+    x, (w,) = _data(seed=13, outs=(64,))
+    port = AwqPort(4, 128, True)
+    for clip in (None, np.abs(w).reshape(64, 2, 128).max(-1) * np.float32(0.7)):
+        ref = w.copy()
+        if clip is not None:
+            layer = _linear(w)
+            apply_clip(layer, torch.from_numpy(clip)[:, :, None])
+            ref = layer.weight.data.numpy()
+        want = port.pseudo_quantize_tensor(torch.from_numpy(ref))[0].numpy()
+        got = awq.quantize_weight(w, "uint4_g128_f32_zp", clip=clip).dequantize()
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="one bound a group"):
+        awq.quantize_weight(w, "uint4_g128_f32_zp", clip=np.ones((64, 3)))
+    with pytest.raises(ValueError, match="negative"):
+        awq.quantize_weight(w, "uint4_g128_f32_zp", clip=-np.ones((64, 2)))
+
+
 # -- the property: below round to nearest on outlier channels --------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["uint4_g128_f16_zp", "uint3_g128_f16_zp", "int4_g128_f16", "Q4_0",
