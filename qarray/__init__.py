@@ -13,6 +13,7 @@ from . import backends
 from . import hqq
 from . import nn
 from . import observers
+from . import gptq
 from . import ops
 from ._api import choose_qparams
 from ._api import dequantize, fake_quantize
@@ -43,6 +44,7 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
 
 __all__ = [
     "QArray",
+    "gptq",
     "nn",
     "observers",
     "ops",
