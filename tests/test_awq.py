@@ -556,3 +556,11 @@ def test_overflowing_scales_in_float16():
 
 def test_docstring_examples():
     assert doctest.testmod(awq, extraglobs={"numpy": np}).failed == 0
+
+
+def test_dask_inputs():
+    da = pytest.importorskip("dask.array")
+    x, (w,) = _data(seed=2, tokens=256, outs=(32,))
+    q, s = awq.quantize(x, w, "uint4_g128_f16_zp")
+    q2, s2 = awq.quantize(da.from_array(x, chunks=(64, 128)), da.from_array(w, chunks=(16, 256)), "uint4_g128_f16_zp")
+    assert np.array_equal(s, s2) and np.array_equal(q.data, q2.data)

@@ -347,3 +347,9 @@ def test_optimize_bad_arguments():
 
 def test_docstring_example():
     assert doctest.testmod(hqq, extraglobs={"numpy": np}).failed == 0
+
+
+def test_dask_weight():
+    da = pytest.importorskip("dask.array")
+    w = _weights("t3", (32, 128), seed=3)
+    assert np.array_equal(hqq.quantize(da.from_array(w, chunks=(8, 64))).data, hqq.quantize(w).data)
