@@ -70,30 +70,39 @@ def test_config_refuses_odd_heads():
 
 
 def test_table_and_cache(tmp_path, monkeypatch):
-    """The table on a small model: float32, then each format's rows with their exact bits a weight
-    (the formats' bytes over their values) and perplexities by each method (round to nearest: 8 bits
-    within 1% of float32, 2 bits worse than 8; the importance matrix where ggml's quantizers take
-    one); the second run reads the cached weights and gives the same numbers."""
+    """The table on a small model (a row per bit width and method family): float32, then each row's
+    exact bits a weight and perplexities by each method (round to nearest: 8 bits within 1% of
+    float32, 2 bits worse than 8; the importance matrix where ggml's quantizers take one, HQQ on the
+    float-bias groups, AWQ on its own zero-point groups, GPTQ on every format, '-' elsewhere); the second run reads the
+    cached weights and gives the same numbers."""
     monkeypatch.setenv("QARRAY_CACHE", str(tmp_path))
     cfg = _llama.config(dim=256, layers=1, heads=4, hidden=256, ctx=32)
+    formats = [("Q8_0", 8), ("uint4_g128_f16_zp", 4), ("uint4_g64_f16_bias", 4), ("Q2_K", 2)]
     logs = []
-    first = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, log=logs.append)
+    first = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats, log=logs.append)
     assert first["trained_s"] > 0 and logs and len(list(tmp_path.glob("lm-*.npz"))) == 1
-    bpw = {fmt: round(b, 4) for fmt, _, b, _ in first["rows"]}
-    assert bpw == {"Q8_0": 34 * 8 / 32, "Q4_0": 18 * 8 / 32, "Q4_K": 144 * 8 / 256, "IQ4_XS": 136 * 8 / 256,
-                   "uint4_g128_f16_zp": 4 + 24 / 128, "uint4_g64_f16_bias": 4 + 32 / 64, "nf4_g64_f32": 4 + 32 / 64,
-                   "Q3_K": 110 * 8 / 256, "uint3_g128_f16_zp": 3 + 24 / 128, "uint3_g64_f16_bias": 3 + 32 / 64,
-                   "Q2_K": 84 * 8 / 256, "uint2_g64_f16_zp": 2 + 24 / 64, "uint2_g64_f16_bias": 2 + 32 / 64}  # (bytes a block; the groups: f16 scale + uint8 zero, or two f16 / one f32)
-    assert first["methods"] == ["round to nearest", "imatrix", "HQQ"]
+    assert first["methods"] == ["round to nearest", "GPTQ", "AWQ", "HQQ", "imatrix"]
     ppl = {fmt: p["round to nearest"] for fmt, _, _, p in first["rows"]}
     assert abs(ppl["Q8_0"] / first["float32"] - 1) < 0.01
     assert ppl["Q2_K"] > ppl["Q8_0"]
-    weighted = {fmt for fmt, _, _, p in first["rows"] if p["imatrix"] is not None}  # ggml's importance quantizers
-    assert weighted == {"Q4_K", "IQ4_XS", "Q3_K", "Q2_K"}
-    assert {fmt for fmt, _, _, p in first["rows"] if p["HQQ"] is not None} == {
-        "uint4_g64_f16_bias", "uint3_g64_f16_bias", "uint2_g64_f16_bias"}
-    again = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, log=logs.append)
-    assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"]
+    filled = {m: {fmt for fmt, _, _, p in first["rows"] if p[m] is not None} for m in first["methods"][1:]}
+    assert filled == {"imatrix": {"Q2_K"}, "HQQ": {"uint4_g64_f16_bias"}, "AWQ": {"uint4_g128_f16_zp"},
+                      "GPTQ": {fmt for fmt, _ in formats}}
+    again = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats[:1], log=logs.append)
+    assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"][:1]
+
+
+def test_bits_a_weight_of_every_row():
+    """Each row's bits a weight: the format's bytes over its values (a block's bytes for GGUF; the
+    groups' codes, float16 scale and uint8 zero, or two float16s, or a float32), and the methods that
+    keep the format's size (AWQ's scales fold into the layer before: no bytes of their own)."""
+    cfg = _llama.config(dim=256, layers=1, heads=4, hidden=256, ctx=32)
+    p = _llama.init(cfg, seed=0)
+    bpw = {fmt: lm.quantized(p, fmt)[1] for fmt, _ in lm.FORMATS}
+    assert bpw == {"Q8_0": 34 * 8 / 32, "Q4_0": 18 * 8 / 32, "Q4_K": 144 * 8 / 256, "IQ4_XS": 136 * 8 / 256,
+                   "uint4_g128_f16_zp": 4 + 24 / 128, "uint4_g64_f16_bias": 4 + 32 / 64, "nf4_g64_f32": 4 + 32 / 64,
+                   "Q3_K": 110 * 8 / 256, "uint3_g128_f16_zp": 3 + 24 / 128, "uint3_g64_f16_bias": 3 + 32 / 64,
+                   "Q2_K": 84 * 8 / 256, "uint2_g64_f16_zp": 2 + 24 / 64, "uint2_g64_f16_bias": 2 + 32 / 64}
 
 
 def test_gguf_has_llama_cpp_names_types_and_shapes(tmp_path):

@@ -14,7 +14,9 @@ Q4_K, IQ4_XS, Q3_K, Q2_K and the grouped formats of GPTQ / AWQ (``uint4_g128_f16
 (``uint4_g64_f16_bias``) and bitsandbytes (``nf4_g64_f32``). The columns are the methods: round to
 nearest (``qarray.quantize``); llama.cpp's importance matrix (``observers.ImportanceMatrix`` on 64
 windows of the training text, then ``quantize(..., importance=)``: ggml's own weighted search, for the
-K-quants and IQ4); HQQ (``qarray.hqq``, no calibration data, the float-bias formats). ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
+K-quants and IQ4); HQQ (``qarray.hqq``, no calibration data, the float-bias formats); GPTQ
+(``qarray.gptq``, every format) and AWQ (``qarray.awq``, its zero-point groups) on the same
+calibration windows. ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
 the cached model or a shorter training run.
 
 Run: ``python -m qarray.examples.lm [--quick]`` (or ``qarray run lm``)
@@ -157,9 +159,47 @@ def half_quadratic(w, fmt, x):
     return hqq.quantize(w, dtype=fmt) if fmt.endswith("_bias") else None
 
 
+class _Scaled:
+    """A QArray of ``W * s`` standing for ``W``: ``dequantize()`` divides ``s`` back out (what folding
+    ``1 / s`` into the layer before does to the outputs), ``nbytes`` the QArray's."""
+
+    def __init__(self, q, s):
+        self.q, self.s, self.nbytes = q, s, q.nbytes
+
+    def dequantize(self):
+        return np.asarray(self.q.dequantize(), np.float32) / self.s
+
+
+def activation_aware(w, fmt, x):
+    """AWQ (``qarray.awq``): each layer's input-channel scales searched on its activations (20 points of
+    alpha), then the clipping search, in AWQ's own formats (the ``_zp`` groups); None for others. Each
+    layer searches alone here (AutoAWQ shares one search among q, k, v and among gate, up)."""
+    from .. import awq
+
+    if not fmt.endswith("_zp"):
+        return None
+    q, s = awq.quantize(x, w, dtype=fmt, clip=True)
+    return _Scaled(q, s)
+
+
+_HESSIANS = {}  # id of a layer's calibration inputs -> (inputs, their exact GPTQ Hessian), one a layer
+
+
+def gptq(w, fmt, x):
+    """GPTQ (``qarray.gptq``): each layer's exact Hessian of its calibration inputs (computed once, kept
+    for every format), then ``fasterquant``'s column-by-column error compensation into the format
+    (damping 1%, blocks of 128, no act order), every format here."""
+    from .. import gptq as g
+
+    if id(x) not in _HESSIANS or _HESSIANS[id(x)][0] is not x:
+        _HESSIANS[id(x)] = (x, g.Hessian(x.shape[-1]).update(x).hessian())
+    return g.quantize(w, hessian=_HESSIANS[id(x)][1], dtype=fmt)
+
+
 # the table's columns: name -> quantizer(w (out, in), format, its input activations) -> QArray, or
 # None where the method does not apply to the format
-METHODS = {"round to nearest": round_to_nearest, "imatrix": importance_matrix, "HQQ": half_quadratic}
+METHODS = {"round to nearest": round_to_nearest, "GPTQ": gptq, "AWQ": activation_aware, "HQQ": half_quadratic,
+           "imatrix": importance_matrix}
 
 
 def quantized(params, fmt, method=round_to_nearest, calib=None):
@@ -177,7 +217,7 @@ def quantized(params, fmt, method=round_to_nearest, calib=None):
     return out, 8 * nbytes / count
 
 
-def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, log=print):
+def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, formats=FORMATS, log=print):
     """``{"steps", "trained_s", "float32": ppl, "methods": [...], "rows": [(format, bits, bits a weight,
     {method: ppl or None})]}``."""
     steps = steps or (STEPS if not quick or _cache_path(cfg, STEPS).exists() else QUICK_STEPS)
@@ -186,7 +226,7 @@ def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=
     windows = windows or (96 if quick else None)
     calib = calibration(params, cfg, calib_windows)
     rows = []
-    for fmt, bits in FORMATS:
+    for fmt, bits in formats:
         if quick and bits not in (4, 3):
             continue
         ppl, bpw = {}, None
