@@ -20,10 +20,12 @@ For the example's model (``qarray.examples.lm``: trained and cached on first use
 
 - llama.cpp loads each file; its logits for a held-out window of 128 bytes against qarray's forward
   pass of the same weights (``_llama.forward``; for the quantized files, on their dequantized
-  values). Float32: the two must agree within float32 error (the check fails otherwise). Q8_0 /
+  values), with a float32 KV cache (llama.cpp's default, float16, rounds K and V: 5e-3 off where
+  float32 is 1e-4). Float32: the two must agree within float32 error (the check fails otherwise). Q8_0 /
   Q4_K: llama.cpp also quantizes the activations (Q8_0 / Q8_K) where qarray's forward here does not,
   so the difference is reported, not judged;
-- llama-bench's prompt processing (pp128) and generation (tg32) on one thread, and qarray's prompt
+- llama-bench's prompt processing (pp128) and generation (tg32) on one thread (``--repack 0``: its
+  AMX repacking stops with SIGILL here, see ``_no_repack``), and qarray's prompt
   of 128 bytes through the same quantized weights (``qarray.linear`` on the GGUF's QArrays with
   Q8_K / Q8_0 activations as ggml's, the rest of the forward pass in NumPy), layer by layer.
 
@@ -60,11 +62,28 @@ def say(text=""):
     LINES.append(text)
 
 
+def _no_repack():
+    """llama.cpp's model parameters without its extra buffer types (weight repacking): on this machine
+    its AMX repacked kernel stops the process with SIGILL (``tileloadd`` in ``tinygemm_kernel_amx``
+    before any tile configuration, seen in gdb), with or without the tile permission asked first."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+
+
 def llama_logits(path, tokens):
     """llama.cpp's logits for every position of ``tokens`` (one sequence, one thread)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_ctx=len(tokens), logits_all=True, verbose=False, n_threads=1)
+    llm = llama_cpp.Llama(str(path), n_ctx=len(tokens), logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0)  # a float32 KV cache (its default, float16, rounds K and V)
     llm.eval([int(t) for t in tokens])
     return np.array(llm.scores[:len(tokens)], np.float64)
 
@@ -95,7 +114,8 @@ def qarray_prompt(params, cfg, tensors, tokens, act):
 
 def llama_bench(bench, path):
     """llama-bench's pp128 and tg32 on one thread: ``{test: ms a token}`` (its mean t/s, inverted)."""
-    out = subprocess.run([str(bench), "-m", str(path), "-p", "128", "-n", "32", "-t", "1", "-r", "5", "-o", "json"],
+    out = subprocess.run([str(bench), "-m", str(path), "-p", "128", "-n", "32", "-t", "1", "-r", "5", "-o", "json",
+                          "--repack", "0"],  # (_no_repack's SIGILL)
                          capture_output=True, text=True, check=True).stdout
     res = {}
     for r in json.loads(out):
@@ -110,6 +130,7 @@ def main():
     p.add_argument("--bench", type=Path, default=Path("/tmp/ggml-perf/bin/llama-bench"))
     a = p.parse_args()
     qa.set_num_threads(1)
+    _no_repack()
     info = cpu()
     say(f"check_lm_gguf {datetime.date.today()}: {info['cpu']}, 1 thread; flags {info['cpu_flags']}; "
         f"load {info['load_avg_1m']}")
@@ -131,7 +152,7 @@ def main():
             row = dict(file=dtype or "F32", bytes=path.stat().st_size, max_abs_diff=diff, max_abs_logit=scale)
             judged = dtype is None
             if judged:
-                row["agree"] = diff <= 1e-4 * scale * np.sqrt(cfg["dim"])
+                row["agree"] = bool(diff <= 1e-4 * scale * np.sqrt(cfg["dim"]))
                 ok &= row["agree"]
             say(f"{row['file']:<5} {row['bytes']:>9} bytes: llama.cpp's logits - qarray's forward (float64): max |diff| "
                 f"{diff:.3g} of max |logit| {scale:.3g}" + (f"  agree: {row['agree']}" if judged else
