@@ -34,6 +34,8 @@ import numpy as np
 
 import qarray as qa
 
+from .. import awq, gptq, hqq
+from ..io import gguf
 from . import _common, _llama
 
 NAME = "lm"
@@ -96,8 +98,6 @@ def write_gguf(path, params, cfg, dtype=None):
     the linear layers' in ``dtype`` (a ggml type: ``"Q4_K"``, ...; None: float32), the rest float32.
     The rotary positions turn adjacent pairs, llama.cpp's own order for this architecture: no
     permutation of ``wq`` / ``wk``."""
-    from ..io import gguf
-
     u32 = np.uint32
     d, heads = cfg["dim"], cfg["heads"]
     meta = {"general.architecture": "llama", "general.name": "qarray lm example",
@@ -154,8 +154,6 @@ def importance_matrix(w, fmt, x):
 def half_quadratic(w, fmt, x):
     """HQQ (``qarray.hqq``): no calibration data, each group's float zero and scale optimized; its
     formats are the grouped ones with a float bias (MLX's layout); None for others."""
-    from .. import hqq
-
     return hqq.quantize(w, dtype=fmt) if fmt.endswith("_bias") else None
 
 
@@ -174,8 +172,6 @@ def activation_aware(w, fmt, x):
     """AWQ (``qarray.awq``): each layer's input-channel scales searched on its activations (20 points of
     alpha), then the clipping search, in AWQ's own formats (the ``_zp`` groups); None for others. Each
     layer searches alone here (AutoAWQ shares one search among q, k, v and among gate, up)."""
-    from .. import awq
-
     if not fmt.endswith("_zp"):
         return None
     q, s = awq.quantize(x, w, dtype=fmt, clip=True)
@@ -185,20 +181,18 @@ def activation_aware(w, fmt, x):
 _HESSIANS = {}  # id of a layer's calibration inputs -> (inputs, their exact GPTQ Hessian), one a layer
 
 
-def gptq(w, fmt, x):
+def error_compensated(w, fmt, x):
     """GPTQ (``qarray.gptq``): each layer's exact Hessian of its calibration inputs (computed once, kept
     for every format), then ``fasterquant``'s column-by-column error compensation into the format
     (damping 1%, blocks of 128, no act order), every format here."""
-    from .. import gptq as g
-
     if id(x) not in _HESSIANS or _HESSIANS[id(x)][0] is not x:
-        _HESSIANS[id(x)] = (x, g.Hessian(x.shape[-1]).update(x).hessian())
-    return g.quantize(w, hessian=_HESSIANS[id(x)][1], dtype=fmt)
+        _HESSIANS[id(x)] = (x, gptq.Hessian(x.shape[-1]).update(x).hessian())
+    return gptq.quantize(w, hessian=_HESSIANS[id(x)][1], dtype=fmt)
 
 
 # the table's columns: name -> quantizer(w (out, in), format, its input activations) -> QArray, or
 # None where the method does not apply to the format
-METHODS = {"round to nearest": round_to_nearest, "GPTQ": gptq, "AWQ": activation_aware, "HQQ": half_quadratic,
+METHODS = {"round to nearest": round_to_nearest, "GPTQ": error_compensated, "AWQ": activation_aware, "HQQ": half_quadratic,
            "imatrix": importance_matrix}
 
 
