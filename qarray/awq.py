@@ -55,7 +55,6 @@ last bit may differ; losses are summed in float64, and the layers' own output di
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -66,6 +65,7 @@ from ._dtypes import qdtype
 from ._grouped import _GROUPED, _stored
 from ._params import float_values, is_lazy, to_host
 from ._qarray import QArray
+from .observers import ColumnSums, _carried
 
 __all__ = ["MeanAbs", "ScaleSearch", "search_scale", "search_clip", "quantize", "quantize_weight", "fold_rmsnorm",
            "fold_linear"]
@@ -107,27 +107,7 @@ def _abs_sums(rows):
     return acc.reshape(k, _LIMBS)
 
 
-def _carried(limbs):
-    """Non-negative int64 limbs ``(K, _LIMBS)`` with each carry moved up: every limb below 2^32."""
-    for i in range(_LIMBS - 1):
-        limbs[:, i + 1] += limbs[:, i] >> 32
-        limbs[:, i] &= 0xFFFFFFFF
-    return limbs
-
-
-def _nearest_float32(num: int, den: int) -> np.float32:
-    """The float32 nearest ``num / den`` (``num >= 0``, ``den > 0``), ties to even: the quotient cut
-    to 53 bits with a sticky last bit (rounded to odd), which float64 holds and which rounds to
-    float32 as the exact quotient does."""
-    if num == 0:
-        return np.float32(0)
-    k = 52 - (num.bit_length() - den.bit_length())
-    q, r = divmod(num << k, den) if k >= 0 else divmod(num, den << -k)
-    with np.errstate(over="ignore"):
-        return np.float32(math.ldexp(q | (r != 0), -k))
-
-
-class MeanAbs:
+class MeanAbs(ColumnSums):
     """Each input channel's mean ``|x|`` over calibration activations: AWQ's ``x_mean``, collected
     exactly.
 
@@ -143,100 +123,8 @@ class MeanAbs:
     array([2.  , 0.25], dtype=float32)
     """
 
-    kind = "awq_mean_abs"
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> "MeanAbs":
-        """Forget every token seen."""
-        self.sums, self.count = None, 0
-        return self
-
-    @property
-    def columns(self):
-        """K, the activations' last axis (None before the first batch)."""
-        return None if self.sums is None else self.sums.shape[0]
-
-    def update(self, x) -> "MeanAbs":
-        """Take one batch of activations ``(..., K)``. Returns ``self``."""
-        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-            x = np.asarray(x)
-        x = float_values(x)
-        if x.dtype.kind not in "fiu":
-            raise TypeError(f"MeanAbs.update: takes real (float or integer) activations, got dtype {x.dtype}")
-        if x.ndim == 0 or x.size == 0:
-            raise ValueError(f"MeanAbs.update: takes activations of shape (..., K), one row of K per token; got shape "
-                             f"{x.shape}")
-        k = x.shape[-1]
-        if self.sums is not None and k != self.columns:
-            raise ValueError(f"MeanAbs.update: the batch has {k} columns (its last axis), earlier batches had "
-                             f"{self.columns}")
-        if is_lazy(x):
-            import dask.array as da
-
-            rows = x.rechunk({x.ndim - 1: -1}).reshape(-1, k)
-            parts = [rows.blocks[i, 0].map_blocks(_abs_sums, chunks=((k,), (_LIMBS,)), dtype=np.int64,
-                                                  meta=np.empty((0, 0), np.int64)) for i in range(rows.numblocks[0])]
-            sums = _carried(da.stack(parts).sum(axis=0).compute())  # (each part's limbs < 2^32: no overflow)
-        else:
-            rows = x.reshape(-1, k)
-            sums = _abs_sums(rows)
-        self._add(sums, rows.shape[0])
-        return self
-
-    def _add(self, sums, count):
-        self.sums = sums.copy() if self.sums is None else _carried(self.sums + sums)
-        self.count += int(count)
-
-    def merge(self, other) -> "MeanAbs":
-        """Add the sums and tokens of ``other`` (another MeanAbs) to these. Returns ``self``."""
-        if type(other) is not type(self):
-            raise TypeError(f"MeanAbs.merge: takes a MeanAbs, got {type(other).__name__}")
-        if other.sums is not None:
-            if self.sums is not None and self.columns != other.columns:
-                raise ValueError(f"MeanAbs.merge: {self.columns} columns here, {other.columns} in the other")
-            self._add(other.sums, other.count)
-        return self
-
-    def result(self) -> np.ndarray:
-        """Each column's mean ``|x|``, float32 ``(K,)``: the float32 nearest the exact mean."""
-        if self.sums is None:
-            raise ValueError("MeanAbs: no activations observed yet; call update(x) first")
-        den = self.count << 149
-        return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
-                         for limbs in self.sums], np.float32)
-
-    def state_dict(self) -> dict:
-        """The sums and the token count as ``{name: numpy array}`` (no objects)."""
-        s = {"kind": np.array(self.kind)}
-        if self.sums is not None:
-            s["sums"], s["count"] = self.sums.copy(), np.array(self.count, np.int64)
-        return s
-
-    @classmethod
-    def from_state(cls, state) -> "MeanAbs":
-        """The MeanAbs that :meth:`state_dict` described."""
-        try:
-            kind = str(np.asarray(state["kind"]))
-        except (KeyError, TypeError):
-            raise ValueError("MeanAbs.from_state: takes the dict state_dict() gives (its 'kind' is missing)") from None
-        if kind != cls.kind:
-            raise ValueError(f"MeanAbs.from_state: field 'kind' is {kind!r}, not {cls.kind!r}")
-        m = cls()
-        if "sums" in state:
-            sums, count = np.asarray(state["sums"]), np.asarray(state.get("count", -1))
-            if sums.dtype.kind not in "iu" or count.dtype.kind not in "iu" or count.shape != () or sums.ndim != 2 \
-                    or sums.shape[1] != _LIMBS or sums.shape[0] == 0 or sums.min() < 0 or sums.max() >= 1 << 32 \
-                    or int(count) <= 0:
-                raise ValueError(f"MeanAbs.from_state: fields 'sums' (K, {_LIMBS}) integer limbs in [0, 2**32) and "
-                                 "'count' (tokens, > 0) are not what state_dict writes")
-            m.sums, m.count = sums.astype(np.int64), int(count)
-        return m
-
-    def __repr__(self):
-        seen = "no data" if self.sums is None else f"{self.columns} columns, {self.count} tokens"
-        return f"MeanAbs({seen})"
+    kind, _LIMBS, _SHIFT = "awq_mean_abs", _LIMBS, 149
+    _sums = staticmethod(_abs_sums)
 
 
 # -- the format's quantizer, as the search sees it --------------------------------------------------------

@@ -68,7 +68,7 @@ from ._dtypes import qdtype
 from ._params import float_values, is_lazy, normalize_axis, to_host
 from .backends import for_array
 
-__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "ImportanceMatrix", "observer",
+__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Histogram", "ColumnSums", "ImportanceMatrix", "observer",
            "entropy_threshold"]
 
 METHODS = ("percentile", "mse", "entropy")
@@ -653,8 +653,8 @@ _LIMB_SCALE = np.ldexp(1.0, _SHIFT - 32 * np.arange(16))  # x^2 * 2^298 over lim
 
 
 def _carried(limbs):
-    """Non-negative int64 limbs ``(K, _LIMBS)`` with each carry moved up: every limb below 2^32."""
-    for i in range(_LIMBS - 1):
+    """Non-negative int64 limbs ``(K, limbs)`` with each carry moved up: every limb below 2^32."""
+    for i in range(limbs.shape[1] - 1):
         limbs[:, i + 1] += limbs[:, i] >> 32
         limbs[:, i] &= 0xFFFFFFFF
     return limbs
@@ -672,7 +672,115 @@ def _nearest_float32(num: int, den: int) -> np.float32:
         return np.float32(math.ldexp(q | (r != 0), -k))
 
 
-class ImportanceMatrix:
+class ColumnSums:
+    """Exact sums, column by column, of a function of float32 activations ``(..., K)``, and a token
+    count: streamed (``update``), merged bit for bit across chunks, processes and Dask (``merge``),
+    saved as plain arrays (``state_dict`` / ``from_state``); ``result()`` the float32 nearest each
+    column's exact mean. A subclass sets ``kind``, ``_sums`` (float32 rows ``(n, K)`` -> int64
+    ``(K, _LIMBS)`` 32-bit limbs of each column's sum times ``2**_SHIFT``), ``_LIMBS`` and ``_SHIFT``:
+    :class:`ImportanceMatrix` (squares) and ``awq.MeanAbs`` (magnitudes)."""
+
+    kind, _LIMBS, _SHIFT = None, None, None
+
+    @staticmethod
+    def _sums(rows):
+        raise NotImplementedError
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        """Forget every token seen."""
+        self.sums, self.count = None, 0
+        return self
+
+    @property
+    def columns(self):
+        """K, the activations' last axis (None before the first batch)."""
+        return None if self.sums is None else self.sums.shape[0]
+
+    def update(self, x):
+        """Take one batch of activations ``(..., K)``. Returns ``self``."""
+        name = type(self).__name__
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            x = np.asarray(x)
+        x = float_values(x)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"{name}.update: takes real (float or integer) activations, got dtype {x.dtype}")
+        if x.ndim == 0 or x.size == 0:
+            raise ValueError(f"{name}.update: takes activations of shape (..., K), one row of K per token; "
+                             f"got shape {x.shape}")
+        k = x.shape[-1]
+        if self.sums is not None and k != self.columns:
+            raise ValueError(f"{name}.update: the batch has {k} columns (its last axis), earlier batches had "
+                             f"{self.columns}")
+        if is_lazy(x):
+            import dask.array as da
+
+            rows = x.rechunk({x.ndim - 1: -1}).reshape(-1, k)
+            parts = [rows.blocks[i, 0].map_blocks(self._sums, chunks=((k,), (self._LIMBS,)), dtype=np.int64,
+                                                  meta=np.empty((0, 0), np.int64)) for i in range(rows.numblocks[0])]
+            sums = _carried(da.stack(parts).sum(axis=0).compute())  # (each part's limbs < 2^32: no overflow)
+        else:
+            rows = x.reshape(-1, k)
+            sums = self._sums(rows)
+        self._add(sums, rows.shape[0])
+        return self
+
+    def _add(self, sums, count):
+        self.sums = sums.copy() if self.sums is None else _carried(self.sums + sums)
+        self.count += int(count)
+
+    def merge(self, other):
+        """Add the sums and tokens of ``other`` (of the same class) to these. Returns ``self``."""
+        name = type(self).__name__
+        if type(other) is not type(self):
+            raise ValueError(f"{name}.merge: the other is a {type(other).__name__}")
+        if other.sums is not None:
+            if self.sums is not None and self.columns != other.columns:
+                raise ValueError(f"{name}.merge: {self.columns} columns here, {other.columns} in the other")
+            self._add(other.sums, other.count)
+        return self
+
+    def result(self) -> np.ndarray:
+        """Each column's mean, float32 ``(K,)``: the float32 nearest the exact ``sum / count`` (inf
+        where that passes float32's range)."""
+        if self.sums is None:
+            raise ValueError(f"{type(self).__name__}: no activations observed yet; call update(x) first")
+        den = self.count << self._SHIFT
+        return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
+                         for limbs in self.sums], np.float32)
+
+    def state_dict(self) -> dict:
+        """The sums and the token count as ``{name: numpy array}`` (no objects)."""
+        s = {"kind": np.array(self.kind)}
+        if self.sums is not None:
+            s["sums"], s["count"] = self.sums.copy(), np.array(self.count, np.int64)
+        return s
+
+    @classmethod
+    def from_state(cls, state):
+        """The collector that :meth:`state_dict` described."""
+        kind = str(_field(state, "kind", "U", ()))
+        if kind != cls.kind:
+            raise ValueError(f"{cls.__name__}.from_state: field 'kind' is {kind!r}, not {cls.kind!r}")
+        m = cls()
+        if "sums" in state:
+            sums = _field(state, "sums", "iu", None)
+            count = int(_field(state, "count", "iu", ()))
+            if sums.ndim != 2 or sums.shape[1] != cls._LIMBS or sums.shape[0] == 0 or sums.min() < 0 \
+                    or sums.max() >= 1 << 32 or count <= 0:
+                raise ValueError(f"{cls.__name__}.from_state: fields 'sums' (K, {cls._LIMBS}) limbs in [0, 2**32) "
+                                 "and 'count' (tokens, > 0) are not what state_dict writes")
+            m.sums, m.count = sums.astype(np.int64), count
+        return m
+
+    def __repr__(self):
+        seen = "no data" if self.sums is None else f"{self.columns} columns, {self.count} tokens"
+        return f"{type(self).__name__}({seen})"
+
+
+class ImportanceMatrix(ColumnSums):
     """llama.cpp's importance matrix (``llama-imatrix``) of one weight tensor, collected exactly.
 
     ``update(x)`` takes the tensor's input activations, ``x`` of shape ``(..., K)``:
@@ -699,102 +807,12 @@ class ImportanceMatrix:
     array([4.6666665, 3.       ], dtype=float32)
     """
 
-    kind = "importance"
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> "ImportanceMatrix":
-        """Forget every token seen."""
-        self.sums, self.count = None, 0  # sums: int64 (K, _LIMBS) limbs of sum x^2 * 2^298 per column
-        return self
-
-    @property
-    def columns(self):
-        """K, the activations' last axis (None before the first batch)."""
-        return None if self.sums is None else self.sums.shape[0]
-
-    def update(self, x) -> "ImportanceMatrix":
-        """Take one batch of activations ``(..., K)``. Returns ``self``."""
-        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-            x = np.asarray(x)
-        x = float_values(x)
-        if x.dtype.kind not in "fiu":
-            raise TypeError(f"ImportanceMatrix.update: takes real (float or integer) activations, got dtype {x.dtype}")
-        if x.ndim == 0 or x.size == 0:
-            raise ValueError(f"ImportanceMatrix.update: takes activations of shape (..., K), one row of K per token; "
-                             f"got shape {x.shape}")
-        k = x.shape[-1]
-        if self.sums is not None and k != self.columns:
-            raise ValueError(f"ImportanceMatrix.update: the batch has {k} columns (its last axis), earlier batches had "
-                             f"{self.columns}")
-        if is_lazy(x):
-            import dask.array as da
-
-            rows = x.rechunk({x.ndim - 1: -1}).reshape(-1, k)
-            parts = [rows.blocks[i, 0].map_blocks(_square_sums, chunks=((k,), (_LIMBS,)), dtype=np.int64,
-                                                  meta=np.empty((0, 0), np.int64)) for i in range(rows.numblocks[0])]
-            sums = _carried(da.stack(parts).sum(axis=0).compute())  # (each part's limbs < 2^32: no overflow)
-        else:
-            rows = x.reshape(-1, k)
-            sums = _square_sums(rows)
-        self._add(sums, rows.shape[0])
-        return self
-
-    def _add(self, sums, count):
-        self.sums = sums.copy() if self.sums is None else _carried(self.sums + sums)
-        self.count += int(count)
-
-    def merge(self, other) -> "ImportanceMatrix":
-        """Add the sums and tokens of ``other`` (another ImportanceMatrix) to these."""
-        if type(other) is not type(self):
-            raise ValueError(f"ImportanceMatrix.merge: the other is a {type(other).__name__}")
-        if other.sums is not None:
-            if self.sums is not None and self.columns != other.columns:
-                raise ValueError(f"ImportanceMatrix.merge: {self.columns} columns here, {other.columns} in the other")
-            self._add(other.sums, other.count)
-        return self
-
-    def result(self) -> np.ndarray:
-        """The mean square of each column's activations, float32 ``(K,)``: the float32 nearest the
-        exact ``sum / count`` (inf where that passes float32's range: activations near 2**64)."""
-        if self.sums is None:
-            raise ValueError("ImportanceMatrix: no activations observed yet; call update(x) first")
-        den = self.count << _SHIFT
-        return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
-                         for limbs in self.sums], np.float32)
+    kind, _LIMBS, _SHIFT = "importance", _LIMBS, _SHIFT
+    _sums = staticmethod(_square_sums)
 
     def quantize(self, w, dtype="Q4_K"):
         """``qarray.quantize(w, dtype=dtype, importance=self.result())``: ``w`` the weight, ``(..., K)``."""
         return quantize(w, dtype=dtype, importance=self.result())
-
-    def state_dict(self) -> dict:
-        """The sums and the token count as ``{name: numpy array}`` (no objects)."""
-        s = {"kind": np.array(self.kind)}
-        if self.sums is not None:
-            s["sums"], s["count"] = self.sums.copy(), np.array(self.count, np.int64)
-        return s
-
-    @classmethod
-    def from_state(cls, state) -> "ImportanceMatrix":
-        """The ImportanceMatrix that :meth:`state_dict` described."""
-        kind = str(_field(state, "kind", "U", ()))
-        if kind != cls.kind:
-            raise ValueError(f"ImportanceMatrix.from_state: field 'kind' is {kind!r}, not {cls.kind!r}")
-        m = cls()
-        if "sums" in state:
-            sums = _field(state, "sums", "iu", None)
-            count = int(_field(state, "count", "iu", ()))
-            if sums.ndim != 2 or sums.shape[1] != _LIMBS or sums.shape[0] == 0 or sums.min() < 0 \
-                    or sums.max() >= 1 << 32 or count <= 0:
-                raise ValueError(f"ImportanceMatrix.from_state: fields 'sums' (K, {_LIMBS}) limbs in [0, 2**32) and "
-                                 "'count' (tokens, > 0) are not what state_dict writes")
-            m.sums, m.count = sums.astype(np.int64), count
-        return m
-
-    def __repr__(self):
-        seen = "no data" if self.sums is None else f"{self.columns} columns, {self.count} tokens"
-        return f"ImportanceMatrix({seen})"
 
 
 def observer(name, dtype="quint8", *, symmetric=False, axis=None) -> Observer:

@@ -389,7 +389,7 @@ def test_mean_abs_inputs():
         awq.MeanAbs().update(np.array([[np.nan, 1.0]], np.float32))
     with pytest.raises(ValueError, match="no activations"):
         awq.MeanAbs().result()
-    with pytest.raises(TypeError, match="MeanAbs"):
+    with pytest.raises(ValueError, match="MeanAbs.merge: the other is a MinMax"):
         m.merge(qarray.observers.MinMax())
     with pytest.raises(ValueError, match="columns"):
         m.merge(awq.MeanAbs().update(np.ones((1, 3), np.float32)))
