@@ -259,6 +259,16 @@ _NAN_SCALES = ("float8_e8m0fnu", "float8_e4m3fn")
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def refuse_nonfinite(a, what, as_float32=True, tail=""):
+    """ValueError naming how many values of host array ``a`` are NaN or infinite and the first one's
+    index: ``"{what} holds N NaN or infinite value(s)[ as float32] (the first at (i, j)){tail}"``."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{what} holds {int(bad.sum())} NaN or infinite value(s)"
+                         f"{' as float32' if as_float32 else ''} (the first at {first}){tail}")
+
+
 def check_scale(scale, want=(), axis=None, block_size=None, keep=False) -> np.ndarray:
     """``scale`` of shape ``want``, finite and > 0 in float32, else ValueError: as
     float32, or (``keep``, for the floating formats) in its own dtype when that is

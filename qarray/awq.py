@@ -63,7 +63,7 @@ from . import _blocks
 from ._api import quantize as _quantize
 from ._dtypes import qdtype
 from ._grouped import _GROUPED, _stored
-from ._params import float_values, is_lazy, to_host
+from ._params import float_values, is_lazy, refuse_nonfinite, to_host
 from ._qarray import QArray
 from .observers import ColumnSums, _carried
 
@@ -212,11 +212,7 @@ def _floats(a, what, ndim=None):
         raise ValueError(f"awq: {what} must be {ndim}-d, got shape {a.shape}")
     if a.size == 0:
         raise ValueError(f"awq: {what} is empty (shape {a.shape})")
-    bad = ~np.isfinite(a)
-    if bad.any():
-        first = np.argwhere(bad)[0]
-        raise ValueError(f"awq: {what} holds {int(bad.sum())} NaN or infinite value(s) as float32 (the first at "
-                         f"{tuple(int(i) for i in first)})")
+    refuse_nonfinite(a, f"awq: {what}")
     return a
 
 

@@ -108,7 +108,7 @@ import numpy as np
 from . import _blocks
 from ._dtypes import qdtype
 from ._grouped import _GROUPED
-from ._params import float_values, is_lazy, to_host
+from ._params import float_values, is_lazy, refuse_nonfinite, to_host
 from ._qarray import QArray
 from . import backends
 from .backends import for_array
@@ -746,11 +746,7 @@ class GPTQ:
         if w.ndim != 2 or 0 in w.shape:
             raise ValueError(f"GPTQ: w must be a 2-d weight (out_features, in_features), got shape {tuple(w.shape)}")
         w = np.asarray(to_host(w), np.float64)
-        bad = ~np.isfinite(w)
-        if bad.any():
-            first = np.argwhere(bad)[0]
-            raise ValueError(f"GPTQ: w holds {int(bad.sum())} NaN or infinite value(s) (the first at "
-                             f"{tuple(int(i) for i in first)})")
+        refuse_nonfinite(w, "GPTQ: w", as_float32=False)
         return w
 
     def _format(self, bits, group_size, sym, dtype):

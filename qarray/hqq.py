@@ -57,7 +57,7 @@ import numpy as np
 from . import _blocks
 from ._dtypes import qdtype
 from ._grouped import _GROUPED, _stored
-from ._params import float_values, to_host
+from ._params import float_values, refuse_nonfinite, to_host
 from ._qarray import QArray
 
 __all__ = ["quantize", "optimize_weights_proximal", "shrink_lp_op"]
@@ -160,11 +160,7 @@ def _float32(w, what):
         w = w.compute()
     with np.errstate(over="ignore"):
         w = np.asarray(to_host(w)).astype(np.float32)
-    bad = ~np.isfinite(w)
-    if bad.any():
-        first = np.argwhere(bad)[0]
-        raise ValueError(f"hqq: {what} holds {int(bad.sum())} NaN or infinite value(s) as float32 (the first at "
-                         f"{tuple(int(i) for i in first)}); HQQ quantizes finite weights")
+    refuse_nonfinite(w, f"hqq: {what}", tail="; HQQ quantizes finite weights")
     return w
 
 

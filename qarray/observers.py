@@ -680,12 +680,6 @@ class ColumnSums:
     ``(K, _LIMBS)`` 32-bit limbs of each column's sum times ``2**_SHIFT``), ``_LIMBS`` and ``_SHIFT``:
     :class:`ImportanceMatrix` (squares) and ``awq.MeanAbs`` (magnitudes)."""
 
-    kind, _LIMBS, _SHIFT = None, None, None
-
-    @staticmethod
-    def _sums(rows):
-        raise NotImplementedError
-
     def __init__(self):
         self.reset()
 
