@@ -119,6 +119,8 @@ DIGIT = 60  # bits of the sum's digits
 ROWS = 8192  # rows in one float64 product at most
 _HALF = 1 << (DIGIT - 1)
 _LIMIT_BOUND = (1 << 63) - (1 << 61)  # carry a digit before an add could take it past int64
+_PRODUCT = 1 << 53  # a bound on a product of two slices (float64 integers)
+_PENDING = 1 << 8  # products summed at a power before they go into the digits (|sum + sum^T| < 2^62)
 
 
 def _width(rows):
@@ -187,6 +189,7 @@ class Hessian:
         self.count = 0
         self._digits = {}  # j -> int64 (K, K)
         self._bound = {}  # j -> a bound on |digits[j]| (Python int), to carry before int64 could overflow
+        self._pending = {}  # (power, cross) -> [int64 (K, K) sum of products at 2^power, how many]
         self._on_backend = None  # the name of the backend holding the digits (a name: Hessians pickle)
         return self
 
@@ -251,9 +254,9 @@ class Hessian:
         return self.merge(total)
 
     def _take(self, x, xp):
-        """Add ``x^T x`` (float64 rows on ``xp``) into the digits: per block of rows, the products of
-        its slices two by two, each exact, at their power of two (a product of slices that few rows
-        hold is taken over those rows and the columns they touch)."""
+        """Add ``x^T x`` (float64 rows on ``xp``): per block of rows, the products of its slices two by
+        two, each exact, kept as int64 at their power of two (:meth:`_pend`); a product of slices that
+        few rows hold is taken over those rows and the columns they touch, into the digits at once."""
         k = self.in_features
         for r in range(0, x.shape[0], ROWS):
             block = x[r:r + ROWS]
@@ -273,13 +276,35 @@ class Hessian:
                         if 4 * len(ia) * len(ib) < k * k:  # a small corner of the sum
                             p = (ca[:, ia].T @ cb[:, ib]).astype(np.int64)  # exact: integers below 2^53
                             if a != b:
-                                self._add(p.T.copy(), ea + eb, (ib, ia))  # the (b, a) product
-                            self._add(p, ea + eb, (ia, ib))
+                                self._add(p.T.copy(), ea + eb, _PRODUCT, (ib, ia))  # the (b, a) product
+                            self._add(p, ea + eb, _PRODUCT, (ia, ib))
                             continue
-                    p = (ca.T @ cb).astype(np.int64)  # exact: integers below 2^53
-                    if a != b:
-                        _add_transpose(p)  # the (b, a) product is its transpose (|p| < 2^54)
-                    self._add(p, ea + eb)
+                    self._pend((ca.T @ cb).astype(np.int64), ea + eb, a != b)  # exact: integers below 2^53
+
+    def _pend(self, p, at, cross):
+        """Add the product ``p`` (int64, ``|p| < 2^53``) of power ``2^at`` to the pending sum of that
+        power (a plain int64 add: most batches' slices fall at the same powers, so the shifts and
+        carries into digits are paid once a power, not once a product). ``cross``: ``p`` stands for
+        ``p + p^T`` (a product of two different slices and its mirror), made at the flush."""
+        key = (at, cross)
+        if key in self._pending and self._pending[key][1] >= _PENDING:
+            self._flush_one(key)
+        if key not in self._pending:
+            self._pending[key] = [p, 1]
+        else:
+            self._pending[key][0] += p
+            self._pending[key][1] += 1
+
+    def _flush_one(self, key):
+        (at, cross), (p, count) = key, self._pending.pop(key)
+        if cross:
+            _add_transpose(p)  # |p + p^T| < 2 * count * 2^53 <= 2^62
+        self._add(p, at, (2 if cross else 1) * count * _PRODUCT)
+
+    def _flush(self):
+        """Every pending sum into the digits."""
+        for key in list(self._pending):
+            self._flush_one(key)
 
     def _on(self, name):
         if self._on_backend is None:
@@ -294,9 +319,10 @@ class Hessian:
             self._bound[j] = 0
         return self._digits[j]
 
-    def _add(self, p, at, at_index=None):
-        """Add int64 ``p`` (``|p| < 2^54``, used as scratch) times ``2^at``, to the entries
-        ``numpy.ix_(*at_index)`` (default: all)."""
+    def _add(self, p, at, bound, at_index=None):
+        """Add int64 ``p`` (``|p| < bound <= 2^63``; used as scratch) times ``2^at`` to the digits, at
+        the entries ``numpy.ix_(*at_index)`` (default: all): ``p``'s bits that fall in a digit go into
+        it, from the lowest, until the rest fits one add."""
         j, s = divmod(at, DIGIT)
 
         def into(i, v):
@@ -305,19 +331,17 @@ class Hessian:
             else:
                 ix = self._xp.ix_(*at_index)
                 self._digits[i][ix] = self._digits[i][ix] + v
-        if s <= 61 - 54:  # (p << s) fits a digit's add
-            self._room(j, 1 << 61)
+        while bound << s > 1 << 61:
+            width = DIGIT - s  # p's bits below 2^width go into digit j (shifted up by s), the rest up
+            high = p >> np.int64(width)
+            p -= high << np.int64(width)  # in [0, 2^width)
             p <<= np.int64(s)
+            self._room(j, 1 << DIGIT)
             into(j, p)
-            return
-        width = DIGIT - s  # p's bits below 2^width go into digit j (shifted up by s), the rest into j + 1
-        self._room(j, 1 << DIGIT)
-        self._room(j + 1, (1 << (54 - width)) + 1)
-        high = p >> np.int64(width)
-        p -= high << np.int64(width)
+            p, bound, j, s = high, (bound >> width) + 1, j + 1, 0
         p <<= np.int64(s)
+        self._room(j, bound << s)
         into(j, p)
-        into(j + 1, high)
 
     def _room(self, j, add):
         """Make room in digit ``j`` for an add of magnitude up to ``add``: carry it up first where the
@@ -347,6 +371,7 @@ class Hessian:
 
     def _normalize(self):
         """The unique form: digits in ``[-2^59, 2^59)``, and only the arrays that hold a nonzero one."""
+        self._flush()
         self._carry()
         for j in sorted(self._digits):
             if not bool(to_host(self._xp.any(self._digits[j] != 0))):
@@ -364,8 +389,8 @@ class Hessian:
                              "other)")
         if other is self:
             other = Hessian.from_state(self.state_dict())
+        other._normalize()
         if other._digits:
-            other._normalize()
             if self._on_backend is None:
                 self._on_backend = other._on_backend
             move = (lambda a: self._xp.asarray(to_host(a))) if other._on_backend != self._on_backend else (lambda a: a)
