@@ -90,6 +90,12 @@ class Observer:
 
     kind = ""
     _fields: tuple = ()  # state arrays beyond the settings
+    _kinds: dict = {}  # kind -> the class that names it (here or elsewhere: smoothquant.AbsMax): from_state's table
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" in vars(cls):
+            Observer._kinds[cls.kind] = cls
 
     def __init__(self, dtype="quint8", *, symmetric=False, axis=None):
         self.dtype = qdtype(dtype)
@@ -197,7 +203,7 @@ class Observer:
     @classmethod
     def from_state(cls, state) -> "Observer":
         """The observer that :meth:`state_dict` described (any subclass)."""
-        kinds = {c.kind: c for c in (MinMax, MovingAverageMinMax, Histogram)}
+        kinds = Observer._kinds
         kind = str(_field(state, "kind", "U", ()))
         if kind not in kinds:
             raise ValueError(f"Observer.from_state: field 'kind' is {kind!r}, not one of {sorted(kinds)}")
