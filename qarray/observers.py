@@ -745,11 +745,52 @@ class ColumnSums:
     def result(self) -> np.ndarray:
         """Each column's mean, float32 ``(K,)``: the float32 nearest the exact ``sum / count`` (inf
         where that passes float32's range)."""
+        return self._float32(self.count)
+
+    def totals(self) -> np.ndarray:
+        """Each column's sum, float32 ``(K,)``: the float32 nearest the exact sum (inf past float32's
+        range), as llama.cpp's imatrix files hold it (:mod:`qarray.io.imatrix`)."""
+        return self._float32(1)
+
+    def _float32(self, count):
         if self.sums is None:
             raise ValueError(f"{type(self).__name__}: no activations observed yet; call update(x) first")
-        den = self.count << self._SHIFT
+        den = count << self._SHIFT
         return np.array([_nearest_float32(int.from_bytes(limbs.astype("<u4").tobytes(), "little"), den)
                          for limbs in self.sums], np.float32)
+
+    @classmethod
+    def from_sums(cls, sums, count):
+        """The collector of ``count`` tokens (> 0) whose column sums are ``sums`` (``(K,)`` float32 or
+        float64 values >= 0, each taken exactly): sums read from a file, as :mod:`qarray.io.imatrix`
+        reads llama.cpp's. ``result()`` is then the float32 nearest ``sums / count``, as float32
+        division of a float32 sum by a count below 2**24 gives it.
+
+        >>> ImportanceMatrix.from_sums(numpy.array([14.0, 9.0], numpy.float32), 3).result()
+        array([4.6666665, 3.       ], dtype=float32)
+        """
+        name = f"{cls.__name__}.from_sums"
+        sums = np.asarray(sums)
+        if sums.dtype.kind != "f" or sums.ndim != 1 or sums.size == 0:
+            raise ValueError(f"{name}: takes a 1-d float array of column sums, got dtype {sums.dtype} and shape "
+                             f"{sums.shape}")
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) or count <= 0:
+            raise ValueError(f"{name}: count is the number of tokens, an integer > 0; got {count!r}")
+        bad = ~(np.isfinite(sums) & (sums >= 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}: the sums must be finite and >= 0; column {i} is {sums[i].item()!r}")
+        limbs = np.empty((sums.size, cls._LIMBS), np.int64)
+        for i, v in enumerate(sums.astype(np.float64).tolist()):
+            num, den = v.as_integer_ratio()  # den a power of two
+            scaled, rest = divmod(num << cls._SHIFT, den)
+            if rest or scaled >= 1 << 32 * cls._LIMBS:
+                raise ValueError(f"{name}: column {i}'s sum {v!r} is not a multiple of 2**-{cls._SHIFT} below "
+                                 f"2**{32 * cls._LIMBS - cls._SHIFT}, which the exact sums hold")
+            limbs[i] = np.frombuffer(scaled.to_bytes(4 * cls._LIMBS, "little"), "<u4")
+        m = cls()
+        m.sums, m.count = limbs, int(count)
+        return m
 
     def state_dict(self) -> dict:
         """The sums and the token count as ``{name: numpy array}`` (no objects)."""

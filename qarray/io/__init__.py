@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from . import checkpoint, gguf, npz, safetensors
+from . import checkpoint, gguf, imatrix, npz, safetensors
 # the names other modules took from qarray.io when it was one module
 from ._rows import pack_rows, packed_rows, packed_rows_layout, row_group, unpack_rows  # noqa: F401
 from ._schema import (FORMAT, VERSION, VERSIONS, _is_qarray_meta, bad_field, meta_of, parse_meta,  # noqa: F401
