@@ -466,6 +466,28 @@ def test_hessian_is_exact_over_many_rows(rng, monkeypatch):
     assert exact_sum(a)[2, 3] == want
 
 
+def test_hessian_pending_products_flush_exactly(rng, monkeypatch):
+    """Products wait as int64 sums at their power of two and go into the digits every ``_PENDING``
+    products: values near the slices' top, streamed a row at a time past two flushes (sums near
+    2^60, twice that with a cross product's mirror), columns at several powers so that the sums land
+    at several places in a digit; and a flush every 3 products gives the same state."""
+    x = (rng.uniform(0.999, 1, size=(600, 4)) * np.array([1, -2.0**-7, 2.0**-13, -2.0**-40]) * 2.0**60)
+    x = x.astype(np.float32)
+    streamed = gptq.Hessian(4)
+    for row in x:
+        streamed.update(row[None])
+    f = x.astype(np.float64)
+    for i in range(4):
+        for j in range(i, 4):
+            assert exact_sum(streamed)[i, j] == sum(Fraction(a) * Fraction(b)
+                                                    for a, b in zip(f[:, i].tolist(), f[:, j].tolist()))
+    monkeypatch.setattr(gptq, "_PENDING", 3)
+    often = gptq.Hessian(4)
+    for row in x[:100]:
+        often.update(row[None])
+    assert states_equal(often, gptq.Hessian(4).update(x[:100]))
+
+
 def states_equal(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
