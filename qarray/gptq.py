@@ -76,7 +76,8 @@ Where qarray differs from AutoGPTQ and GPTQModel, on purpose:
   values 0; one that overflows is a ValueError.
 - The upper Cholesky factor of ``H^-1`` is computed as the reversed inverse of
   the Cholesky factor of ``H`` reversed (the same factor, as the factor is
-  unique: one factorization and a triangular inverse, no full inverse).
+  unique), factor and inverse together by halves in matrix products (no full
+  inverse).
 - The same updates in another order of sums: a block's share of the lazy
   batch updates is taken when the block comes up, in one product over all
   earlier columns (not one pass over all later columns per block), and inside
@@ -607,16 +608,22 @@ class _FormatGrid:
 
 # -- the algorithm -----------------------------------------------------------------------------------
 
-def _tri_inverse(lower):
-    """The inverse of a lower-triangular matrix, by halves (two products a level)."""
-    n = len(lower)
-    if n <= 64:
-        return np.linalg.inv(lower)
+def _cholesky_inverse(a):
+    """``L^-1`` for the lower Cholesky factor ``L`` of ``a`` (``a = L L^T``), by halves: with
+    ``L11^-1`` of the top left, ``L21 = A21 L11^-T``, the bottom right's factor is that of ``A22 - L21
+    L21^T`` and the inverse's bottom left ``-L22^-1 L21 L11^-1``; five products a level, which run at
+    the matrix product's rate (LAPACK's factorization, then a triangular inverse, ran at a third of it).
+    ``numpy.linalg.LinAlgError`` where ``a`` is not positive definite."""
+    n = len(a)
+    if n <= 128:
+        return np.linalg.inv(np.linalg.cholesky(a))
     h = n // 2
-    a, c = _tri_inverse(lower[:h, :h]), _tri_inverse(lower[h:, h:])
-    out = np.zeros_like(lower)
-    out[:h, :h], out[h:, h:] = a, c
-    out[h:, :h] = -(c @ (lower[h:, :h] @ a))
+    i11 = _cholesky_inverse(a[:h, :h])
+    l21 = a[h:, :h] @ i11.T
+    i22 = _cholesky_inverse(a[h:, h:] - l21 @ l21.T)
+    out = np.zeros_like(a)
+    out[:h, :h], out[h:, h:] = i11, i22
+    out[h:, :h] = -(i22 @ (l21 @ i11))
     return out
 
 
@@ -625,8 +632,7 @@ def inverse_cholesky(h):
     cholesky_inverse(cholesky(h)), upper=True)``): with ``J`` the reversal, ``J h J = L L^T`` gives
     ``h^-1 = (J L^-1 J)^T (J L^-1 J)``, and ``J L^-1 J`` is upper triangular with a positive diagonal,
     so it is that factor. ``numpy.linalg.LinAlgError`` where ``h`` is not positive definite."""
-    lower = np.linalg.cholesky(h[::-1, ::-1])
-    return np.ascontiguousarray(_tri_inverse(lower)[::-1, ::-1])
+    return np.ascontiguousarray(_cholesky_inverse(np.ascontiguousarray(h[::-1, ::-1]))[::-1, ::-1])
 
 
 _SUB = 16  # columns of a block whose updates reach each other one by one; the rest as products
