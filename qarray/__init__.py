@@ -15,6 +15,7 @@ from . import nn
 from . import observers
 from . import gptq
 from . import ops
+from . import smoothquant
 from ._api import choose_qparams
 from ._api import dequantize, fake_quantize
 from ._api import quantize
@@ -53,6 +54,7 @@ __all__ = [
     "awq",
     "backends",
     "hqq",
+    "smoothquant",
     "choose_qparams",
     "config",
     "dequantize",

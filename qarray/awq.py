@@ -197,22 +197,28 @@ class _Quantizer:
 
 # -- checks ----------------------------------------------------------------------------------------------
 
-def _floats(a, what, ndim=None):
-    """``a`` as finite float32 on the host."""
+_KEPT = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _floats(a, what, ndim=None, who="awq", keep=False):
+    """``a`` as finite float32 on the host (``keep``: float16 and float64 as they are too; messages
+    begin with ``who``)."""
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
         a = np.asarray(a)
     a = float_values(a)
     if np.dtype(a.dtype).kind not in "fiu":
-        raise TypeError(f"awq: {what} must be a float array, got dtype {a.dtype}")
+        raise TypeError(f"{who}: {what} must be a float array, got dtype {a.dtype}")
     if is_lazy(a):
         a = a.compute()
+    a = np.asarray(to_host(a))
+    kept = keep and a.dtype in _KEPT
     with np.errstate(over="ignore"):
-        a = np.asarray(to_host(a)).astype(np.float32)
+        a = a.astype(a.dtype if kept else np.float32)
     if ndim is not None and a.ndim != ndim:
-        raise ValueError(f"awq: {what} must be {ndim}-d, got shape {a.shape}")
+        raise ValueError(f"{who}: {what} must be {ndim}-d, got shape {a.shape}")
     if a.size == 0:
-        raise ValueError(f"awq: {what} is empty (shape {a.shape})")
-    refuse_nonfinite(a, f"awq: {what}")
+        raise ValueError(f"{who}: {what} is empty (shape {a.shape})")
+    refuse_nonfinite(a, f"{who}: {what}", as_float32=not kept)
     return a
 
 
@@ -223,19 +229,20 @@ def _activations(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def _weights(weights, k):
-    """``(list of float32 (out, K) weights, whether one was given)``."""
+def _weights(weights, k, who="awq", keep=False, of="x"):
+    """``(list of (out, K) weights, whether one was given)``, float32 (``keep``: see :func:`_floats`);
+    ``of`` names what holds the ``k`` input channels."""
     single = hasattr(weights, "shape") and hasattr(weights, "dtype")
     ws = [weights] if single else list(weights) if isinstance(weights, (list, tuple)) else None
     if not ws:
-        raise TypeError("awq: weights must be a 2-d weight (out_features, in_features) or a list of them that take "
-                        "the same input")
+        raise TypeError(f"{who}: weights must be a 2-d weight (out_features, in_features) or a list of them that "
+                        "take the same input")
     out = []
     for i, w in enumerate(ws):
-        w = _floats(w, "weights" if single else f"weights[{i}]", ndim=2)
+        w = _floats(w, "weights" if single else f"weights[{i}]", ndim=2, who=who, keep=keep)
         if w.shape[1] != k:
-            raise ValueError(f"awq: {'the weight' if single else f'weights[{i}]'} has {w.shape[1]} input features "
-                             f"(shape {w.shape}), x has {k}")
+            raise ValueError(f"{who}: {'the weight' if single else f'weights[{i}]'} has {w.shape[1]} input features "
+                             f"(shape {w.shape}), {of} has {k}")
         out.append(w)
     return out, single
 
@@ -251,18 +258,27 @@ def _positive_int(v, name, lo=1):
 def _x_mean(x_mean, x, k):
     if x_mean is None:
         return MeanAbs().update(x).result()
-    if isinstance(x_mean, MeanAbs):
-        x_mean = x_mean.result()
-    m = _floats(x_mean, "x_mean", ndim=1)
-    if m.shape != (k,):
-        raise ValueError(f"awq: x_mean holds one value per input channel, ({k},) here; got shape {m.shape}")
+    return _per_channel(x_mean, MeanAbs, "x_mean", "mean |x|", k)
+
+
+def _per_channel(v, collector, what, meaning, k=None, who="awq"):
+    """A statistic of each input channel: ``v`` a ``collector`` (its ``result()``) or a float array,
+    as finite float32 ``(k,)`` (any length for None), none negative."""
+    if isinstance(v, collector):
+        v = v.result()
+    m = _floats(v, what, ndim=1, who=who)
+    if k is not None and m.shape != (k,):
+        raise ValueError(f"{who}: {what} holds one value per input channel, ({k},) here; got shape {m.shape}")
     if (m < 0).any():
-        raise ValueError("awq: x_mean holds negative values; it is each channel's mean |x|")
+        raise ValueError(f"{who}: {what} holds negative values; it is each channel's {meaning}")
     return m
 
 
 def _pow(x, e):
-    """float32 ``x ** e`` as torch's ``pow`` with a scalar exponent takes its shortcuts (0, 1, 0.5)."""
+    """``x ** e`` (``e`` a Python float) in ``x``'s float type as torch's ``pow`` with a scalar exponent
+    takes it: its shortcuts for 0, 1 and 0.5 (IEEE sqrt), else the exponent rounded to that type and
+    the power rounded once from float64's (NumPy's own float32 power is off by an ulp or more on a
+    fifth of the values here; torch's, SLEEF's, on a few per cent)."""
     if e == 0:
         return np.ones_like(x)
     if e == 1:
@@ -270,7 +286,7 @@ def _pow(x, e):
     if e == 0.5:
         return np.sqrt(x)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        return np.power(x, np.float32(e))
+        return np.power(x.astype(np.float64), np.float64(x.dtype.type(e))).astype(x.dtype)
 
 
 def _w_mean(ws, group):
@@ -459,25 +475,11 @@ def quantize(x, weights, dtype="uint4_g128_f16_zp", *, n_grid=20, duo_scaling=Fa
 
 # -- folding the scales upstream ---------------------------------------------------------------------------
 
-def _scales(s):
-    s = _floats(s, "s", ndim=1)
+def _scales(s, who="awq"):
+    s = _floats(s, "s", ndim=1, who=who, keep=True)
     if (s <= 0).any():
-        raise ValueError("awq: the scales s must be > 0")
+        raise ValueError(f"{who}: the scales s must be > 0")
     return s
-
-
-def _same_float(a, what):
-    """``a`` as a float array of its own float type (float32 for others), checked finite."""
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-        a = np.asarray(a)
-    a = np.asarray(to_host(float_values(a)))
-    if a.dtype.kind != "f":
-        if a.dtype.kind not in "iu":
-            raise TypeError(f"awq: {what} must be a float array, got dtype {a.dtype}")
-        a = a.astype(np.float32)
-    if not np.isfinite(a).all():
-        raise ValueError(f"awq: {what} holds NaN or infinite values")
-    return a
 
 
 def fold_rmsnorm(g, s, bias=None, *, offset=0.0):
@@ -485,18 +487,33 @@ def fold_rmsnorm(g, s, bias=None, *, offset=0.0):
     ``x / s``: AutoAWQ's ``scale_ln_fcs`` (RMSNorm or LayerNorm; a LayerNorm's ``bias`` too, and
     ``offset=1`` for Gemma's ``(1 + g)`` norms: ``(g + 1) / s - 1``). Returns the new ``g`` (and the
     new bias, if given), in ``g``'s float type."""
-    g = _same_float(g, "g")
-    s = _scales(s)
+    return _fold_norm(g, s, bias, offset)
+
+
+def _fold_norm(g, s, bias, offset, who="awq"):
+    g = _floats(g, "g", who=who, keep=True)
+    s = _scales(s, who)
     if g.shape != s.shape:
-        raise ValueError(f"awq: g has shape {g.shape}, the scales {s.shape}: one scale a channel")
+        raise ValueError(f"{who}: g has shape {g.shape}, the scales {s.shape}: one scale a channel")
     s = s.astype(g.dtype)
-    out = (g + g.dtype.type(offset)) / s - g.dtype.type(offset) if offset else g / s
+    with np.errstate(over="ignore"):
+        out = _finite((g + g.dtype.type(offset)) / s - g.dtype.type(offset) if offset else g / s, "g / s", who)
     if bias is None:
         return out
-    b = _same_float(bias, "bias")
+    b = _floats(bias, "bias", who=who, keep=True)
     if b.shape != s.shape:
-        raise ValueError(f"awq: bias has shape {b.shape}, the scales {s.shape}")
-    return out, b / s.astype(b.dtype)
+        raise ValueError(f"{who}: bias has shape {b.shape}, the scales {s.shape}")
+    with np.errstate(over="ignore"):
+        return out, _finite(b / s.astype(b.dtype), "bias / s", who)
+
+
+def _finite(a, what, who):
+    """``a``, a fold's result, or ValueError where it overflowed its float type."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        raise ValueError(f"{who}: {what} overflows {a.dtype} at {int(bad.sum())} channel(s) (the first: "
+                         f"{int(np.argmax(bad))}); fold in a wider float type")
+    return a
 
 
 def fold_linear(w_prev, s, bias=None):
@@ -504,7 +521,7 @@ def fold_linear(w_prev, s, bias=None):
     rows (and bias entries) divided by ``s``: AutoAWQ's ``scale_fc_fc`` (``v_proj`` before
     ``o_proj``, ``up_proj`` before ``down_proj``; the last rows, as for a fused qkv). Returns the new
     weight (and bias, if given), in its float type."""
-    w = _same_float(w_prev, "w_prev")
+    w = _floats(w_prev, "w_prev", keep=True)
     s = _scales(s)
     if w.ndim != 2 or w.shape[0] < len(s):
         raise ValueError(f"awq: w_prev must be a 2-d weight with at least {len(s)} output rows (one a scale), got "
@@ -513,7 +530,7 @@ def fold_linear(w_prev, s, bias=None):
     out[-len(s):] /= s.astype(w.dtype)[:, None]
     if bias is None:
         return out
-    b = _same_float(bias, "bias")
+    b = _floats(bias, "bias", keep=True)
     if b.shape != (w.shape[0],):
         raise ValueError(f"awq: bias has shape {b.shape}, w_prev {w.shape[0]} output rows")
     b = b.copy()

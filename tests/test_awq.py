@@ -477,6 +477,17 @@ def test_fold_matches_autoawq_scale_ln_fcs_and_fc_fc():
     assert np.array_equal(b3[:64], bias1[:64]) and np.array_equal(b3[64:], bias1[64:] / s)
 
 
+def test_fold_keeps_the_float_type():
+    """float64 norms, scales and weights fold in float64 (the scales are not rounded to float32 first),
+    float16 in float16."""
+    rng = np.random.default_rng(11)
+    g, s, w = rng.uniform(0.5, 2, 8), rng.uniform(0.1, 10, 8), rng.standard_normal((12, 8))
+    assert np.array_equal(awq.fold_rmsnorm(g, s), g / s) and awq.fold_rmsnorm(g, s).dtype == np.float64
+    assert np.array_equal(awq.fold_linear(w, s)[-8:], w[-8:] / s[:, None])
+    g16 = awq.fold_rmsnorm(g.astype(np.float16), s.astype(np.float16))
+    assert g16.dtype == np.float16 and np.array_equal(g16, g.astype(np.float16) / s.astype(np.float16))
+
+
 def test_awq_on_a_folded_layer_end_to_end():
     """quantize -> fold into the norm: the quantized block's output is close to the float one."""
     rng = np.random.default_rng(9)
@@ -538,6 +549,8 @@ def test_formats_and_results():
     (lambda x, w: awq.fold_linear(np.ones((2, 4)), np.ones(4)), ValueError, "at least 4"),
     (lambda x, w: awq.fold_linear(np.ones((4, 4)), np.ones(4), np.ones(3)), ValueError, "bias"),
     (lambda x, w: awq.fold_rmsnorm(np.array([np.nan]), np.ones(1)), ValueError, "NaN"),
+    (lambda x, w: awq.fold_rmsnorm(np.ones(4, np.float16), np.full(4, 1e-5)), ValueError,
+     r"^awq: g / s overflows float16 at 4 channel\(s\) \(the first: 0\); fold in a wider float type$"),
 ])
 def test_bad_arguments(call, exc, match):
     x, (w,) = _data(seed=0, tokens=64, outs=(32,))
