@@ -86,7 +86,8 @@ def compare(out, weights, dtype, importances):
             a = np.asarray(t.data).reshape(w.shape[0], -1, mine.dtype.layout.nbytes)
             b = np.asarray(mine.data).reshape(a.shape)
             differ = int((a != b).any(axis=2).sum())
-            res[label].append((name, t.dtype.name, differ == 0 and t.dtype.name == dtype, differ, a.shape[0] * a.shape[1]))
+            same = differ == 0 and t.dtype.name == dtype
+            res[label].append((name, t.dtype.name, same, differ, a.shape[0] * a.shape[1]))
     return res
 
 
@@ -105,8 +106,9 @@ def report(title, res, judged=None):
                 say(f"    {name:<28} {typ:<6} {differ} of {blocks} blocks differ")
         if judged is None or label in judged:
             ok &= all(r[2] for r in rows)
-        ROWS.append(dict(check=title, importance=label, judged=judged is None or label in judged, tensors=[dict(name=r[0], type=r[1], identical=r[2],
-                                                                      blocks_differ=r[3], blocks=r[4]) for r in rows]))
+        ROWS.append(dict(check=title, importance=label, judged=judged is None or label in judged,
+                         tensors=[dict(name=r[0], type=r[1], identical=r[2], blocks_differ=r[3], blocks=r[4])
+                                  for r in rows]))
     return ok
 
 
@@ -192,8 +194,8 @@ def main():
                 f"tokenizer's, from the same bytes), {meta}".replace(str(tmp) + "/", ""))
             out = tmp / f"lm-Q4_K-llama-{fmt}.gguf"
             run([quantize, "--imatrix", theirs, "--pure", model, out, "Q4_K", 1])
-            ok &= report(f"Q4_K (--imatrix llama-imatrix's {fmt})", compare(out, weights, "Q4_K",
-                                                                           {"imatrix.load(FILE)": imatrix.load(theirs)}))
+            res = compare(out, weights, "Q4_K", {"imatrix.load(FILE)": imatrix.load(theirs)})
+            ok &= report(f"Q4_K (--imatrix llama-imatrix's {fmt})", res)
     say(f"all identical: {ok}")
     write(a.outdir, "check_lm_imatrix", LINES, cpu=info, rows=ROWS)
     return 0 if ok else 1

@@ -213,8 +213,9 @@ def save(path, matrices: dict, *, datasets=("qarray",), chunk_size=512, format="
     (tokens a chunk) go to the metadata, with the chunk count, the most tokens of an entry over
     ``chunk_size``, as ``llama-imatrix`` counts it. ``format="dat"``: the legacy file, each value
     the float32 sum over the count times ``ncall`` (the entry's chunks, rounded up), in float32 as
-    ``llama-imatrix`` computes it, and the last of ``datasets``. A file ``llama-imatrix`` wrote, :func:`read` and written
-    again with its metadata, has the same bytes."""
+    ``llama-imatrix`` computes it, and the last of ``datasets``. A file ``llama-imatrix`` wrote,
+    :func:`read` and written again with its metadata and chunk size, has the same bytes (each format
+    is tested so on one of its files)."""
     if format not in FORMATS:
         raise ValueError(f"save: format is one of {', '.join(FORMATS)}, got {format!r}")
     if not isinstance(matrices, dict) or not matrices:
