@@ -511,8 +511,9 @@ def _finite(a, what, who):
     """``a``, a fold's result, or ValueError where it overflowed its float type."""
     bad = ~np.isfinite(a)
     if bad.any():
-        raise ValueError(f"{who}: {what} overflows {a.dtype} at {int(bad.sum())} channel(s) (the first: "
-                         f"{int(np.argmax(bad))}); fold in a wider float type")
+        first = np.unravel_index(np.argmax(bad), a.shape)
+        raise ValueError(f"{who}: {what} overflows {a.dtype} at {int(bad.sum())} value(s) (the first: "
+                         f"{first[0] if a.ndim == 1 else tuple(int(i) for i in first)}); fold in a wider float type")
     return a
 
 
@@ -527,12 +528,15 @@ def fold_linear(w_prev, s, bias=None):
         raise ValueError(f"awq: w_prev must be a 2-d weight with at least {len(s)} output rows (one a scale), got "
                          f"shape {w.shape}")
     out = w.copy()
-    out[-len(s):] /= s.astype(w.dtype)[:, None]
+    with np.errstate(over="ignore"):
+        out[-len(s):] /= s.astype(w.dtype)[:, None]
+    out = _finite(out, "w_prev / s", "awq")
     if bias is None:
         return out
     b = _floats(bias, "bias", keep=True)
     if b.shape != (w.shape[0],):
         raise ValueError(f"awq: bias has shape {b.shape}, w_prev {w.shape[0]} output rows")
     b = b.copy()
-    b[-len(s):] /= s.astype(b.dtype)
-    return out, b
+    with np.errstate(over="ignore"):
+        b[-len(s):] /= s.astype(b.dtype)
+    return out, _finite(b, "bias / s", "awq")

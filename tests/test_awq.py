@@ -550,7 +550,9 @@ def test_formats_and_results():
     (lambda x, w: awq.fold_linear(np.ones((4, 4)), np.ones(4), np.ones(3)), ValueError, "bias"),
     (lambda x, w: awq.fold_rmsnorm(np.array([np.nan]), np.ones(1)), ValueError, "NaN"),
     (lambda x, w: awq.fold_rmsnorm(np.ones(4, np.float16), np.full(4, 1e-5)), ValueError,
-     r"^awq: g / s overflows float16 at 4 channel\(s\) \(the first: 0\); fold in a wider float type$"),
+     r"^awq: g / s overflows float16 at 4 value\(s\) \(the first: 0\); fold in a wider float type$"),
+    (lambda x, w: awq.fold_linear(np.ones((3, 2), np.float16), np.array([1.0, 1e-5])), ValueError,
+     r"^awq: w_prev / s overflows float16 at 2 value\(s\) \(the first: \(2, 0\)\); fold in a wider float type$"),
 ])
 def test_bad_arguments(call, exc, match):
     x, (w,) = _data(seed=0, tokens=64, outs=(32,))

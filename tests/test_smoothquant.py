@@ -382,9 +382,9 @@ _ACT = np.abs(_X).max(axis=0)
     (lambda: smooth(np.where(np.arange(8) == 1, np.inf, _G), _WS, _ACT), ValueError,
      "smoothquant: g holds 1 NaN or infinite value(s) (the first at (1,))"),
     (lambda: smooth(_G.astype(np.float16), _WS, _ACT), ValueError,  # the dead channel 1: s = 1e-5
-     "smoothquant: g / s overflows float16 at 1 channel(s) (the first: 1); fold in a wider float type"),
+     "smoothquant: g / s overflows float16 at 1 value(s) (the first: 1); fold in a wider float type"),
     (lambda: smooth(_G, _WS, _ACT, bias=np.ones(8, np.float16)), ValueError,
-     "smoothquant: bias / s overflows float16 at 1 channel(s) (the first: 1); fold in a wider float type"),
+     "smoothquant: bias / s overflows float16 at 1 value(s) (the first: 1); fold in a wider float type"),
 ])
 def test_bad_arguments(call, exc, message):
     with pytest.raises(exc) as e:
