@@ -4,6 +4,7 @@ against finite differences, training, the cache and the perplexity table."""
 import numpy as np
 import pytest
 
+from qarray import smoothquant
 from qarray.examples import _llama, lm
 
 TINY = _llama.config(vocab=11, dim=8, layers=2, heads=2, hidden=12, ctx=6)
@@ -81,15 +82,68 @@ def test_table_and_cache(tmp_path, monkeypatch):
     logs = []
     first = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats, log=logs.append)
     assert first["trained_s"] > 0 and logs and len(list(tmp_path.glob("lm-*.npz"))) == 1
-    assert first["methods"] == ["round to nearest", "GPTQ", "AWQ", "HQQ", "imatrix"]
+    assert first["methods"] == ["round to nearest", "GPTQ", "AWQ", "HQQ", "imatrix", "SmoothQuant"]
     ppl = {fmt: p["round to nearest"] for fmt, _, _, p in first["rows"]}
     assert abs(ppl["Q8_0"] / first["float32"] - 1) < 0.01
     assert ppl["Q2_K"] > ppl["Q8_0"]
     filled = {m: {fmt for fmt, _, _, p in first["rows"] if p[m] is not None} for m in first["methods"][1:]}
+    w8a8 = {"W8A8 per-token", "W8A8 per-tensor"}
     assert filled == {"imatrix": {"Q2_K"}, "HQQ": {"uint4_g64_f16_bias"}, "AWQ": {"uint4_g128_f16_zp"},
-                      "GPTQ": {fmt for fmt, _ in formats}}
-    again = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats[:1], log=logs.append)
+                      "GPTQ": {fmt for fmt, _ in formats}, "SmoothQuant": w8a8}
+    assert [(fmt, bits) for fmt, bits, _, _ in first["rows"][-2:]] == [("W8A8 per-token", 8), ("W8A8 per-tensor", 8)]
+    for fmt, _, bpw, p in first["rows"][-2:]:  # 8 bits and a float32 scale a row of 256 inputs
+        assert bpw == 8 + 32 / 256 and all(abs(p[m] / first["float32"] - 1) < 0.02 for m in ("round to nearest",
+                                                                                         "SmoothQuant"))
+    again = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats[:1], w8a8_rows=[],
+                   log=logs.append)
     assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"][:1]
+
+
+def test_w8a8_linear_is_smoothquants_int8_on_the_integers():
+    """``w8a8_linear``: the codes of SmoothQuant's fake quantization (``round(x / s)``, ``s = max(max|row|,
+    1e-5) / 127``, per token or per tensor; the weights' per output channel), their products summed
+    exactly (int64 here), times the weights' scales (float32) and then the tokens' scales, bit for bit;
+    and SmoothQuant's float simulation within float32 rounding."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 5, 64)) * np.exp(rng.uniform(-2, 2, 64))).astype(np.float32)
+    x[0, 1] = 0  # an all-zero token: scale floored at 1e-5 / 127
+    w = (rng.standard_normal((24, 64)) * 0.05).astype(np.float32)
+    ws = np.maximum(np.abs(w).max(axis=1), np.float32(1e-5)) / np.float32(127)
+    wc = np.rint(w / ws[:, None]).astype(np.int64)
+    wq = lm.int8_weight(w)
+    assert np.array_equal(wq.int_repr(), wc) and np.array_equal(wq.scale, ws)
+    x2 = x.reshape(-1, 64)
+    for per_token in (True, False):
+        s = np.maximum(np.abs(x2).max(axis=1 if per_token else None, keepdims=per_token), np.float32(1e-5)) \
+            / np.float32(127)
+        codes = np.rint(x2 / s).astype(np.int64)
+        got = lm.w8a8_linear(x, wq, per_token)
+        assert got.shape == (3, 5, 24) and got.dtype == np.float32
+        acc = (codes @ wc.T).astype(np.float32)
+        want = acc * ws * s if per_token else acc * (np.float32(s) * ws)
+        assert np.array_equal(got.reshape(-1, 24), want)
+        fake = (codes * s).astype(np.float32) @ (wc * ws[:, None]).astype(np.float32).T
+        np.testing.assert_allclose(got.reshape(-1, 24), fake, rtol=0, atol=1e-5 * np.abs(fake).max())
+
+
+def test_smoothed_model_keeps_the_function():
+    """``smoothed``: SmoothQuant's llama pairs (attn_norm -> wq, wk, wv; ffn_norm -> w1, w3) folded; the
+    float model's logits unchanged within float32 rounding, the norms and those weights changed, the rest
+    untouched; the per-channel maxima are the calibration inputs'."""
+    cfg = _llama.config(dim=32, layers=2, heads=2, hidden=64, ctx=16)
+    p = _llama.init(cfg, seed=12)
+    for k in p:  # norms away from 1 and an outlier channel, as trained models have
+        p[k] = p[k] * np.float32(3) if k.endswith("norm") else p[k]
+    p["emb"][:, 3] *= 40
+    calib = lm.calibration(p, cfg, windows=4)
+    s = lm.smoothed(p, cfg, calib)
+    changed = {k for k in p if not np.array_equal(p[k], s[k])}
+    assert changed == {f"{i}.{n}" for i in range(2) for n in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "w1", "w3")}
+    x = np.arange(32).reshape(2, 16) * 5 % 256
+    a, b = _llama.forward(p, cfg, x), _llama.forward(s, cfg, x)
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
+    r = smoothquant.smooth(p["0.attn_norm"], [p["0.wq"], p["0.wk"], p["0.wv"]], np.abs(calib["0.wq"]).max(axis=0))
+    assert np.array_equal(s["0.attn_norm"], r.norm) and np.array_equal(s["0.wv"], r.weights[2])
 
 
 def test_bits_a_weight_of_every_row():

@@ -16,8 +16,15 @@ nearest (``qarray.quantize``); llama.cpp's importance matrix (``observers.Import
 windows of the training text, then ``quantize(..., importance=)``: ggml's own weighted search, for the
 K-quants and IQ4); HQQ (``qarray.hqq``, no calibration data, the float-bias formats); GPTQ
 (``qarray.gptq``, every format) and AWQ (``qarray.awq``, its zero-point groups) on the same
-calibration windows. ``--quick``: the 4- and 3-bit rows, on part of the held-out text, from
-the cached model or a shorter training run.
+calibration windows.
+
+The W8A8 rows quantize the activations too: every linear layer's weights qint8 per output channel
+(``max |row| / 127``) and its input qint8 on the fly, per token or per tensor (``max |x| / 127``),
+multiplied exactly in int32 by ``qa.linear`` (SmoothQuant's ``W8A8Linear``, on the integers): round
+to nearest, and SmoothQuant (``qarray.smoothquant``, alpha 0.5: each norm's output maxima over the
+calibration windows, the scales folded into the norm and the layers that read it, q/k/v and gate/up).
+``--quick``: the 4- and 3-bit rows and the W8A8 rows, on part of the held-out text, from the cached
+model or a shorter training run.
 
 Run: ``python -m qarray.examples.lm [--quick]`` (or ``qarray run lm``)
 """
@@ -34,7 +41,7 @@ import numpy as np
 
 import qarray as qa
 
-from .. import awq, gptq, hqq
+from .. import awq, gptq, hqq, smoothquant
 from ..io import gguf
 from . import _common, _llama
 
@@ -195,6 +202,65 @@ def error_compensated(w, fmt, x):
 METHODS = {"round to nearest": round_to_nearest, "GPTQ": error_compensated, "AWQ": activation_aware, "HQQ": half_quadratic,
            "imatrix": importance_matrix}
 
+# the W8A8 rows (int8 weights and int8 activations): (name, activations per token or per tensor); their
+# columns are round to nearest and SmoothQuant (alpha SMOOTH_ALPHA), the last column
+W8A8 = [("W8A8 per-token", "token"), ("W8A8 per-tensor", "tensor")]
+SMOOTHQUANT, SMOOTH_ALPHA = "SmoothQuant", 0.5
+SMOOTHED = (("attn_norm", ("wq", "wk", "wv")), ("ffn_norm", ("w1", "w3")))  # smooth_lm's llama pairs: norm -> layers
+
+
+def _absmax_scale(a, axis=None):
+    """SmoothQuant's int8 absmax scale, ``max(max |a|, 1e-5) / 127`` over ``axis`` (all: None), float32."""
+    return np.maximum(np.abs(a).max(axis=axis), np.float32(1e-5)) / np.float32(127)
+
+
+def int8_weight(w):
+    """``w`` (out, in) as qint8 per output channel: SmoothQuant's ``quantize_weight_per_channel_absmax``."""
+    return qa.quantize(w, _absmax_scale(w, 1), 0, "qint8", axis=0)
+
+
+def w8a8_linear(x, wq, per_token=True):
+    """``x @ w.T`` as int8 x int8 through qarray: float ``x`` ``(..., in)`` quantized to qint8 on the fly,
+    per token (each row's absmax scale; the codes go to ``qa.linear`` as a QArray of scale 1, and each
+    row's scale multiplies its int32 sums after) or per tensor (``qa.linear`` of the two QArrays); the
+    products summed exactly in int32 against ``wq`` (:func:`int8_weight`). SmoothQuant's
+    ``W8A8Linear`` (``quantize_activation_per_token_absmax`` / ``_per_tensor_absmax``), on the integers."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if per_token:
+        s = _absmax_scale(x2, 1)
+        codes = qa.quantize(x2, s, 0, "qint8", axis=0).int_repr()
+        y = np.asarray(qa.linear(qa.QArray.from_int(codes, 1.0, 0, "qint8"), wq).dequantize()) * s[:, None]
+    else:
+        y = np.asarray(qa.linear(qa.quantize(x2, _absmax_scale(x2), 0, "qint8"), wq).dequantize())
+    return y.reshape(*x.shape[:-1], wq.shape[0])
+
+
+def smoothed(params, cfg, calib, alpha=SMOOTH_ALPHA):
+    """``params`` after SmoothQuant's ``smooth_lm`` (its llama pairs): each norm's weight divided by the
+    scales of the layers that read it, their columns multiplied (``qarray.smoothquant.smooth``; the
+    norm's output maxima, ``smoothquant.AbsMax``, of ``calib``'s inputs of the first of them)."""
+    out = dict(params)
+    for i in range(cfg["layers"]):
+        for norm, names in SMOOTHED:
+            act = smoothquant.AbsMax().update(calib[f"{i}.{names[0]}"])
+            r = smoothquant.smooth(params[f"{i}.{norm}"], [params[f"{i}.{n}"] for n in names], act, alpha)
+            out[f"{i}.{norm}"] = r.norm
+            out.update({f"{i}.{n}": w for n, w in zip(names, r.weights)})
+    return out
+
+
+def w8a8(params, cfg, data, per_token=True, windows=None):
+    """``(nll, bits a weight)``: ``_llama.nll`` of ``data`` with every linear layer int8 x int8
+    (:func:`w8a8_linear`; the output head stays float32), and the weights' bits a value (codes and
+    float32 scales). Per tensor, the tensor is a batch of 16 windows of the evaluation."""
+    q = {id(w): int8_weight(w) for name, w in params.items() if name.split(".")[-1] in _llama.LINEARS}
+
+    def linear(x, w):
+        return w8a8_linear(x, q[id(w)], per_token) if id(w) in q else x @ w.T
+
+    bits = 8 * sum(w.nbytes + 4 * w.shape[0] for w in q.values()) / sum(w.size for w in q.values())
+    return _llama.nll(params, cfg, data, linear, windows), bits
+
 
 def quantized(params, fmt, method=round_to_nearest, calib=None):
     """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values (by
@@ -211,9 +277,10 @@ def quantized(params, fmt, method=round_to_nearest, calib=None):
     return out, 8 * nbytes / count
 
 
-def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, formats=FORMATS, log=print):
+def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, formats=FORMATS, w8a8_rows=W8A8,
+        log=print):
     """``{"steps", "trained_s", "float32": ppl, "methods": [...], "rows": [(format, bits, bits a weight,
-    {method: ppl or None})]}``."""
+    {method: ppl or None})]}``; the W8A8 rows last."""
     steps = steps or (STEPS if not quick or _cache_path(cfg, STEPS).exists() else QUICK_STEPS)
     params, seconds = model(cfg, steps, log)
     held = text()[1]
@@ -223,13 +290,20 @@ def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=
     for fmt, bits in formats:
         if quick and bits not in (4, 3):
             continue
-        ppl, bpw = {}, None
+        ppl, bpw = {SMOOTHQUANT: None}, None
         for name, method in METHODS.items():
             weights, b = quantized(params, fmt, method, calib)
             ppl[name] = None if weights is None else float(np.exp(_llama.nll(weights, cfg, held, windows=windows)))
             bpw = bpw or b
         rows.append((fmt, bits, bpw, ppl))
-    return {"steps": steps, "trained_s": seconds, "methods": list(METHODS),
+    smooth = smoothed(params, cfg, calib) if w8a8_rows else None
+    for name, per in w8a8_rows:
+        ppl = dict.fromkeys(METHODS)
+        for method, p in (("round to nearest", params), (SMOOTHQUANT, smooth)):
+            nll, bpw = w8a8(p, cfg, held, per == "token", windows)
+            ppl[method] = float(np.exp(nll))
+        rows.append((name, 8, bpw, ppl))
+    return {"steps": steps, "trained_s": seconds, "methods": [*METHODS, SMOOTHQUANT],
             "float32": float(np.exp(_llama.nll(params, cfg, held, windows=windows))), "rows": rows}
 
 
