@@ -4,7 +4,7 @@ against finite differences, training, the cache and the perplexity table."""
 import numpy as np
 import pytest
 
-from qarray import smoothquant
+from qarray import awq, smoothquant
 from qarray.examples import _llama, lm
 
 TINY = _llama.config(vocab=11, dim=8, layers=2, heads=2, hidden=12, ctx=6)
@@ -144,6 +144,34 @@ def test_smoothed_model_keeps_the_function():
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
     r = smoothquant.smooth(p["0.attn_norm"], [p["0.wq"], p["0.wk"], p["0.wv"]], np.abs(calib["0.wq"]).max(axis=0))
     assert np.array_equal(s["0.attn_norm"], r.norm) and np.array_equal(s["0.wv"], r.weights[2])
+
+
+def test_awq_folds_its_scales_into_the_layers_before():
+    """AWQ as AutoAWQ runs a llama: one scale vector for q, k, v (folded into attn_norm), o (into v's
+    rows), gate and up (ffn_norm), down (up's rows); the folded float model keeps the logits within
+    float32 rounding, and AWQ's column is that model with its linear layers quantized (its norms are
+    the folded ones: a model one can store, not a scale a layer divided back out)."""
+    cfg = _llama.config(dim=128, layers=1, heads=2, hidden=128, ctx=16)
+    p = _llama.init(cfg, seed=3)
+    p["emb"][:, 5] *= 30  # an outlier channel, so the scales are not all 1
+    calib = lm.calibration(p, cfg, windows=4)
+    fmt = "uint4_g64_f16_zp"
+    folded = lm.awq_folded(p, cfg, fmt, calib)
+    assert {k for k in p if not np.array_equal(p[k], folded[k])} == {
+        f"0.{n}" for n in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1", "w3", "w2")}
+    x = np.arange(32).reshape(2, 16) * 5 % 256
+    a = _llama.forward(p, cfg, x)
+    np.testing.assert_allclose(_llama.forward(folded, cfg, x), a, rtol=0, atol=1e-5 * np.abs(a).max())
+    s = awq.search_scale(calib["0.wq"], [p["0.wq"], p["0.wk"], p["0.wv"]], fmt).scales
+    assert np.array_equal(folded["0.attn_norm"], awq.fold_rmsnorm(p["0.attn_norm"], s))
+    assert np.array_equal(folded["0.wq"], p["0.wq"] * s)
+    weights, bpw = lm.quantized(p, fmt, lm.activation_aware, calib, cfg)
+    assert bpw == 4 + 24 / 64 and np.array_equal(weights["0.ffn_norm"], folded["0.ffn_norm"])
+    assert np.array_equal(weights["0.wq"], awq.quantize_weight(folded["0.wq"], fmt).dequantize())  # no clip for q
+    x_folded = lm.calibration(folded, cfg, windows=4)["0.w2"]
+    clip = awq.search_clip(x_folded, folded["0.w2"], fmt)
+    assert np.array_equal(weights["0.w2"], awq.quantize_weight(folded["0.w2"], fmt, clip=clip).dequantize())
+    assert lm.quantized(p, "Q4_K", lm.activation_aware, calib, cfg) == (None, None)
 
 
 def test_bits_a_weight_of_every_row():

@@ -15,7 +15,8 @@ Q4_K, IQ4_XS, Q3_K, Q2_K and the grouped formats of GPTQ / AWQ (``uint4_g128_f16
 nearest (``qarray.quantize``); llama.cpp's importance matrix (``observers.ImportanceMatrix`` on 64
 windows of the training text, then ``quantize(..., importance=)``: ggml's own weighted search, for the
 K-quants and IQ4); HQQ (``qarray.hqq``, no calibration data, the float-bias formats); GPTQ
-(``qarray.gptq``, every format) and AWQ (``qarray.awq``, its zero-point groups) on the same
+(``qarray.gptq``, every format) and AWQ (``qarray.awq``, its zero-point groups; its scales shared
+and folded into the layers before, as AutoAWQ does it) on the same
 calibration windows.
 
 The W8A8 rows quantize the activations too: every linear layer's weights qint8 per output channel
@@ -164,25 +165,37 @@ def half_quadratic(w, fmt, x):
     return hqq.quantize(w, dtype=fmt) if fmt.endswith("_bias") else None
 
 
-class _Scaled:
-    """A QArray of ``W * s`` standing for ``W``: ``dequantize()`` divides ``s`` back out (what folding
-    ``1 / s`` into the layer before does to the outputs), ``nbytes`` the QArray's."""
-
-    def __init__(self, q, s):
-        self.q, self.s, self.nbytes = q, s, q.nbytes
-
-    def dequantize(self):
-        return np.asarray(self.q.dequantize(), np.float32) / self.s
+# AutoAWQ's scaled groups of a llama layer: (what the scales fold into, the layers that share them)
+AWQ_SCALED = (("attn_norm", ("wq", "wk", "wv")), ("wv", ("wo",)), ("ffn_norm", ("w1", "w3")), ("w3", ("w2",)))
 
 
-def activation_aware(w, fmt, x):
-    """AWQ (``qarray.awq``): each layer's input-channel scales searched on its activations (20 points of
-    alpha), then the clipping search, in AWQ's own formats (the ``_zp`` groups); None for others. Each
-    layer searches alone here (AutoAWQ shares one search among q, k, v and among gate, up)."""
+def awq_folded(params, cfg, fmt, calib):
+    """AWQ's scales searched and folded as AutoAWQ does it for a llama: in each layer one search for
+    q, k and v together (its scales fold into ``attn_norm``), one for o (into v's rows), one for gate
+    and up (``ffn_norm``), one for down (up's rows), each on the float model's inputs (``calib``); the
+    float params with the folds, the same function up to float32 rounding."""
+    out = dict(params)
+    for i in range(cfg["layers"]):
+        for before, names in AWQ_SCALED:
+            s = awq.search_scale(calib[f"{i}.{names[0]}"], [params[f"{i}.{n}"] for n in names], fmt).scales
+            key = f"{i}.{before}"
+            out[key] = awq.fold_rmsnorm(out[key], s) if before.endswith("norm") else awq.fold_linear(out[key], s)
+            out.update({f"{i}.{n}": out[f"{i}.{n}"] * s for n in names})
+    return out
+
+
+def activation_aware(params, fmt, calib, cfg):
+    """AWQ (``qarray.awq``) on the whole model, as AutoAWQ runs it: the scales folded
+    (:func:`awq_folded`), then the clipping search of each folded layer on its inputs in the folded
+    model (``x / s``; not for q and k, as AutoAWQ), in AWQ's own formats (the ``_zp`` groups): ``(the
+    folded params, {layer: QArray})``; None for other formats."""
     if not fmt.endswith("_zp"):
         return None
-    q, s = awq.quantize(x, w, dtype=fmt, clip=True)
-    return _Scaled(q, s)
+    folded = awq_folded(params, cfg, fmt, calib)
+    x = calibration(folded, cfg, len(next(iter(calib.values()))) // cfg["ctx"])
+    return folded, {n: awq.quantize_weight(w, fmt, clip=None if n.endswith((".wq", ".wk")) else
+                                           awq.search_clip(x[n], w, fmt))
+                    for n, w in folded.items() if n.split(".")[-1] in _llama.LINEARS}
 
 
 _HESSIANS = {}  # id of a layer's calibration inputs -> (inputs, their exact GPTQ Hessian), one a layer
@@ -198,7 +211,7 @@ def error_compensated(w, fmt, x):
 
 
 # the table's columns: name -> quantizer(w (out, in), format, its input activations) -> QArray, or
-# None where the method does not apply to the format
+# None where the method does not apply to the format; AWQ's takes the whole model (see quantized)
 METHODS = {"round to nearest": round_to_nearest, "GPTQ": error_compensated, "AWQ": activation_aware, "HQQ": half_quadratic,
            "imatrix": importance_matrix}
 
@@ -262,19 +275,26 @@ def w8a8(params, cfg, data, per_token=True, windows=None):
     return _llama.nll(params, cfg, data, linear, windows), bits
 
 
-def quantized(params, fmt, method=round_to_nearest, calib=None):
+def quantized(params, fmt, method=round_to_nearest, calib=None, cfg=CONFIG):
     """``params`` with each linear weight replaced by its ``fmt`` quantization's float32 values (by
     ``method``, given ``calib``'s activations), and the weights' bits a value (codes, scales and all);
-    ``(None, None)`` where the method does not apply."""
-    out, nbytes, count = dict(params), 0, 0
-    for name, w in params.items():
-        if name.split(".")[-1] in _llama.LINEARS:
-            q = method(w, fmt, None if calib is None else calib[name])
-            if q is None:
-                return None, None
-            out[name] = np.asarray(q.dequantize(), np.float32)
-            nbytes, count = nbytes + q.nbytes, count + w.size
-    return out, 8 * nbytes / count
+    ``(None, None)`` where the method does not apply. AWQ folds its scales into the layers before:
+    its params are the folded model's."""
+    if method is activation_aware:
+        done = activation_aware(params, fmt, calib, cfg)
+        if done is None:
+            return None, None
+        params, qs = done
+    else:
+        qs = {}
+        for name, w in params.items():
+            if name.split(".")[-1] in _llama.LINEARS:
+                qs[name] = method(w, fmt, None if calib is None else calib[name])
+                if qs[name] is None:
+                    return None, None
+    out = dict(params)
+    out.update({name: np.asarray(q.dequantize(), np.float32) for name, q in qs.items()})
+    return out, 8 * sum(q.nbytes for q in qs.values()) / sum(params[name].size for name in qs)
 
 
 def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=64, formats=FORMATS, w8a8_rows=W8A8,
@@ -292,7 +312,7 @@ def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=
             continue
         ppl, bpw = {SMOOTHQUANT: None}, None
         for name, method in METHODS.items():
-            weights, b = quantized(params, fmt, method, calib)
+            weights, b = quantized(params, fmt, method, calib, cfg)
             ppl[name] = None if weights is None else float(np.exp(_llama.nll(weights, cfg, held, windows=windows)))
             bpw = bpw or b
         rows.append((fmt, bits, bpw, ppl))
