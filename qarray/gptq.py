@@ -175,14 +175,22 @@ class Hessian:
     bits in any order); ``state_dict()`` / :meth:`from_state` keep it as plain arrays. The sum is held
     as ``sum_j digits[j] * 2^(60 j)``, int64 digits (one ``(K, K)`` array per ``j``), which
     ``state_dict`` gives in their unique form (every digit in ``[-2^59, 2^59)``, no array of zeros): two
-    Hessians of the same sum give the same arrays."""
+    Hessians of the same sum give the same arrays.
 
-    def __init__(self, in_features):
+    ``exact=False``: GPTQModel's arithmetic instead, for speed: one product ``x^T x`` a batch, in
+    float32 for float16, bfloat16 and float32 inputs (float64 for float64 and integers), added into a
+    float64 sum. It costs one product where the exact sum takes about three float64 ones (and their
+    bookkeeping: 4-10 times as long on a CPU), and its sums merge as floats do, close but not bit for
+    bit across splits and orders. Exact and inexact Hessians do not merge."""
+
+    def __init__(self, in_features, exact=True):
         if isinstance(in_features, (bool, np.bool_)) or not isinstance(in_features, (int, np.integer)):
             raise TypeError(f"Hessian: in_features must be an integer, got {type(in_features).__name__}")
         if in_features < 1:
             raise ValueError(f"Hessian: in_features must be positive, got {in_features}")
-        self.in_features = int(in_features)
+        if not isinstance(exact, (bool, np.bool_)):
+            raise TypeError(f"Hessian: exact must be True or False, got {exact!r}")
+        self.in_features, self.exact = int(in_features), bool(exact)
         self.reset()
 
     def reset(self) -> "Hessian":
@@ -191,6 +199,7 @@ class Hessian:
         self._digits = {}  # j -> int64 (K, K)
         self._bound = {}  # j -> a bound on |digits[j]| (Python int), to carry before int64 could overflow
         self._pending = {}  # (power, cross) -> [int64 (K, K) sum of products at 2^power, how many]
+        self._float = None  # exact=False: the float64 (K, K) sum
         self._on_backend = None  # the name of the backend holding the digits (a name: Hessians pickle)
         return self
 
@@ -199,7 +208,7 @@ class Hessian:
         return backends.get(self._on_backend).xp
 
     def __repr__(self):
-        return f"Hessian(in_features={self.in_features}; {self.count} rows)"
+        return f"Hessian(in_features={self.in_features}{'' if self.exact else ', exact=False'}; {self.count} rows)"
 
     # updates
     def update(self, x) -> "Hessian":
@@ -221,14 +230,18 @@ class Hessian:
             return self._update_lazy(rows)
         backend = for_array(rows)
         xp = backend.xp
-        rows = rows.astype(np.float64)
+        rows = rows.astype(np.float32 if not self.exact and kind == "f" and size <= 4 else np.float64)
         bad = ~xp.isfinite(rows)
         if bool(to_host(bad.any())):
             n, first = int(to_host(bad.sum())), int(to_host(xp.flatnonzero(bad.ravel())[0]))
             raise ValueError(f"Hessian.update: the inputs hold {n} NaN or infinite value(s) (the first at flat index "
                              f"{first}); GPTQ needs finite activations")
         self._on(backend.name)
-        self._take(rows, xp)
+        if self.exact:
+            self._take(rows, xp)
+        else:
+            p = (rows.T @ rows).astype(np.float64)
+            self._float = p if self._float is None else self._float + p
         self.count += int(rows.shape[0])
         return self
 
@@ -239,10 +252,10 @@ class Hessian:
         import dask
 
         rows = rows.rechunk({1: -1}) if rows.numblocks[1] > 1 else rows
-        k = self.in_features
+        k, exact = self.in_features, self.exact
 
         def part(block):
-            return Hessian(k).update(block)
+            return Hessian(k, exact).update(block)
 
         def both(a, b):
             return a.merge(b)
@@ -388,6 +401,19 @@ class Hessian:
         if other.in_features != self.in_features:
             raise ValueError(f"Hessian.merge: in_features differ ({self.in_features} here, {other.in_features} in the "
                              "other)")
+        if other.exact != self.exact:
+            raise ValueError(f"Hessian.merge: an {'exact' if self.exact else 'inexact'} Hessian cannot take an "
+                             f"{'exact' if other.exact else 'inexact'} one's sums (exact={other.exact}); collect "
+                             "both with the same exact setting")
+        if not self.exact:
+            if other._float is not None:
+                if self._on_backend is None:
+                    self._on_backend = other._on_backend
+                theirs = self._xp.asarray(to_host(other._float)) if other._on_backend != self._on_backend \
+                    else other._float
+                self._float = theirs.copy() if self._float is None else self._float + theirs
+            self.count += other.count
+            return self
         if other is self:
             other = Hessian.from_state(self.state_dict())
         other._normalize()
@@ -404,7 +430,10 @@ class Hessian:
     # results
     def sum(self) -> np.ndarray:
         """``sum X^T X`` as float64 ``(K, K)`` on the host: the digits converted and added from the
-        lowest (the same bits for the same exact sum)."""
+        lowest (the same bits for the same exact sum); ``exact=False``: the float sum."""
+        if not self.exact:
+            k = self.in_features
+            return np.zeros((k, k)) if self._float is None else np.array(to_host(self._float), np.float64)
         self._normalize()
         total = np.zeros((self.in_features, self.in_features))
         for j in sorted(self._digits):
@@ -421,7 +450,11 @@ class Hessian:
     # state
     def state_dict(self) -> dict:
         """``{"kind", "in_features", "count", "exponents", "digits"}`` as NumPy arrays (no pickle):
-        ``digits[i]`` is the int64 ``(K, K)`` digit array at ``2^(60 exponents[i])``."""
+        ``digits[i]`` is the int64 ``(K, K)`` digit array at ``2^(60 exponents[i])``. ``exact=False``:
+        ``{"kind": "gptq_hessian_float", "in_features", "count", "sum"}``, ``sum`` float64 ``(K, K)``."""
+        if not self.exact:
+            return {"kind": np.array("gptq_hessian_float"), "in_features": np.array(self.in_features),
+                    "count": np.array(self.count), "sum": self.sum()}
         self._normalize()
         keys = sorted(self._digits)
         k = self.in_features
@@ -434,11 +467,13 @@ class Hessian:
         """The Hessian that :meth:`state_dict` described (on the host). ValueError for a damaged one."""
         try:
             kind, k, count = (np.asarray(state[key]) for key in ("kind", "in_features", "count"))
-            exponents, digits = np.asarray(state["exponents"]), np.asarray(state["digits"])
             kind = str(kind)
+            if kind == "gptq_hessian_float":
+                return cls._from_float_state(k, count, np.asarray(state["sum"]))
+            exponents, digits = np.asarray(state["exponents"]), np.asarray(state["digits"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"Hessian.from_state: a dict of arrays with kind, in_features, count, exponents and "
-                             f"digits is needed ({e!r})") from None
+                             f"digits (or sum, for exact=False) is needed ({e!r})") from None
         if kind != "gptq_hessian" or k.shape or k.dtype.kind not in "iu" or count.shape \
                 or count.dtype.kind not in "iu" or int(k) < 1 or int(count) < 0:
             raise ValueError("Hessian.from_state: fields 'kind', 'in_features' and 'count' are not a Hessian's "
@@ -458,6 +493,22 @@ class Hessian:
             for j, d in zip(exponents.tolist(), digits):
                 h._digits[int(j)], h._bound[int(j)] = d.copy(), _HALF
             h._normalize()
+        return h
+
+    @classmethod
+    def _from_float_state(cls, k, count, total):
+        if k.shape or k.dtype.kind not in "iu" or count.shape or count.dtype.kind not in "iu" or int(k) < 1 \
+                or int(count) < 0:
+            raise ValueError("Hessian.from_state: fields 'in_features' and 'count' are not a Hessian's "
+                             "(in_features >= 1, count >= 0)")
+        k = int(k)
+        if total.dtype != np.float64 or total.shape != (k, k) or not np.isfinite(total).all():
+            raise ValueError(f"Hessian.from_state: 'sum' must be finite float64 of shape ({k}, {k}); got "
+                             f"{total.dtype} {total.shape}")
+        h = cls(k, exact=False)
+        h.count = int(count)
+        if h.count:
+            h._on_backend, h._float = "numpy", total.copy()
         return h
 
 
@@ -748,11 +799,12 @@ class GPTQ:
     ``group_size``, ``sym`` and ``mse`` stay unset.
 
     ``update(x)`` / ``add_batch(x)`` take the layer's inputs ``(..., in_features)`` (see
-    :class:`Hessian`); ``merge(other)`` adds another GPTQ's or Hessian's; ``quantize()`` runs the
-    algorithm and returns the QArray (``hessian=``: a ``(K, K)`` Hessian of your own instead)."""
+    :class:`Hessian`; ``exact=False``: its float sum, GPTQModel's arithmetic, for speed);
+    ``merge(other)`` adds another GPTQ's or Hessian's; ``quantize()`` runs the algorithm and returns
+    the QArray (``hessian=``: a ``(K, K)`` Hessian of your own instead)."""
 
     def __init__(self, w, bits=None, group_size=None, sym=None, act_order=False, static_groups=False,
-                 damp_percent=0.01, block_size=128, dtype=None, mse=False):
+                 damp_percent=0.01, block_size=128, dtype=None, mse=False, exact=True):
         w = self._weight(w)
         self.out_features, self.in_features = w.shape
         self.weight = w
@@ -765,7 +817,7 @@ class GPTQ:
         self.damp_percent = float(damp_percent)
         self.block_size = _int_in(block_size, "block_size", 1)
         self._format(bits, group_size, sym, dtype)
-        self.hessian_sums = Hessian(self.in_features)
+        self.hessian_sums = Hessian(self.in_features, exact)
 
     @staticmethod
     def _weight(w):
@@ -910,11 +962,11 @@ def _parameter_fields(fmt):
 
 
 def quantize(w, x=None, *, hessian=None, bits=None, group_size=None, sym=None, act_order=False, static_groups=False,
-             damp_percent=0.01, block_size=128, dtype=None, mse=False) -> QArray:
+             damp_percent=0.01, block_size=128, dtype=None, mse=False, exact=True) -> QArray:
     """GPTQ in one call: ``GPTQ(w, ...).update(x).quantize()``; ``x`` the calibration inputs
     ``(..., in_features)``, or ``hessian`` a ``(K, K)`` Hessian of your own (one of the two)."""
     g = GPTQ(w, bits=bits, group_size=group_size, sym=sym, act_order=act_order, static_groups=static_groups,
-             damp_percent=damp_percent, block_size=block_size, dtype=dtype, mse=mse)
+             damp_percent=damp_percent, block_size=block_size, dtype=dtype, mse=mse, exact=exact)
     if (x is None) == (hessian is None):
         raise TypeError("gptq.quantize: give the calibration inputs x or a hessian (one of them)")
     if x is not None:

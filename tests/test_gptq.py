@@ -552,6 +552,39 @@ def test_hessian_leading_axes_and_empty_batches(rng):
     assert a.count == 30 and states_equal(a, gptq.Hessian(16).update(x.reshape(30, 16)))
 
 
+def test_inexact_hessian_is_gptqmodels_float_sum(rng):
+    """``exact=False``: one float32 product ``x^T x`` a batch of float32 inputs (float64 for float64 and
+    integer inputs), summed in float64 (GPTQModel's arithmetic, its running mean aside): bit for bit
+    that sum of NumPy's products, within float32 rounding of the exact sum; it merges, keeps its state
+    and feeds GPTQ (the codes of a well-conditioned layer as the exact Hessian's, nearly all)."""
+    x = correlated(rng, 600, 64).astype(np.float32)
+    h = gptq.Hessian(64, exact=False).update(x[:250]).update(x[250:])
+    want = (x[:250].T @ x[:250]).astype(np.float64) + (x[250:].T @ x[250:]).astype(np.float64)
+    assert np.array_equal(h.sum(), want) and h.count == 600 and "exact=False" in repr(h)
+    exact = gptq.Hessian(64).update(x)
+    np.testing.assert_allclose(h.sum(), exact.sum(), rtol=0, atol=1e-5 * np.abs(exact.sum()).max())
+    f = rng.integers(-2**31, 2**31, (5, 64), dtype=np.int64).astype(np.int32)
+    assert np.array_equal(gptq.Hessian(64, exact=False).update(f).sum(), f.astype(np.float64).T @ f.astype(np.float64))
+    merged = gptq.Hessian(64, exact=False).update(x[:250]).merge(gptq.Hessian(64, exact=False).update(x[250:]))
+    assert np.array_equal(merged.hessian(), h.hessian())
+    back = gptq.Hessian.from_state(h.state_dict())
+    assert not back.exact and back.count == 600 and np.array_equal(back.hessian(), h.hessian())
+    assert gptq.Hessian.from_state(gptq.Hessian(3, exact=False).state_dict()).count == 0
+    w = rng.standard_normal((32, 64))
+    a = gptq.quantize(w, x, group_size=32, exact=False)
+    b = gptq.quantize(w, x, group_size=32)
+    assert np.mean(a.dequantize() == b.dequantize()) > 0.99
+
+
+def test_inexact_hessian_of_dask_chunks(rng):
+    da = pytest.importorskip("dask.array")
+    x = correlated(rng, 500, 48).astype(np.float32)
+    h = gptq.Hessian(48, exact=False).update(da.from_array(x, chunks=(100, 48)))
+    want = sum((x[i:i + 100].T @ x[i:i + 100]).astype(np.float64) for i in range(0, 500, 100))
+    np.testing.assert_allclose(h.sum(), want, rtol=1e-12, atol=1e-9)
+    assert h.count == 500 and not h.exact
+
+
 # -- bad input -----------------------------------------------------------------------------------------
 
 def test_bad_input():
@@ -606,6 +639,15 @@ def test_bad_input():
         (lambda: gptq.Hessian(64).merge(np.eye(64)), TypeError,
          "Hessian.merge: takes a Hessian or a GPTQ, got ndarray"),
         (lambda: gptq.Hessian.from_state({"kind": np.array("x")}), ValueError, "Hessian.from_state: a dict of arrays"),
+        (lambda: gptq.Hessian(4, exact=1), TypeError, "Hessian: exact must be True or False, got 1"),
+        (lambda: gptq.Hessian(2).merge(gptq.Hessian(2, exact=False)), ValueError,
+         r"Hessian.merge: an exact Hessian cannot take an inexact one's sums \(exact=False\); collect both with the "
+         "same exact setting"),
+        (lambda: gptq.Hessian(2, exact=False).merge(gptq.Hessian(2)), ValueError,
+         r"Hessian.merge: an inexact Hessian cannot take an exact one's sums \(exact=True\)"),
+        (lambda: gptq.Hessian.from_state({**gptq.Hessian(2, exact=False).state_dict(), "sum": np.ones((2, 2),
+                                                                                                     np.float32)}),
+         ValueError, r"Hessian.from_state: 'sum' must be finite float64 of shape \(2, 2\); got float32 \(2, 2\)"),
         (lambda: gptq.Hessian.from_state({**gptq.Hessian(2).update(np.ones((1, 2))).state_dict(),
                                           "digits": np.full((1, 2, 2), 2**60)}), ValueError,
          r"Hessian.from_state: 'digits' must lie in \[-2\^59, 2\^59\)"),
