@@ -8,7 +8,8 @@ Two parts, each timed in one run with its peers (each contender called in turn,
 three times after a warm-up; medians and mins):
 
 - the Hessian of 512 float32 calibration tokens: qarray's exact ``Hessian.update``
-  (sliced float64 products summed as integers), against GPTQModel's accumulation
+  (sliced float64 products summed as integers) and its ``exact=False`` (one float32
+  product into a float64 sum), against GPTQModel's accumulation
   (``H.addmm_(x.T, x)`` in float32, torch) and one float32 ``x.T @ x`` in NumPy
   (the floor: one product);
 - the quantization (4 bits, groups of 128, symmetric, blocks of 128, no act-order)
@@ -79,6 +80,7 @@ def main(outdir, quick):
         + (f", torch {torch.__version__}" if torch is not None else ", no torch") + f"; {k} x {k} weight, {n} tokens")
 
     fns = {"qarray Hessian.update (exact)": lambda: gptq.Hessian(k).update(x),
+           "qarray Hessian.update (exact=False)": lambda: gptq.Hessian(k, exact=False).update(x),
            "numpy x.T @ x float32 (one product)": lambda: x.T @ x}
     if torch is not None:
         tx = torch.from_numpy(x)

@@ -39,7 +39,9 @@ Reported:
   order rotated each round), medians with min and max, with one thread and with
   two (``torch.set_num_threads`` and NumPy's BLAS threads alike; the two-thread
   runs in a child process started with ``OMP_NUM_THREADS=2``); and both at the
-  4096 x 4096, 512-token shape of ``benchmarks/bench_gptq.py``.
+  4096 x 4096, 512-token shape of ``benchmarks/bench_gptq.py``; the timings also
+  for qarray static with ``Hessian(exact=False)`` ("qarray static inexact":
+  GPTQModel's one float32 product a batch, summed in float64).
 
 Results go to OUTDIR/compare_gptq.{json,txt} (default benchmarks/results).
 """
@@ -164,8 +166,8 @@ def lc_precision(dtype):
         _lc_gq.GPTQ_PRECISION, _lc_helpers.GPTQ_PRECISION = old
 
 
-def qa_hessian(k, batches):
-    h = gptq.Hessian(k)
+def qa_hessian(k, batches, exact=True):
+    h = gptq.Hessian(k, exact)
     for b in batches:
         h.update(b)
     return h.hessian()
@@ -307,6 +309,12 @@ def stats(v):
     return dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v))
 
 
+# qarray's timed contenders: (name, static_groups, exact Hessian); exact=False is GPTQModel's float32
+# product a batch summed in float64 (not bit for bit mergeable), for speed
+QARRAY_TIMED = (("qarray static", True, True), ("qarray default", False, True),
+                ("qarray static inexact", True, False))
+
+
 def layer_timing(params, calib, names, quick, threads):
     rounds = 2 if quick else 7
     res = {}
@@ -319,8 +327,8 @@ def layer_timing(params, calib, names, quick, threads):
             tb, nb = [torch.from_numpy(b) for b in batches(x, True)], batches(x, False)
             jobs[(name, "llm-compressor")] = (lambda lin=lin, tb=tb: lc_hessian(lin, tb),
                                               lambda h, lin=lin, args=args: lc_quantize(lin, h, args))
-            for c, static in (("qarray static", True), ("qarray default", False)):
-                jobs[(name, c)] = (lambda k=w.shape[1], nb=nb: qa_hessian(k, nb),
+            for c, static, exact in QARRAY_TIMED:
+                jobs[(name, c)] = (lambda k=w.shape[1], nb=nb, exact=exact: qa_hessian(k, nb, exact),
                                    lambda h, w=w, static=static, act=act: qa_quantize(w, h, 4, True, act, static))
         timed_rounds(1, jobs)  # warm-up
         t = timed_rounds(rounds, jobs)
@@ -347,8 +355,9 @@ def big_timing(quick, threads):
     lin = linear(w)
     tx = torch.from_numpy(x)[None]  # one sequence of 512 tokens
     jobs = {("big", "llm-compressor"): (lambda: lc_hessian(lin, [tx]), lambda h: lc_quantize(lin, h, args))}
-    for c, static in (("qarray static", True), ("qarray default", False)):
-        jobs[("big", c)] = (lambda: qa_hessian(k, [x]), lambda h, static=static: qa_quantize(w, h, 4, True, False, static))
+    for c, static, exact in QARRAY_TIMED:
+        jobs[("big", c)] = (lambda exact=exact: qa_hessian(k, [x], exact),
+                            lambda h, static=static: qa_quantize(w, h, 4, True, False, static))
     t = timed_rounds(rounds, jobs)
     out = {}
     for _, c in jobs:
@@ -359,7 +368,7 @@ def big_timing(quick, threads):
     x64 = x.astype(np.float64)
     errs = {"llm-compressor": float(np.linalg.norm((w - t[("big", "llm-compressor")]["last"][0].double().numpy())
                                                    @ x64.T))}
-    for c in ("qarray static", "qarray default"):
+    for c, _, _ in QARRAY_TIMED:
         q = t[("big", c)]["last"].dequantize().astype(np.float64)
         errs[c] = float(np.linalg.norm((w - q) @ x64.T))
     return dict(k=k, tokens=n, rounds=rounds, times=out, err=errs)
@@ -387,12 +396,12 @@ def show_timing(tp):
         say(f"  {'layer':<6} {'contender':<16} {'hessian':>26} {'quantize':>26}")
         for key, v in r["per_layer"].items():
             name, c = key.split("|")
-            say(f"  {name:<6} {c:<16} " + " ".join(
+            say(f"  {name:<6} {c:<22} " + " ".join(
                 f"{v[p]['median'] * 1e3:8.2f} ms [{v[p]['min'] * 1e3:6.2f}, {v[p]['max'] * 1e3:6.2f}]"
                 for p in ("hessian", "quantize")))
         base = r["totals"]["llm-compressor"]["both"]["median"]
         for c, v in r["totals"].items():
-            say(f"  total  {c:<16} hessian {v['hessian']['median']:.3f} s, quantize {v['quantize']['median']:.3f} s, "
+            say(f"  total  {c:<22} hessian {v['hessian']['median']:.3f} s, quantize {v['quantize']['median']:.3f} s, "
                 f"both {v['both']['median']:.3f} s [{v['both']['min']:.3f}, {v['both']['max']:.3f}] "
                 f"({v['both']['median'] / base:.2f}x llm-compressor's)")
     b = tp["big"]
@@ -400,7 +409,7 @@ def show_timing(tp):
         f"{b['rounds']} interleaved rounds:")
     base = b["times"]["llm-compressor"]["both"]["median"]
     for c, v in b["times"].items():
-        say(f"  {c:<16} hessian {v['hessian']['median']:7.3f} s [{v['hessian']['min']:.3f}, {v['hessian']['max']:.3f}]"
+        say(f"  {c:<22} hessian {v['hessian']['median']:7.3f} s [{v['hessian']['min']:.3f}, {v['hessian']['max']:.3f}]"
             f", quantize {v['quantize']['median']:7.3f} s [{v['quantize']['min']:.3f}, {v['quantize']['max']:.3f}], "
             f"both {v['both']['median']:7.3f} s ({v['both']['median'] / base:.2f}x llm-compressor's); "
             f"||WX - QX||_F {b['err'][c]:.4f} ({b['err'][c] / b['err']['llm-compressor']:.4f}x)")
