@@ -368,10 +368,12 @@ class Hessian:
     def _carry_one(self, j):
         """Digit ``j`` into ``[-2^59, 2^59)``, its carry added to digit ``j + 1`` (exact)."""
         d = self._digits[j]
-        c = (d + np.int64(_HALF)) >> np.int64(DIGIT)
-        d -= c << np.int64(DIGIT)
+        c = d + np.int64(_HALF)
+        self._xp.bitwise_and(c, np.int64((1 << DIGIT) - 1), out=d)  # d - (c << 60), in place
+        d -= np.int64(_HALF)
+        c >>= np.int64(DIGIT)
         self._bound[j] = _HALF
-        if bool(to_host(self._xp.any(c != 0))):
+        if bool(to_host(c.any())):
             self._room(j + 1, 16)
             self._digits[j + 1] += c
 
@@ -388,7 +390,7 @@ class Hessian:
         self._flush()
         self._carry()
         for j in sorted(self._digits):
-            if not bool(to_host(self._xp.any(self._digits[j] != 0))):
+            if not bool(to_host(self._digits[j].any())):
                 del self._digits[j], self._bound[j]
 
     def merge(self, other) -> "Hessian":
