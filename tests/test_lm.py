@@ -1,9 +1,12 @@
 """The lm example (qarray/examples/lm.py) and its model (qarray/examples/_llama.py): the gradients
 against finite differences, training, the cache and the perplexity table."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import qarray as qa
 from qarray import awq, smoothquant
 from qarray.examples import _llama, lm
 
@@ -94,9 +97,36 @@ def test_table_and_cache(tmp_path, monkeypatch):
     for fmt, _, bpw, p in first["rows"][-2:]:  # 8 bits and a float32 scale a row of 256 inputs
         assert bpw == 8 + 32 / 256 and all(abs(p[m] / first["float32"] - 1) < 0.02 for m in ("round to nearest",
                                                                                          "SmoothQuant"))
+    check_files(first["files"], tmp_path, cfg, formats)
     again = lm.run(cfg=cfg, steps=30, windows=4, calib_windows=8, formats=formats[:1], w8a8_rows=[],
                    log=logs.append)
     assert again["trained_s"] == 0 and again["float32"] == first["float32"] and again["rows"] == first["rows"][:1]
+
+
+def check_files(files, cache, cfg, formats):
+    """The files the run writes beside the cached weights: the float32 GGUF (the weights themselves),
+    llama.cpp's imatrix file of the calibration inputs (its importance is ImportanceMatrix's, 256
+    tokens) and the Q4_K GGUF quantized with that importance (ggml's weighted search: not round to
+    nearest's bytes)."""
+    from qarray.io import gguf, imatrix
+
+    (weights,) = cache.glob("lm-*.npz")
+    stem = weights.with_suffix("")
+    assert files == [Path(f"{stem}.gguf"), Path(f"{stem}.imatrix.gguf"), Path(f"{stem}-Q4_K.gguf")]
+    with np.load(weights) as f:
+        p = {k: f[k] for k in f.files}
+    calib = lm.calibration(p, cfg, windows=8)
+    f32, _ = gguf.read(files[0])
+    assert np.array_equal(f32["blk.0.ffn_down.weight"], p["0.w2"]) and np.array_equal(f32["output_norm.weight"],
+                                                                                      p["norm"])
+    imp = imatrix.load(files[1])
+    want = qa.observers.ImportanceMatrix().update(calib["0.wq"]).result()
+    assert np.array_equal(imp["blk.0.attn_q.weight"], want)
+    q4, meta = gguf.read(files[2])
+    assert meta["general.architecture"] == "llama"
+    got = q4["blk.0.attn_q.weight"]
+    assert np.array_equal(got.data, qa.quantize(p["0.wq"], dtype="Q4_K", importance=want).data)
+    assert not np.array_equal(got.data, qa.quantize(p["0.wq"], dtype="Q4_K").data)
 
 
 def test_w8a8_linear_is_smoothquants_int8_on_the_integers():

@@ -27,6 +27,12 @@ calibration windows, the scales folded into the norm and the layers that read it
 ``--quick``: the 4- and 3-bit rows and the W8A8 rows, on part of the held-out text, from the cached
 model or a shorter training run.
 
+It then writes the model for llama.cpp beside the cached weights: ``lm-KEY.gguf`` (float32),
+``lm-KEY.imatrix.gguf`` (llama.cpp's importance-matrix file of the calibration inputs) and
+``lm-KEY-Q4_K.gguf`` (the linear layers in Q4_K with that matrix: the bytes ``llama-quantize
+--imatrix`` writes for them; it also quantizes the embedding and the output head, which stay
+float32 here, as in the table).
+
 Run: ``python -m qarray.examples.lm [--quick]`` (or ``qarray run lm``)
 """
 
@@ -43,7 +49,7 @@ import numpy as np
 import qarray as qa
 
 from .. import awq, gptq, hqq, smoothquant
-from ..io import gguf
+from ..io import gguf, imatrix
 from . import _common, _llama
 
 NAME = "lm"
@@ -100,10 +106,12 @@ GGUF_NAMES = {"emb": "token_embd.weight", "norm": "output_norm.weight", "out": "
               "w2": "blk.{i}.ffn_down.weight"}
 
 
-def write_gguf(path, params, cfg, dtype=None):
+def write_gguf(path, params, cfg, dtype=None, importance=None):
     """The model as a GGUF file llama.cpp loads (architecture ``llama``): its hyperparameters, a
     vocabulary of the 256 bytes (``<0x00>`` .. ``<0xFF>``, SentencePiece byte tokens) and the weights,
-    the linear layers' in ``dtype`` (a ggml type: ``"Q4_K"``, ...; None: float32), the rest float32.
+    the linear layers' in ``dtype`` (a ggml type: ``"Q4_K"``, ...; None: float32), the rest float32;
+    ``importance``: ``{layer: each input column's importance}`` for ``quantize(..., importance=)``
+    (what ``llama-quantize --imatrix`` does).
     The rotary positions turn adjacent pairs, llama.cpp's own order for this architecture: no
     permutation of ``wq`` / ``wk``."""
     u32 = np.uint32
@@ -121,11 +129,11 @@ def write_gguf(path, params, cfg, dtype=None):
             "tokenizer.ggml.unknown_token_id": u32(0), "tokenizer.ggml.add_bos_token": False}
     tensors = {}
     for name, w in params.items():
-        layer, _, short = name.rpartition(".")
+        short = name.rpartition(".")[2]
         w = np.ascontiguousarray(w, np.float32)
         if dtype is not None and short in _llama.LINEARS:
-            w = qa.quantize(w, dtype=dtype)
-        tensors[GGUF_NAMES[short].format(i=layer)] = w
+            w = qa.quantize(w, dtype=dtype, importance=None if importance is None else importance[name])
+        tensors[_gguf_name(name)] = w
     gguf.save(path, tensors, meta)
 
 
@@ -324,7 +332,35 @@ def run(quick=False, xp=np, cfg=CONFIG, steps=None, windows=None, calib_windows=
             ppl[method] = float(np.exp(nll))
         rows.append((name, 8, bpw, ppl))
     return {"steps": steps, "trained_s": seconds, "methods": [*METHODS, SMOOTHQUANT],
-            "float32": float(np.exp(_llama.nll(params, cfg, held, windows=windows))), "rows": rows}
+            "float32": float(np.exp(_llama.nll(params, cfg, held, windows=windows))), "rows": rows,
+            "files": write_files(params, cfg, calib, _cache_path(cfg, steps).with_suffix(""))}
+
+
+GGUF_TYPE = "Q4_K"  # the quantized GGUF the example writes, with its importance matrix
+
+
+def write_files(params, cfg, calib, stem):
+    """The model for llama.cpp, beside its cached weights: ``STEM.gguf`` (float32),
+    ``STEM.imatrix.gguf`` (the importance matrix of ``calib``, llama.cpp's file) and
+    ``STEM-Q4_K.gguf`` (the linear layers quantized with it: the bytes ``llama-quantize --imatrix``
+    writes from the other two). Their paths; none where the directory is not writable."""
+    collectors = {n: qa.observers.ImportanceMatrix().update(x) for n, x in calib.items()}
+    files = [Path(f"{stem}.gguf"), Path(f"{stem}.imatrix.gguf"), Path(f"{stem}-{GGUF_TYPE}.gguf")]
+    try:
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(files[0], params, cfg)
+        imatrix.save(files[1], {_gguf_name(n): m for n, m in collectors.items()},
+                     datasets=[f"pydoc_data.topics: {len(next(iter(calib.values())))} tokens of the training text"],
+                     chunk_size=cfg["ctx"])
+        write_gguf(files[2], params, cfg, GGUF_TYPE, {n: m.result() for n, m in collectors.items()})
+    except OSError:
+        return []
+    return files
+
+
+def _gguf_name(name):
+    layer, _, short = name.rpartition(".")
+    return GGUF_NAMES[short].format(i=layer)
 
 
 def show(res, backend):
@@ -336,6 +372,8 @@ def show(res, backend):
     _common.print_table("held-out perplexity of a byte-level llama (pydoc_data.topics)",
                         ["weights", "bits", "bits a weight", *res["methods"]], rows,
                         caption=f"every linear layer quantized (vs float32 in brackets); {trained}")
+    for path in res["files"]:
+        print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
