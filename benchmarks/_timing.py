@@ -54,14 +54,18 @@ def cpu() -> dict:
     return dict(cpu=model, cpu_flags=" ".join(flags), cpu_mhz=mhz, load_avg_1m=os.getloadavg()[0])
 
 
-def options(doc: str) -> argparse.Namespace:
+def options(doc: str, quick: bool = True, **paths: Path) -> argparse.Namespace:
     """``outdir`` (default ``benchmarks/results``) and ``quick`` from the command line.
     ``--quick`` runs small sizes and few repeats: a check that everything runs (and
-    what ``qarray bench --quick`` shows), not a measurement to commit."""
+    what ``qarray bench --quick`` shows), not a measurement to commit. ``paths``:
+    ``--NAME PATH`` options with their defaults (a peer's build: ``bin=Path(...)``)."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("outdir", nargs="?", type=Path, default=RESULTS,
                    help="where the .json and .txt results go (default: benchmarks/results)")
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats: seconds, not a measurement")
+    if quick:
+        p.add_argument("--quick", action="store_true", help="small sizes, few repeats: seconds, not a measurement")
+    for name, default in paths.items():
+        p.add_argument(f"--{name}", type=Path, default=default, help=f"default: {default}")
     return p.parse_args()
 
 

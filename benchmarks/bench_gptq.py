@@ -70,12 +70,18 @@ def report(part, t, ref):
         say(f"{part:<10} {name:<44} {med:8.3f} s ({mn:8.3f})   {med / rmed:7.2f}x {ref}")
 
 
-def main(outdir, quick):
-    k, n, rounds = (512, 128, 1) if quick else (4096, 512, 3)
+def layer(k, n):
+    """The benchmark's layer: ``n`` float32 calibration tokens of ``k`` correlated inputs and a float32
+    ``(k, k)`` weight, seed 0."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((n, k // 8)) @ rng.standard_normal((k // 8, k)) * 0.1
          + rng.standard_normal((n, k))).astype(np.float32)
-    w = (rng.standard_normal((k, k)) * 0.02).astype(np.float32)
+    return x, (rng.standard_normal((k, k)) * 0.02).astype(np.float32)
+
+
+def main(outdir, quick):
+    k, n, rounds = (512, 128, 1) if quick else (4096, 512, 3)
+    x, w = layer(k, n)
     say(f"qarray.gptq on {platform.python_implementation()} {platform.python_version()}, numpy {np.__version__}"
         + (f", torch {torch.__version__}" if torch is not None else ", no torch") + f"; {k} x {k} weight, {n} tokens")
 

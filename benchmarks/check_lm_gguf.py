@@ -34,10 +34,8 @@ Results go to OUTDIR/check_lm_gguf.{json,txt} (default benchmarks/results).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -48,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import RESULTS, cpu, write  # noqa: E402
+from _timing import cpu, options, write  # noqa: E402
 import numpy as np  # noqa: E402
 import qarray as qa  # noqa: E402
 from qarray.examples import _llama, lm  # noqa: E402
@@ -125,10 +123,7 @@ def llama_bench(bench, path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("outdir", nargs="?", type=Path, default=RESULTS)
-    p.add_argument("--bench", type=Path, default=Path("/tmp/ggml-perf/bin/llama-bench"))
-    a = p.parse_args()
+    a = options(__doc__, quick=False, bench=Path("/tmp/ggml-perf/bin/llama-bench"))
     qa.set_num_threads(1)
     _no_repack()
     info = cpu()

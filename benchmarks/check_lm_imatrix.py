@@ -33,7 +33,6 @@ tensor's bytes differ.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import re
 import subprocess
@@ -44,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _timing import RESULTS, cpu, write  # noqa: E402
+from _timing import cpu, options, write  # noqa: E402
 import numpy as np  # noqa: E402
 import qarray as qa  # noqa: E402
 from qarray.examples import _llama, lm  # noqa: E402
@@ -123,10 +122,7 @@ def differ(imp, tokens):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("outdir", nargs="?", type=Path, default=RESULTS)
-    p.add_argument("--bin", type=Path, default=Path("/tmp/ggml-perf/bin"))
-    a = p.parse_args()
+    a = options(__doc__, quick=False, bin=Path("/tmp/ggml-perf/bin"))
     qa.set_num_threads(1)
     quantize, collect = a.bin / "llama-quantize", a.bin / "llama-imatrix"
     version = run([collect, "--version"]).strip().splitlines()  # (llama-quantize has no --version)

@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import RESULTS, cpu, torch, write  # noqa: E402  (pools wait passively, before torch loads)
+import bench_gptq  # noqa: E402  (its layer: the 4096 x 4096 shape)
 
 warnings.filterwarnings("ignore")
 from loguru import logger  # noqa: E402  (llm-compressor's logger: its CPU warning, its info lines)
@@ -347,10 +348,7 @@ def layer_timing(params, calib, names, quick, threads):
 def big_timing(quick, threads):
     """bench_gptq's shape: a 4096 x 4096 weight, 512 tokens (its inputs), 4 bits, g128, sym, no act-order."""
     k, n, rounds = (512, 128, 2) if quick else (4096, 512, 3)
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((n, k // 8)) @ rng.standard_normal((k // 8, k)) * 0.1
-         + rng.standard_normal((n, k))).astype(np.float32)
-    w = (rng.standard_normal((k, k)) * 0.02).astype(np.float32)
+    x, w = bench_gptq.layer(k, n)
     args = qargs(4, True, False)
     lin = linear(w)
     tx = torch.from_numpy(x)[None]  # one sequence of 512 tokens

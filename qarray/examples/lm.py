@@ -137,16 +137,21 @@ def write_gguf(path, params, cfg, dtype=None, importance=None):
     gguf.save(path, tensors, meta)
 
 
-def calibration(params, cfg, windows=64):
+def calibration(params, cfg, windows=64, names=None):
     """Each linear layer's input activations ``(tokens, in)`` on ``windows`` windows of the training text,
-    spread evenly over it: what the methods that look at activations calibrate on."""
+    spread evenly over it: what the methods that look at activations calibrate on. ``names``: only
+    those layers' (the model runs only as deep as the deepest of them)."""
     data, t = text()[0], cfg["ctx"]
-    names = {id(w): n for n, w in params.items() if n.split(".")[-1] in _llama.LINEARS}
-    seen = {n: [] for n in names.values()}
+    if names is None:
+        names = [n for n in params if n.split(".")[-1] in _llama.LINEARS]
+    else:
+        cfg = dict(cfg, layers=1 + max(int(n.split(".")[0]) for n in names))
+    ids = {id(params[n]): n for n in names}
+    seen = {n: [] for n in names}
 
     def linear(x, w):
-        if id(w) in names:
-            seen[names[id(w)]].append(x.reshape(-1, x.shape[-1]))
+        if id(w) in ids:
+            seen[ids[id(w)]].append(x.reshape(-1, x.shape[-1]))
         return x @ w.T
 
     starts = np.linspace(0, len(data) - t - 1, windows).astype(np.int64)
