@@ -117,21 +117,7 @@ def window_nll(weights, held, windows=None):
 def inputs(params, names, windows=64):
     """The calibration inputs ``(tokens, in)`` of the linear layers ``names`` (lm.calibration's windows),
     running the model only as far as the deepest of them."""
-    data, t = lm.text()[0], CFG["ctx"]
-    depth = 1 + max(int(n.split(".")[0]) for n in names)
-    cfg = dict(CFG, layers=depth)
-    ids = {id(params[n]): n for n in names}
-    seen = {n: [] for n in names}
-
-    def linear(x, w):
-        if id(w) in ids:
-            seen[ids[id(w)]].append(x.reshape(-1, x.shape[-1]))
-        return x @ w.T
-
-    starts = np.linspace(0, len(data) - t - 1, windows).astype(np.int64)
-    for i in range(0, windows, 16):
-        _llama.forward(params, cfg, data[starts[i:i + 16, None] + np.arange(t)].astype(np.int64), linear)
-    return {n: np.concatenate(v) for n, v in seen.items()}
+    return lm.calibration(params, CFG, windows, names)
 
 
 def hessians(calib):
