@@ -23,6 +23,8 @@ For the lm example's model (``qarray.examples.lm``, trained and cached on first 
    qarray computes), and with ``qarray.io.imatrix.load(FILE)`` (what llama-quantize divides out of
    the file's float32 sums); token_embd and output have no imatrix entry (llama-imatrix skips them
    without ``--process-output``) and are quantized without one by both; the norms stay F32;
+   and ``qarray quantize IN -o OUT --dtype TYPE --imatrix FILE`` (the CLI) against llama-quantize's
+   whole file: every tensor's type and bytes;
 4. the other way: ``llama-imatrix`` on the same 64 windows' text writes its own imatrix (GGUF and
    legacy .dat); ``llama-quantize --imatrix`` of each to Q4_K against ``qa.quantize`` with
    ``qarray.io.imatrix.load`` of the same file.
@@ -33,7 +35,9 @@ tensor's bytes differ.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import re
 import subprocess
 import sys
@@ -46,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import cpu, options, write  # noqa: E402
 import numpy as np  # noqa: E402
 import qarray as qa  # noqa: E402
+from qarray import cli  # noqa: E402
 from qarray.examples import _llama, lm  # noqa: E402
 from qarray.io import gguf, imatrix  # noqa: E402
 from qarray.observers import ImportanceMatrix  # noqa: E402
@@ -88,6 +93,25 @@ def compare(out, weights, dtype, importances):
             same = differ == 0 and t.dtype.name == dtype
             res[label].append((name, t.dtype.name, same, differ, a.shape[0] * a.shape[1]))
     return res
+
+
+def same_file(theirs, model, imx, dtype, tmp):
+    """``qarray quantize MODEL -o OUT --dtype DTYPE --imatrix IMX`` (the CLI, in this process) against
+    llama-quantize's file ``theirs``: every tensor's type and bytes (the embedding and output head
+    too, which both quantize without an importance). True if all are identical."""
+    out = tmp / f"qarray-{dtype}.gguf"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["quantize", str(model), "-o", str(out), "--dtype", dtype, "--imatrix", str(imx)])
+    a, b = gguf.load(theirs), gguf.load(out)
+    same = [k for k in a if k in b and gguf.type_name(a[k]) == gguf.type_name(b[k]) and np.array_equal(
+        np.asarray(a[k].data if isinstance(a[k], qa.QArray) else a[k]),
+        np.asarray(b[k].data if isinstance(b[k], qa.QArray) else b[k]))]
+    ok = rc == 0 and sorted(a) == sorted(b) and len(same) == len(a)
+    say(f"  qarray quantize --dtype {dtype} --imatrix (the CLI): {len(same)} of {len(a)} tensors of llama-quantize's "
+        f"file identical (type and bytes)")
+    ROWS.append(dict(check=f"{dtype} qarray quantize --imatrix against llama-quantize's file", identical=len(same),
+                     tensors=len(a)))
+    return ok
 
 
 def report(title, res, judged=None):
@@ -161,6 +185,7 @@ def main():
                 say("  " + "; ".join(ln.strip() for ln in log.splitlines() if re.search(r"load_imatrix|imatrix entries",
                                                                                        ln)).replace(str(tmp) + "/", ""))
             ok &= report(f"{dtype} (--imatrix qarray's file)", compare(out, weights, dtype, imp))
+            ok &= same_file(out, model, imx, dtype, tmp)
         # 63 windows, 8064 tokens (not a power of two): the file's float32 sums over the count can be
         # 1 ulp from result(); llama-quantize's bytes are those of load(FILE)'s importance (judged)
         part = {k: ImportanceMatrix().update(calib[n][:63 * cfg["ctx"]]) for k, n in names.items()}

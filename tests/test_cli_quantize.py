@@ -507,6 +507,48 @@ def test_quantize_to_gguf_keeps_the_metadata(capsys, tmp_path, rng):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing staged is left
 
 
+def test_quantize_to_gguf_with_an_imatrix(capsys, tmp_path, rng):
+    """``--imatrix``: the tensors llama.cpp's importance-matrix file names are quantized with its
+    importance (what llama-quantize --imatrix passes to ggml: ``imatrix.load``), a 3-d tensor of experts
+    with each expert's row, the others without; the table says which. (Against llama-quantize itself:
+    benchmarks/check_lm_imatrix.py and the README.)"""
+    from qarray.io import imatrix
+    from qarray.observers import ImportanceMatrix
+
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    experts = rng.standard_normal((3, 4, 256)).astype(np.float32)
+    plain = rng.standard_normal((4, 256)).astype(np.float32)
+    src, mat, out = tmp_path / "m.gguf", tmp_path / "m.imatrix.gguf", tmp_path / "q.gguf"
+    qarray.save(src, {"w": w, "experts": experts, "plain": plain}, metadata={"general.architecture": "llama"})
+    acts = np.exp(rng.standard_normal((64, 512))).astype(np.float32)  # columns of very different weight
+    imatrix.save(mat, {"w": ImportanceMatrix().update(acts),
+                       "experts": [ImportanceMatrix().update(acts[:16 * (e + 1), :256]) for e in range(3)]})
+    rc, text, _ = run(capsys, "quantize", src, "-o", out, "--dtype", "Q4_K", "--imatrix", mat)
+    assert rc == 0
+    assert [r[:4] for r in rows(text)] == [
+        ["w", "8x512", "Q4_K", "blocks of 256 along the last axis, imatrix"],
+        ["experts", "3x4x256", "Q4_K", "blocks of 256 along the last axis, imatrix"],
+        ["plain", "4x256", "Q4_K", "blocks of 256 along the last axis"]]
+    tensors, _ = qarray.io.gguf.read(out)
+    imp = imatrix.load(mat)
+    np.testing.assert_array_equal(tensors["w"].data, qarray.quantize(w, dtype="Q4_K", importance=imp["w"]).data)
+    assert not np.array_equal(tensors["w"].data, qarray.quantize(w, dtype="Q4_K").data)
+    for e in range(3):
+        np.testing.assert_array_equal(tensors["experts"].data[e], qarray.quantize(
+            experts[e], dtype="Q4_K", importance=imp["experts"][e]).data)
+    np.testing.assert_array_equal(tensors["plain"].data, qarray.quantize(plain, dtype="Q4_K").data)
+
+    fails(capsys, 2, "--imatrix weights the search of GGUF types that take an importance matrix (Q2_K .. Q6_K, "
+          "IQ4_NL, IQ4_XS, ...); --dtype Q8_0 does not", "quantize", src, "-o", out, "--dtype", "Q8_0", "--imatrix", mat)
+    fails(capsys, 2, "--imatrix weights the search of GGUF types that take an importance matrix (Q2_K .. Q6_K, "
+          "IQ4_NL, IQ4_XS, ...); --dtype qint8 does not", "quantize", src, "-o", tmp_path / "q.npz", "--imatrix", mat)
+    fails(capsys, 1, f"cannot read --imatrix {tmp_path / 'none.gguf'}: No such file or directory",
+          "quantize", src, "-o", out, "--dtype", "Q4_K", "--imatrix", tmp_path / "none.gguf")
+    imatrix.save(mat, {"plain": ImportanceMatrix().update(acts[:, :128])})
+    fails(capsys, 1, f"{src}: cannot quantize 'plain': ValueError: --imatrix {mat} holds 128 values for it, where "
+          "its shape 4x256 takes 256", "quantize", src, "-o", out, "--dtype", "Q4_K", "--imatrix", mat)
+
+
 def test_quantize_to_gguf_usage_errors(capsys, tmp_path, weights):
     _, path = weights
     fails(capsys, 2, "--dtype Q4_K is a GGUF type: the output must be a .gguf file",

@@ -108,6 +108,10 @@ def _parser() -> _Parser:
                         "(float32 tensors, integer dtypes; they differ at ties such as a symmetric range's ends)")
     s.add_argument("--observer", choices=OBSERVERS, default="minmax",
                    help="how the range is chosen (default minmax; --block-size takes minmax only)")
+    s.add_argument("--imatrix", metavar="FILE", type=Path,
+                   help="llama.cpp's importance matrix (llama-imatrix's .gguf or .dat file) for a GGUF --dtype that "
+                        "takes one (Q2_K .. Q6_K, IQ4_NL, IQ4_XS, ...): the tensors it names are quantized with it, as "
+                        "llama-quantize --imatrix does (ggml's weighted search, the same bytes); the others without")
     s.add_argument("--plot", metavar="FILE.png", type=Path, help="also draw the SQNR per array (needs matplotlib)")
     s.set_defaults(func=quantize.quantize)
 

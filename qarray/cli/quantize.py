@@ -18,7 +18,10 @@ or more dimensions whose rows are whole blocks is quantized, as llama.cpp's
 written as they are); IN may be a GGUF file too, whose metadata (the
 tokenizer, everything) is kept and whose tensors of other GGUF types are
 dequantized and quantized again (those of the type asked for are kept byte
-for byte).
+for byte). ``--imatrix FILE`` (llama.cpp's importance matrix, llama-imatrix's
+.gguf or .dat) quantizes the tensors it names with their importance, a 3-d
+tensor of experts each expert with its own row, as ``llama-quantize
+--imatrix`` does: the same bytes (benchmarks/check_lm_imatrix.py).
 
 ``quantize`` writes OUT (.npz, .safetensors, .gguf or a .zarr store) under a temporary
 name beside it and renames it into place only when every tensor is written: a
@@ -56,6 +59,10 @@ def quantize(args) -> int:
         raise CliError(f"--reciprocal is PyTorch's rule for integer dtypes; {args.dtype.name} is a floating format", 2)
     lazy = args.output.suffix.lower() in (".zarr", ".safetensors")
     to_gguf = args.output.suffix.lower() == ".gguf"
+    takes = getattr(getattr(getattr(args.dtype, "layout", None), "quantize", None), "takes_importance", False)
+    if args.imatrix is not None and not takes:
+        raise CliError(f"--imatrix weights the search of GGUF types that take an importance matrix (Q2_K .. Q6_K, "
+                       f"IQ4_NL, IQ4_XS, ...); --dtype {args.dtype.name} does not", 2)
     if (args.dtype.kind == "block") != to_gguf:
         raise CliError(f"--dtype {args.dtype.name} is a GGUF type: the output must be a .gguf file" if not to_gguf
                        else f"a .gguf output holds GGUF's types: --dtype Q8_0, Q4_K, ... (got {args.dtype.name})", 2)
@@ -248,6 +255,7 @@ def _quantize_to_gguf(args, target: Path) -> list:
         if quantized:
             raise _already(args.input)
         meta = {}
+    importance = _importance(args.imatrix) if args.imatrix is not None else {}
     out, rows = {}, []
     for name, x in _progress(tensors.items(), "quantizing"):
         skip = next((p for p in args.skip if fnmatch.fnmatchcase(name, p)), None)
@@ -264,12 +272,13 @@ def _quantize_to_gguf(args, target: Path) -> list:
             continue
         xf = x.dequantize() if block else x.astype(np.float32, copy=False)
         try:
-            out[name] = qarray.quantize(xf, dtype=args.dtype)
+            out[name] = _weighted(xf, args.dtype, importance.get(name), name, args.imatrix)
         except ValueError as e:
             raise CliError(f"{args.input}: cannot quantize {name!r}: {_one_line(e)}") from None
         sqnr, err = _errors(xf, out[name])
         rows.append((name, _shape(x), args.dtype.name, f"blocks of {f.block} along the last axis"
-                     + (f" (from {dtype})" if block else ""), sqnr, err, x.nbytes, out[name].nbytes))
+                     + (f" (from {dtype})" if block else "") + (", imatrix" if name in importance else ""),
+                     sqnr, err, x.nbytes, out[name].nbytes))
     try:
         qarray.save(target, out, metadata=meta)
     except OSError as e:
@@ -277,6 +286,33 @@ def _quantize_to_gguf(args, target: Path) -> list:
     except (TypeError, ValueError) as e:
         raise CliError(f"cannot write {args.output}: {_one_line(e)}") from None
     return rows
+
+
+def _importance(path: Path) -> dict:
+    """``{tensor: importance}`` of llama.cpp's imatrix file ``path``, as llama-quantize reads it."""
+    try:
+        return io.imatrix.load(path)
+    except OSError as e:
+        raise CliError(f"cannot read --imatrix {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CliError(f"--imatrix {path}: {_one_line(e)}") from None
+
+
+def _weighted(x, dtype, importance, name, path):
+    """``x`` quantized to GGUF type ``dtype`` with ``importance`` (None: without): one vector for the
+    rows of a 2-d weight, one an expert (a row of ``importance``) for a 3-d one, as llama-quantize
+    applies them."""
+    if importance is None:
+        return qarray.quantize(x, dtype=dtype)
+    k, experts = x.shape[-1], x.shape[0] if x.ndim == 3 else 1
+    if x.ndim > 3 or importance.size != experts * k:
+        raise ValueError(f"--imatrix {path} holds {importance.size} values for it, where its shape "
+                         f"{_shape(x)} takes {experts * k}" + (f" ({experts} experts of {k})" if experts > 1 else ""))
+    if x.ndim < 3:
+        return qarray.quantize(x, dtype=dtype, importance=importance.reshape(k))
+    per = importance.reshape(experts, k)
+    raw = np.stack([qarray.quantize(x[e], dtype=dtype, importance=per[e]).data for e in range(experts)])
+    return qarray.QArray._blocks(raw, dtype)
 
 
 def _quantize_one(name, x, args):
