@@ -9,6 +9,7 @@ GGUF (``qarray.examples.lm.write_gguf``) and the first 5120 bytes of its trainin
     (the same with -o lm.imatrix.dat --output-format dat)
 
 15 entries (the 14 linear layers and output.weight), 512 tokens each (4 chunks of 128).
+tests/data/imatrix/make_files.py writes them again (the same bytes).
 """
 
 import doctest
