@@ -84,8 +84,8 @@ def quantize(x, scale=None, zero_point=0, dtype="qint8", axis=None, block_size=N
     """
     x, b = _float_input(x, "quantize")
     d = qdtype(dtype)
-    if importance is not None and not (d.kind == "block" and getattr(d.layout.quantize, "takes_importance", False)):
-        takes = [n for n, f in FORMATS.items() if getattr(f.quantize, "takes_importance", False)]
+    if importance is not None and not (d.kind == "block" and d.layout.takes_importance):
+        takes = [n for n, f in FORMATS.items() if f.takes_importance]
         raise TypeError(f"quantize: importance= (llama.cpp's imatrix) is taken by {', '.join(takes[:-1])} and "
                         f"{takes[-1]}, whose ggml quantizers weight by it; {d.name} has no such quantizer: drop "
                         "importance, or pick one of those")

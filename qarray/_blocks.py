@@ -199,6 +199,12 @@ class BlockFormat:
     def bits_per_weight(self) -> float:
         return 8 * self.nbytes / self.block
 
+    @property
+    def takes_importance(self) -> bool:
+        """Whether the format's quantizer weights its search by an importance matrix (llama.cpp's imatrix:
+        ``quantize(..., importance=)``)."""
+        return getattr(self.quantize, "takes_importance", False)
+
     def unpack(self, raw) -> dict:
         """Fields of blocks ``raw`` (uint8 ``(n, nbytes)``), each ``(n, count)``."""
         return {name: f.unpack(raw) for name, f in self.fields.items()}

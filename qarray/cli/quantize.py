@@ -59,8 +59,7 @@ def quantize(args) -> int:
         raise CliError(f"--reciprocal is PyTorch's rule for integer dtypes; {args.dtype.name} is a floating format", 2)
     lazy = args.output.suffix.lower() in (".zarr", ".safetensors")
     to_gguf = args.output.suffix.lower() == ".gguf"
-    takes = getattr(getattr(getattr(args.dtype, "layout", None), "quantize", None), "takes_importance", False)
-    if args.imatrix is not None and not takes:
+    if args.imatrix is not None and not (args.dtype.kind == "block" and args.dtype.layout.takes_importance):
         raise CliError(f"--imatrix weights the search of GGUF types that take an importance matrix (Q2_K .. Q6_K, "
                        f"IQ4_NL, IQ4_XS, ...); --dtype {args.dtype.name} does not", 2)
     if (args.dtype.kind == "block") != to_gguf:

@@ -167,7 +167,7 @@ def round_to_nearest(w, fmt, x):
 def importance_matrix(w, fmt, x):
     """llama.cpp's ``--imatrix``: the mean square of each input column's activations weights the
     K-quants' and IQ4's own search (``qarray.observers.ImportanceMatrix``); None for other formats."""
-    if not getattr(qa.qdtype(fmt).layout.quantize, "takes_importance", False):
+    if not qa.qdtype(fmt).layout.takes_importance:
         return None
     return qa.observers.ImportanceMatrix().update(x).quantize(w, fmt)
 
