@@ -409,25 +409,26 @@ class Hessian:
                              "both with the same exact setting")
         if not self.exact:
             if other._float is not None:
-                if self._on_backend is None:
-                    self._on_backend = other._on_backend
-                theirs = self._xp.asarray(to_host(other._float)) if other._on_backend != self._on_backend \
-                    else other._float
+                theirs = self._here(other, other._float)
                 self._float = theirs.copy() if self._float is None else self._float + theirs
             self.count += other.count
             return self
         if other is self:
             other = Hessian.from_state(self.state_dict())
         other._normalize()
-        if other._digits:
-            if self._on_backend is None:
-                self._on_backend = other._on_backend
-            move = (lambda a: self._xp.asarray(to_host(a))) if other._on_backend != self._on_backend else (lambda a: a)
-            for j, d in other._digits.items():
-                self._room(j, _HALF)
-                self._digits[j] += move(d)
+        for j, d in other._digits.items():
+            d = self._here(other, d)  # (first: _room makes the digit on this Hessian's backend)
+            self._room(j, _HALF)
+            self._digits[j] += d
         self.count += other.count
         return self
+
+    def _here(self, other, a):
+        """``a``, an array of ``other``'s sums, on this Hessian's backend (``other``'s, where this one
+        holds nothing yet)."""
+        if self._on_backend is None:
+            self._on_backend = other._on_backend
+        return a if other._on_backend == self._on_backend else self._xp.asarray(to_host(a))
 
     # results
     def sum(self) -> np.ndarray:
