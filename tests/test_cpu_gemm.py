@@ -64,6 +64,17 @@ def test_products_are_exact_at_the_extremes(m, k, n, only, rng):
     np.testing.assert_array_equal(raw(only, a, w, threads=1), want)
 
 
+@pytest.mark.parametrize("m,k", [(1, 130), (9, 64), (17, 200), (40, 100)])
+def test_rows_past_m_in_the_scratch_change_nothing(m, k, only, rng):
+    """``pack_rows`` leaves the scratch's rows past M as the last call left them
+    (here 0xFF bytes, the largest codes): the tiles and rows that read them make
+    rows of C that no store reads, and every element stays exact."""
+    a = extreme(rng, (m, k), 0, 255).astype(np.uint8)
+    w = extreme(rng, (k, 45), -128, 127).astype(np.int8)
+    gemm._scratch((2, 4, gemm.BM, gemm.BK))[...] = 0xFF
+    np.testing.assert_array_equal(raw(only, a, w, threads=1), a.astype(np.int64) @ w.astype(np.int64))
+
+
 def test_k_beyond_int32_sums_in_int64(only):
     """u8 x s8 sums pass int32 beyond K = 65,793: blocks sum ``KMAX`` k in int32
     each, then in int64, and the result, beyond 2**31, is exact."""

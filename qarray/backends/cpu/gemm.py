@@ -82,6 +82,9 @@ ACCEPTS = {
 BM = BN = 32  # a block's rows and columns
 BK = 64  # k a step
 KMAX = (2**31 - 1) // (255 * 128) // BK * BK  # k summed in int32: 65,792
+# accumulators a vector of a row alone sums into, k4 by k4 in turn (``rows_from``): 1 x 4096 x 256
+# from L2 (one thread, the kernel alone) took 13 us on 4, 17.5 on 1 (``vpdpbusd``'s latency a k4)
+CHAINS = 4
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _P8 = _I8.as_pointer()
@@ -224,39 +227,50 @@ def _make_block_vnni(width, rows_at_once, widen=False):
         return builder.call(_fn(builder, name, vec, [vec] * 3), [acc, av, wv])
 
     def rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, count):
-        """Block rows ``first .. first + count - 1`` (``count`` a constant)."""
-        accs = [[cgutils.alloca_once(builder, vec) for _ in range(per_row)] for _ in range(count)]
+        """Block rows ``first .. first + count - 1`` (``count`` a constant). One
+        row alone sums ``CHAINS`` k4 apart into accumulators of their own, added
+        together as it is stored: one accumulator a vector waited on each
+        ``vpdpbusd``'s latency (5 cycles) every k4."""
+        chains = CHAINS if count == 1 else 1
+        accs = [[[cgutils.alloca_once(builder, vec) for _ in range(chains)] for _ in range(per_row)]
+                for _ in range(count)]
         for r in range(count):
             for v in range(per_row):
                 kept = builder.load(at(builder, c, first, r, v), align=1)
                 if widen:  # a column's sum in the first lane of its pair
                     kept = builder.shuffle_vector(kept, ir.Constant(cvec, None), spread)
-                builder.store(builder.select(keep, kept, ir.Constant(vec, None)), accs[r][v])
+                builder.store(builder.select(keep, kept, ir.Constant(vec, None)), accs[r][v][0])
+                for ch in range(1, chains):
+                    builder.store(ir.Constant(vec, None), accs[r][v][ch])
         with cgutils.for_range_slice(builder, builder.mul(k0, _const(16)), builder.mul(k1, _const(16)),
-                                     _const(1)) as (k4, _):
-            wv = []
-            for v in range(per_row):  # panel v * width // 16, from byte (v * width % 16) * 4 of its row k4
-                p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
-                                                    builder.add(builder.mul(k4, _const(64)),
-                                                                _const(v * width % 16 * 4))))
-                bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
-                wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
-            for r in range(count):
-                # a[k4 // 16, first + r, k4 % 16 * 4]
-                pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), _const(BM * BK)),
-                                                 builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
-                                                             builder.mul(builder.and_(k4, _const(15)), _const(4)))))
-                if widen:
-                    four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
-                    four = builder.bitcast(builder.zext(four, ir.VectorType(ir.IntType(16), 4)), word)
-                else:
-                    four = builder.load(builder.bitcast(pa, word.as_pointer()), align=1)
-                av = builder.bitcast(_splat(builder, four, bcast), operand)
-                for v in range(per_row):
-                    builder.store(dot(builder, builder.load(accs[r][v]), av, wv[v]), accs[r][v])
+                                     _const(chains)) as (k4_, _):
+            for ch in range(chains):  # (16 k4 a step: CHAINS divides it)
+                k4 = builder.add(k4_, _const(ch))
+                wv = []
+                for v in range(per_row):  # panel v * width // 16, from byte (v * width % 16) * 4 of its row k4
+                    p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
+                                                        builder.add(builder.mul(k4, _const(64)),
+                                                                    _const(v * width % 16 * 4))))
+                    bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
+                    wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
+                for r in range(count):
+                    # a[k4 // 16, first + r, k4 % 16 * 4]
+                    pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), _const(BM * BK)),
+                                                     builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
+                                                                 builder.mul(builder.and_(k4, _const(15)), _const(4)))))
+                    if widen:
+                        four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
+                        four = builder.bitcast(builder.zext(four, ir.VectorType(ir.IntType(16), 4)), word)
+                    else:
+                        four = builder.load(builder.bitcast(pa, word.as_pointer()), align=1)
+                    av = builder.bitcast(_splat(builder, four, bcast), operand)
+                    for v in range(per_row):
+                        builder.store(dot(builder, builder.load(accs[r][v][ch]), av, wv[v]), accs[r][v][ch])
         for r in range(count):
             for v in range(per_row):
-                acc = builder.load(accs[r][v])
+                acc = builder.load(accs[r][v][0])
+                for ch in range(1, chains):  # int32 addition wraps: any order gives the same sum
+                    acc = builder.add(acc, builder.load(accs[r][v][ch]))
                 if widen:  # each column's two lanes summed
                     acc = builder.add(*(builder.shuffle_vector(acc, acc, s) for s in (evens, odds)))
                 builder.store(acc, at(builder, c, first, r, v), align=1)
@@ -335,16 +349,15 @@ STEPS = 32
 def pack_rows(a, flip, out, start, stop):
     """``a`` (M, K) uint8 XOR ``flip`` (0, or 0x80: signed codes made unsigned,
     ``a + 128``) as ``out`` (ceil(M / 32), steps, 32, 64): for each block of 32
-    rows, each step's 32 rows of 64 k one after the other, zero beyond M and
-    K (an A tile of 16 rows is 1 KB in a row, where rows K bytes apart could
-    share one set of the L1 cache). Tasks: blocks of rows."""
+    rows, each step's 32 rows of 64 k one after the other, zero beyond K (an A
+    tile of 16 rows is 1 KB in a row, where rows K bytes apart could share one
+    set of the L1 cache). Rows beyond M are left as they are: a tile's rows
+    there make only rows of C that no store reads (zeroing them cost M = 1
+    more than its GEMM at K = 65,536). Tasks: blocks of rows."""
     mlen, klen = a.shape
     steps, full = out.shape[1], klen // BK
     for mb in range(start, stop):
-        for r in range(BM):
-            if mb * BM + r >= mlen:
-                out[mb, :, r] = 0
-                continue
+        for r in range(min(BM, mlen - mb * BM)):
             row = a[mb * BM + r]
             for s in range(full):
                 d, src = out[mb, s, r], row[s * BK:]
