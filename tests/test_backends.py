@@ -328,6 +328,60 @@ def test_kernel_tasks_are_cut_into_parts_that_threads_claim(threads):
     assert sorted(parts) == ([(0, 1), (1, 2)] if numba.config.NUMBA_NUM_THREADS > 1 else [(0, 2)])
 
 
+def test_pool_raises_a_parts_error_and_serves_the_next_call(threads):
+    """A part that raises, on the calling thread or a pool thread, raises in the
+    caller once every thread is done with the call; the pool then serves the
+    next call as before, whether its threads still poll or have gone to sleep."""
+    k = pytest.importorskip("qarray.backends.cpu.pool")
+    import time
+
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two threads")
+    threads(2)
+    k.parallel(lambda start, stop: None, 8)  # the pool, started
+    for bad in (0, 7):  # the caller's first part; a part the pool thread claims as the caller waits in it
+        ran = []
+
+        def part(start, stop):
+            if start == 0:
+                time.sleep(0.01)  # (a part a pool thread has time to claim)
+            ran.append(start)
+            if start == bad:
+                raise ZeroDivisionError(f"part {start}")
+
+        with pytest.raises(ZeroDivisionError, match=f"part {bad}"):
+            k.parallel(part, 8)
+        assert sorted(ran) == list(range(8))
+        time.sleep(2 * k.SPIN if bad else 0)  # the pool thread asleep, then still polling
+        assert k.parallel(lambda start, stop: (start, stop), 8) == [(i, i + 1) for i in range(8)]
+
+
+def test_a_call_while_the_pool_is_busy_runs_on_its_own_thread(threads):
+    """Two threads call at once (Dask's threaded scheduler does): one has the
+    pool, the other runs its tasks alone; both get every part's result."""
+    k = pytest.importorskip("qarray.backends.cpu.pool")
+    import threading
+    import time
+
+    threads(2)
+    got, started = {}, threading.Event()
+
+    def slow(tag, start, stop):
+        started.set()
+        time.sleep(0.02)
+        return tag, start, stop
+
+    t = threading.Thread(target=lambda: got.__setitem__("a", k.parallel(slow, 4, "a")))
+    t.start()
+    started.wait()
+    got["b"] = k.parallel(slow, 4, "b")
+    t.join()
+    assert got["b"] == [("b", 0, 4)]  # alone: one part
+    assert [(s, e) for _, s, e in got["a"]] == [(i, i + 1) for i in range(4)] and {x for x, _, _ in got["a"]} == {"a"}
+
+
 def test_pool_threads_keep_off_the_callers_cpu(threads, monkeypatch):
     """Linux wakes a thread on its waker's CPU, where it preempted the caller
     while another library's threads spun on the other core: before each call

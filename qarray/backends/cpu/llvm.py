@@ -13,6 +13,7 @@ helper                                 gate (``isa``)       portable twin
 :func:`_lookup_sum`,                   ``avx512vbmi``       ``softmax._row_sum`` / ``_lookup_row``'s loops
 :func:`_lookup_store`
 :func:`_make_dot` (packed 4-bit)       ``avx512vnni``       the int8 GEMM on unpacked codes
+:func:`_pause` (the pool's polls)      x86-64               none: an empty loop
 =====================================  ===================  ==============================================
 
 The int8 GEMM's blocks (AMX tiles, VNNI rows) are written in ``gemm``, beside
@@ -21,6 +22,7 @@ the panel layout they read.
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import numpy as np
@@ -117,6 +119,67 @@ def _tiles_begin(typingctx, cfg):
 
 
 _tiles_end = _call("llvm.x86.tilerelease")  # the tile state back to its initial (unused) state
+
+
+# -- the thread pool's polls (pool.parallel): a thread waits for a call, or for the others, without
+# the GIL and without sleeping --------------------------------------------------------------------
+@intrinsic
+def _load_acquire(typingctx, a, i):
+    """``a[i]`` (int64) by an atomic load, acquire order: read from memory at
+    every poll (LLVM may hoist a plain load out of the loop), and what the
+    writer stored before it is visible after it."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(a, i), codegen
+
+
+@intrinsic
+def _store_release(typingctx, a, i, v):
+    """``a[i] = v`` (int64) by an atomic store, release order: what this thread
+    stored before it (a kernel's results) is visible to a thread that reads it
+    by :func:`_load_acquire`."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        builder.store_atomic(args[2], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(a, i, v), codegen
+
+
+@njit(nogil=True, cache=True)
+def _publish(a, i, v):
+    """``a[i] = v`` for :func:`_poll_change` and :func:`_poll_all` to see, after this thread's stores."""
+    _store_release(a, i, v)
+
+
+# ``pause``: a spinning core yields its pipeline (and its sibling hyperthread) between polls
+_pause = _call("llvm.x86.sse2.pause") if platform.machine().lower() in ("x86_64", "amd64") else njit(lambda: None)
+
+
+@njit(nogil=True, cache=True)
+def _poll_change(state, seen, polls):
+    """``state[0]`` once it is no longer ``seen``, or after ``polls`` polls."""
+    for _ in range(polls):
+        g = _load_acquire(state, 0)
+        if g != seen:
+            return g
+        _pause()
+    return _load_acquire(state, 0)
+
+
+@njit(nogil=True, cache=True)
+def _poll_all(done, g, polls):
+    """Whether every ``done[i]`` reached ``g`` within ``polls`` polls."""
+    for _ in range(polls):
+        left = 0
+        for i in range(done.size):
+            left += _load_acquire(done, i) != g
+        if left == 0:
+            return True
+        _pause()
+    return False
 
 
 @njit(inline="always")

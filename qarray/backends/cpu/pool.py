@@ -22,9 +22,10 @@ import inspect
 import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 
 import numba
+import numpy as np
 from numba import njit
 
 from ..._config import THREADS
@@ -33,7 +34,7 @@ from ..._config import THREADS
 # from vectorizing (Numba's prange bodies compile with it too)
 _KERNEL = dict(nogil=True, cache=True, error_model="numpy")
 kernel = njit(**_KERNEL)
-_pool: list = [0, None, []]  # [threads, ThreadPoolExecutor of threads - 1, their native thread ids]
+_pool: list = [0, None, []]  # [threads, the _Pool of threads - 1, their native thread ids]
 # a forked child has none of the parent's pool threads: it starts its own
 os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [0, None, []]))
 
@@ -47,6 +48,13 @@ SOFTMAX_COST = 16  # gathers and a division a distance
 BINARY_COST = 4  # three requantizes
 STOCHASTIC_COST = 16  # ten Philox rounds
 PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
+# How long a pool thread polls for the next call after its part of one, and the
+# caller for the pool threads' parts, before each sleeps (seconds). Waking a
+# sleeping thread took ~45 us to hand it a call and ~100 us to hear it was done
+# on the 2-core VM (a ThreadPoolExecutor: 93 us a round trip, the other vCPU
+# halted), where 1 x 4096 x 4096 int8 takes 0.4 ms a thread: OpenMP's threads,
+# torch's, spin as long or longer (GOMP_SPINCOUNT, KMP_BLOCKTIME).
+SPIN = 300e-6
 
 
 try:
@@ -65,15 +73,19 @@ def _cpu_of_caller():
         return None
 
 
+_kept_off: list = [None]  # the CPU the pool threads were last kept off (a syscall a thread to change)
+
+
 def _away_from_caller():
     """Keep the pool threads off the caller's CPU for this call. Woken on the
     waker's CPU (Linux wakes a thread where its waker runs), a pool thread
     preempted the calling thread, which then waited a scheduler slice (~2-3 ms)
     while another library's OpenMP threads still spun on the other core after
     their own call (torch, onnxruntime, OpenBLAS): quantize 2^24 right after a
-    torch call took 1.9x its time alone, 1.1-1.2x with this."""
+    torch call took 1.9x its time alone, 1.1-1.2x with this. Asked again only
+    when the caller's CPU changes: 16-50 us a call on the 2-core VM."""
     here = _cpu_of_caller()
-    if here is None or not hasattr(os, "sched_setaffinity"):
+    if here is None or not hasattr(os, "sched_setaffinity") or _kept_off[0] == (here, len(_pool[2])):
         return
     others = os.sched_getaffinity(0) - {here}
     for tid in _pool[2] if others else ():
@@ -81,6 +93,86 @@ def _away_from_caller():
             os.sched_setaffinity(tid, others)
         except OSError:  # a thread that has ended, a set the system refuses: nothing to win
             pass
+    _kept_off[0] = (here, len(_pool[2]))
+
+
+class _Pool:
+    """``threads`` threads that run one call's ``job`` at a time. A call is
+    published by a number (``state[0]``); a pool thread polls it without the
+    GIL for ``SPIN`` seconds after each call (:func:`llvm._poll_change`), then
+    sleeps on ``cond``; each writes the number into its ``done`` slot when its
+    share is done, which the caller polls the same way. Nothing is handed
+    through a queue: a call to threads that are still polling makes no system
+    call. Exceptions of the job are raised in the caller."""
+
+    def __init__(self, threads, tids):
+        from .llvm import _poll_all, _poll_change, _publish  # (llvm imports this module)
+
+        self.poll_change, self.poll_all, self.publish = _poll_change, _poll_all, _publish
+        self.state = np.zeros(1, np.int64)  # the number of the call
+        self.done = np.zeros(threads, np.int64)  # each thread's last call done
+        self.cond = threading.Condition()
+        self.sleeping = self.waiting = 0
+        self.job, self.errors = None, []
+        self.busy = threading.Lock()  # one call at a time: a second caller meanwhile runs alone
+        _poll_change(self.state, 0, 1), _poll_all(self.done, 0, 1), _publish(self.done, 0, 0)  # compiled
+        t = time.perf_counter()
+        _poll_change(self.state, 0, 20000)  # timed: SPIN seconds of polls
+        self.polls = max(int(SPIN * 20000 / max(time.perf_counter() - t, 1e-9)), 1)
+        for i in range(threads):
+            threading.Thread(target=self._serve, args=(i, tids), name=f"qarray-{i}", daemon=True).start()
+        while len(tids) < threads:  # started, so _away_from_caller knows them all
+            time.sleep(1e-4)
+
+    def _serve(self, i, tids):
+        tids.append(threading.get_native_id())
+        seen = 0
+        while seen >= 0:  # -1: stop (a larger pool replaced this one)
+            g = self.poll_change(self.state, seen, self.polls)
+            if g == seen:
+                with self.cond:
+                    self.sleeping += 1
+                    while self.state[0] == seen:
+                        self.cond.wait()
+                    self.sleeping -= 1
+                    g = int(self.state[0])
+            seen = g
+            if g < 0:
+                return
+            try:
+                self.job()
+            except BaseException as e:  # raised again by the caller
+                self.errors.append(e)
+            self.publish(self.done, i, g)
+            if self.waiting:
+                with self.cond:
+                    self.cond.notify_all()
+
+    def run(self, work):
+        """``work()`` on this thread and every pool thread; returns once all are done."""
+        self.job, self.errors = work, []
+        g = int(self.state[0]) + 1
+        self.publish(self.state, 0, g)  # the call, after its job
+        if self.sleeping:
+            with self.cond:
+                self.cond.notify_all()
+        try:
+            work()
+        finally:
+            if not self.poll_all(self.done, g, self.polls):
+                with self.cond:
+                    self.waiting += 1
+                    while (self.done != g).any():
+                        self.cond.wait()
+                    self.waiting -= 1
+        if self.errors:
+            raise self.errors[0]
+
+    def stop(self):
+        """Let the threads end (once they are done with any call)."""
+        with self.busy, self.cond:
+            self.publish(self.state, 0, -1)
+            self.cond.notify_all()
 
 
 def parallel(k, tasks, *args, grain=1, parts=PARTS):
@@ -90,32 +182,38 @@ def parallel(k, tasks, *args, grain=1, parts=PARTS):
     contiguous parts a thread, and each thread, the calling one first, claims
     the next unclaimed part until none is left: a pool thread that wakes late
     (its core busy with another library's spinning threads) takes fewer parts
-    instead of holding up the call. Returns the parts' results, in order."""
+    instead of holding up the call. Returns the parts' results, in order. A
+    call made while another thread's call has the pool runs on the calling
+    thread alone."""
     if tasks < 2 * grain or THREADS[0] < 2:  # small calls: no more than this on their way to the kernel
         return [k(*args, 0, tasks)]
     n = min(THREADS[0], tasks // max(grain, 1), numba.config.NUMBA_NUM_THREADS)
     if n < 2:
         return [k(*args, 0, tasks)]
     if _pool[0] < n:
-        tids = []  # each thread's id, as it starts (on the first calls)
-        _pool[:] = n, ThreadPoolExecutor(n - 1, thread_name_prefix="qarray",
-                                         initializer=lambda: tids.append(threading.get_native_id())), tids
-    _away_from_caller()
-    parts = min(tasks, n * parts)
-    cut = [tasks * i // parts for i in range(parts + 1)]
-    results = [None] * parts
-    claim = itertools.count()  # next() is atomic under the GIL
+        if _pool[1] is not None:
+            _pool[1].stop()
+        tids = []  # each thread's native id, as it starts
+        _pool[:] = n, _Pool(n - 1, tids), tids
+    pool = _pool[1]
+    if not pool.busy.acquire(blocking=False):
+        return [k(*args, 0, tasks)]
+    try:
+        _away_from_caller()
+        parts = min(tasks, n * parts)
+        cut = [tasks * i // parts for i in range(parts + 1)]
+        results = [None] * parts
+        claim = itertools.count()  # next() is atomic under the GIL
 
-    def work():
-        i = next(claim)
-        while i < parts:
-            results[i] = k(*args, cut[i], cut[i + 1])
+        def work():
             i = next(claim)
+            while i < parts:
+                results[i] = k(*args, cut[i], cut[i + 1])
+                i = next(claim)
 
-    rest = [_pool[1].submit(work) for _ in range(n - 1)]
-    work()
-    for f in rest:
-        f.result()
+        pool.run(work)
+    finally:
+        pool.busy.release()
     return results
 
 
