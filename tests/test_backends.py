@@ -358,6 +358,31 @@ def test_pool_raises_a_parts_error_and_serves_the_next_call(threads):
         assert k.parallel(lambda start, stop: (start, stop), 8) == [(i, i + 1) for i in range(8)]
 
 
+def test_a_call_takes_no_more_threads_than_it_is_given(threads, monkeypatch):
+    """A pool started for 3 threads, then ``set_num_threads(2)``: the parts run
+    on 2 threads, the caller's and one of the pool's."""
+    k = pytest.importorskip("qarray.backends.cpu.pool")
+    import threading
+    import time
+
+    import numba
+
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 3)
+    ran = set()
+
+    def part(start, stop):
+        ran.add(threading.get_native_id())
+        time.sleep(0.002)  # (every thread has time to claim a part)
+
+    threads(3)
+    k.parallel(part, 24)
+    assert len(ran) == 3 and k._pool[0] == 3
+    ran.clear()
+    threads(2)
+    k.parallel(part, 24)
+    assert len(ran) == 2 and threading.get_native_id() in ran
+
+
 def test_a_call_while_the_pool_is_busy_runs_on_its_own_thread(threads):
     """Two threads call at once (Dask's threaded scheduler does): one has the
     pool, the other runs its tasks alone; both get every part's result."""
@@ -400,7 +425,7 @@ def test_pool_threads_keep_off_the_callers_cpu(threads, monkeypatch):
     for here in sorted(allowed)[:2]:
         monkeypatch.setattr(k, "_cpu_of_caller", lambda: here)  # the caller runs on CPU `here`
         k.parallel(lambda start, stop: None, 2)
-        assert len(k._pool[2]) == 1 and all(os.sched_getaffinity(t) == allowed - {here} for t in k._pool[2])
+        assert k._pool[2] and all(os.sched_getaffinity(t) == allowed - {here} for t in k._pool[2])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -113,7 +113,7 @@ class _Pool:
         self.done = np.zeros(threads, np.int64)  # each thread's last call done
         self.cond = threading.Condition()
         self.sleeping = self.waiting = 0
-        self.job, self.errors = None, []
+        self.job, self.helpers, self.errors = None, 0, []
         self.busy = threading.Lock()  # one call at a time: a second caller meanwhile runs alone
         _poll_change(self.state, 0, 1), _poll_all(self.done, 0, 1), _publish(self.done, 0, 0)  # compiled
         t = time.perf_counter()
@@ -140,7 +140,8 @@ class _Pool:
             if g < 0:
                 return
             try:
-                self.job()
+                if i < self.helpers:  # (a pool larger than the call's thread count: the rest sit it out)
+                    self.job()
             except BaseException as e:  # raised again by the caller
                 self.errors.append(e)
             self.publish(self.done, i, g)
@@ -148,9 +149,9 @@ class _Pool:
                 with self.cond:
                     self.cond.notify_all()
 
-    def run(self, work):
-        """``work()`` on this thread and every pool thread; returns once all are done."""
-        self.job, self.errors = work, []
+    def run(self, work, helpers):
+        """``work()`` on this thread and the first ``helpers`` pool threads; returns once all are done."""
+        self.job, self.helpers, self.errors = work, helpers, []
         g = int(self.state[0]) + 1
         self.publish(self.state, 0, g)  # the call, after its job
         if self.sleeping:
@@ -211,7 +212,7 @@ def parallel(k, tasks, *args, grain=1, parts=PARTS):
                 results[i] = k(*args, cut[i], cut[i + 1])
                 i = next(claim)
 
-        pool.run(work)
+        pool.run(work, n - 1)
     finally:
         pool.busy.release()
     return results
