@@ -383,6 +383,24 @@ def test_a_call_takes_no_more_threads_than_it_is_given(threads, monkeypatch):
     assert len(ran) == 2 and threading.get_native_id() in ran
 
 
+def test_a_passive_wait_policy_polls_once(monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE, as OpenMP's threads: the pool's threads and its
+    caller poll once, then sleep; unset, they poll for SPIN seconds."""
+    k = pytest.importorskip("qarray.backends.cpu.pool")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    passive = k._Pool(1, [])
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    active = k._Pool(1, [])
+    try:
+        assert passive.polls == 1 and active.polls > 100
+        for pool in (passive, active):
+            pool.busy.acquire()
+            pool.run(lambda: None, 1)
+            pool.busy.release()
+    finally:
+        passive.stop(), active.stop()
+
+
 def test_a_call_while_the_pool_is_busy_runs_on_its_own_thread(threads):
     """Two threads call at once (Dask's threaded scheduler does): one has the
     pool, the other runs its tasks alone; both get every part's result."""

@@ -53,7 +53,8 @@ PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes few
 # sleeping thread took ~45 us to hand it a call and ~100 us to hear it was done
 # on the 2-core VM (a ThreadPoolExecutor: 93 us a round trip, the other vCPU
 # halted), where 1 x 4096 x 4096 int8 takes 0.4 ms a thread: OpenMP's threads,
-# torch's, spin as long or longer (GOMP_SPINCOUNT, KMP_BLOCKTIME).
+# torch's, spin as long or longer (GOMP_SPINCOUNT, KMP_BLOCKTIME). As theirs,
+# none with OMP_WAIT_POLICY=PASSIVE (the benchmarks set it for every contender).
 SPIN = 300e-6
 
 
@@ -119,6 +120,8 @@ class _Pool:
         t = time.perf_counter()
         _poll_change(self.state, 0, 20000)  # timed: SPIN seconds of polls
         self.polls = max(int(SPIN * 20000 / max(time.perf_counter() - t, 1e-9)), 1)
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+            self.polls = 1
         for i in range(threads):
             threading.Thread(target=self._serve, args=(i, tids), name=f"qarray-{i}", daemon=True).start()
         while len(tids) < threads:  # started, so _away_from_caller knows them all
