@@ -116,12 +116,14 @@ class _Pool:
         self.sleeping = self.waiting = 0
         self.job, self.helpers, self.errors = None, 0, []
         self.busy = threading.Lock()  # one call at a time: a second caller meanwhile runs alone
-        _poll_change(self.state, 0, 1), _poll_all(self.done, 0, 1), _publish(self.done, 0, 0)  # compiled
-        t = time.perf_counter()
-        _poll_change(self.state, 0, 20000)  # timed: SPIN seconds of polls
-        self.polls = max(int(SPIN * 20000 / max(time.perf_counter() - t, 1e-9)), 1)
-        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-            self.polls = 1
+        _poll_all(self.done, 0, 1)  # compiled (or loaded from the cache) before a call waits on them
+        _publish(self.done, 0, 0)
+        _poll_change(self.state, 0, 1)
+        self.polls = 1  # OMP_WAIT_POLICY=PASSIVE: one poll, then sleep
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+            t = time.perf_counter()
+            _poll_change(self.state, 0, 20000)  # timed: polls for SPIN seconds
+            self.polls = max(int(SPIN * 20000 / max(time.perf_counter() - t, 1e-9)), 1)
         for i in range(threads):
             threading.Thread(target=self._serve, args=(i, tids), name=f"qarray-{i}", daemon=True).start()
         while len(tids) < threads:  # started, so _away_from_caller knows them all
