@@ -142,6 +142,46 @@ def test_fused_epilogue_equals_requantizing_the_accumulator(adt, wdt, rounding, 
                                               err_msg=f"{mode} relu={relu}")
 
 
+def _rounded(d, m, s, rule):
+    """``d * m / 2**s`` rounded by ``rule`` in int64 (``|d| < 2**31``, ``m < 2**31``:
+    the product fits): the floor, and the remainder against half of ``2**s``."""
+    p = d * m
+    s = np.minimum(s, 63)
+    q, r = p >> s, p & ((np.int64(1) << s) - 1)  # floor, and what it dropped (>= 0)
+    half = np.int64(1) << (s - 1)
+    up = {"half_even": (r > half) | ((r == half) & (q % 2 == 1)),
+          "half_away": (r > half) | ((r == half) & (p >= 0)),
+          "half_up": r >= half}[rule]
+    return q + up
+
+
+@pytest.mark.parametrize("rule", ["half_even", "half_away", "half_up"])
+@pytest.mark.parametrize("lo,hi", [(-128, 127), (0, 255), (5, 127)])  # int8, uint8, a ReLU at zero point 5
+def test_float32_epilogue_rounds_ties_and_near_ties_exactly(rule, lo, hi):
+    """The narrow epilogue's float32 rows (``gemm._store_near``) against int64:
+    exact ties (``m = 2**30``), values a part in 2**30 above and below a tie
+    (``m = 2**30 +- 1``: their float32 scale is a tie's), totals at int32's ends,
+    outputs at and past both clamps with the zero point at either end, the
+    largest multiplier and the smallest scale. Totals ``d = c + rowsum`` (``zw =
+    -1``, ``a @ w = 0``), each in an int32."""
+    code = qarray._fixed_point.ROUNDINGS[rule]
+    ms = [2**30, 2**30 + 1, 2**30 - 1, 2**31 - 1, 2**30, 2**30 + 1, 1234567891, 0, 2**31 - 1, 2**30 - 1]
+    shifts = [34, 34, 34, 40, 32, 35, 45, 40, 94, 37]
+    zo = np.array([lo, hi, lo, hi, (lo + hi) // 2, lo, hi, lo, hi, (lo + hi) // 2], np.int64)
+    n = len(ms)
+    k = np.arange(-300, 301)
+    d = np.concatenate([16 * k + 8, 16 * k + 7, 16 * k + 9, 4 * k + 2, 4 * k, [2**31 - 1, -2**31, -2**31 + 1, 0, 1, -1]])
+    d = d.astype(np.int64)
+    a, w = np.zeros((len(d), 1), np.uint8), np.zeros((1, n), np.int8)
+    m, sh = np.array(ms, np.int64), np.array(shifts, np.int64)
+    out = np.empty((len(d), n), np.uint8 if lo >= 0 else np.int8)
+    columns = (np.zeros(n, np.int64), np.full(n, -1, np.int64), zo, m, sh, np.zeros(n))
+    gemm.run(gemm.best(), code, True, a, False, gemm.pack(w), d, columns, lo, hi, out)
+    want = np.clip(_rounded(d[:, None], m, sh, rule) + zo, lo, hi)
+    assert (want == lo).any() and (want == hi).any() and ((want > lo) & (want < hi)).mean() > 0.25
+    np.testing.assert_array_equal(out, want)
+
+
 def test_dispatch_names_the_instruction_set(only):
     assert qarray.backends.gemm_engine().startswith(f"qarray: qarray's own kernels on {only}:")
 

@@ -18,6 +18,9 @@ helper                                 gate (``isa``)       portable twin
 
 The int8 GEMM's blocks (AMX tiles, VNNI rows) are written in ``gemm``, beside
 the panel layout they read.
+
+:func:`_int32` (int32 arithmetic that wraps, as Numba's widening to int64
+does not) is plain IR for every target: it needs no gate and no twin.
 """
 
 from __future__ import annotations
@@ -51,6 +54,21 @@ def _wide(typingctx):
 
     return types.void(), codegen
 
+
+def _int32(op):
+    """``a op b`` (``add``, ``sub``, ``mul``) for int32 ``a``, ``b``, wrapping in
+    int32: Numba widens int32 arithmetic to int64, and LLVM then vectorized it
+    8 lanes a vector (``vpmullq``) instead of 16."""
+    @intrinsic
+    def f(typingctx, a, b):
+        if a == b == types.int32:
+            return types.int32(a, b), lambda context, builder, sig, args: getattr(builder, op)(*args)
+        return None
+
+    return f
+
+
+_add32, _sub32, _mul32 = _int32("add"), _int32("sub"), _int32("mul")
 
 _V64 = ir.VectorType(ir.IntType(8), 64)
 _V8Q = ir.VectorType(ir.IntType(64), 8)
