@@ -384,15 +384,16 @@ def test_a_call_takes_no_more_threads_than_it_is_given(threads, monkeypatch):
 
 
 def test_a_passive_wait_policy_polls_once(monkeypatch):
-    """OMP_WAIT_POLICY=PASSIVE, as OpenMP's threads: the pool's threads and its
-    caller poll once, then sleep; unset, they poll for SPIN seconds."""
+    """OMP_WAIT_POLICY=PASSIVE, as OpenMP's threads: the pool's threads poll
+    once for the next call, then sleep; unset, for SPIN seconds. The caller
+    polls for the parts under way for SPIN seconds either way."""
     k = pytest.importorskip("qarray.backends.cpu.pool")
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     passive = k._Pool(1, [])
     monkeypatch.delenv("OMP_WAIT_POLICY")
     active = k._Pool(1, [])
     try:
-        assert passive.polls == 1 and active.polls > 100
+        assert passive.polls == 1 and active.polls > 100 and passive.finish_polls > 100
         for pool in (passive, active):
             pool.busy.acquire()
             pool.run(lambda: None, 1)
