@@ -48,7 +48,8 @@ def extreme(rng, shape, lo, hi):
 # columns: a part block, a second block, a second group; K: one step, a part
 # step, several, several STEPS chunks (the C tiles stored and loaded between)
 SHAPES = [(1, 1, 1), (40, 1100, 300), (33, 2200, 40), (7, 64, 32), (8, 65, 31), (9, 200, 33),
-          (16, 128, 64), (17, 63, 1), (31, 130, 70), (32, 64, 32), (33, 192, 40), (100, 300, 77)]
+          (16, 128, 64), (17, 63, 1), (31, 130, 70), (32, 64, 32), (33, 192, 40), (100, 300, 77),
+          (64, 192, 40), (96, 576, 70)]  # the last two (and (32, 64, 32)) read a's rows in place
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -73,6 +74,20 @@ def test_rows_past_m_in_the_scratch_change_nothing(m, k, only, rng):
     w = extreme(rng, (k, 45), -128, 127).astype(np.int8)
     gemm._scratch((2, 4, gemm.BM, gemm.BK))[...] = 0xFF
     np.testing.assert_array_equal(raw(only, a, w, threads=1), a.astype(np.int64) @ w.astype(np.int64))
+
+
+def test_rows_read_in_place_only_where_the_layout_allows():
+    """``run`` reads a's rows where they are for unsigned, writable codes in whole
+    blocks of 32 rows and steps of 64 k, whose rows spread over L1's sets; it
+    packs them otherwise."""
+    rows = np.zeros((3136, 576), np.uint8)
+    assert gemm._in_place(rows, False)
+    assert not gemm._in_place(rows, True)  # signed: flipped to unsigned as they are copied
+    assert not gemm._in_place(rows[:3135], False) and not gemm._in_place(rows[:, :575], False)
+    assert not gemm._in_place(np.zeros((64, 1024), np.uint8), False)  # 1 KB apart: 4 sets
+    assert gemm._in_place(np.zeros((64, 1216), np.uint8), False)  # 19 steps: every set
+    rows.setflags(write=False)
+    assert not gemm._in_place(rows, False)
 
 
 def test_k_beyond_int32_sums_in_int64(only):

@@ -8,6 +8,10 @@ layout of an AMX B tile, and each row is one AVX-512 VNNI operand (two for
 AVX-VNNI's 256 bits, four for AVX2's, widened), so every instruction set reads
 the same bytes.
 
+The activations are read in blocks of 32 rows and steps of 64 k: where they
+are, when their rows allow it (:func:`_in_place`), else copied by
+:func:`pack_rows` into a scratch of that layout.
+
 The result is computed in blocks of 32 rows by 32 columns, one task each
 (column blocks outer, so consecutive tasks share their weights). A block's
 products are summed in int32 over at most ``KMAX`` k (``255 * 128 * KMAX <
@@ -48,6 +52,7 @@ int32; each docstring gives the bound the caller must guarantee.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import numpy as np
@@ -115,18 +120,20 @@ def _at(builder, base, offset):
 
 
 def _operands(context, builder, sig, args):
-    """The block intrinsics' arguments as ``(a, rows, the first panel, the
-    panel stride, k0, k1, c, keep)``: pointers to bytes, ``keep`` an i1."""
-    a, rows, b, p0, k0, k1, c, keep = args
-    a_, b_, c_ = (context.make_array(sig.args[i])(context, builder, x) for i, x in ((0, a), (2, b), (6, c)))
+    """The block intrinsics' arguments as ``(a, (a's step stride, row stride),
+    rows, the first panel, the panel stride, k0, k1, c, keep)``: pointers to
+    bytes, ``keep`` an i1."""
+    a, sa, rows, b, p0, k0, k1, c, keep = args
+    a_, b_, c_ = (context.make_array(sig.args[i])(context, builder, x) for i, x in ((0, a), (3, b), (7, c)))
     bstride = builder.extract_value(b_.strides, 0)
     panel = _at(builder, builder.bitcast(b_.data, _P8), builder.mul(p0, bstride))
     keep = builder.icmp_signed("!=", keep, ir.Constant(keep.type, 0))
-    return builder.bitcast(a_.data, _P8), rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8), keep
+    sa = tuple(builder.extract_value(sa, i) for i in range(2))
+    return builder.bitcast(a_.data, _P8), sa, rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8), keep
 
 
-def _signature(a, rows, b, p0, k0, k1, c, keep):
-    return types.void(a, rows, b, p0, k0, k1, c, keep)
+def _signature(a, sa, rows, b, p0, k0, k1, c, keep):
+    return types.void(a, sa, rows, b, p0, k0, k1, c, keep)
 
 
 def _const(v):
@@ -145,7 +152,7 @@ def _config():
 _CONFIG = _config()
 
 
-def _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves):
+def _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves):
     """The tiles of :func:`_block_amx` for ``halves`` (1 or 2) A tiles of 16 rows."""
     load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
     dot = _fn(builder, "llvm.x86.tdpbusd", ir.VoidType(), [_I8, _I8, _I8])
@@ -160,10 +167,10 @@ def _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves):
             for t in range(len(pairs)):
                 builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [_I8]), [tile(t)])
     with cgutils.for_range_slice(builder, k0, k1, _const(1)) as (k, _):
-        a0 = _at(builder, a, builder.mul(k, _const(BM * BK)))
+        a0 = _at(builder, a, builder.mul(k, sa[0]))
         b0 = _at(builder, panel, builder.mul(k, _const(1024)))
         for h in range(halves):
-            builder.call(load, [tile(4 + h), _at(builder, a0, _const(16 * h * BK)), _const(BK)])
+            builder.call(load, [tile(4 + h), _at(builder, a0, builder.mul(sa[1], _const(16 * h))), sa[1]])
         for line in range(32):  # the B tiles' lines two steps on: B comes from L2 (A's chunk stays in L1)
             ahead = builder.add(_const(2048 + line % 16 * 64), builder.mul(bstride, _const(line // 16)))
             ahead = _at(builder, b0, ahead)
@@ -179,20 +186,21 @@ def _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves):
 
 
 @intrinsic
-def _block_amx(typingctx, a, rows, b, p0, k0, k1, c, keep):
-    """``c`` (32 x 32 int32, row-major) = ``a`` (:func:`_pack_rows`'s) times
+def _block_amx(typingctx, a, sa, rows, b, p0, k0, k1, c, keep):
+    """``c`` (32 x 32 int32, row-major) = ``a`` (a block of 32 rows, its row
+    ``r`` of step ``k`` at byte ``k * sa[0] + r * sa[1]``: :func:`run`'s) times
     panels ``p0, p0 + 1`` over steps ``k0 .. k1``, plus ``c`` where ``keep``
     (its rows from ``rows`` on: undefined): C tiles 0..3, A tiles 4, 5, B
     tiles 6, 7; 16 rows (C tiles 0, 1 and A tile 4) where ``rows <= 16``."""
     def codegen(context, builder, sig, args):
-        a, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
+        a, sa, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
         with builder.if_else(builder.icmp_signed(">", rows, _const(16))) as (two, one):
             for halves, branch in ((2, two), (1, one)):
                 with branch:
-                    _amx_steps(builder, a, panel, bstride, k0, k1, c, keep, halves)
+                    _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves)
         return context.get_dummy_value()
 
-    return _signature(a, rows, b, p0, k0, k1, c, keep), codegen
+    return _signature(a, sa, rows, b, p0, k0, k1, c, keep), codegen
 
 
 def _make_block_vnni(width, rows_at_once, widen=False):
@@ -230,7 +238,7 @@ def _make_block_vnni(width, rows_at_once, widen=False):
             return builder.add(acc, builder.asm(ir.FunctionType(vec, [vec]), "", "=x,0", [pairs], False))
         return builder.call(_fn(builder, name, vec, [vec] * 3), [acc, av, wv])
 
-    def rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, count):
+    def rows_from(builder, a, sa, panel, bstride, k0, k1, c, keep, first, count):
         """Block rows ``first .. first + count - 1`` (``count`` a constant). One
         row alone sums ``CHAINS`` k4 apart into accumulators of their own, added
         together as it is stored: one accumulator a vector waited on each
@@ -258,9 +266,9 @@ def _make_block_vnni(width, rows_at_once, widen=False):
                     bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
                     wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
                 for r in range(count):
-                    # a[k4 // 16, first + r, k4 % 16 * 4]
-                    pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), _const(BM * BK)),
-                                                     builder.add(builder.mul(builder.add(first, _const(r)), _const(BK)),
+                    # a's step k4 // 16, row first + r, byte k4 % 16 * 4
+                    pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), sa[0]),
+                                                     builder.add(builder.mul(builder.add(first, _const(r)), sa[1]),
                                                                  builder.mul(builder.and_(k4, _const(15)), _const(4)))))
                     if widen:
                         four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
@@ -280,22 +288,22 @@ def _make_block_vnni(width, rows_at_once, widen=False):
                 builder.store(acc, at(builder, c, first, r, v), align=1)
 
     @intrinsic
-    def block(typingctx, a, rows, b, p0, k0, k1, c, keep):
+    def block(typingctx, a, sa, rows, b, p0, k0, k1, c, keep):
         def codegen(context, builder, sig, args):
-            a, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
+            a, sa, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
             full = builder.mul(builder.sdiv(rows, _const(rows_at_once)), _const(rows_at_once))
             for begin, end, step in ((_const(0), full, rows_at_once), (full, rows, 1)):
                 with cgutils.for_range_slice(builder, begin, end, _const(step)) as (first, _):
-                    rows_from(builder, a, panel, bstride, k0, k1, c, keep, first, step)
+                    rows_from(builder, a, sa, panel, bstride, k0, k1, c, keep, first, step)
             return context.get_dummy_value()
 
-        return _signature(a, rows, b, p0, k0, k1, c, keep), codegen
+        return _signature(a, sa, rows, b, p0, k0, k1, c, keep), codegen
 
     return block
 
 
 @njit(inline="always")
-def _block_portable(a, rows, b, p0, k0, k1, c, keep):
+def _block_portable(a, sa, rows, b, p0, k0, k1, c, keep):
     """The block of :func:`_block_amx` in plain loops."""
     for r in range(rows):
         for h in range(2):
@@ -304,7 +312,7 @@ def _block_portable(a, rows, b, p0, k0, k1, c, keep):
             if not keep:
                 crow[:16] = 0
             for k4 in range(k0 * 16, k1 * 16):
-                a4 = a[k4 // 16, r, k4 % 16 * 4:]
+                a4 = a[k4 // 16 * sa[0] + r * sa[1] + k4 % 16 * 4:]
                 w = brow[k4 * 64:]
                 for j in range(16):
                     s = np.int32(0)
@@ -319,7 +327,7 @@ _ISAS = ("amx", "avx512vnni", "avxvnni", "portable", "avx2")
 
 
 @njit(inline="always")
-def _block(isa, a, rows, b, p0, k0, k1, c, keep):
+def _block(isa, a, sa, rows, b, p0, k0, k1, c, keep):
     """The block of instruction set ``isa`` (its index in ``_ISAS``: a closure
     constant of the kernel, so the other branches fold away). The kernels name
     the intrinsics here, as globals: in a kernel's closure, an intrinsic is
@@ -328,15 +336,15 @@ def _block(isa, a, rows, b, p0, k0, k1, c, keep):
     fewer run on AVX-512 VNNI (every CPU with AMX has it): a tile's 16 rows
     cost the same whatever is in them."""
     if isa == 0 and rows > SMALL_ROWS:
-        _block_amx(a, rows, b, p0, k0, k1, c, keep)
+        _block_amx(a, sa, rows, b, p0, k0, k1, c, keep)
     elif isa <= 1:
-        _block_vnni512(a, rows, b, p0, k0, k1, c, keep)
+        _block_vnni512(a, sa, rows, b, p0, k0, k1, c, keep)
     elif isa == 2:
-        _block_vnni256(a, rows, b, p0, k0, k1, c, keep)
+        _block_vnni256(a, sa, rows, b, p0, k0, k1, c, keep)
     elif isa == 4:
-        _block_avx2(a, rows, b, p0, k0, k1, c, keep)
+        _block_avx2(a, sa, rows, b, p0, k0, k1, c, keep)
     else:
-        _block_portable(a, rows, b, p0, k0, k1, c, keep)
+        _block_portable(a, sa, rows, b, p0, k0, k1, c, keep)
 
 
 SMALL_ROWS = 8
@@ -454,10 +462,11 @@ def _make_gemm(isa, code, narrow):
     which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
 
     @kernel
-    def gemm(a, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
+    def gemm(a, sa, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
         """``out = R(a @ w + c - zw * rowsum)`` on tasks ``start .. stop``, each
         ``GROUP`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
-        activations as :func:`pack_rows` packs them; ``panels``
+        activations' bytes, row ``r`` of step ``k`` (64 k) of block ``mb`` at
+        ``mb * sa[0] + k * sa[1] + r * sa[2]`` (:func:`run`'s); ``panels``
         :func:`pack`'s; ``rowsum`` (M,) int64 or None; ``c``, ``zw``, ``zo``,
         ``m``, ``sh``, ``f``: (N,) columns; ``out`` (M, N).
 
@@ -466,7 +475,7 @@ def _make_gemm(isa, code, narrow):
         columns follow each other, so their weights stay in the cache too."""
         _ = source
         mlen, nlen = out.shape
-        steps = a.shape[1]
+        steps = panels.shape[1] // 1024
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
         nblocks = (nlen + BN - 1) // BN
@@ -483,14 +492,14 @@ def _make_gemm(isa, code, narrow):
             nb0, nb1 = g * GROUP, min(g * GROUP + GROUP, nblocks)
             m0 = mb * BM
             rows = min(BM, mlen - m0)
-            rows_of_a = a[mb]
+            rows_of_a = a[mb * sa[0]:]
             for k0 in range(0, steps, chunk):  # int32 holds KMAX k at most: longer K adds up in int64
                 k1 = min(k0 + chunk, steps)
                 for s0 in range(k0, k1, STEPS):
                     s1 = min(s0 + STEPS, k1)
                     for nb in range(nb0, nb1):
                         blk = part[(nb - nb0) * BM * BN:]
-                        _block(which, rows_of_a, rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
+                        _block(which, rows_of_a, (sa[1], sa[2]), rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
                 if steps > chunk:
                     for i in range((nb1 - nb0) * BM * BN):
                         total[i] = part[i] + (total[i] if k0 else 0)
@@ -551,18 +560,36 @@ def run(isa, code, narrow, a, signed, panels, rowsum, columns, lo, hi, out, thre
     :func:`pack`'s of ``w``; ``columns`` the (N,) ``c, zw, zo, m, sh, f``;
     ``lo, hi`` the clamp; on the pool's threads, or one (``threads=1``)."""
     (mlen, klen), nlen = a.shape, out.shape[1]
-    packed = _scratch((-(-mlen // BM), -(-klen // BK), BM, BK))
     rows = np.ascontiguousarray(a).view(np.uint8)
-    flip = np.uint8(0x80 if signed else 0)
     kernel = gemm(isa, code, narrow)
-    args = (packed, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    if _in_place(rows, signed):  # the tiles' rows read where they are
+        bytes_, sa = rows.reshape(-1), (BM * klen, BK, klen)
+    else:
+        packed = _scratch((-(-mlen // BM), -(-klen // BK), BM, BK))
+        bytes_, sa = packed.reshape(-1), (packed.strides[0], BM * BK, BK)
+        flip = np.uint8(0x80 if signed else 0)
+        if threads == 1:
+            pack_rows(rows, flip, packed, 0, len(packed))
+        else:
+            parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 18) // (BM * max(klen, 1))))
+    args = (bytes_, sa, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
     if threads == 1:
-        pack_rows(rows, flip, packed, 0, len(packed))
         kernel(*args, 0, tasks(mlen, nlen))
     else:
-        parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 18) // (BM * max(klen, 1))))
         parallel(kernel, tasks(mlen, nlen), *args, grain=-(-SMALL_WORK // (BM * BN * GROUP * max(klen, 1))))
     return out
+
+
+def _in_place(rows, signed):
+    """Whether the kernel reads ``rows`` (M, K) as they are: unsigned (nothing to
+    flip), whole blocks of 32 rows and steps of 64 k (nothing to pad), writable
+    (one Numba signature with the scratch), and rows ``K`` bytes apart that
+    spread over 16 or more of L1's 64 sets (``gcd(K / 64, 64) <= 4``: a
+    tile's rows 4096 bytes apart would all fall in one). Conv2d's im2col rows,
+    3136 x 576, skip a 1.8 MB copy."""
+    m, k = rows.shape
+    return (not signed and m % BM == 0 and k % BK == 0 and k > 0 and rows.flags.writeable
+            and math.gcd(k // BK, 64) <= 4)
 
 
 # -- the epilogue alone, on another engine's products ---------------------------------------------
