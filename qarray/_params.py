@@ -362,7 +362,8 @@ class Gemm:
     sums in ``acc_dtype`` (``int_matmul``'s: int32 only where no sum can
     overflow it; None for ``conv_grouped``, whose sums are int64, or int32
     where a backend's kernel knows they fit and there is no bias);
-    ``groups``, ``stride`` and ``dilation`` (pairs) a grouped conv2d's.
+    ``groups``, ``stride``, ``dilation`` and ``padding`` (pairs) a grouped
+    conv2d's (its input is padded with ``za``).
     Here beside ``Quant`` rather than in ``_fixed_point``, whose source is
     in the key of every cached Numba kernel that requantizes."""
 
@@ -375,6 +376,7 @@ class Gemm:
     groups: int = 1
     stride: tuple = (1, 1)
     dilation: tuple = (1, 1)
+    padding: tuple = (0, 0)
 
 
 def check_params(scale, zero_point, dtype: QDType, shape, axis, block_size):

@@ -14,12 +14,12 @@ from qarray.backends.cpu.gemm import conv_grouped as _conv_grouped  # noqa: E402
 from qarray.backends.cpu.pool import parallel  # noqa: E402
 
 
-def conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out):
+def conv_grouped(x, za, wc, groups, sh, sw, dh, dw, out, ph=0, pw=0):
     """The sums alone: the IDENTITY epilogue, no bias (the ops test the rest);
-    tasks (n, o) split among threads as the backend runs it."""
+    tasks (n, o) split among threads as the backend runs it; ``x`` padded by
+    the kernel, with ``za``."""
     z = np.zeros(wc.shape[0], np.int64)
-    xflat = np.ascontiguousarray(xpad).reshape(*xpad.shape[:2], xpad.shape[2] * xpad.shape[3])
-    parallel(_conv_grouped[IDENTITY, False], out.shape[0] * out.shape[1], xpad, xflat, za, wc, groups, sh, sw, dh, dw,
+    parallel(_conv_grouped[IDENTITY, False], out.shape[0] * out.shape[1], x, za, wc, groups, sh, sw, dh, dw, ph, pw,
              z, z, z, z, z.astype(np.float64), np.int64(-(2**63)), np.int64(2**63 - 1), out)
 
 
@@ -136,13 +136,16 @@ def _conv_ref(xpad, za, wc, groups, sh, sw, dh, dw):
     return np.concatenate(out, axis=1)
 
 
-def _conv(xpad, za, wc, groups, sh=1, sw=1, dh=1, dw=1):
+def _conv(x, za, wc, groups, sh=1, sw=1, dh=1, dw=1, ph=0, pw=0):
+    """The kernel on ``x`` padded by ``ph, pw`` against the reference on
+    ``x`` padded by NumPy."""
+    xpad = _pad(x, za, ph, pw)
     n, c, hp, wp = xpad.shape
     o, cg, kh, kw = wc.shape
     oh = (hp - dh * (kh - 1) - 1) // sh + 1
     ow = (wp - dw * (kw - 1) - 1) // sw + 1
     out = np.full((n, o, oh, ow), -777, np.int32)
-    conv_grouped(xpad, za, wc, groups, sh, sw, dh, dw, out)
+    conv_grouped(x, za, wc, groups, sh, sw, dh, dw, out, ph, pw)
     ref = _conv_ref(xpad, za, wc, groups, sh, sw, dh, dw)
     assert (out == ref).all()
     return out
@@ -175,7 +178,19 @@ def test_conv_grouped_random(case, dtype):
     x = rng.integers(info.min, info.max + 1, (2, c, 9, 11), dtype=dtype)
     za = int(rng.integers(info.min, info.max + 1))
     wc = rng.integers(-255, 256, (o, c // groups, kh, kw)).astype(np.int16)
-    _conv(_pad(x, za, pad, pad), za, wc, groups, sh, sw, dh, dw)
+    _conv(x, za, wc, groups, sh, sw, dh, dw, pad, pad)
+
+
+@pytest.mark.parametrize("ph,pw", [(2, 0), (0, 3), (1, 2)])
+@pytest.mark.parametrize("s", [1, 2])
+def test_conv_grouped_pads_rows_and_columns_apart(ph, pw, s):
+    """Padding of its own along each axis, on both stride paths: the border
+    codes are the zero point, the contribution 0, at the extremes of uint8."""
+    rng = np.random.default_rng(ph * 10 + pw + s)
+    x = rng.choice(np.array([0, 255], np.uint8), (1, 3, 7, 10))
+    wc = rng.choice(np.array([-255, 255], np.int16), (3, 1, 3, 3))
+    for za in (0, 255):
+        _conv(x, za, wc, 3, s, s, 1, 1, ph, pw)
 
 
 @pytest.mark.parametrize("case", CASES[:4] + CASES[6:7])
@@ -187,11 +202,11 @@ def test_conv_grouped_extremes(case):
         x = np.full(shape, xv, dtype)
         for wv in (-255, 255):
             wc = np.full((o, c // groups, kh, kw), wv, np.int16)
-            out = _conv(_pad(x, za, pad, pad), za, wc, groups, sh, sw, dh, dw)
+            out = _conv(x, za, wc, groups, sh, sw, dh, dw, pad, pad)
             assert np.abs(out).max() > 0 or xv == za
         # alternating extremes
         wc = np.where(np.arange(o * (c // groups) * kh * kw).reshape(o, c // groups, kh, kw) % 2, 255, -255)
-        _conv(_pad(x, za, pad, pad), za, wc.astype(np.int32), groups, sh, sw, dh, dw)
+        _conv(x, za, wc.astype(np.int32), groups, sh, sw, dh, dw, pad, pad)
 
 
 def test_conv_grouped_wide_rows():
@@ -200,7 +215,7 @@ def test_conv_grouped_wide_rows():
     x = rng.integers(0, 256, (1, 2, 5, 133), dtype=np.uint8)
     wc = rng.integers(-255, 256, (2, 1, 3, 3)).astype(np.int16)
     for s in (1, 2, 3):
-        _conv(_pad(x, 17, 1, 1), 17, wc, 2, s, s)
+        _conv(x, 17, wc, 2, s, s, 1, 1, 1, 1)
 
 
 def test_conv_grouped_refuses_bad_shapes():

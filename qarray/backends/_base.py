@@ -741,15 +741,17 @@ class Backend:
                 for p in range(kh) for q in range(kw)]  # slices only: any array library has them
         return self.xp.stack(taps, axis=3).reshape(n * oh * ow, kh * kw * c)
 
-    def conv_grouped(self, xpad, wc, gp: Gemm, out=None):
+    def conv_grouped(self, x, wc, gp: Gemm, out=None):
         """Grouped conv2d by the plan ``gp`` (a ``qarray._params.Gemm``:
-        ``za``, ``bias``, ``groups``, ``stride``, ``dilation``): the exact sums
-        ``sum (xpad - za) * wc`` over the taps of each output channel's group,
-        plus ``bias`` (int64 ``(O,)`` or None), as integers ``(N, O, OH, OW)``
-        (``gp.rq`` None) or requantized by ``gp.rq``; written into ``out`` when
-        given. ``wc`` holds centred weights ``(O, C / groups, kh, kw)``; output
-        channel ``o`` reads the input channels of group ``o // (O / groups)``.
-        Here one int64 contraction per tap, never one GEMM per group."""
+        ``za``, ``bias``, ``groups``, ``stride``, ``dilation``, ``padding``): the
+        exact sums ``sum (xpad - za) * wc`` over the taps of each output
+        channel's group, ``xpad`` the codes ``x`` ``(N, C, H, W)`` padded with
+        ``za``, plus ``bias`` (int64 ``(O,)`` or None), as integers ``(N, O,
+        OH, OW)`` (``gp.rq`` None) or requantized by ``gp.rq``; written into
+        ``out`` when given. ``wc`` holds centred weights ``(O, C / groups, kh,
+        kw)``; output channel ``o`` reads the input channels of group ``o // (O
+        / groups)``. Here one int64 contraction per tap, never one GEMM per group."""
+        xpad = self._pad(x, gp)
         xp, groups = self.xp, gp.groups
         n, c, hp, wp = xpad.shape
         o, cg, kh, kw = wc.shape
@@ -766,6 +768,11 @@ class Backend:
         if gp.bias is not None:
             acc += gp.bias[:, None, None]
         return self._result(acc, gp.rq, out)
+
+    def _pad(self, x, gp: Gemm):
+        """Codes ``x`` ``(N, C, H, W)`` padded by ``gp.padding`` with ``gp.za``."""
+        (ph, pw), xp = gp.padding, self.xp
+        return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=x.dtype.type(gp.za))
 
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):

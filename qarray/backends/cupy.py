@@ -631,13 +631,14 @@ class CupyBackend(Backend):
                                    out), "gemm.cu")
             return out
 
-    def conv_grouped(self, xpad, wc, gp, out=None):
+    def conv_grouped(self, x, wc, gp, out=None):
         rq, bias = gp.rq, gp.bias
-        if _name(xpad.dtype) not in ("int8", "uint8", "int16", "uint16") or (
+        if _name(x.dtype) not in ("int8", "uint8", "int16", "uint16") or (
                 rq is not None and (rq.block_size is not None or rq.f.size not in (1, wc.shape[0]))):
-            return super().conv_grouped(xpad, wc, gp, out)
+            return super().conv_grouped(x, wc, gp, out)
         xp = self.xp
-        with self.on(xpad):
+        with self.on(x):
+            xpad = self._pad(x, gp)
             (sh, sw), (dh, dw) = gp.stride, gp.dilation
             n, c, hp, wp = xpad.shape
             o, cg, kh, kw = wc.shape

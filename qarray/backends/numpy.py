@@ -545,21 +545,21 @@ class NumpyBackend(Backend):
         return out
 
     @_fast_path("gemm")
-    def conv_grouped(self, cpu, xpad, wc, gp, out=None):
-        (sh, sw), (dh, dw) = gp.stride, gp.dilation
-        n, _, hp, wp = xpad.shape
+    def conv_grouped(self, cpu, x, wc, gp, out=None):
+        (sh, sw), (dh, dw), (ph, pw) = gp.stride, gp.dilation, gp.padding
+        n, _, h, w = x.shape
+        hp, wp = h + 2 * ph, w + 2 * pw
         o, _, kh, kw = wc.shape
         narrow = gp.bias is None and gp.rq is not None and gp.rq.narrow(np.int32)
         dtype = (np.int32 if gp.bias is None else np.int64) if gp.rq is None else gp.rq.out_dtype
         rq = NO_REQUANT if gp.rq is None else gp.rq
         cols = [_column(0 if gp.bias is None else gp.bias, o), *_columns(rq, o)]
-        xpad = contiguous(xpad)
-        flat = xpad.reshape(n, xpad.shape[1], hp * wp)  # its planes seen flat (strides 1)
+        x = contiguous(x)
 
         def fill(target):
-            cpu.pool.parallel(cpu.gemm.conv_grouped[rq.rounding, narrow], n * o, xpad, flat, np.int64(gp.za),
-                              contiguous(wc), gp.groups, sh, sw, dh, dw, *cols, np.int64(rq.lo), np.int64(rq.hi),
-                              target)
+            cpu.pool.parallel(cpu.gemm.conv_grouped[rq.rounding, narrow], n * o, x, np.int64(gp.za),
+                              contiguous(wc), gp.groups, sh, sw, dh, dw, ph, pw, *cols, np.int64(rq.lo),
+                              np.int64(rq.hi), target)
             return target
 
         shape = (n, o, (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1)

@@ -94,10 +94,10 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
             cols = QArray._new(b.im2col(xpad, kh, kw, stride, dilation), x.scale, x.zero_point, x.dtype, None, None, b)
             out = packed.run(op, cols, bias, rq)  # (N*OH*OW, O): rq's channel axis is 1 here too
             return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
-        xpad = xp.pad(x.data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=fill)
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
-        return b.conv_grouped(xpad, packed.data.astype(xp.int32) - b.param(zw),
-                              Gemm(za, bias=bias, rq=rq, groups=groups, stride=stride, dilation=dilation))
+        return b.conv_grouped(x.data, packed.data.astype(xp.int32) - b.param(zw),
+                              Gemm(za, bias=bias, rq=rq, groups=groups, stride=stride, dilation=dilation,
+                                   padding=padding))
 
     return finish(op, b, acc, factors, 1, scale, zero_point, dtype,
                   default_dtype=x.dtype, mode=mode, rounding=rounding, relu=relu)
