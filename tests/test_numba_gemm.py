@@ -239,24 +239,27 @@ def _im2col_numpy(xpad, kh, kw, sh, sw, dh, dw):
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
-@pytest.mark.parametrize("shape, k, s, d", [
-    ((1, 3, 7, 7), (3, 3), (1, 1), (1, 1)),
-    ((2, 4, 9, 11), (3, 3), (2, 2), (1, 1)),
-    ((2, 2, 10, 9), (3, 2), (1, 2), (2, 1)),
-    ((1, 5, 6, 8), (1, 1), (1, 1), (1, 1)),
-    ((1, 2, 12, 12), (5, 3), (3, 1), (2, 2)),
-    ((1, 1, 7, 7), (7, 7), (1, 1), (1, 1)),
+@pytest.mark.parametrize("shape, k, s, d, pad", [
+    ((1, 3, 7, 7), (3, 3), (1, 1), (1, 1), (1, 1)),
+    ((2, 4, 9, 11), (3, 3), (2, 2), (1, 1), (0, 0)),
+    ((2, 2, 10, 9), (3, 2), (1, 2), (2, 1), (2, 0)),
+    ((1, 5, 6, 8), (1, 1), (1, 1), (1, 1), (0, 3)),
+    ((1, 2, 12, 12), (5, 3), (3, 1), (2, 2), (3, 2)),
+    ((1, 1, 7, 7), (7, 7), (1, 1), (1, 1), (3, 3)),
 ])
-def test_im2col_matches_numpy(dtype, shape, k, s, d):
+def test_im2col_matches_numpy(dtype, shape, k, s, d, pad):
+    """The kernel pads as it copies (with the zero point, at both ends of the
+    dtype); the reference pads with NumPy first."""
     rng = np.random.default_rng(sum(shape))
     info = np.iinfo(dtype)
-    xpad = rng.integers(info.min, info.max + 1, shape, dtype=dtype)
-    ref = _im2col_numpy(xpad, *k, *s, *d)
-    out = np.empty(ref.shape, dtype)
-    nhwc = np.ascontiguousarray(xpad.transpose(0, 2, 3, 1))
-    oh = (shape[2] - d[0] * (k[0] - 1) - 1) // s[0] + 1
-    parallel(im2col, shape[0] * oh, nhwc, *k, *s, *d, out)  # tasks (n, i) split among threads
-    assert out.dtype == ref.dtype and (out == ref).all()
-    from qarray.backends._base import Backend
+    x = rng.integers(info.min, info.max + 1, shape, dtype=dtype)
+    nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    for za in (info.min, info.max):
+        ref = _im2col_numpy(_pad(x, za, *pad), *k, *s, *d)
+        out = np.empty(ref.shape, dtype)
+        oh = (shape[2] + 2 * pad[0] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+        parallel(im2col, shape[0] * oh, nhwc, *k, *s, *d, *pad, za, out)  # tasks (n, i) split among threads
+        assert out.dtype == ref.dtype and (out == ref).all()
+        from qarray.backends._base import Backend
 
-    assert (Backend(np).im2col(nhwc, *k, s, d) == ref).all()  # the generic code, as CuPy runs it
+        assert (Backend(np).im2col(nhwc, *k, s, pad, d, za) == ref).all()  # the generic code, as CuPy runs it

@@ -730,11 +730,12 @@ class Backend:
         return self._result(acc.astype(gp.acc_dtype) if gp.rq is None else acc, gp.rq, out)
 
     # -- convolution ----------------------------------------------------------
-    def im2col(self, xpad, kh, kw, stride, dilation):
+    def im2col(self, x, kh, kw, stride, padding, dilation, za):
         """``(N*OH*OW, kh*kw*C)``: row ``(n, i, j)``, column ``(p, q, c)`` holds
-        ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]`` (``xpad`` channels-last,
-        ``(N, Hp, Wp, C)``)."""
-        (sh, sw), (dh, dw) = stride, dilation
+        ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]``, ``xpad`` the channels-last
+        codes ``x`` ``(N, H, W, C)`` padded by ``padding`` with ``za``."""
+        (sh, sw), (dh, dw), (ph, pw) = stride, dilation, padding
+        xpad = self.xp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=x.dtype.type(za))
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         taps = [xpad[:, p * dh: p * dh + (oh - 1) * sh + 1: sh, q * dw: q * dw + (ow - 1) * sw + 1: sw, :]

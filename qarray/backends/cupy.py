@@ -615,12 +615,13 @@ class CupyBackend(Backend):
         return out
 
     # -- convolution: im2col into the GEMM, grouped conv direct -------------------
-    def im2col(self, xpad, kh, kw, stride, dilation):
-        if xpad.dtype.itemsize != 1:
-            return super().im2col(xpad, kh, kw, stride, dilation)
+    def im2col(self, x, kh, kw, stride, padding, dilation, za):
+        if x.dtype.itemsize != 1:
+            return super().im2col(x, kh, kw, stride, padding, dilation, za)
         xp = self.xp
-        with self.on(xpad):
-            (sh, sw), (dh, dw) = stride, dilation
+        with self.on(x):
+            (sh, sw), (dh, dw), (ph, pw) = stride, dilation, padding
+            xpad = xp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=x.dtype.type(za))
             n, hp, wp, c = xpad.shape
             oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
             out = xp.empty((n * oh * ow, kh * kw * c), xpad.dtype)

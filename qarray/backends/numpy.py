@@ -536,12 +536,12 @@ class NumpyBackend(Backend):
 
     # -- convolution: Numba im2col and direct grouped conv for 8-bit codes ----
     @_fast_path("gemm")
-    def im2col(self, cpu, xpad, kh, kw, stride, dilation):
-        (sh, sw), (dh, dw) = stride, dilation
-        n, hp, wp, c = xpad.shape
-        oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-        out = self.empty((n * oh * ow, c * kh * kw), xpad.dtype)
-        cpu.pool.parallel(cpu.gemm.im2col, n * oh, contiguous(xpad), kh, kw, sh, sw, dh, dw, out)
+    def im2col(self, cpu, x, kh, kw, stride, padding, dilation, za):
+        (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+        n, h, w, c = x.shape
+        oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        out = self.empty((n * oh * ow, c * kh * kw), x.dtype)
+        cpu.pool.parallel(cpu.gemm.im2col, n * oh, contiguous(x), kh, kw, sh, sw, dh, dw, ph, pw, np.int64(za), out)
         return out
 
     @_fast_path("gemm")

@@ -84,14 +84,13 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
                          f"{h + 2 * ph}x{wd + 2 * pw}")
     oh, ow = (h + 2 * ph - eh) // sh + 1, (wd + 2 * pw - ew) // sw + 1
     za = int(to_host(x.zero_point))
-    fill = x.data.dtype.type(za)
     factors = [to_host(x.scale), to_host(packed.scale)]
     bias = None if bias is None else _bias_ints(op, b, bias, factors, o, mode, rounding)
 
     def acc(rq):
         if groups == 1:  # channels-last im2col into the GEMM, requantized (rq) in its epilogue
-            xpad = xp.pad(x.data.transpose(0, 2, 3, 1), ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=fill)
-            cols = QArray._new(b.im2col(xpad, kh, kw, stride, dilation), x.scale, x.zero_point, x.dtype, None, None, b)
+            cols = b.im2col(x.data.transpose(0, 2, 3, 1), kh, kw, stride, padding, dilation, za)
+            cols = QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
             out = packed.run(op, cols, bias, rq)  # (N*OH*OW, O): rq's channel axis is 1 here too
             return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)

@@ -84,7 +84,7 @@ def _conv_sums_fit(x, wc, gp, out=None):
 ACCEPTS = {
     "int_matmul": lambda a, pw, gp, out=None: isinstance(pw, Packed) and (a.size > 0 and pw.fused(a) or pw.by_rows(a)),
     "gemm_epilogue": lambda raw, rowsum, c, zw, gp, out=None: raw.ndim == 2,
-    "im2col": lambda xpad, kh, kw, stride, dilation: xpad.dtype.itemsize == 1,
+    "im2col": lambda x, kh, kw, stride, padding, dilation, za: x.dtype.itemsize == 1,
     "conv_grouped": _conv_sums_fit,
 }
 
@@ -816,23 +816,26 @@ conv_grouped = {(code, narrow): _make_conv_grouped(code, narrow)
 
 
 @kernel
-def im2col(xpad, kh, kw, sh, sw, dh, dw, out, start, stop):
-    """Patches of a padded channels-last image as GEMM rows.
+def im2col(x, kh, kw, sh, sw, dh, dw, ph, pw, za, out, start, stop):
+    """Patches of a channels-last image, padded with ``za``, as GEMM rows.
 
-    - ``xpad``: (N, Hp, Wp, C), C-contiguous, padded by the caller.
-    - ``kh, kw, sh, sw, dh, dw``: kernel size, strides, dilations (>= 1).
+    - ``x``: (N, H, W, C), C-contiguous.
+    - ``kh, kw, sh, sw, dh, dw``: kernel size, strides, dilations (>= 1);
+      ``ph, pw``: padding (>= 0), its codes ``za``.
     - ``out``: (N*OH*OW, kh*kw*C), same dtype, C-contiguous, written whole,
-      with ``OH = (Hp - dh*(kh-1) - 1)//sh + 1`` (same for W):
-      ``out[(n*OH + i)*OW + j, (p*kw + q)*C + c] = xpad[n, i*sh + p*dh, j*sw + q*dw, c]``.
+      with ``OH = (H + 2*ph - dh*(kh-1) - 1)//sh + 1`` (same for W):
+      ``out[(n*OH + i)*OW + j, (p*kw + q)*C + c] = xpad[n, i*sh + p*dh, j*sw + q*dw, c]``,
+      ``xpad`` being ``x`` padded.
 
     Channels last, every tap is one contiguous run of C codes, copied as a
-    vector (channels-first patches are single bytes scattered over the row).
-    A copy: no arithmetic, no overflow. One task per (n, i), ``t = n * OH + i``
-    in ``start..stop``.
+    vector (channels-first patches are single bytes scattered over the row),
+    or ``za`` where the tap lies in the padding (no padded copy of the input
+    is made). A copy: no arithmetic, no overflow. One task per (n, i), ``t = n
+    * OH + i`` in ``start..stop``.
     """
-    N, Hp, Wp, C = xpad.shape
-    OH = (Hp - dh * (kh - 1) - 1) // sh + 1
-    OW = (Wp - dw * (kw - 1) - 1) // sw + 1
+    N, H, W, C = x.shape
+    OH = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    OW = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if OH < 0 or OW < 0:
         raise ValueError("im2col: kernel larger than the padded input")
     if out.shape[0] != N * OH * OW or out.shape[1] != C * kh * kw:
@@ -843,10 +846,14 @@ def im2col(xpad, kh, kw, sh, sw, dh, dw, out, start, stop):
         for j in range(OW):
             row = out[t * OW + j]
             for p in range(kh):
-                line = xpad[n, i * sh + p * dh]
+                r = i * sh + p * dh - ph
                 for q in range(kw):
-                    # sliced views indexed from 0 (see conv_grouped)
-                    src = line[j * sw + q * dw]
-                    dst = row[(p * kw + q) * C:]
-                    for c in range(C):
-                        dst[c] = src[c]
+                    col = j * sw + q * dw - pw
+                    dst = row[(p * kw + q) * C:]  # sliced views indexed from 0 (see conv_grouped)
+                    if 0 <= r < H and 0 <= col < W:
+                        src = x[n, r, col]
+                        for c in range(C):
+                            dst[c] = src[c]
+                    else:
+                        for c in range(C):
+                            dst[c] = za
