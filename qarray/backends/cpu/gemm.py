@@ -77,7 +77,7 @@ def _conv_sums_fit(x, wc, gp, out=None):
         return False
     za, wmax = gp.za, int(np.abs(wc).max(initial=0))
     xmax = max(abs(255 - za), abs(za)) if x.dtype == np.uint8 else max(abs(127 - za), abs(-128 - za))
-    return np.prod(wc.shape[1:]) * wmax * xmax < 2**31
+    return math.prod(wc.shape[1:]) * wmax * xmax < 2**31
 
 
 # the calls the NumPy backend's GEMM primitives pass to these kernels (qarray.backends.numpy._fast_path)
@@ -547,7 +547,7 @@ def _scratch(shape):
     """A uint8 array of ``shape``, this thread's from one call to the next: a
     new one each call was memory the kernel faulted in page by page (1 MB of
     activations: up to 1.5 ms more, on and off as malloc's threshold moved)."""
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     buf = getattr(_kept, "buf", None)
     if buf is None or buf.size < size:
         buf = _kept.buf = aligned_copy(np.zeros(max(size, 1 << 16), np.uint8))  # (tile rows in one cache line)
