@@ -734,8 +734,8 @@ class Backend:
         """``(N*OH*OW, kh*kw*C)``: row ``(n, i, j)``, column ``(p, q, c)`` holds
         ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]``, ``xpad`` the channels-last
         codes ``x`` ``(N, H, W, C)`` padded by ``padding`` with ``za``."""
-        (sh, sw), (dh, dw), (ph, pw) = stride, dilation, padding
-        xpad = self.xp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=x.dtype.type(za))
+        (sh, sw), (dh, dw) = stride, dilation
+        xpad = self._pad(x, padding, za, channels_last=True)
         n, hp, wp, c = xpad.shape
         oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
         taps = [xpad[:, p * dh: p * dh + (oh - 1) * sh + 1: sh, q * dw: q * dw + (ow - 1) * sw + 1: sw, :]
@@ -752,7 +752,7 @@ class Backend:
         ``out`` when given. ``wc`` holds centred weights ``(O, C / groups, kh,
         kw)``; output channel ``o`` reads the input channels of group ``o // (O
         / groups)``. Here one int64 contraction per tap, never one GEMM per group."""
-        xpad = self._pad(x, gp)
+        xpad = self._pad(x, gp.padding, gp.za)
         xp, groups = self.xp, gp.groups
         n, c, hp, wp = xpad.shape
         o, cg, kh, kw = wc.shape
@@ -770,10 +770,12 @@ class Backend:
             acc += gp.bias[:, None, None]
         return self._result(acc, gp.rq, out)
 
-    def _pad(self, x, gp: Gemm):
-        """Codes ``x`` ``(N, C, H, W)`` padded by ``gp.padding`` with ``gp.za``."""
-        (ph, pw), xp = gp.padding, self.xp
-        return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=x.dtype.type(gp.za))
+    def _pad(self, x, padding, za, channels_last=False):
+        """Codes ``x`` ``(N, C, H, W)`` (``(N, H, W, C)`` where ``channels_last``)
+        padded by ``padding`` ``(ph, pw)`` with ``za``."""
+        (ph, pw), none = padding, (0, 0)
+        pads = (none, (ph, ph), (pw, pw), none) if channels_last else (none, none, (ph, ph), (pw, pw))
+        return self.xp.pad(x, pads, constant_values=x.dtype.type(za))
 
     # -- sub-byte packing ---------------------------------------------------
     def pack(self, q, bits):

@@ -620,8 +620,8 @@ class CupyBackend(Backend):
             return super().im2col(x, kh, kw, stride, padding, dilation, za)
         xp = self.xp
         with self.on(x):
-            (sh, sw), (dh, dw), (ph, pw) = stride, dilation, padding
-            xpad = xp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=x.dtype.type(za))
+            (sh, sw), (dh, dw) = stride, dilation
+            xpad = self._pad(x, padding, za, channels_last=True)
             n, hp, wp, c = xpad.shape
             oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
             out = xp.empty((n * oh * ow, kh * kw * c), xpad.dtype)
@@ -639,7 +639,7 @@ class CupyBackend(Backend):
             return super().conv_grouped(x, wc, gp, out)
         xp = self.xp
         with self.on(x):
-            xpad = self._pad(x, gp)
+            xpad = self._pad(x, gp.padding, gp.za)
             (sh, sw), (dh, dw) = gp.stride, gp.dilation
             n, c, hp, wp = xpad.shape
             o, cg, kh, kw = wc.shape
