@@ -251,3 +251,113 @@ def test_without_numba_auto_takes_the_next_engine(monkeypatch):
     ok, why = _gemm.status("qarray")
     assert not ok and why.endswith("pip install 'qarray[fast]'")
     assert _gemm.engine() in ("u8s8", "u8u8", "blas")
+
+
+# -- conv2d's implicit GEMM (``gemm.conv``): stride 1, C a multiple of 64 ----------------------------
+# (N, C, H, W), (O, kh, kw), padding, dilation
+IMPLICIT = [
+    ((1, 64, 14, 15), (40, 3, 3), (1, 1), (1, 1)),  # ResNet's taps; a part block of rows, 2 column blocks
+    ((3, 128, 6, 7), (33, 1, 1), (0, 0), (1, 1)),  # 1x1: the rows run on from image to image
+    ((2, 64, 20, 21), (70, 3, 3), (2, 0), (2, 1)),  # rows of padding alone, dilation; 3 column blocks
+    ((1, 192, 16, 17), (5, 1, 3), (0, 3), (1, 2)),  # 3 steps of 64 channels a tap
+]
+
+
+def _conv_ref(x, zx, w, zw, padding, dilation):
+    """``sum (x - zx) * (w - zw)`` over each window (stride 1), int64: tap by tap."""
+    (ph, pw), (dh, dw) = padding, dilation
+    xi = np.pad(x.astype(np.int64) - zx, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    wi = w.astype(np.int64) - np.asarray(zw, np.int64).reshape(-1, 1, 1, 1)
+    o, _, kh, kw = w.shape
+    oh, ow = xi.shape[2] - dh * (kh - 1), xi.shape[3] - dw * (kw - 1)
+    return sum(np.einsum("nchw,oc->nohw", xi[:, :, p * dh:p * dh + oh, q * dw:q * dw + ow], wi[:, :, p, q])
+               for p in range(kh) for q in range(kw))
+
+
+def _counting(monkeypatch):
+    """The calls of ``gemm.conv`` (the NumPy backend finds it on the module at each call)."""
+    calls, conv = [], gemm.conv
+    monkeypatch.setattr(gemm, "conv", lambda *args: calls.append(args[3].shape) or conv(*args))
+    return calls
+
+
+@pytest.mark.parametrize("cfg", IMPLICIT, ids=range(len(IMPLICIT)))
+@pytest.mark.parametrize("pair", [("quint8", "qint8"), ("qint8", "quint8")], ids="-".join)
+def test_conv_implicit_gemm_is_exact_at_the_extremes(cfg, pair, only, rng, monkeypatch):
+    """conv2d through ``gemm.conv`` (no im2col) on every instruction set:
+    codes at qmin/qmax, the input's zero point (the padding's code) at either
+    end, per-channel weight zero points at both ends (the patches' row sums in
+    the epilogue), and none (no row term), against int64 window sums."""
+    (n, c, h, wd), (o, kh, kw), padding, dilation = cfg
+    dx, dw = (qarray.qdtype(d) for d in pair)
+    calls = _counting(monkeypatch)
+    ends = np.resize([dw.qmin, dw.qmax], o)
+    for zx, zw in ((dx.qmin, ends), (dx.qmax, ends[::-1]), (dx.qmax, np.full(o, 0 if dw.signed else 128))):
+        x = extreme(rng, (n, c, h, wd), dx.qmin, dx.qmax)
+        x[0, :, 0, 0] = dx.qmin + dx.qmax - zx  # a pixel far from the zero point in every channel
+        w = extreme(rng, (o, c, kh, kw), dw.qmin, dw.qmax)
+        qx = QArray.from_int(x.astype(dx.storage), 0.5, zx, dx)
+        qw = QArray.from_int(w.astype(dw.storage), np.full(o, 0.25, np.float32), zw, dw, axis=0)
+        with qarray.config.using(gemm="qarray"):
+            got = qarray.conv2d(qx, qw, padding=padding, dilation=dilation)
+        np.testing.assert_array_equal(got.int_repr(), _conv_ref(x, zx, w, zw, padding, dilation))
+    assert calls == [(n, h, wd, c)] * 3
+
+
+def test_conv_implicit_gemm_requantizes_in_its_epilogue(rng, monkeypatch):
+    """int8 out (the float32 rows of the epilogue), bias, ReLU, every rounding
+    to nearest: the same codes as the exact sums requantized alone."""
+    calls = _counting(monkeypatch)
+    x = QArray.from_int(rng.integers(0, 256, (2, 64, 12, 13)).astype(np.uint8), 0.02, 131, "quint8")
+    w = QArray.from_int(rng.integers(-128, 128, (24, 64, 3, 3)).astype(np.int8),
+                        rng.uniform(0.01, 0.05, 24).astype(np.float32), np.zeros(24, np.int64), "qint8", axis=0)
+    bias = rng.uniform(-3, 3, 24).astype(np.float32)
+    with qarray.config.using(gemm="qarray"):
+        acc = qarray.conv2d(x, w, bias, padding=1)
+        for rounding in ("half_even", "half_away", "half_up"):
+            for relu in (False, True):
+                got = qarray.conv2d(x, w, bias, padding=1, scale=0.7, zero_point=-3, dtype="qint8", relu=relu,
+                                    rounding=rounding)
+                r = acc.requantize(0.7, -3, "qint8", rounding=rounding).int_repr()
+                np.testing.assert_array_equal(got.int_repr(), np.maximum(r, -3) if relu else r,
+                                              err_msg=f"{rounding} relu={relu}")
+    assert len(calls) == 7
+
+
+def test_conv_implicit_gemm_sums_past_int32(only, monkeypatch):
+    """K = 70,400 input channels, 1x1: the kernel's int32 sums stop at KMAX
+    and go on in int64, and the window sums reach +-4.58e9, past 2**32: each
+    requantized (a scale of 2**-18, half up) as the exact integer says."""
+    k = 64 * 1100
+    calls = _counting(monkeypatch)
+    x = np.zeros((1, k, 2, 2), np.uint8)
+    x[0, :, 0, 0], x[0, ::2, 1, 0] = 255, 255
+    x[0, :, 1, 1] = np.random.default_rng(3).integers(0, 256, k)
+    w = np.zeros((2, k, 1, 1), np.uint8)
+    w[1] = 255  # zero points 255 and 0: w - zw = -255 and +255 throughout
+    qx = QArray.from_int(x, 0.5, 0, "quint8")
+    qw = QArray.from_int(w, np.full(2, 0.25, np.float32), np.array([255, 0]), "quint8", axis=0)
+    ref = _conv_ref(x, 0, w, [255, 0], (0, 0), (1, 1))
+    assert np.abs(ref).max() == 255 * 255 * k > 2**32
+    with qarray.config.using(gemm="qarray"):
+        got = qarray.conv2d(qx, qw, scale=0.125 * 2**18, zero_point=0, dtype="qint16", rounding="half_up")
+    np.testing.assert_array_equal(got.int_repr(), (ref + 2**17) >> 18)
+    assert calls == [(1, 2, 2, k)]
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ((1, 64, 14, 15), dict(stride=2, padding=1)),  # stride 2
+    ((1, 96, 14, 15), dict(padding=1)),  # 96 channels: a step would straddle two taps
+    ((1, 64, 7, 7), dict(padding=1)),  # 81 padded pixels for 49 outputs: past WASTE
+    ((1, 512, 14, 14), dict(padding=1)),  # rows 512 bytes apart: 8 of L1's sets
+])
+def test_conv_takes_im2col_where_the_implicit_gemm_does_not_apply(shape, kwargs, rng, monkeypatch):
+    calls = _counting(monkeypatch)
+    x = QArray.from_int(rng.integers(0, 256, shape).astype(np.uint8), 0.5, 7, "quint8")
+    w = QArray.from_int(rng.integers(-128, 128, (8, shape[1], 3, 3)).astype(np.int8), 0.25, 0, "qint8")
+    with qarray.config.using(gemm="qarray"):
+        got = qarray.conv2d(x, w, **kwargs)
+    assert calls == []
+    stride = kwargs.get("stride", 1)
+    want = _conv_ref(x.int_repr(), 7, w.int_repr(), [0] * 8, (1, 1), (1, 1))[:, :, ::stride, ::stride]
+    np.testing.assert_array_equal(got.int_repr(), want)

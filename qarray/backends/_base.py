@@ -710,13 +710,17 @@ class Backend:
     def _gemm_terms(self, a, off, pw, gp, shape):
         """:meth:`int_matmul`'s ``(rowsum, c, zw)`` for :meth:`gemm_epilogue`, with
         ``a' = a + off``, and ``c`` broadcast to the batch of a result of ``shape``."""
-        xp = self.xp
         k = a.shape[-1]
+        return self._terms(k, off, pw, gp, shape, lambda: a.sum(axis=-1, dtype=self.xp.int64) + k * off)
+
+    def _terms(self, k, off, pw, gp, shape, rowsum):
+        """:meth:`_gemm_terms` for rows of ``k`` codes ``a'``, ``rowsum()`` their
+        sums, asked for only where a weight's ``zw'`` is nonzero."""
+        xp = self.xp
         terms = _host_column_terms if isinstance(pw.colsum, np.ndarray) else functools.partial(_column_terms, xp)
         zw, c, rows = terms(k, int(gp.za) + off, gp.zw, pw.shift, pw.colsum, gp.bias)
-        rowsum = a.sum(axis=-1, dtype=xp.int64) + k * off if rows else None
         want = shape[:-2] + shape[-1:]
-        return rowsum, c if c.shape == want else xp.broadcast_to(c, want), zw
+        return rowsum() if rows else None, c if c.shape == want else xp.broadcast_to(c, want), zw
 
     def gemm_epilogue(self, raw, rowsum, c, zw, gp: Gemm, out=None):
         """``raw + c - zw * rowsum`` (int64 arithmetic; the products ``raw`` and
@@ -730,6 +734,16 @@ class Backend:
         return self._result(acc.astype(gp.acc_dtype) if gp.rq is None else acc, gp.rq, out)
 
     # -- convolution ----------------------------------------------------------
+    def conv_gemm(self, x, kh, kw, pw, gp: Gemm, out=None):
+        """conv2d (groups 1) as one integer product: :meth:`int_matmul` by the
+        plan ``gp`` of the patches of ``x`` (:meth:`im2col` by ``gp``'s stride,
+        padding and dilation, padded with ``gp.za``; ``x`` the channels-last
+        codes ``(N, H, W, C)``) and the weights ``pw`` (:meth:`pack_weight`'s,
+        ``(kh * kw * C, O)``, rows ``(p, q, c)``): ``(N*OH*OW, O)``. A backend
+        may multiply the patches without copying them out first."""
+        cols = self.im2col(x, kh, kw, gp.stride, gp.padding, gp.dilation, gp.za)
+        return self.int_matmul(cols, pw, gp, out)
+
     def im2col(self, x, kh, kw, stride, padding, dilation, za):
         """``(N*OH*OW, kh*kw*C)``: row ``(n, i, j)``, column ``(p, q, c)`` holds
         ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]``, ``xpad`` the channels-last

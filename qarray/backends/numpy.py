@@ -494,6 +494,18 @@ class NumpyBackend(Backend):
         return self._epilogue(cpu, products, shape, *self._gemm_terms(a, off, pw, gp, shape), gp, out)
 
     @_fast_path("gemm")
+    def conv_gemm(self, cpu, x, kh, kw, pw, gp, out=None):
+        n, h, w, c = x.shape
+        (ph, pwd), (dh, dw) = gp.padding, gp.dilation
+        shape = (n * (h + 2 * ph - dh * (kh - 1)) * (w + 2 * pwd - dw * (kw - 1)), pw.w.shape[1])
+        signed = gp.qd.signed
+        rowsum, c, zw = self._terms(kh * kw * c, 128 * signed, pw, gp, shape, lambda: True)  # (made by the kernel)
+        columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
+        return self._into(out, lambda target: cpu.gemm.conv(cpu.gemm.best(), rq.rounding, self._narrow(gp), x, kh, kw,
+                                                            gp.padding, gp.dilation, gp.za, signed, pw.panels[0],
+                                                            rowsum, columns, rq.lo, rq.hi, target), shape, dtype)
+
+    @_fast_path("gemm")
     def gemm_epilogue(self, cpu, raw, rowsum, c, zw, gp, out=None):
         return self._epilogue(cpu, contiguous(raw), raw.shape, rowsum, c, zw, gp, out)
 

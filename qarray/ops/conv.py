@@ -88,11 +88,13 @@ def conv_packed(op, x: QArray, packed, w_shape, bias, stride, padding, dilation,
     bias = None if bias is None else _bias_ints(op, b, bias, factors, o, mode, rounding)
 
     def acc(rq):
-        if groups == 1:  # channels-last im2col into the GEMM, requantized (rq) in its epilogue
-            cols = b.im2col(x.data.transpose(0, 2, 3, 1), kh, kw, stride, padding, dilation, za)
-            cols = QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b)
-            out = packed.run(op, cols, bias, rq)  # (N*OH*OW, O): rq's channel axis is 1 here too
-            return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)
+        if groups == 1:  # channels-last patches into the GEMM, requantized (rq) in its epilogue
+            if x.dtype.bits <= 8:
+                out = packed.conv(x, kh, kw, bias, rq, stride, padding, dilation)
+            else:  # 16-bit codes: run's two 8-bit products of the patches
+                cols = b.im2col(x.data.transpose(0, 2, 3, 1), kh, kw, stride, padding, dilation, za)
+                out = packed.run(op, QArray._new(cols, x.scale, x.zero_point, x.dtype, None, None, b), bias, rq)
+            return out.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)  # (N*OH*OW, O): rq's channel axis is 1 too
         zw = to_host(packed.zero_point).astype(np.int64).reshape(-1, 1, 1, 1)
         return b.conv_grouped(x.data, packed.data.astype(xp.int32) - b.param(zw),
                               Gemm(za, bias=bias, rq=rq, groups=groups, stride=stride, dilation=dilation,

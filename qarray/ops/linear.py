@@ -111,10 +111,24 @@ class PackedWeight:
             if bias is not None:
                 acc += bias
             return acc if rq is None else b.requantize(acc, rq)
+        return b.int_matmul(a.data, pw, self._plan(a, k_len, bias, rq, wide))
+
+    def _plan(self, a: QArray, k_len, bias, rq, wide=False, **conv) -> Gemm:
+        """The ``Gemm`` of ``a``'s 8-bit codes (``k_len`` of them a row) times
+        these weights; ``conv``: conv2d's stride, padding and dilation."""
+        za = int(to_host(a.zero_point))
         # worst |(a - za) * (w - zw)| summed over K, plus a bias, must fit to use int32
         wa = max(za - a.dtype.qmin, a.dtype.qmax - za)
         wide = wide or k_len * wa * self.reach + _reach(bias) >= 2**31 - 2**30
-        return b.int_matmul(a.data, pw, Gemm(za, self.zp, bias, rq, np.int64 if wide else np.int32, a.dtype))
+        return Gemm(za, self.zp, bias, rq, np.int64 if wide else np.int32, a.dtype, **conv)
+
+    def conv(self, x: QArray, kh, kw, bias, rq, stride, padding, dilation):
+        """conv2d (groups 1) of ``x``'s 8-bit NCHW codes by these weights, rows
+        ``(p, q, c)``: as :meth:`run` on the patches (:meth:`Backend.conv_gemm`),
+        ``(N*OH*OW, O)``."""
+        b = _backends.common(x.data, self.packed.colsum)
+        gp = self._plan(x, kh * kw * x.shape[1], bias, rq, stride=stride, padding=padding, dilation=dilation)
+        return b.conv_gemm(x.data.transpose(0, 2, 3, 1), kh, kw, self.packed_for(b), gp)
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         b = self.backend

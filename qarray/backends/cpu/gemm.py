@@ -80,17 +80,34 @@ def _conv_sums_fit(x, wc, gp, out=None):
     return math.prod(wc.shape[1:]) * wmax * xmax < 2**31
 
 
+def _implicit(x, kh, kw, pw, gp, out=None):
+    """Whether :func:`conv` takes the call: 8-bit codes, qarray's own kernels
+    (2-D panels), stride 1, channels a multiple of 64 (the tiles' rows C
+    bytes apart, spread over L1's sets as :func:`_in_place` asks), and padded
+    pixels few enough: the product's rows at most ``WASTE`` times the outputs."""
+    if x.dtype.itemsize != 1 or not isinstance(pw, Packed) or pw.panels is None or len(pw.panels) != 1:
+        return False
+    n, h, w, c = x.shape
+    (ph, pw_), (dh, dw) = gp.padding, gp.dilation
+    oh, ow = h + 2 * ph - dh * (kh - 1), w + 2 * pw_ - dw * (kw - 1)
+    return (tuple(gp.stride) == (1, 1) and c % BK == 0 and 0 < c and math.gcd(c // BK, 64) <= 4 and n > 0
+            and oh > 0 and ow > 0
+            and n * (h + 2 * ph) * (w + 2 * pw_) <= WASTE * n * oh * ow)
+
+
 # the calls the NumPy backend's GEMM primitives pass to these kernels (qarray.backends.numpy._fast_path)
 ACCEPTS = {
     "int_matmul": lambda a, pw, gp, out=None: isinstance(pw, Packed) and (a.size > 0 and pw.fused(a) or pw.by_rows(a)),
     "gemm_epilogue": lambda raw, rowsum, c, zw, gp, out=None: raw.ndim == 2,
     "im2col": lambda x, kh, kw, stride, padding, dilation, za: x.dtype.itemsize == 1,
+    "conv_gemm": _implicit,
     "conv_grouped": _conv_sums_fit,
 }
 
 BM = BN = 32  # a block's rows and columns
 BK = 64  # k a step
 KMAX = (2**31 - 1) // (255 * 128) // BK * BK  # k summed in int32: 65,792
+WASTE = 1.35  # conv's implicit GEMM: its product's rows (padded pixels) per output kept, at most
 # accumulators a vector of a row alone sums into, k4 by k4 in turn (``rows_from``): 1 x 4096 x 256
 # from L2 (one thread, the kernel alone) took 13 us on 4, 17.5 on 1 (``vpdpbusd``'s latency a k4)
 CHAINS = 4
@@ -120,20 +137,26 @@ def _at(builder, base, offset):
 
 
 def _operands(context, builder, sig, args):
-    """The block intrinsics' arguments as ``(a, (a's step stride, row stride),
-    rows, the first panel, the panel stride, k0, k1, c, keep)``: pointers to
-    bytes, ``keep`` an i1."""
-    a, sa, rows, b, p0, k0, k1, c, keep = args
-    a_, b_, c_ = (context.make_array(sig.args[i])(context, builder, x) for i, x in ((0, a), (3, b), (7, c)))
+    """The block intrinsics' arguments as ``(a, offs, rs, rows, the first
+    panel, the panel stride, k0, k1, c, keep)``: ``a``, the panel and ``c``
+    pointers to bytes, ``offs`` to int64, ``keep`` an i1."""
+    a, offs, rs, rows, b, p0, k0, k1, c, keep = args
+    a_, o_, b_, c_ = (context.make_array(sig.args[i])(context, builder, x) for i, x in ((0, a), (1, offs), (4, b),
+                                                                                         (8, c)))
     bstride = builder.extract_value(b_.strides, 0)
     panel = _at(builder, builder.bitcast(b_.data, _P8), builder.mul(p0, bstride))
     keep = builder.icmp_signed("!=", keep, ir.Constant(keep.type, 0))
-    sa = tuple(builder.extract_value(sa, i) for i in range(2))
-    return builder.bitcast(a_.data, _P8), sa, rows, panel, bstride, k0, k1, builder.bitcast(c_.data, _P8), keep
+    return (builder.bitcast(a_.data, _P8), builder.bitcast(o_.data, _I64.as_pointer()), rs, rows, panel, bstride,
+            k0, k1, builder.bitcast(c_.data, _P8), keep)
 
 
-def _signature(a, sa, rows, b, p0, k0, k1, c, keep):
-    return types.void(a, sa, rows, b, p0, k0, k1, c, keep)
+def _signature(a, offs, rs, rows, b, p0, k0, k1, c, keep):
+    return types.void(a, offs, rs, rows, b, p0, k0, k1, c, keep)
+
+
+def _step(builder, a, offs, k):
+    """Where step ``k`` of a block's rows begins: ``a + offs[k]``."""
+    return _at(builder, a, builder.load(_at(builder, offs, k)))
 
 
 def _const(v):
@@ -152,7 +175,7 @@ def _config():
 _CONFIG = _config()
 
 
-def _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves):
+def _amx_steps(builder, a, offs, rs, panel, bstride, k0, k1, c, keep, halves):
     """The tiles of :func:`_block_amx` for ``halves`` (1 or 2) A tiles of 16 rows."""
     load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
     dot = _fn(builder, "llvm.x86.tdpbusd", ir.VoidType(), [_I8, _I8, _I8])
@@ -167,10 +190,10 @@ def _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves):
             for t in range(len(pairs)):
                 builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [_I8]), [tile(t)])
     with cgutils.for_range_slice(builder, k0, k1, _const(1)) as (k, _):
-        a0 = _at(builder, a, builder.mul(k, sa[0]))
+        a0 = _step(builder, a, offs, k)
         b0 = _at(builder, panel, builder.mul(k, _const(1024)))
         for h in range(halves):
-            builder.call(load, [tile(4 + h), _at(builder, a0, builder.mul(sa[1], _const(16 * h))), sa[1]])
+            builder.call(load, [tile(4 + h), _at(builder, a0, builder.mul(rs, _const(16 * h))), rs])
         for line in range(32):  # the B tiles' lines two steps on: B comes from L2 (A's chunk stays in L1)
             ahead = builder.add(_const(2048 + line % 16 * 64), builder.mul(bstride, _const(line // 16)))
             ahead = _at(builder, b0, ahead)
@@ -186,21 +209,21 @@ def _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves):
 
 
 @intrinsic
-def _block_amx(typingctx, a, sa, rows, b, p0, k0, k1, c, keep):
+def _block_amx(typingctx, a, offs, rs, rows, b, p0, k0, k1, c, keep):
     """``c`` (32 x 32 int32, row-major) = ``a`` (a block of 32 rows, its row
-    ``r`` of step ``k`` at byte ``k * sa[0] + r * sa[1]``: :func:`run`'s) times
+    ``r`` of step ``k`` at byte ``offs[k] + r * rs``: :func:`run`'s) times
     panels ``p0, p0 + 1`` over steps ``k0 .. k1``, plus ``c`` where ``keep``
     (its rows from ``rows`` on: undefined): C tiles 0..3, A tiles 4, 5, B
     tiles 6, 7; 16 rows (C tiles 0, 1 and A tile 4) where ``rows <= 16``."""
     def codegen(context, builder, sig, args):
-        a, sa, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
+        a, offs, rs, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
         with builder.if_else(builder.icmp_signed(">", rows, _const(16))) as (two, one):
             for halves, branch in ((2, two), (1, one)):
                 with branch:
-                    _amx_steps(builder, a, sa, panel, bstride, k0, k1, c, keep, halves)
+                    _amx_steps(builder, a, offs, rs, panel, bstride, k0, k1, c, keep, halves)
         return context.get_dummy_value()
 
-    return _signature(a, sa, rows, b, p0, k0, k1, c, keep), codegen
+    return _signature(a, offs, rs, rows, b, p0, k0, k1, c, keep), codegen
 
 
 def _make_block_vnni(width, rows_at_once, widen=False):
@@ -238,11 +261,12 @@ def _make_block_vnni(width, rows_at_once, widen=False):
             return builder.add(acc, builder.asm(ir.FunctionType(vec, [vec]), "", "=x,0", [pairs], False))
         return builder.call(_fn(builder, name, vec, [vec] * 3), [acc, av, wv])
 
-    def rows_from(builder, a, sa, panel, bstride, k0, k1, c, keep, first, count):
-        """Block rows ``first .. first + count - 1`` (``count`` a constant). One
-        row alone sums ``CHAINS`` k4 apart into accumulators of their own, added
-        together as it is stored: one accumulator a vector waited on each
-        ``vpdpbusd``'s latency (5 cycles) every k4."""
+    def rows_from(builder, a, offs, rs, panel, bstride, k0, k1, c, keep, first, count):
+        """Block rows ``first .. first + count - 1`` (``count`` a constant), step
+        by step, the 16 k4 of a step in turn. One row alone sums ``CHAINS`` k4
+        apart into accumulators of their own, added together as it is stored:
+        one accumulator a vector waited on each ``vpdpbusd``'s latency (5
+        cycles) every k4."""
         chains = CHAINS if count == 1 else 1
         accs = [[[cgutils.alloca_once(builder, vec) for _ in range(chains)] for _ in range(per_row)]
                 for _ in range(count)]
@@ -254,30 +278,31 @@ def _make_block_vnni(width, rows_at_once, widen=False):
                 builder.store(builder.select(keep, kept, ir.Constant(vec, None)), accs[r][v][0])
                 for ch in range(1, chains):
                     builder.store(ir.Constant(vec, None), accs[r][v][ch])
-        with cgutils.for_range_slice(builder, builder.mul(k0, _const(16)), builder.mul(k1, _const(16)),
-                                     _const(chains)) as (k4_, _):
-            for ch in range(chains):  # (16 k4 a step: CHAINS divides it)
-                k4 = builder.add(k4_, _const(ch))
-                wv = []
-                for v in range(per_row):  # panel v * width // 16, from byte (v * width % 16) * 4 of its row k4
-                    p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
-                                                        builder.add(builder.mul(k4, _const(64)),
-                                                                    _const(v * width % 16 * 4))))
-                    bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
-                    wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
-                for r in range(count):
-                    # a's step k4 // 16, row first + r, byte k4 % 16 * 4
-                    pa = _at(builder, a, builder.add(builder.mul(builder.lshr(k4, _const(4)), sa[0]),
-                                                     builder.add(builder.mul(builder.add(first, _const(r)), sa[1]),
-                                                                 builder.mul(builder.and_(k4, _const(15)), _const(4)))))
-                    if widen:
-                        four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
-                        four = builder.bitcast(builder.zext(four, ir.VectorType(ir.IntType(16), 4)), word)
-                    else:
-                        four = builder.load(builder.bitcast(pa, word.as_pointer()), align=1)
-                    av = builder.bitcast(_splat(builder, four, bcast), operand)
-                    for v in range(per_row):
-                        builder.store(dot(builder, builder.load(accs[r][v][ch]), av, wv[v]), accs[r][v][ch])
+        with cgutils.for_range_slice(builder, k0, k1, _const(1)) as (k, _):
+            step = _step(builder, a, offs, k)
+            with cgutils.for_range_slice(builder, _const(0), _const(16), _const(chains)) as (j_, _):
+                for ch in range(chains):  # (16 k4 a step: CHAINS divides it)
+                    j = builder.add(j_, _const(ch))
+                    k4 = builder.add(builder.mul(k, _const(16)), j)
+                    wv = []
+                    for v in range(per_row):  # panel v * width // 16, from byte (v * width % 16) * 4 of its row k4
+                        p = _at(builder, panel, builder.add(builder.mul(bstride, _const(v * width // 16)),
+                                                            builder.add(builder.mul(k4, _const(64)),
+                                                                        _const(v * width % 16 * 4))))
+                        bytes_ = builder.load(builder.bitcast(p, ir.VectorType(_I8, 4 * width).as_pointer()), align=1)
+                        wv.append(builder.sext(bytes_, operand) if widen else builder.bitcast(bytes_, operand))
+                    for r in range(count):
+                        # a's step k, row first + r, byte j * 4
+                        pa = _at(builder, step, builder.add(builder.mul(builder.add(first, _const(r)), rs),
+                                                            builder.mul(j, _const(4))))
+                        if widen:
+                            four = builder.load(builder.bitcast(pa, ir.VectorType(_I8, 4).as_pointer()), align=1)
+                            four = builder.bitcast(builder.zext(four, ir.VectorType(ir.IntType(16), 4)), word)
+                        else:
+                            four = builder.load(builder.bitcast(pa, word.as_pointer()), align=1)
+                        av = builder.bitcast(_splat(builder, four, bcast), operand)
+                        for v in range(per_row):
+                            builder.store(dot(builder, builder.load(accs[r][v][ch]), av, wv[v]), accs[r][v][ch])
         for r in range(count):
             for v in range(per_row):
                 acc = builder.load(accs[r][v][0])
@@ -288,22 +313,22 @@ def _make_block_vnni(width, rows_at_once, widen=False):
                 builder.store(acc, at(builder, c, first, r, v), align=1)
 
     @intrinsic
-    def block(typingctx, a, sa, rows, b, p0, k0, k1, c, keep):
+    def block(typingctx, a, offs, rs, rows, b, p0, k0, k1, c, keep):
         def codegen(context, builder, sig, args):
-            a, sa, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
+            a, offs, rs, rows, panel, bstride, k0, k1, c, keep = _operands(context, builder, sig, args)
             full = builder.mul(builder.sdiv(rows, _const(rows_at_once)), _const(rows_at_once))
             for begin, end, step in ((_const(0), full, rows_at_once), (full, rows, 1)):
                 with cgutils.for_range_slice(builder, begin, end, _const(step)) as (first, _):
-                    rows_from(builder, a, sa, panel, bstride, k0, k1, c, keep, first, step)
+                    rows_from(builder, a, offs, rs, panel, bstride, k0, k1, c, keep, first, step)
             return context.get_dummy_value()
 
-        return _signature(a, sa, rows, b, p0, k0, k1, c, keep), codegen
+        return _signature(a, offs, rs, rows, b, p0, k0, k1, c, keep), codegen
 
     return block
 
 
 @njit(inline="always")
-def _block_portable(a, sa, rows, b, p0, k0, k1, c, keep):
+def _block_portable(a, offs, rs, rows, b, p0, k0, k1, c, keep):
     """The block of :func:`_block_amx` in plain loops."""
     for r in range(rows):
         for h in range(2):
@@ -312,7 +337,7 @@ def _block_portable(a, sa, rows, b, p0, k0, k1, c, keep):
             if not keep:
                 crow[:16] = 0
             for k4 in range(k0 * 16, k1 * 16):
-                a4 = a[k4 // 16 * sa[0] + r * sa[1] + k4 % 16 * 4:]
+                a4 = a[offs[k4 // 16] + r * rs + k4 % 16 * 4:]
                 w = brow[k4 * 64:]
                 for j in range(16):
                     s = np.int32(0)
@@ -327,7 +352,7 @@ _ISAS = ("amx", "avx512vnni", "avxvnni", "portable", "avx2")
 
 
 @njit(inline="always")
-def _block(isa, a, sa, rows, b, p0, k0, k1, c, keep):
+def _block(isa, a, offs, rs, rows, b, p0, k0, k1, c, keep):
     """The block of instruction set ``isa`` (its index in ``_ISAS``: a closure
     constant of the kernel, so the other branches fold away). The kernels name
     the intrinsics here, as globals: in a kernel's closure, an intrinsic is
@@ -336,15 +361,15 @@ def _block(isa, a, sa, rows, b, p0, k0, k1, c, keep):
     fewer run on AVX-512 VNNI (every CPU with AMX has it): a tile's 16 rows
     cost the same whatever is in them."""
     if isa == 0 and rows > SMALL_ROWS:
-        _block_amx(a, sa, rows, b, p0, k0, k1, c, keep)
+        _block_amx(a, offs, rs, rows, b, p0, k0, k1, c, keep)
     elif isa <= 1:
-        _block_vnni512(a, sa, rows, b, p0, k0, k1, c, keep)
+        _block_vnni512(a, offs, rs, rows, b, p0, k0, k1, c, keep)
     elif isa == 2:
-        _block_vnni256(a, sa, rows, b, p0, k0, k1, c, keep)
+        _block_vnni256(a, offs, rs, rows, b, p0, k0, k1, c, keep)
     elif isa == 4:
-        _block_avx2(a, sa, rows, b, p0, k0, k1, c, keep)
+        _block_avx2(a, offs, rs, rows, b, p0, k0, k1, c, keep)
     else:
-        _block_portable(a, sa, rows, b, p0, k0, k1, c, keep)
+        _block_portable(a, offs, rs, rows, b, p0, k0, k1, c, keep)
 
 
 SMALL_ROWS = 8
@@ -382,9 +407,21 @@ def pack_rows(a, flip, out, start, stop):
 
 
 @njit(inline="always")
-def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, code, narrow, near):
-    """The epilogue of one block: ``out[m0 + i, n0 + j] = R(blk[i, j] + c[n] -
-    zw[n] * rowsum[m])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s).
+def _dest(geo, v):
+    """The row of ``out`` that row ``v`` of the product goes to, or -1 for none:
+    ``geo = (M, plane, wp, oh, ow)`` lays the product's rows out as ``(images,
+    plane)``, each image's as ``(plane // wp, wp)``, of which ``out`` keeps
+    ``(oh, ow)`` (:func:`conv`'s padded images). A plain product's is ``(M, M,
+    M, 1, M)``: row ``v`` to row ``v``."""
+    image, at = divmod(v, geo[1])
+    y, x = divmod(at, geo[2])
+    return (image * geo[3] + y) * geo[4] + x if y < geo[3] and x < geo[4] else -1
+
+
+@njit(inline="always")
+def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, geo, code, narrow, near):
+    """The epilogue of one block: ``out[_dest(m0 + i), n0 + j] = R(blk[i, j] + c[n] -
+    zw[n] * rowsum[m0 + i])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s).
     Every array is sliced and indexed from 0 (``requantize._span``: an index from
     ``n0`` keeps Numba checking for wraparound, and the loop from vectorizing).
     Where ``code`` rounds to nearest, ``narrow`` and the output is 8 bits or
@@ -396,8 +433,11 @@ def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, co
     c, zw, zo, m, sh, f = c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:], f[n0:]
     fast = narrow and HALF_EVEN <= code <= HALF_UP and _near_columns(near, c, zw, zo, m, sh, cols, lo, hi)
     for i in range(rows):
+        dest = _dest(geo, m0 + i)
+        if dest < 0:
+            continue
         rs = _row_term(rowsum, m0 + i)
-        orow = out[m0 + i, n0:]
+        orow = out[dest, n0:]
         brow = blk[i * BN:]
         if fast and _store_near(brow, np.int32(rs), near, cols, orow):
             continue
@@ -462,19 +502,20 @@ def _make_gemm(isa, code, narrow):
     which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
 
     @kernel
-    def gemm(a, sa, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
+    def gemm(a, sa, offs, geo, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
         """``out = R(a @ w + c - zw * rowsum)`` on tasks ``start .. stop``, each
         ``GROUP`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
         activations' bytes, row ``r`` of step ``k`` (64 k) of block ``mb`` at
-        ``mb * sa[0] + k * sa[1] + r * sa[2]`` (:func:`run`'s); ``panels``
-        :func:`pack`'s; ``rowsum`` (M,) int64 or None; ``c``, ``zw``, ``zo``,
-        ``m``, ``sh``, ``f``: (N,) columns; ``out`` (M, N).
+        ``mb * sa[0] + offs[k] + r * sa[1]`` (:func:`run`'s, :func:`conv`'s);
+        ``geo[0]`` rows, each stored as ``_dest`` says; ``panels``
+        :func:`pack`'s; ``rowsum`` (geo[0],) int64 or None; ``c``, ``zw``,
+        ``zo``, ``m``, ``sh``, ``f``: (N,) columns; ``out`` (rows kept, N).
 
         A task's rows of ``a`` are read ``STEPS`` steps at a time, from the
         cache, for each of its ``GROUP`` column blocks in turn; tasks of the same
         columns follow each other, so their weights stay in the cache too."""
         _ = source
-        mlen, nlen = out.shape
+        mlen, nlen = geo[0], out.shape[1]
         steps = panels.shape[1] // 1024
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
@@ -499,7 +540,7 @@ def _make_gemm(isa, code, narrow):
                     s1 = min(s0 + STEPS, k1)
                     for nb in range(nb0, nb1):
                         blk = part[(nb - nb0) * BM * BN:]
-                        _block(which, rows_of_a, (sa[1], sa[2]), rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
+                        _block(which, rows_of_a, offs, sa[1], rows, panels, 2 * nb, s0, s1, blk, np.int64(s0 > k0))
                 if steps > chunk:
                     for i in range((nb1 - nb0) * BM * BN):
                         total[i] = part[i] + (total[i] if k0 else 0)
@@ -508,10 +549,10 @@ def _make_gemm(isa, code, narrow):
                 cols = min(BN, nlen - n0)
                 if steps > chunk:
                     _store(total[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           code, narrow, near)
+                           geo, code, narrow, near)
                 else:
                     _store(part[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           code, narrow, near)
+                           geo, code, narrow, near)
         if amx:
             _tiles_end()
 
@@ -559,25 +600,96 @@ def run(isa, code, narrow, a, signed, panels, rowsum, columns, lo, hi, out, thre
     8-bit codes, ``a' = a + 128`` where ``signed``, else ``a``; ``panels``
     :func:`pack`'s of ``w``; ``columns`` the (N,) ``c, zw, zo, m, sh, f``;
     ``lo, hi`` the clamp; on the pool's threads, or one (``threads=1``)."""
-    (mlen, klen), nlen = a.shape, out.shape[1]
+    (mlen, klen), steps = a.shape, -(-a.shape[1] // BK)
     rows = np.ascontiguousarray(a).view(np.uint8)
-    kernel = gemm(isa, code, narrow)
     if _in_place(rows, signed):  # the tiles' rows read where they are
-        bytes_, sa = rows.reshape(-1), (BM * klen, BK, klen)
+        bytes_, sa, offs = rows.reshape(-1), (BM * klen, klen), _offsets(steps, BK)
     else:
-        packed = _scratch((-(-mlen // BM), -(-klen // BK), BM, BK))
-        bytes_, sa = packed.reshape(-1), (packed.strides[0], BM * BK, BK)
+        packed = _scratch((-(-mlen // BM), steps, BM, BK))
+        bytes_, sa, offs = packed.reshape(-1), (packed.strides[0], BK), _offsets(steps, BM * BK)
         flip = np.uint8(0x80 if signed else 0)
         if threads == 1:
             pack_rows(rows, flip, packed, 0, len(packed))
         else:
             parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 18) // (BM * max(klen, 1))))
-    args = (bytes_, sa, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    return _launch(gemm(isa, code, narrow), bytes_, sa, offs, (mlen, mlen, mlen, 1, mlen), panels, rowsum, columns,
+                   lo, hi, out, threads)
+
+
+def _launch(kernel, bytes_, sa, offs, geo, panels, rowsum, columns, lo, hi, out, threads=None):
+    """``kernel`` (:func:`gemm`'s) on every task of a product of ``geo[0]`` rows."""
+    args = (bytes_, sa, offs, geo, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    work = tasks(geo[0], out.shape[1])
     if threads == 1:
-        kernel(*args, 0, tasks(mlen, nlen))
+        kernel(*args, 0, work)
     else:
-        parallel(kernel, tasks(mlen, nlen), *args, grain=-(-SMALL_WORK // (BM * BN * GROUP * max(klen, 1))))
+        parallel(kernel, work, *args, grain=-(-SMALL_WORK // (BM * BN * GROUP * max(len(offs) * BK, 1))))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(steps, stride):
+    """``offs`` for steps ``stride`` bytes apart."""
+    return np.arange(steps, dtype=np.int64) * stride
+
+
+def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, rowsum, columns, lo, hi, out):
+    """conv2d (stride 1, groups 1) as one product of ``gemm``'s kernel, with no
+    im2col (an implicit GEMM): ``out`` (N*OH*OW, O) ``= R(patches @ w + c - zw
+    * rowsum)``, the patches' codes those of :func:`im2col` on ``x`` (N, H, W,
+    C) channels-last codes (any strides), 8-bit, padded with ``za``, ``a + 128`` where ``signed``;
+    ``panels`` :func:`pack`'s of the weights, rows ``(p, q, c)``; ``rowsum``:
+    whether the epilogue has the row term (the patches' sums, made here).
+
+    The images are copied once, padded (:func:`pad_images`), into rows of C
+    codes, a row a padded pixel: image ``i``'s pixel ``(y, x)`` is row ``v =
+    (i * Hp + y) * Wp + x``. Stride 1, the patch of output pixel ``(y, x)``
+    starts at row ``v``, its tap ``(p, q)`` at ``v + p * dh * Wp + q * dw``:
+    product row ``v``'s step ``(tap, 64 channels)`` lies at a fixed offset from
+    row ``v``, rows C bytes apart, as the kernel reads them (``offs``). The
+    product has rows at the padded pixels too, which no output keeps
+    (``_dest`` drops them): ``(Hp * Wp) / (OH * OW)`` times the work, and the
+    tiles read rows ``C`` bytes apart, not the ``K`` of im2col's copy."""
+    n, h, w, c = x.shape
+    (ph, pw), (dh, dw) = padding, dilation
+    hp, wp = h + 2 * ph, w + 2 * pw
+    oh, ow = hp - dh * (kh - 1), wp - dw * (kw - 1)
+    rows = (n - 1) * hp * wp + (oh - 1) * wp + ow  # the last output pixel's row, + 1
+    taps = [p * dh * wp + q * dw for p in range(kh) for q in range(kw)]
+    xpad = _scratch((max(n * hp * wp, -(-rows // BM) * BM + taps[-1] + 1), c))  # the last tiles' rows, read
+    flip = np.uint8(0x80 if signed else 0)
+    parallel(pad_images, n * hp, x, ph, pw, np.uint8(za & 0xFF) ^ flip, flip, xpad, grain=max(64 // max(w, 1), 1))
+    xpad[n * hp * wp:] = 0  # (read by rows that no output keeps)
+    offs = np.array([t * c + k for t in taps for k in range(0, c, BK)], np.int64)
+    sums = None
+    if rowsum:  # each padded pixel's sum over C, summed over the taps of each row's patch
+        pixels = xpad.sum(axis=1, dtype=np.int64)
+        sums = sum(pixels[t:t + rows] for t in taps)
+    return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, (rows, hp * wp, wp, oh, ow),
+                   panels, sums, columns, lo, hi, out)
+
+
+@kernel
+def pad_images(x, ph, pw, za, flip, out, start, stop):
+    """``x`` (N, H, W, C) 8-bit codes, any strides, XOR ``flip``, padded with
+    ``za`` by ``ph`` rows and ``pw`` columns into the rows of ``out`` ((N * Hp
+    * Wp, C) and more, uint8), a row a padded pixel. Tasks: the padded
+    images' rows ``t = i * Hp + y``."""
+    n, h, w, c = x.shape
+    hp, wp = h + 2 * ph, w + 2 * pw
+    for t in range(start, stop):
+        i, y = t // hp, t % hp - ph
+        dst = out[t * wp:(t + 1) * wp]
+        if y < 0 or y >= h:
+            dst[:] = za
+            continue
+        dst[:pw] = za
+        dst[pw + w:] = za
+        src = x[i, y]
+        for j in range(c):  # along a channel: NCHW input transposed (a view) reads in order
+            col = src[:, j]
+            for k in range(w):
+                dst[pw + k, j] = np.uint8(col[k]) ^ flip
 
 
 def _in_place(rows, signed):
