@@ -636,20 +636,21 @@ def _offsets(steps, stride):
 def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, rowsum, columns, lo, hi, out):
     """conv2d (stride 1, groups 1) as one product of ``gemm``'s kernel, with no
     im2col (an implicit GEMM): ``out`` (N*OH*OW, O) ``= R(patches @ w + c - zw
-    * rowsum)``, the patches' codes those of :func:`im2col` on ``x`` (N, H, W,
-    C) channels-last codes (any strides), 8-bit, padded with ``za``, ``a + 128`` where ``signed``;
-    ``panels`` :func:`pack`'s of the weights, rows ``(p, q, c)``; ``rowsum``:
-    whether the epilogue has the row term (the patches' sums, made here).
+    * rowsum)``, the patches :func:`im2col`'s of ``x``, (N, H, W, C)
+    channels-last 8-bit codes (any strides; ``a + 128`` where ``signed``)
+    padded with ``za``; ``panels`` :func:`pack`'s of the weights, rows ``(p,
+    q, c)``; ``rowsum``: whether the epilogue has the row term (the patches'
+    sums, made here).
 
-    The images are copied once, padded (:func:`pad_images`), into rows of C
-    codes, a row a padded pixel: image ``i``'s pixel ``(y, x)`` is row ``v =
-    (i * Hp + y) * Wp + x``. Stride 1, the patch of output pixel ``(y, x)``
-    starts at row ``v``, its tap ``(p, q)`` at ``v + p * dh * Wp + q * dw``:
-    product row ``v``'s step ``(tap, 64 channels)`` lies at a fixed offset from
-    row ``v``, rows C bytes apart, as the kernel reads them (``offs``). The
-    product has rows at the padded pixels too, which no output keeps
-    (``_dest`` drops them): ``(Hp * Wp) / (OH * OW)`` times the work, and the
-    tiles read rows ``C`` bytes apart, not the ``K`` of im2col's copy."""
+    The images are copied once, padded, into rows of C codes, a row a padded
+    pixel: image ``i``'s pixel ``(y, x)`` is row ``v = (i * Hp + y) * Wp +
+    x``. Stride 1, the patch of output pixel ``(y, x)`` starts at row ``v``,
+    its tap ``(p, q)`` at row ``v + p * dh * Wp + q * dw``: product row
+    ``v``'s step ``(tap, 64 channels)`` lies at a fixed offset from row ``v``
+    (``offs``), rows C bytes apart, as the kernel reads them. The product has
+    rows at the padded pixels too, which no output keeps (``_dest`` drops
+    them): ``(Hp * Wp) / (OH * OW)`` times the work (``WASTE``), and no copy
+    of K bytes a row."""
     n, h, w, c = x.shape
     (ph, pw), (dh, dw) = padding, dilation
     hp, wp = h + 2 * ph, w + 2 * pw
@@ -657,9 +658,12 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
     rows = (n - 1) * hp * wp + (oh - 1) * wp + ow  # the last output pixel's row, + 1
     taps = [p * dh * wp + q * dw for p in range(kh) for q in range(kw)]
     xpad = _scratch((max(n * hp * wp, -(-rows // BM) * BM + taps[-1] + 1), c))  # the last tiles' rows, read
-    flip = np.uint8(0x80 if signed else 0)
-    parallel(pad_images, n * hp, x, ph, pw, np.uint8(za & 0xFF) ^ flip, flip, xpad, grain=max(64 // max(w, 1), 1))
+    image = xpad[:n * hp * wp].reshape(n, hp, wp, c)
+    for edge in (image[:, :ph], image[:, ph + h:], image[:, ph:ph + h, :pw], image[:, ph:ph + h, pw + w:]):
+        edge[...] = (za + 128 * signed) & 0xFF
     xpad[n * hp * wp:] = 0  # (read by rows that no output keeps)
+    inner, codes = image[:, ph:ph + h, pw:pw + w], x.view(np.uint8)  # NumPy's strided copy: 2x a Numba loop's
+    np.bitwise_xor(codes, np.uint8(0x80), out=inner) if signed else np.copyto(inner, codes)
     offs = np.array([t * c + k for t in taps for k in range(0, c, BK)], np.int64)
     sums = None
     if rowsum:  # each padded pixel's sum over C, summed over the taps of each row's patch
@@ -667,29 +671,6 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
         sums = sum(pixels[t:t + rows] for t in taps)
     return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, (rows, hp * wp, wp, oh, ow),
                    panels, sums, columns, lo, hi, out)
-
-
-@kernel
-def pad_images(x, ph, pw, za, flip, out, start, stop):
-    """``x`` (N, H, W, C) 8-bit codes, any strides, XOR ``flip``, padded with
-    ``za`` by ``ph`` rows and ``pw`` columns into the rows of ``out`` ((N * Hp
-    * Wp, C) and more, uint8), a row a padded pixel. Tasks: the padded
-    images' rows ``t = i * Hp + y``."""
-    n, h, w, c = x.shape
-    hp, wp = h + 2 * ph, w + 2 * pw
-    for t in range(start, stop):
-        i, y = t // hp, t % hp - ph
-        dst = out[t * wp:(t + 1) * wp]
-        if y < 0 or y >= h:
-            dst[:] = za
-            continue
-        dst[:pw] = za
-        dst[pw + w:] = za
-        src = x[i, y]
-        for j in range(c):  # along a channel: NCHW input transposed (a view) reads in order
-            col = src[:, j]
-            for k in range(w):
-                dst[pw + k, j] = np.uint8(col[k]) ^ flip
 
 
 def _in_place(rows, signed):
