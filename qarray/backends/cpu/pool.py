@@ -47,7 +47,15 @@ GRAIN = 1 << 20
 SOFTMAX_COST = 16  # gathers and a division a distance
 BINARY_COST = 4  # three requantizes
 STOCHASTIC_COST = 16  # ten Philox rounds
-PARTS = 4  # parts a thread, claimed in turn: a thread that wakes late takes fewer
+# Parts a thread, claimed in turn: a thread that wakes late takes fewer. Each part
+# is a kernel call, and takes the GIL again as it ends: where the other thread
+# holds it, a wait on a futex that cost tens of us on the 2-core VM. One part a
+# thread (the caller takes the other's where it has not begun), against 4, with
+# every pool passive, medians of 3 alternating rounds: nn.Linear 1 x 4096 x 4096
+# 0.74 -> 0.64 ms, 16 x 4096 x 4096 0.77 -> 0.71, 256 x 4096 x 4096 3.02 -> 2.86,
+# 1024^3 1.22 -> 1.26, ResNet's 3x3 conv 0.41 -> 0.37; quantize 2^22 0.97 -> 0.91,
+# requantize 2^22 1.63 -> 1.53, dequantize 2^22 0.76 -> 0.67
+PARTS = 1
 # How long a pool thread polls for the next call after its part of one, and the
 # caller for the pool threads' parts, before each sleeps (seconds). Waking a
 # sleeping thread took ~45 us to hand it a call and ~100 us to hear it was done
