@@ -352,10 +352,10 @@ def test_pool_raises_a_parts_error_and_serves_the_next_call(threads):
                 raise ZeroDivisionError(f"part {start}")
 
         with pytest.raises(ZeroDivisionError, match=f"part {bad}"):
-            k.parallel(part, 8)
+            k.parallel(part, 8, parts=4)
         assert sorted(ran) == list(range(8))
         time.sleep(2 * k.SPIN if bad else 0)  # the pool thread asleep, then still polling
-        assert k.parallel(lambda start, stop: (start, stop), 8) == [(i, i + 1) for i in range(8)]
+        assert k.parallel(lambda start, stop: (start, stop), 8, parts=4) == [(i, i + 1) for i in range(8)]
 
 
 def test_a_call_takes_no_more_threads_than_it_is_given(threads, monkeypatch):
@@ -417,7 +417,7 @@ def test_a_call_while_the_pool_is_busy_runs_on_its_own_thread(threads):
         time.sleep(0.02)
         return tag, start, stop
 
-    t = threading.Thread(target=lambda: got.__setitem__("a", k.parallel(slow, 4, "a")))
+    t = threading.Thread(target=lambda: got.__setitem__("a", k.parallel(slow, 4, "a", parts=2)))
     t.start()
     started.wait()
     got["b"] = k.parallel(slow, 4, "b")
