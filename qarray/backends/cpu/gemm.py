@@ -390,38 +390,33 @@ def pack_rows(a, flip, out, start, stop):
     tile of 16 rows is 1 KB in a row, where rows K bytes apart could share one
     set of the L1 cache). Rows beyond M are left as they are: a tile's rows
     there make only rows of C that no store reads (zeroing them cost M = 1
-    more than its GEMM at K = 65,536). Tasks: blocks of rows."""
+    more than its GEMM at K = 65,536). Step by step, each written in order
+    (rows by rows: 15-20% slower). Tasks: blocks of rows."""
     mlen, klen = a.shape
     steps, full = out.shape[1], klen // BK
     for mb in range(start, stop):
-        for r in range(min(BM, mlen - mb * BM)):
-            row = a[mb * BM + r]
-            for s in range(full):
-                d, src = out[mb, s, r], row[s * BK:]
+        rows = min(BM, mlen - mb * BM)
+        for s in range(full):
+            step = out[mb, s]
+            for r in range(rows):
+                d, src = step[r], a[mb * BM + r, s * BK:]
                 for i in range(BK):  # a constant count: one vector
                     d[i] = src[i] ^ flip
-            if full < steps:
-                d, src = out[mb, full, r], row[full * BK:]
+        if full < steps:
+            step = out[mb, full]
+            for r in range(rows):
+                d, src = step[r], a[mb * BM + r, full * BK:]
                 for i in range(BK):
                     d[i] = src[i] ^ flip if i < klen - full * BK else 0
 
 
 @njit(inline="always")
-def _dest(geo, v):
-    """The row of ``out`` that row ``v`` of the product goes to, or -1 for none:
-    ``geo = (M, plane, wp, oh, ow)`` lays the product's rows out as ``(images,
-    plane)``, each image's as ``(plane // wp, wp)``, of which ``out`` keeps
-    ``(oh, ow)`` (:func:`conv`'s padded images). A plain product's is ``(M, M,
-    M, 1, M)``: row ``v`` to row ``v``."""
-    image, at = divmod(v, geo[1])
-    y, x = divmod(at, geo[2])
-    return (image * geo[3] + y) * geo[4] + x if y < geo[3] and x < geo[4] else -1
-
-
-@njit(inline="always")
-def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, geo, code, narrow, near):
-    """The epilogue of one block: ``out[_dest(m0 + i), n0 + j] = R(blk[i, j] + c[n] -
-    zw[n] * rowsum[m0 + i])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s).
+def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, rows_to, code, narrow, near):
+    """The epilogue of one block: ``out[r, n0 + j] = R(blk[i, j] + c[n] - zw[n]
+    * rowsum[m0 + i])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s),
+    ``r = m0 + i``, or ``rows_to[m0 + i]`` where that is not None (none where
+    it is -1: :func:`conv`'s; two divisions a row there took a tenth of the
+    kernel's time).
     Every array is sliced and indexed from 0 (``requantize._span``: an index from
     ``n0`` keeps Numba checking for wraparound, and the loop from vectorizing).
     Where ``code`` rounds to nearest, ``narrow`` and the output is 8 bits or
@@ -433,11 +428,11 @@ def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, ge
     c, zw, zo, m, sh, f = c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:], f[n0:]
     fast = narrow and HALF_EVEN <= code <= HALF_UP and _near_columns(near, c, zw, zo, m, sh, cols, lo, hi)
     for i in range(rows):
-        dest = _dest(geo, m0 + i)
-        if dest < 0:
+        r = m0 + i if rows_to is None else rows_to[m0 + i]  # (None: pruned as rowsum's term)
+        if r < 0:
             continue
         rs = _row_term(rowsum, m0 + i)
-        orow = out[dest, n0:]
+        orow = out[r, n0:]
         brow = blk[i * BN:]
         if fast and _store_near(brow, np.int32(rs), near, cols, orow):
             continue
@@ -502,20 +497,21 @@ def _make_gemm(isa, code, narrow):
     which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
 
     @kernel
-    def gemm(a, sa, offs, geo, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
+    def gemm(a, sa, offs, rows_to, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
         """``out = R(a @ w + c - zw * rowsum)`` on tasks ``start .. stop``, each
         ``GROUP`` blocks of 32 columns by 32 rows (``tasks``): ``a`` the
         activations' bytes, row ``r`` of step ``k`` (64 k) of block ``mb`` at
         ``mb * sa[0] + offs[k] + r * sa[1]`` (:func:`run`'s, :func:`conv`'s);
-        ``geo[0]`` rows, each stored as ``_dest`` says; ``panels``
-        :func:`pack`'s; ``rowsum`` (geo[0],) int64 or None; ``c``, ``zw``,
-        ``zo``, ``m``, ``sh``, ``f``: (N,) columns; ``out`` (rows kept, N).
+        the product's rows those of ``out``, or as many as ``rows_to`` (not
+        None: where each goes, ``_store``); ``panels`` :func:`pack`'s;
+        ``rowsum`` (one a product row) int64 or None; ``c``, ``zw``, ``zo``,
+        ``m``, ``sh``, ``f``: (N,) columns; ``out`` (rows kept, N).
 
         A task's rows of ``a`` are read ``STEPS`` steps at a time, from the
         cache, for each of its ``GROUP`` column blocks in turn; tasks of the same
         columns follow each other, so their weights stay in the cache too."""
         _ = source
-        mlen, nlen = geo[0], out.shape[1]
+        mlen, nlen = out.shape[0] if rows_to is None else rows_to.size, out.shape[1]
         steps = panels.shape[1] // 1024
         chunk = KMAX // BK
         mblocks = (mlen + BM - 1) // BM
@@ -549,10 +545,10 @@ def _make_gemm(isa, code, narrow):
                 cols = min(BN, nlen - n0)
                 if steps > chunk:
                     _store(total[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           geo, code, narrow, near)
+                           rows_to, code, narrow, near)
                 else:
                     _store(part[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           geo, code, narrow, near)
+                           rows_to, code, narrow, near)
         if amx:
             _tiles_end()
 
@@ -611,15 +607,22 @@ def run(isa, code, narrow, a, signed, panels, rowsum, columns, lo, hi, out, thre
         if threads == 1:
             pack_rows(rows, flip, packed, 0, len(packed))
         else:
-            parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-(1 << 18) // (BM * max(klen, 1))))
-    return _launch(gemm(isa, code, narrow), bytes_, sa, offs, (mlen, mlen, mlen, 1, mlen), panels, rowsum, columns,
+            parallel(pack_rows, len(packed), rows, flip, packed, grain=-(-PACK_GRAIN // (BM * max(klen, 1))))
+    return _launch(gemm(isa, code, narrow), bytes_, sa, offs, None, panels, rowsum, columns,
                    lo, hi, out, threads)
 
 
-def _launch(kernel, bytes_, sa, offs, geo, panels, rowsum, columns, lo, hi, out, threads=None):
-    """``kernel`` (:func:`gemm`'s) on every task of a product of ``geo[0]`` rows."""
-    args = (bytes_, sa, offs, geo, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
-    work = tasks(geo[0], out.shape[1])
+# bytes of activations a thread packs, at least: waking the pool costs the caller
+# ~30 us on the 2-core VM (a futex wake of a halted vCPU), and the thread comes
+# ~40 us later; 1 MB (1024 x 1024, 256 x 4096) took 84 us on the caller alone, 141
+# on two threads (2-thread calls from 4 MB)
+PACK_GRAIN = 1 << 21
+
+
+def _launch(kernel, bytes_, sa, offs, rows_to, panels, rowsum, columns, lo, hi, out, threads=None):
+    """``kernel`` (:func:`gemm`'s) on every task of a product of ``out``'s rows, or ``rows_to``'s."""
+    args = (bytes_, sa, offs, rows_to, panels, rowsum, *columns, np.int64(lo), np.int64(hi), _CONFIG, out)
+    work = tasks(out.shape[0] if rows_to is None else rows_to.size, out.shape[1])
     if threads == 1:
         kernel(*args, 0, work)
     else:
@@ -648,7 +651,7 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
     its tap ``(p, q)`` at row ``v + p * dh * Wp + q * dw``: product row
     ``v``'s step ``(tap, 64 channels)`` lies at a fixed offset from row ``v``
     (``offs``), rows C bytes apart, as the kernel reads them. The product has
-    rows at the padded pixels too, which no output keeps (``_dest`` drops
+    rows at the padded pixels too, which no output keeps (``rows_to`` drops
     them): ``(Hp * Wp) / (OH * OW)`` times the work (``WASTE``), and no copy
     of K bytes a row."""
     n, h, w, c = x.shape
@@ -669,8 +672,18 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
     if rowsum:  # each padded pixel's sum over C, summed over the taps of each row's patch
         pixels = xpad.sum(axis=1, dtype=np.int64)
         sums = sum(pixels[t:t + rows] for t in taps)
-    return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, (rows, hp * wp, wp, oh, ow),
+    return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, _rows_to(rows, hp, wp, oh, ow),
                    panels, sums, columns, lo, hi, out)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_to(rows, hp, wp, oh, ow):
+    """:func:`conv`'s ``rows_to``: product row ``v``, padded pixel ``(i, y, x)``
+    of ``(images, hp, wp)``, goes to output row ``(i * oh + y) * ow + x``, where
+    ``y < oh`` and ``x < ow``; elsewhere -1."""
+    i, at = np.divmod(np.arange(rows), hp * wp)
+    y, x = np.divmod(at, wp)
+    return np.where((y < oh) & (x < ow), (i * oh + y) * ow + x, -1).astype(np.int64)
 
 
 def _in_place(rows, signed):
