@@ -199,3 +199,46 @@ def test_dead_unit_gets_a_floored_scale_and_works(weight_dtype, kernels, rng):
     np.testing.assert_allclose(y[:, 2], -3.0, atol=float(layer.scale))
     per_tensor = Linear.from_float(w, b, weight_dtype=weight_dtype, per_channel=False)
     assert per_tensor.weight.scale == plain.scale.max()
+
+
+def test_linear_keeps_a_calls_work_for_that_call_alone(kernels, rng, monkeypatch):
+    """A call that requantizes 2-D 8-bit codes keeps its work (``PackedWeight.matmul``):
+    the next call with the same parameters but other codes reuses it, and a call
+    that differs in anything else (the input's parameters, the rows, the output's,
+    ReLU, the default tie rule, the engine's settings, the instruction set, the
+    bias) gets work of its own. Every result equals ``ops.linear``'s, which keeps
+    nothing."""
+    layer = Linear.from_float(rng.normal(size=(40, 64)).astype(np.float32), rng.normal(size=40).astype(np.float32))
+    calls = layer._packed._calls
+    x = _qx(rng, (33, 64))
+    out = dict(scale=0.05, zero_point=3, dtype="qint8")
+
+    def check(x, new, **kw):
+        before = len(calls)
+        got, want = layer(x, **kw), linear(x, layer.weight, layer.bias, **kw)
+        np.testing.assert_array_equal(got.int_repr(), want.int_repr())
+        assert got.dtype is want.dtype
+        np.testing.assert_array_equal([got.scale, got.zero_point], [want.scale, want.zero_point])
+        assert len(calls) == before + new, kw
+
+    check(x, 1, **out)
+    same = qarray.QArray.from_int(rng.integers(0, 256, (33, 64)).astype(np.uint8), x.scale, x.zero_point, x.dtype)
+    check(same, 0, **out)  # other codes, the same parameters: kept
+    check(_qx(rng, (33, 64)), 1, **out)  # the input's scale and zero point
+    check(_qx(rng, (5, 64)), 1, **out)  # rows
+    check(x, 1, **{**out, "scale": 0.07})
+    check(x, 1, **out, relu=True)
+    check(x, 0, **out, relu=True)
+    with qarray.config.using(rounding="half_up"):
+        check(x, 1, **out)
+    with qarray.config.using(gemm="blas"):
+        check(x, 1, **out)
+    check(_qx(rng, (3, 2, 64)), 0, **out)  # 3-D codes: run as they come
+    check(x, 0)  # the qint32 accumulator: as it comes
+    if kernels == "numba":
+        from qarray.backends.cpu import isa
+
+        monkeypatch.setattr(isa, "OFF", set(isa.ORDER[:isa.ORDER.index(isa.best()) + 1]))
+        check(x, 1, **out)
+    layer.bias = rng.normal(size=40).astype(np.float32)
+    check(x, 1, **out)

@@ -707,6 +707,18 @@ class Backend:
         raw, off = self.raw_matmul(a, gp.qd, pw, gp.acc_dtype)
         return self.gemm_epilogue(raw, *self._gemm_terms(a, off, pw, gp, raw.shape), gp, out)
 
+    def int_matmul_plan(self, a, pw, gp: Gemm):
+        """:meth:`int_matmul` by the plan ``gp`` made ready for codes of ``a``'s
+        shape and dtype: ``run(codes)``, for a caller to keep while
+        :meth:`plan_state` stays the same (a layer called again and again:
+        ``PackedWeight.matmul``). Here each run is a call of :meth:`int_matmul`."""
+        return lambda codes: self.int_matmul(codes, pw, gp)
+
+    def plan_state(self):
+        """What the functions of :meth:`int_matmul_plan` were made for: where it
+        changes (a setting, an instruction set turned off), they are made again."""
+        return ()
+
     def _gemm_terms(self, a, off, pw, gp, shape):
         """:meth:`int_matmul`'s ``(rowsum, c, zw)`` for :meth:`gemm_epilogue`, with
         ``a' = a + off``, and ``c`` broadcast to the batch of a result of ``shape``."""

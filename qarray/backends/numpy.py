@@ -479,12 +479,7 @@ class NumpyBackend(Backend):
     def int_matmul(self, cpu, a, pw, gp, out=None):
         shape = (a.shape[0], pw.w.shape[1])
         if pw.fused(a):  # qarray's own kernels: the epilogue in each block's store
-            gemm = _gemm.own()
-            rowsum, c, zw = self._gemm_terms(a, 128 * gp.qd.signed, pw, gp, shape)
-            columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
-            return self._into(out, lambda target: gemm.run(gemm.best(), rq.rounding, self._narrow(gp), a, gp.qd.signed,
-                                                           pw.panels[0], rowsum, columns, rq.lo, rq.hi, target),
-                              shape, dtype)
+            return self._fused(cpu, a, pw, gp)(a, out)
         pw.single()  # made here, before the threads ask for them
 
         def products(start, stop):  # each thread maps its own rows to unsigned codes too
@@ -492,6 +487,31 @@ class NumpyBackend(Backend):
 
         off = _gemm.to_unsigned(a[:0], gp.qd.signed)[1]  # what mapping adds (no rows mapped here)
         return self._epilogue(cpu, products, shape, *self._gemm_terms(a, off, pw, gp, shape), gp, out)
+
+    def int_matmul_plan(self, a, pw, gp):
+        cpu = self._fast(a)
+        if cpu is not None and cpu.gemm.ACCEPTS["int_matmul"](a, pw, gp) and pw.fused(a):
+            return self._fused(cpu, a, pw, gp)
+        return super().int_matmul_plan(a, pw, gp)
+
+    def plan_state(self):
+        return config.numba, config.gemm, _cpu() is not None and _cpu().gemm.best()
+
+    def _fused(self, cpu, a, pw, gp):
+        """:meth:`int_matmul` on qarray's own kernels, the epilogue in each
+        block's store: ``run(codes, out=None)`` for codes of ``a``'s shape."""
+        gemm, signed, (m, k) = cpu.gemm, gp.qd.signed, a.shape
+        shape = (m, pw.w.shape[1])
+        rows, c, zw = self._terms(k, 128 * signed, pw, gp, shape, lambda: True)  # (the row sums: run's)
+        columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
+        isa, narrow = gemm.best(), self._narrow(gp)
+
+        def run(codes, out=None):
+            rowsum = codes.sum(axis=-1, dtype=np.int64) + k * 128 * signed if rows else None
+            return self._into(out, lambda target: gemm.run(isa, rq.rounding, narrow, codes, signed, pw.panels[0],
+                                                           rowsum, columns, rq.lo, rq.hi, target), shape, dtype)
+
+        return run
 
     @_fast_path("gemm")
     def conv_gemm(self, cpu, x, kh, kw, pw, gp, out=None):
