@@ -8,9 +8,11 @@ layout of an AMX B tile, and each row is one AVX-512 VNNI operand (two for
 AVX-VNNI's 256 bits, four for AVX2's, widened), so every instruction set reads
 the same bytes.
 
-The activations are read in blocks of 32 rows and steps of 64 k: where they
-are, when their rows allow it (:func:`_in_place`), else copied by
-:func:`pack_rows` into a scratch of that layout.
+The activations are read in blocks of 32 rows and steps of 64 k, row ``r`` of
+step ``k`` at ``offs[k] + r * stride`` from its block: where they are, when
+their rows allow it (:func:`_in_place`), else copied by :func:`pack_rows` into
+a scratch of that layout; conv2d's patches from the padded images themselves
+(:func:`conv`, an implicit GEMM: ``offs`` the taps').
 
 The result is computed in blocks of 32 rows by 32 columns, one task each
 (column blocks outer, so consecutive tasks share their weights). A block's
