@@ -225,7 +225,7 @@ def test_linear_keeps_a_calls_work_for_that_call_alone(kernels, rng, monkeypatch
     same = qarray.QArray.from_int(rng.integers(0, 256, (33, 64)).astype(np.uint8), x.scale, x.zero_point, x.dtype)
     check(same, 0, **out)  # other codes, the same parameters: kept
     check(_qx(rng, (33, 64)), 1, **out)  # the input's scale and zero point
-    check(_qx(rng, (5, 64)), 1, **out)  # rows
+    check(qarray.QArray.from_int(same.int_repr()[:5], x.scale, x.zero_point, x.dtype), 1, **out)  # rows
     check(x, 1, **{**out, "scale": 0.07})
     check(x, 1, **out, relu=True)
     check(x, 0, **out, relu=True)
@@ -242,3 +242,34 @@ def test_linear_keeps_a_calls_work_for_that_call_alone(kernels, rng, monkeypatch
         check(x, 1, **out)
     layer.bias = rng.normal(size=40).astype(np.float32)
     check(x, 1, **out)
+
+
+@pytest.mark.parametrize("c", [3, 64])  # im2col into the GEMM; the implicit GEMM (C a multiple of 64)
+def test_conv2d_keeps_a_calls_work_for_that_call_alone(c, kernels, rng):
+    """nn.Conv2d (groups 1) keeps a call's work as nn.Linear does: kept for other
+    codes with the same parameters, made again for other images, parameters,
+    output, ReLU, tie rule or settings; every result equals ``ops.conv2d``'s."""
+    layer = Conv2d.from_float(rng.normal(size=(8, c, 3, 3)).astype(np.float32), rng.normal(size=8).astype(np.float32),
+                              padding=1)
+    calls = layer._packed._calls
+    x = _qx(rng, (2, c, 9, 10))
+    out = dict(scale=0.05, zero_point=-3, dtype="qint8")
+
+    def check(x, new, **kw):
+        before = len(calls)
+        got, want = layer(x, **kw), conv2d(x, layer.weight, layer.bias, padding=1, **kw)
+        np.testing.assert_array_equal(got.int_repr(), want.int_repr())
+        assert got.dtype is want.dtype and got.shape == want.shape
+        assert len(calls) == before + new, kw
+
+    check(x, 1, **out)
+    same = qarray.QArray.from_int(rng.integers(0, 256, x.shape).astype(np.uint8), x.scale, x.zero_point, x.dtype)
+    check(same, 0, **out)
+    check(_qx(rng, (2, c, 9, 10)), 1, **out)  # the input's parameters
+    check(qarray.QArray.from_int(same.int_repr()[:1], x.scale, x.zero_point, x.dtype), 1, **out)  # images
+    check(x, 1, **out, relu=True)
+    with qarray.config.using(rounding="half_up"):
+        check(x, 1, **out)
+    with qarray.config.using(numba=kernels != "numba"):
+        check(x, 1, **out)
+    check(x, 0)  # the qint32 accumulator: as it comes

@@ -756,6 +756,11 @@ class Backend:
         cols = self.im2col(x, kh, kw, gp.stride, gp.padding, gp.dilation, gp.za)
         return self.int_matmul(cols, pw, gp, out)
 
+    def conv_gemm_plan(self, x, kh, kw, pw, gp: Gemm):
+        """:meth:`conv_gemm` made ready for codes of ``x``'s shape and dtype, as
+        :meth:`int_matmul_plan`: here each run is a call of :meth:`conv_gemm`."""
+        return lambda codes: self.conv_gemm(codes, kh, kw, pw, gp)
+
     def im2col(self, x, kh, kw, stride, padding, dilation, za):
         """``(N*OH*OW, kh*kw*C)``: row ``(n, i, j)``, column ``(p, q, c)`` holds
         ``xpad[n, i*sh + p*dh, j*sw + q*dw, c]``, ``xpad`` the channels-last

@@ -515,15 +515,31 @@ class NumpyBackend(Backend):
 
     @_fast_path("gemm")
     def conv_gemm(self, cpu, x, kh, kw, pw, gp, out=None):
+        return self._implicit(cpu, x, kh, kw, pw, gp)(x, out)
+
+    def conv_gemm_plan(self, x, kh, kw, pw, gp):
+        cpu = self._fast(x)
+        if cpu is not None and cpu.gemm.ACCEPTS["conv_gemm"](x, kh, kw, pw, gp):
+            return self._implicit(cpu, x, kh, kw, pw, gp)
+        return super().conv_gemm_plan(x, kh, kw, pw, gp)
+
+    def _implicit(self, cpu, x, kh, kw, pw, gp):
+        """:meth:`conv_gemm` by ``cpu.gemm.conv`` (no im2col): ``run(codes,
+        out=None)`` for channels-last codes of ``x``'s shape."""
         n, h, w, c = x.shape
         (ph, pwd), (dh, dw) = gp.padding, gp.dilation
         shape = (n * (h + 2 * ph - dh * (kh - 1)) * (w + 2 * pwd - dw * (kw - 1)), pw.w.shape[1])
         signed = gp.qd.signed
         rowsum, c, zw = self._terms(kh * kw * c, 128 * signed, pw, gp, shape, lambda: True)  # (made by the kernel)
         columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
-        return self._into(out, lambda target: cpu.gemm.conv(cpu.gemm.best(), rq.rounding, self._narrow(gp), x, kh, kw,
-                                                            gp.padding, gp.dilation, gp.za, signed, pw.panels[0],
-                                                            rowsum, columns, rq.lo, rq.hi, target), shape, dtype)
+        isa, narrow = cpu.gemm.best(), self._narrow(gp)
+
+        def run(codes, out=None):
+            return self._into(out, lambda target: cpu.gemm.conv(isa, rq.rounding, narrow, codes, kh, kw, gp.padding,
+                                                                gp.dilation, gp.za, signed, pw.panels[0], rowsum,
+                                                                columns, rq.lo, rq.hi, target), shape, dtype)
+
+        return run
 
     @_fast_path("gemm")
     def gemm_epilogue(self, cpu, raw, rowsum, c, zw, gp, out=None):

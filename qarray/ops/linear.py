@@ -125,20 +125,24 @@ class PackedWeight:
         return Gemm(za, self.zp, bias, rq, np.int64 if wide else np.int32, a.dtype, **conv)
 
     def conv(self, x: QArray, kh, kw, bias, rq, stride, padding, dilation):
-        """conv2d (groups 1) of ``x``'s 8-bit NCHW codes by these weights, rows
-        ``(p, q, c)``: as :meth:`run` on the patches (:meth:`Backend.conv_gemm`),
-        ``(N*OH*OW, O)``."""
+        """conv2d (groups 1) by these weights, rows ``(p, q, c)``, made ready for
+        codes of ``x``'s (8-bit, NCHW): a function of such codes giving
+        :meth:`run`'s on their patches, ``(N*OH*OW, O)``
+        (:meth:`Backend.conv_gemm_plan`)."""
         b = _backends.common(x.data, self.packed.colsum)
         gp = self._plan(x, kh * kw * x.shape[1], bias, rq, stride=stride, padding=padding, dilation=dilation)
-        return b.conv_gemm(x.data.transpose(0, 2, 3, 1), kh, kw, self.packed_for(b), gp)
+        run = b.conv_gemm_plan(x.data.transpose(0, 2, 3, 1), kh, kw, self.packed_for(b), gp)
+        return lambda codes: run(codes.transpose(0, 2, 3, 1))
 
     def matmul(self, op, a: QArray, bias, scale, zero_point, dtype, mode, rounding, relu) -> QArray:
         """``a @ w + bias`` as ``op`` (``finish``'s output). A call that
-        requantizes 2-D 8-bit NumPy codes keeps its work (:meth:`_call`)."""
-        b, key = self.backend, self._call_key(op, a, bias, scale, zero_point, dtype, mode, rounding, relu)
-        hit = None if key is None else self._calls.get(key)
-        if hit is not None and hit[1] is bias:
-            return QArray._new(hit[0](a.data), *hit[2:], None, None)
+        requantizes 2-D 8-bit NumPy codes keeps its work (:meth:`call_key`)."""
+        b = self.backend
+        key = self.call_key(op, a, bias, scale, zero_point, dtype, mode, rounding, relu,
+                            a.ndim == 2 and len(self.shape) == 2 and a.shape[-1] == self.shape[0])
+        hit = self.kept_call(key, bias, a.data)
+        if hit is not None:
+            return hit
         factors = [to_host(a.scale), self.scale]
         ints = None if bias is None else _bias_ints(op, b, bias, factors, self.shape[-1], mode, rounding)
         axis = max(a.ndim, len(self.shape)) - 1  # N, the output's last axis
@@ -147,32 +151,44 @@ class PackedWeight:
                           default_dtype=a.dtype, mode=mode, rounding=rounding, relu=relu)
         rq, d, s_out, z_out = output_plan(op, factors, axis, scale, zero_point, dtype, a.dtype, *key[-1], relu)
         run = b.int_matmul_plan(a.data, self.packed, self._plan(a, a.shape[-1], ints, rq))
-        if len(self._calls) >= 64:  # (a process that sweeps shapes: kept from growing)
-            self._calls.clear()
-        self._calls[key] = run, bias, s_out, z_out, d
-        return QArray._new(run(a.data), s_out, z_out, d, None, None)
+        return self.keep_call(key, bias, run, a.data, s_out, z_out, d)
 
-    def _call_key(self, op, a, bias, scale, zero_point, dtype, mode, rounding, relu):
-        """The key of a call whose work :meth:`matmul` keeps: everything it depends
-        on but the codes (the bias by identity, the entry holding it; the
-        settings and instruction set the backend's function was made for:
-        ``Backend.plan_state``), or None for a call that
-        runs as it comes (an accumulator out, Dask or device codes, 16-bit codes,
-        output parameters that are arrays, shapes that do not align). After a
-        kernel has evicted it from the caches, nn.Linear's Python path took
-        ~120 us a call, ~3x what a kept call takes."""
-        data = a.data
-        if (type(data) is not np.ndarray or data.ndim != 2 or a.dtype.bits > 8 or a.axis is not None
-                or len(self.shape) != 2 or data.shape[1] != self.shape[0] or self.backend.name != "numpy"
-                or not wants_output(scale, zero_point, dtype)):
+    def call_key(self, op, a, bias, scale, zero_point, dtype, mode, rounding, relu, aligned, *more):
+        """The key of a call whose work is kept (:meth:`matmul`; conv2d's
+        ``conv_packed``, ``more`` its stride, padding and dilation): everything
+        the call depends on but the codes (the bias by identity, the entry
+        holding it; the settings and instruction set the backend's function was
+        made for: ``Backend.plan_state``), or None for a call that runs as it
+        comes (an accumulator out, Dask or device codes, 16-bit or per-channel
+        codes, output parameters that are arrays, operands that do not
+        ``aligned``). After a kernel had evicted it from the caches,
+        nn.Linear's Python path took ~120 us a call, 55-80 kept."""
+        if (not aligned or type(a.data) is not np.ndarray or a.dtype.bits > 8 or a.axis is not None
+                or self.backend.name != "numpy" or not wants_output(scale, zero_point, dtype)):
             return None
-        key = (op, a.scale.item(), a.zero_point.item(), id(bias), a.dtype, data.dtype, data.shape, scale, zero_point,
-               dtype, relu, self.backend.plan_state(), resolve(mode, rounding))
+        key = (op, a.scale.item(), a.zero_point.item(), id(bias), a.dtype, a.data.dtype, a.data.shape, scale,
+               zero_point, dtype, relu, *more, self.backend.plan_state(), resolve(mode, rounding))
         try:
             hash(key)
         except TypeError:  # an array among the output parameters
             return None
         return key
+
+    def kept_call(self, key, bias, codes):
+        """The output of the call ``key`` (:meth:`call_key`) on ``codes`` where
+        its work is kept (:meth:`keep_call`), else None."""
+        hit = None if key is None else self._calls.get(key)
+        if hit is None or hit[1] is not bias:
+            return None
+        return QArray._new(hit[0](codes), *hit[2:], None, None)
+
+    def keep_call(self, key, bias, run, codes, scale, zero_point, dtype):
+        """Keep the call ``key``'s work, ``run(codes)`` its integers and the rest
+        its output parameters, and return its output on ``codes``."""
+        if len(self._calls) >= 64:  # (a process that sweeps shapes: kept from growing)
+            self._calls.clear()
+        self._calls[key] = run, bias, scale, zero_point, dtype
+        return QArray._new(run(codes), scale, zero_point, dtype, None, None)
 
 
 @kept

@@ -659,9 +659,7 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
     n, h, w, c = x.shape
     (ph, pw), (dh, dw) = padding, dilation
     hp, wp = h + 2 * ph, w + 2 * pw
-    oh, ow = hp - dh * (kh - 1), wp - dw * (kw - 1)
-    rows = (n - 1) * hp * wp + (oh - 1) * wp + ow  # the last output pixel's row, + 1
-    taps = [p * dh * wp + q * dw for p in range(kh) for q in range(kw)]
+    rows, taps, offs, rows_to = _geometry(n, hp, wp, c, kh, kw, dh, dw)
     xpad = _scratch((max(n * hp * wp, -(-rows // BM) * BM + taps[-1] + 1), c))  # the last tiles' rows, read
     image = xpad[:n * hp * wp].reshape(n, hp, wp, c)
     for edge in (image[:, :ph], image[:, ph + h:], image[:, ph:ph + h, :pw], image[:, ph:ph + h, pw + w:]):
@@ -669,23 +667,28 @@ def conv(isa, code, narrow, x, kh, kw, padding, dilation, za, signed, panels, ro
     xpad[n * hp * wp:] = 0  # (read by rows that no output keeps)
     inner, codes = image[:, ph:ph + h, pw:pw + w], x.view(np.uint8)  # NumPy's strided copy: 2x a Numba loop's
     np.bitwise_xor(codes, np.uint8(0x80), out=inner) if signed else np.copyto(inner, codes)
-    offs = np.array([t * c + k for t in taps for k in range(0, c, BK)], np.int64)
     sums = None
     if rowsum:  # each padded pixel's sum over C, summed over the taps of each row's patch
         pixels = xpad.sum(axis=1, dtype=np.int64)
         sums = sum(pixels[t:t + rows] for t in taps)
-    return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, _rows_to(rows, hp, wp, oh, ow),
-                   panels, sums, columns, lo, hi, out)
+    return _launch(gemm(isa, code, narrow), xpad.reshape(-1), (BM * c, c), offs, rows_to, panels, sums, columns, lo,
+                   hi, out)
 
 
 @functools.lru_cache(maxsize=64)
-def _rows_to(rows, hp, wp, oh, ow):
-    """:func:`conv`'s ``rows_to``: product row ``v``, padded pixel ``(i, y, x)``
-    of ``(images, hp, wp)``, goes to output row ``(i * oh + y) * ow + x``, where
-    ``y < oh`` and ``x < ow``; elsewhere -1."""
+def _geometry(n, hp, wp, c, kh, kw, dh, dw):
+    """:func:`conv`'s product on ``n`` padded images ``hp x wp`` of ``c``
+    channels: its rows (to the last output pixel's), each tap's offset in rows,
+    each step's in bytes (``offs``), and ``rows_to``: product row ``v``, padded
+    pixel ``(i, y, x)``, goes to output row ``(i * oh + y) * ow + x`` where ``y
+    < oh`` and ``x < ow``, elsewhere nowhere (-1)."""
+    oh, ow = hp - dh * (kh - 1), wp - dw * (kw - 1)
+    rows = (n - 1) * hp * wp + (oh - 1) * wp + ow
+    taps = [p * dh * wp + q * dw for p in range(kh) for q in range(kw)]
+    offs = np.array([t * c + k for t in taps for k in range(0, c, BK)], np.int64)
     i, at = np.divmod(np.arange(rows), hp * wp)
     y, x = np.divmod(at, wp)
-    return np.where((y < oh) & (x < ow), (i * oh + y) * ow + x, -1).astype(np.int64)
+    return rows, taps, offs, np.where((y < oh) & (x < ow), (i * oh + y) * ow + x, -1).astype(np.int64)
 
 
 def _in_place(rows, signed):
