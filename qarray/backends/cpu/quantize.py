@@ -314,7 +314,12 @@ def _make(source):
         boundary) with one scale, zero point and reciprocals (float32; ``mul`` as
         quantize's): blocks of 64 elements ``start..stop``, computed ``RUN`` at a
         time (``_q_run``), each stored by ``_store_line`` (a short last block as
-        usual). Returns NaN if ``x`` had NaN or inf, as quantize's kernel does."""
+        usual). Returns NaN if ``x`` had NaN or inf, as quantize's kernel does.
+        A run is multiplied here, element by element (``_q_mul``, ``_put``), and
+        goes to ``_q_run`` (the division) only where one flagged: ``_q_run``
+        inlined for each run took a reference count of its arrays, an atomic
+        that waits for the streamed stores before it to drain (2^24 float32,
+        2 threads: 2.8-3.2 -> 2.2-2.5 ms)."""
         _ = source
         _wide()
         run = np.empty(RUN, out.dtype)
@@ -322,8 +327,15 @@ def _make(source):
         full = min(stop, x.size // 64)
         for b0 in range(start, full, RUN // 64):
             b1 = min(b0 + RUN // 64, full)
-            j0 = np.uint64(b0 * 64)
-            bad += _q_run(x, s, z, rl, rh, None, j0, np.uint64(b1 * 64), lo, hi, mul, None, j0, run, None, None, j0)
+            j0, j1 = np.uint64(b0 * 64), np.uint64(b1 * 64)
+            unsure = not mul
+            if mul:
+                for j in range(j0, j1):
+                    c, w, u = _q_mul(x[j], rl, rh, z, lo, hi)
+                    unsure |= u
+                    _put(run, None, j - j0, c, w, z, s, lo, hi, None)
+            if unsure:  # the division
+                bad += _q_run(x, s, z, rl, rh, None, j0, j1, lo, hi, False, None, j0, run, None, None, j0)
             for b in range(b0, b1):
                 _store_line(out, np.int64(b * 64), run, np.int64((b - b0) * 64))
         _fence()
