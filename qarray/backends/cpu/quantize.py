@@ -194,21 +194,24 @@ def _flat_or_none(a, i0, i1):
 
 
 @njit(inline="always")
-def _row_or_none(a, o, l):
-    if a is None:
-        return None
-    return a[o, l]
-
-
-@njit(inline="always")
-def _q_row(x, s, z, rl, rh, o, l, po, b, lo, hi, mul, key, base, out, mask, fake):
-    """Quantize row ``x[o, l, :]`` (``_q_runs``), its elements' flat indices from ``base``."""
-    m = _row_or_none(mask, o, l)
-    if s.shape[2] > 1:  # blocked along an outer axis: parameter i for element i
-        return _q_runs(x[o, l], s[po, b], z[po, b], rl[po, b], rh[po, b], None, lo, hi, mul, key, base, out[o, l],
-                       m, fake)
-    return _q_runs(x[o, l], s[po, b, 0], z[po, b, 0], rl[po, b, 0], rh[po, b, 0], None, lo, hi, mul, key, base,
-                   out[o, l], m, fake)
+def _q_row(x, s, z, o, l, po, b, lo, hi, key, base, out, mask, fake):
+    """Quantize row ``x[o, l, :]`` by the division (``_q``, ``_put``), its
+    elements' flat indices from ``base``, the parameters ``[po, b, i]`` for
+    element ``i`` where they have a third axis (blocked along an outer axis),
+    else ``[po, b, 0]``; returns the sum of ``v - v`` (NaN flags NaN/inf).
+    One loop, indexed, not sliced: rows are short (a block's 32 values where
+    the blocks lie along the last axis), and where each row went through
+    ``_q_runs`` (the multiply, then the division) Numba kept a reference count
+    of each array a row, an atomic: 70% of the time (4096 x 4096 float32,
+    blocks of 32 along the last axis: 8.5 -> 33 ms)."""
+    step = np.int64(s.shape[2] > 1)
+    acc = x.dtype.type(0)
+    for i in range(x.shape[2]):
+        k, v = i * step, x[o, l, i]
+        acc += v - v
+        c, w = _q(v, s[po, b, k], z[po, b, k], lo, hi, key, base + np.uint64(i))
+        _put(out, mask, (o, l, i), c, w, z[po, b, k], s[po, b, k], lo, hi, fake)
+    return acc
 
 
 @njit(inline="always")
@@ -304,7 +307,7 @@ def _make(source):
         else:
             for t in range(start, stop):
                 o = t // n
-                bad += _q_row(x, s, z, rl, rh, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, mul, key,
+                bad += _q_row(x, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], lo, hi, key,
                               first + np.uint64(t) * np.uint64(i_n), out, mask, fake)
         return bad
 
