@@ -495,48 +495,53 @@ class NumpyBackend(Backend):
         return super().int_matmul_plan(a, pw, gp)
 
     def plan_state(self):
-        return config.numba, config.gemm, _cpu() is not None and _cpu().gemm.best()
+        cpu = _cpu()
+        return config.numba, config.gemm, cpu is not None and cpu.gemm.best()
+
+    def _own_epilogue(self, cpu, k, pw, gp, shape):
+        """What qarray's own kernels take for a product of rows of ``k`` codes
+        into ``shape`` by ``gp``: whether it has the row term (the caller sums
+        the rows), the epilogue's columns, its ``Requant``, the output dtype,
+        the instruction set and ``narrow``."""
+        rows, c, zw = self._terms(k, 128 * gp.qd.signed, pw, gp, shape, lambda: True)
+        return (rows, *self._epilogue_plan(shape, c, zw, gp), cpu.gemm.best(), self._narrow(gp))
 
     def _fused(self, cpu, a, pw, gp):
         """:meth:`int_matmul` on qarray's own kernels, the epilogue in each
         block's store: ``run(codes, out=None)`` for codes of ``a``'s shape."""
-        gemm, signed, (m, k) = cpu.gemm, gp.qd.signed, a.shape
+        (m, k), signed = a.shape, gp.qd.signed
         shape = (m, pw.w.shape[1])
-        rows, c, zw = self._terms(k, 128 * signed, pw, gp, shape, lambda: True)  # (the row sums: run's)
-        columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
-        isa, narrow = gemm.best(), self._narrow(gp)
+        rows, columns, rq, dtype, isa, narrow = self._own_epilogue(cpu, k, pw, gp, shape)
 
         def run(codes, out=None):
             rowsum = codes.sum(axis=-1, dtype=np.int64) + k * 128 * signed if rows else None
-            return self._into(out, lambda target: gemm.run(isa, rq.rounding, narrow, codes, signed, pw.panels[0],
-                                                           rowsum, columns, rq.lo, rq.hi, target), shape, dtype)
+            return self._into(out, lambda target: cpu.gemm.run(isa, rq.rounding, narrow, codes, signed, pw.panels[0],
+                                                               rowsum, columns, rq.lo, rq.hi, target), shape, dtype)
 
         return run
 
     @_fast_path("gemm")
     def conv_gemm(self, cpu, x, kh, kw, pw, gp, out=None):
-        return self._implicit(cpu, x, kh, kw, pw, gp)(x, out)
+        return self._fused_conv(cpu, x, kh, kw, pw, gp)(x, out)
 
     def conv_gemm_plan(self, x, kh, kw, pw, gp):
         cpu = self._fast(x)
         if cpu is not None and cpu.gemm.ACCEPTS["conv_gemm"](x, kh, kw, pw, gp):
-            return self._implicit(cpu, x, kh, kw, pw, gp)
+            return self._fused_conv(cpu, x, kh, kw, pw, gp)
         return super().conv_gemm_plan(x, kh, kw, pw, gp)
 
-    def _implicit(self, cpu, x, kh, kw, pw, gp):
-        """:meth:`conv_gemm` by ``cpu.gemm.conv`` (no im2col): ``run(codes,
-        out=None)`` for channels-last codes of ``x``'s shape."""
+    def _fused_conv(self, cpu, x, kh, kw, pw, gp):
+        """:meth:`conv_gemm` by ``cpu.gemm.conv`` (no im2col; it sums the
+        patches' rows): ``run(codes, out=None)`` for channels-last codes of
+        ``x``'s shape."""
         n, h, w, c = x.shape
         (ph, pwd), (dh, dw) = gp.padding, gp.dilation
         shape = (n * (h + 2 * ph - dh * (kh - 1)) * (w + 2 * pwd - dw * (kw - 1)), pw.w.shape[1])
-        signed = gp.qd.signed
-        rowsum, c, zw = self._terms(kh * kw * c, 128 * signed, pw, gp, shape, lambda: True)  # (made by the kernel)
-        columns, rq, dtype = self._epilogue_plan(shape, c, zw, gp)
-        isa, narrow = cpu.gemm.best(), self._narrow(gp)
+        rows, columns, rq, dtype, isa, narrow = self._own_epilogue(cpu, kh * kw * c, pw, gp, shape)
 
         def run(codes, out=None):
             return self._into(out, lambda target: cpu.gemm.conv(isa, rq.rounding, narrow, codes, kh, kw, gp.padding,
-                                                                gp.dilation, gp.za, signed, pw.panels[0], rowsum,
+                                                                gp.dilation, gp.za, gp.qd.signed, pw.panels[0], rows,
                                                                 columns, rq.lo, rq.hi, target), shape, dtype)
 
         return run
