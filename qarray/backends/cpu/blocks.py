@@ -459,6 +459,7 @@ def _make_dot(width, planes, count):
                     for _ in range(count)]
             totals = [cgutils.alloca_once_value(builder, ir.Constant(lanes64, [0.0] * ROWS)) for _ in range(count)]
             c = builder.bitcast(arrays[0].data, _P8)
+            shift0 = builder.load(builder.bitcast(arrays[11].data, i32.as_pointer()))
             sums_i = [cgutils.alloca_once(builder, lanes32) for _ in range(count)]  # a step's integers
             sums_o = [cgutils.alloca_once(builder, lanes32) for _ in range(count)]
             with cgutils.for_range(builder, builder.udiv(pieces, span[3])) as step:
@@ -529,9 +530,11 @@ def _make_dot(width, planes, count):
                             halves_.append(v)
                         isum = halves_[0] if halves == 1 else builder.shuffle_vector(
                             halves_[0], halves_[1], ir.Constant(ir.VectorType(i32, ROWS), list(range(ROWS))))
-                        xs = splat(builder, builder.load(builder.bitcast(builder.gep(sums[r], [builder.mul(p, const(4))]),
-                                                                         i32.as_pointer())), lanes32)
-                        isum = builder.add(isum, builder.mul(hp, xs))
+                        x1 = builder.load(builder.bitcast(builder.gep(sums[r], [builder.mul(p, const(4))]), i32.as_pointer()))
+                        xs = splat(builder, x1, lanes32)
+                        # without zero points every lane's shift is vmin: a scalar product (no vpmulld a row)
+                        isum = builder.add(isum, builder.select(has_zero, builder.mul(hp, xs),
+                                                                splat(builder, builder.mul(shift0, x1), lanes32)))
                         builder.store(builder.add(builder.load(sums_i[r]), builder.mul(scv, isum)), sums_i[r])
                         builder.store(builder.add(builder.load(sums_o[r]), builder.mul(oscv, xs)), sums_o[r])
                 # the step's terms, float64: (dx * d) * S (+ (dx * dm) * M), d a step's scale (a sub-block's, or a block's d)
@@ -624,18 +627,21 @@ def _dot(isa, planes, codes, lines, lut, x, m0, count, xsum, dx, s, sc, o, osc, 
         _d8p0m(*a) if planes == 0 else _d8p1m(*a) if planes == 1 else _d8p2m(*a) if planes == 2 else _d8p3m(*a)
 
 
-def _make_packed(isa, planes):
+def _make_packed(isa, planes, flags, spans, lines):
+    """The kernel of instruction set ``isa`` for a weight's ``planes``, ``flags`` and ``spans`` (those of
+    ``PackedQ8``, ``spans`` with the step's bits) and ``lines`` a piece: constants of the code, so that
+    LLVM drops the parts a format has not (its offsets, zero points, sub-scales) and divides by
+    constants. With them read at run time, the selects and the divisions of each piece took 25-30% of
+    M = 1 (int4, groups of 128, 4096 x 14336: 1.69 -> 1.19 ms, one thread)."""
     which, source = _ISAS.index(isa), _HELPERS
 
     @kernel
-    def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, flags, spans, bias, has_bias, out,
-                      start, stop):
+    def linear_packed(dx, qx, xsum, codes, hi, lut, s, sc, o, osc, shift, bias, has_bias, out, start, stop):
         """Mode 2 on groups ``start .. stop`` of :class:`PackedQ8`'s weights: ``dx`` float64 ``(M, K //
         32)``, ``qx`` int8 ``(M, K)``, ``xsum`` int32 ``(M, pieces)``; ``out`` float32 ``(M, N)``."""
         _ = source  # in the cache key: llvm.py's intrinsics
-        m_len, k_len = qx.shape
+        m_len = qx.shape[0]
         n_len = out.shape[1]
-        lines = k_len // xsum.shape[1] // (8 if planes else 4)
         acc = np.empty((RM, ROWS), np.float64)
         for g in range(start, stop):
             n0 = g * ROWS
@@ -933,9 +939,9 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
     if act == "Q8_K" and ((w.spans & 0xFFFF) != group or w.has_o and (w.spans >> 16 & 0xFFFF) != group):
         raise ValueError("Q8_K activations take weights whose scales (and offsets) are a block's d times integers")
     step = group | (256 if act == "Q8_K" else 32) // w.piece << 8  # pieces a float step, a block of x
+    spans = w.spans | step << 48
     args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
-            w.shift, np.int64(w.flags), np.int64(w.spans | step << 48), np.zeros(1) if bias is None else bias,
-            bias is not None, out)
+            w.shift, np.int64(w.flags), np.int64(spans), np.zeros(1) if bias is None else bias, bias is not None, out)
     groups = w.codes.shape[0]
     if isa == "amx" and act == "Q8_K" and m >= AMX_ROWS and w.amx is not None:  # (rows padded to 16: zeros, whose results are not stored)
         pad, (parts, digits, bits) = -(-m // 16) * 16, w.amx
@@ -946,7 +952,8 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
         qx = aligned_copy(qx.reshape(pad // 16, 16, -1, 64).transpose(0, 2, 1, 3)).reshape(pad, -1)
         args = (np.ascontiguousarray(dx.T), qx) + args[3:13] + (plan, shifts) + args[13:]
     else:
-        kernel = _packed_kernel(isa, w.planes)
+        kernel = _packed_kernel(isa, w.planes, w.flags, spans, w.piece // (8 if w.planes else 4))
+        args = args[:11] + args[13:]
     if threads == 1:
         kernel(*args, 0, groups)
     else:
