@@ -482,17 +482,24 @@ def _generic(xq, w, bias=None):
         return qa.linear(xq, w, bias)
 
 
+# the formats whose Q8_0 activations of 32 rows or more run on AMX's tiles, a piece a C tile
+AMX_PIECES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "TQ2_0", "int4_g128_f16",
+              "uint4_g64_f16_zp", "int8_g32_bf16", "uint4_g32_f16_bias"}
+
+
 @pytest.mark.parametrize("name", Q8)
 def test_packed_q8_every_format(name, rng, only):
-    """Every Q8 format on each instruction set: 37 rows (two groups of 16 and a part), one row of x
-    and nine (a call of RM = 8 rows, then one), with and without bias, against the generic code, bit
-    for bit."""
+    """Every Q8 format on each instruction set: 37 rows (two groups of 16 and a part), one row of x,
+    nine (a call of RM = 8 rows, then one) and 37 (AMX's tiles of 16 rows, the last one part, where
+    the format's pieces run on them), with and without bias, against the generic code, bit for
+    bit."""
+    blocks = pytest.importorskip("qarray.backends.cpu.blocks")
     k_len = _k(name)
     w = weights(name, 37, k_len, rng)
     bias = rng.standard_normal(37)
     layer, plain = qnn.BlockLinear(w, bias), qnn.BlockLinear(w)
-    assert layer._packed is not None
-    for m in (1, 9):
+    assert layer._packed is not None and blocks.amx_pieces(layer._packed) == (name in AMX_PIECES)
+    for m in (1, 9, 37):
         xq = qa.quantize(rng.standard_normal((m, k_len)).astype(np.float32) * 3, dtype="Q8_0")
         assert_same(layer(xq), _generic(xq, w, bias))
         assert_same(plain(xq), _generic(xq, w))
@@ -510,6 +517,17 @@ def test_packed_q8k_every_format(name, rng, only):
         xq = qa.quantize(rng.standard_normal((m, 512)).astype(np.float32) * 3, dtype="Q8_K")
         assert_same(layer(xq), _generic(xq, w, bias))
         assert_same(qa.linear(xq, w), _generic(xq, w))
+
+
+def test_amx_pieces_need_whole_blocks(rng, only):
+    """Q8_0 x of 32 rows or more against K = 96 (not a multiple of AMX's blocks of 256): the VNNI dots
+    take them, with the same bits."""
+    blocks = pytest.importorskip("qarray.backends.cpu.blocks")
+    w = weights("Q4_0", 21, 96, rng)
+    layer = qnn.BlockLinear(w)
+    assert not blocks.amx_pieces(layer._packed) and blocks.amx_pieces(qnn.BlockLinear(weights("Q4_0", 21, 256, rng))._packed)
+    xq = qa.quantize(rng.standard_normal((40, 96)).astype(np.float32), dtype="Q8_0")
+    assert_same(layer(xq), _generic(xq, w))
 
 
 @pytest.mark.parametrize("vmin, vmax, smin, smax, small, planes", [
@@ -556,7 +574,7 @@ def test_packed_q8_extremes(name, only):
     scales at their ends (the two-level scales' int8: K-quants, IQ4_XS): against the contract written
     out (``ref_q8``), bit for bit."""
     fmt = _blocks.get(name)
-    k_len, n = 2 * fmt.block if fmt.block < 128 else fmt.block, 19  # a group of 16 rows and a part
+    k_len, n = max(256, fmt.block), 19  # a group of 16 rows and a part; a block of AMX's tiles
     nblocks = n * k_len // fmt.block
     raw = np.zeros((nblocks, fmt.nbytes), np.uint8)
     fields = fmt.unpack(raw)
@@ -593,6 +611,12 @@ def test_packed_q8_extremes(name, only):
         want = ref_q8k(xk, w)[0]
         assert np.isinf(want).any() and (want != 0).all()
         assert_same(layer(xk), want)
+    # Q8_0 x of 36 rows (AMX's pieces where the format takes them): its float16 scales at their ends
+    # (65504, the smallest subnormal 2^-24), negative, and 0 (a block that adds 0.0)
+    d = np.tile(np.array([3.0, 65504.0, 2.0**-24, -0.5, 0.0, 1.0, -3.0, 2.0**-14, 7.5]), 4 * k_len // 32)
+    xq = QArray.from_blocks(_q8_0(d, np.tile(codes[:9], (4, 1)).reshape(-1, 32)).reshape(36, -1), "Q8_0")
+    want, _, _ = ref_q8(xq, w)
+    assert_same(layer(xq), want)
 
 
 def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
@@ -601,9 +625,9 @@ def test_packed_q8_threads_and_long_rows(rng, only, monkeypatch):
     from qarray.backends.cpu import pool
 
     monkeypatch.setattr(pool, "GRAIN", 1)
-    w = weights("Q4_K", 16 * 9 + 5, 8192, rng)
-    layer = qnn.BlockLinear(w)
-    for act, m in (("Q8_0", 11), ("Q8_K", 33)):  # (Q8_K's 33 rows: AMX's tiles where it runs)
+    for name, act, m in (("Q4_K", "Q8_0", 11), ("Q4_K", "Q8_K", 33), ("Q4_1", "Q8_0", 33)):  # (33 rows: AMX's tiles)
+        w = weights(name, 16 * 9 + 5, 8192, rng)
+        layer = qnn.BlockLinear(w)
         xq = qa.quantize(rng.standard_normal((m, 8192)).astype(np.float32), dtype=act)
         assert_same(same_on_threads(lambda: layer(xq)), _generic(xq, w))
 

@@ -671,10 +671,15 @@ _packed_kernel = functools.cache(_make_packed)
 # ``big = sum over planes of C_plane << shift_plane``, and ``small`` is one more plane, ``osc`` (ones
 # without sub-scales): ``sum_k x * osc``. Every integer is the one the dots sum, so the float step and
 # the bits are theirs, and the block's products stay in the tiles: no work a piece.
+#
+# Q8_0 activations have a float step a piece (32 k): there one plane, ``v`` itself (formats of one
+# level whose ``v`` fits an int8: Q4_0, Q8_0, IQ4_NL, MXFP4, the int4 / uint4 groups), and a C tile a
+# piece: ``tdpbssd`` of A's 32 bytes a row by B's 8 rows gives each piece's ``isum`` exactly.
 
 AMX_ROWS = 32  # rows of x from which the AMX path runs (fewer: AVX-512 VNNI's, which decodes nothing);
-# Q8_K activations only: under Q8_0's float step a piece, AVX-512 VNNI was faster (4096 x 14336, M =
-# 512, Q8_0: 0.73x)
+# Q8_0 activations where ``amx_pieces``: with each call's float step run during the next call's tile
+# products, AMX against AVX-512 VNNI at 4096 x 4096, one thread: 1.16-1.2x at 16 rows, 0.85-0.88x
+# at 32, 0.6-0.8x at 128
 AMX_GROUPS = 2  # groups a pass over x's rows takes, each block's planes decoded for them
 AMX_TILES = 5  # planes a block at most: C tiles 0..4, A tile 5, B tiles 6 and 7 in turn
 _STEPS = 256 // 64  # tile products of 64 k a Q8_K block
@@ -748,6 +753,17 @@ def _float_step(builder, tiles, c_, sh_, has_small, acc_, d_, s_, o_):
         builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
 
 
+def _tile_ops(builder):
+    """The AMX intrinsics of a block's tile work (``tileloadd64``, ``tdpbssd``, ``tilestored64``,
+    ``tilezero``), and the constants of a tile's number (int8) and of an offset (int64)."""
+    p8, i8, i64 = ir.IntType(8).as_pointer(), ir.IntType(8), ir.IntType(64)
+    return (_fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [i8, p8, i64]),
+            _fn(builder, "llvm.x86.tdpbssd", ir.VoidType(), [i8] * 3),
+            _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [i8, p8, i64]),
+            _fn(builder, "llvm.x86.tilezero", ir.VoidType(), [i8]),
+            functools.partial(ir.Constant, i8), functools.partial(ir.Constant, i64))
+
+
 def _make_amx_block(tiles):
     @intrinsic
     def block(typingctx, a, a_at, a_stride, b, b_at, b_plane, c, cp, pending, shifts, small, acc, d, s, o):
@@ -760,14 +776,10 @@ def _make_amx_block(tiles):
         stored into its ``acc``, ``d``, ``s``, ``o``; last, C stored to ``c`` (tiles x 16 x 16 int32),
         for the next call (or :func:`_amx_flush`)."""
         def codegen(context, builder, sig, args):
-            p8, i8, i64 = ir.IntType(8).as_pointer(), ir.IntType(8), ir.IntType(64)
             a_, b_, c_, cp_, sh_, acc_, d_, s_, o_ = _vectors(context, builder, sig, args, (0, 3, 6, 7, 9, 11, 12, 13, 14))
-            load = _fn(builder, "llvm.x86.tileloadd64", ir.VoidType(), [i8, p8, i64])
-            dot = _fn(builder, "llvm.x86.tdpbssd", ir.VoidType(), [i8] * 3)
-            store = _fn(builder, "llvm.x86.tilestored64", ir.VoidType(), [i8, p8, i64])
-            tile, at = functools.partial(ir.Constant, i8), functools.partial(ir.Constant, i64)
+            load, dot, store, zero, tile, at = _tile_ops(builder)
             for t in range(tiles):
-                builder.call(_fn(builder, "llvm.x86.tilezero", ir.VoidType(), [i8]), [tile(t)])
+                builder.call(zero, [tile(t)])
             for st in range(_STEPS):
                 ta = tile(5)
                 builder.call(load, [ta, builder.gep(a_, [builder.add(args[1], at(1024 * st))]), args[2]])
@@ -806,11 +818,89 @@ def _make_amx_flush(tiles):
 _amx1, _amx2, _amx3, _amx4, _amx5 = (_make_amx_block(tiles) for tiles in range(1, AMX_TILES + 1))
 _flush1, _flush2, _flush3, _flush4, _flush5 = (_make_amx_flush(tiles) for tiles in range(1, AMX_TILES + 1))
 
+# Q8_0 activations: the float step is a piece's (32 k), so a call takes half a block, 4 pieces, each
+# its own C tile (0..3): A tiles 4, 5 (16 rows of x, 32 bytes), B tiles 6, 7 (8 rows of a plane, 32 k)
+_PIECES = 4
+
+
+def _piece_step(builder, cp_, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
+    """The float steps of the 4 pieces ``p0 ..`` of 16 rows of x (from ``m0``) by a group, from their C
+    tiles ``cp_`` (bytes; 4 x 16 x 16 int32, ``isum``) into ``acc`` (bytes, 16 x 16 float64): ``acc[r]
+    += dx * s * isum (+ dx * o * xsum)``, unfused, left to right (the Q8_0 contract); ``dx``, ``xs``
+    ``(pieces, rows)`` float64 / int32 and ``s``, ``o`` ``(entries, 16)`` float32 arrays (``make_array``
+    structs), an entry ``span_s`` / ``span_o`` pieces."""
+    i64, f64 = ir.IntType(64), ir.DoubleType()
+    f32x16 = ir.VectorType(ir.FloatType(), 16)
+    for t in range(_PIECES):
+        p = builder.add(p0, ir.Constant(i64, t))
+        sv = builder.fpext(_loadu(builder, _row_of(builder, s, builder.udiv(p, span_s)), f32x16), _F64X16)
+        ov = builder.fpext(_loadu(builder, _row_of(builder, o, builder.udiv(
+            builder.select(has_o, p, ir.Constant(i64, 0)), builder.select(has_o, span_o, ir.Constant(i64, 1)))), f32x16),
+            _F64X16)
+        dp = builder.gep(builder.bitcast(_row_of(builder, dx, p), f64.as_pointer()), [m0])
+        xp = builder.gep(builder.bitcast(_row_of(builder, xs, p), ir.IntType(32).as_pointer()), [m0])
+        for r in range(16):
+            ci = builder.load(_row(builder, cp_, 16 * t + r, _I32X16), align=4)
+            dv = _splat(builder, builder.load(builder.gep(dp, [ir.Constant(i64, r)])), _F64X16)
+            term = builder.fmul(builder.fmul(dv, sv), builder.sitofp(ci, _F64X16))
+            xv = _splat(builder, builder.sitofp(builder.load(builder.gep(xp, [ir.Constant(i64, r)])), f64), _F64X16)
+            term = builder.select(has_o, builder.fadd(term, builder.fmul(builder.fmul(dv, ov), xv)), term)
+            pa = _row(builder, acc, r, _F64X16)
+            builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
+
+
+def _step_args(context, builder, sig, args, first):
+    """:func:`_piece_step`'s arguments from an intrinsic's ``acc, dx, xs, p0, m0, s, span_s, o, span_o,
+    has_o`` (from argument ``first``)."""
+    a = lambda i: context.make_array(sig.args[first + i])(context, builder, args[first + i])  # noqa: E731
+    acc = _vectors(context, builder, sig, args, (first,))[0]
+    has_o = builder.icmp_signed("!=", args[first + 9], ir.Constant(args[first + 9].type, 0))
+    return acc, a(1), a(2), args[first + 3], args[first + 4], a(5), args[first + 6], a(7), args[first + 8], has_o
+
+
+@intrinsic
+def _amx_pieces(typingctx, a, a_at, b, b_at, c, cp, pending, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
+    """Half a block (4 pieces of 32 k) of 16 rows of x by a group on AMX, Q8_0 activations: C tile ``t``
+    = A (16 rows of ``a``'s bytes, 32 from byte ``a_at + 1024 (t // 2) + 32 (t % 2)``, rows 64 apart: x's
+    tiled copy) times B (8 rows of 64 bytes of ``b`` from ``b_at + 512 t``: the plane ``v``), ``isum``
+    exactly. Then, where ``pending``, the float steps of the call before (its planes ``cp``, its
+    ``acc ...``: :func:`_piece_step`); last, C stored to ``c``: as :func:`_make_amx_block`'s block."""
+    def codegen(context, builder, sig, args):
+        a_, b_, c_, cp_ = _vectors(context, builder, sig, args, (0, 2, 4, 5))
+        load, dot, store, zero, tile, at = _tile_ops(builder)
+        for t in range(_PIECES):
+            builder.call(zero, [tile(t)])
+        for t in range(_PIECES):
+            ta, tb = tile(4 + t % 2), tile(6 + t % 2)
+            builder.call(load, [ta, builder.gep(a_, [builder.add(args[1], at(1024 * (t // 2) + 32 * (t % 2)))]), at(64)])
+            builder.call(load, [tb, builder.gep(b_, [builder.add(args[3], at(512 * t))]), at(64)])
+            builder.call(dot, [tile(t), ta, tb])
+        with builder.if_then(builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))):
+            _piece_step(builder, cp_, *_step_args(context, builder, sig, args, 7))
+        for t in range(_PIECES):
+            builder.call(store, [tile(t), builder.gep(c_, [at(1024 * t)]), at(64)])
+        return context.get_dummy_value()
+
+    return types.void(a, a_at, b, b_at, c, cp, pending, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o), codegen
+
+
+@intrinsic
+def _pieces_flush(typingctx, cp, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
+    """:func:`_piece_step` of the planes ``cp`` the last :func:`_amx_pieces` call stored."""
+    def codegen(context, builder, sig, args):
+        _piece_step(builder, _vectors(context, builder, sig, args, (0,))[0], *_step_args(context, builder, sig, args, 1))
+        return context.get_dummy_value()
+
+    return types.void(cp, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o), codegen
+
 # ldtilecfg's 64 bytes: palette 1, tiles 0..7 16 rows of 64 bytes (C, A, B alike)
 _AMX_CONFIG = np.zeros(64, np.uint8)
 _AMX_CONFIG[0] = 1
 _AMX_CONFIG[16:32].view(np.uint16)[:] = 64
 _AMX_CONFIG[48:56] = 16
+_PIECES_CONFIG = _AMX_CONFIG.copy()  # Q8_0's: A tiles 4, 5 of 32 bytes a row, B tiles 6, 7 of 8 rows
+_PIECES_CONFIG[16:32].view(np.uint16)[4:6] = 32
+_PIECES_CONFIG[54:56] = 8
 
 
 @intrinsic
@@ -886,11 +976,12 @@ def _amx_planes(codes, hi, lut, kind, shift, has_zero, spans, r0, sc, has_sc, os
                        osc[p if has_osc else 0], has_osc, -1, 0, -1)
 
 
-def _make_amx(planes, parts, digits, small):
+def _make_amx(planes, parts, digits, small, pieces=False):
     source, tiles = _HELPERS, parts * digits + small
+    halves, ctiles, config = (2, _PIECES, _PIECES_CONFIG) if pieces else (1, tiles, _AMX_CONFIG)
 
     @kernel
-    def linear_amx(dx, qx, codes, hi, lut, s, sc, o, osc, shift, flags, spans, plan, shifts, bias, has_bias, out,
+    def linear_amx(dx, qx, xs, codes, hi, lut, s, sc, o, osc, shift, flags, spans, plan, shifts, bias, has_bias, out,
                    start, stop):
         """The Q8_K contract on groups ``start .. stop`` (:func:`linear_q8_packed`'s arguments; ``qx`` with
         rows padded to 16, ``dx`` transposed, ``(blocks, rows)``), 16 rows of x at a time on AMX, in
@@ -899,7 +990,9 @@ def _make_amx(planes, parts, digits, small):
         made the decoding 4x slower). A block's planes are decoded for ``AMX_GROUPS`` groups, then all rows of x run
         against them: the planes stay in L1, and x's rows are read once for the groups. Each call's
         float step runs in the next call, while its tiles multiply (``c`` two calls' planes): at M = 512,
-        4096 x 14336, one thread, Q4_K 131-138 -> 123 ms, Q6_K 154-160 -> 144."""
+        4096 x 14336, one thread, Q4_K 131-138 -> 123 ms, Q6_K 154-160 -> 144. ``pieces``: the Q8_0
+        contract (``dx`` and ``xs``, x's piece sums, ``(pieces, rows)``), one plane ``v`` (formats of one
+        level whose ``v`` fits an int8), half a block a call (:func:`_amx_pieces`)."""
         _ = source  # in the cache key: llvm.py's intrinsics
         m_len, k_len = qx.shape
         n_len = out.shape[1]
@@ -907,11 +1000,12 @@ def _make_amx(planes, parts, digits, small):
         has_sc, has_o, has_osc, has_zero = flags & 1, flags & 2, flags & 4, flags & 8
         b = _aligned(np.empty(2 * AMX_GROUPS * tiles * 4096 + 64, np.int8), 2 * AMX_GROUPS * tiles * 4096).reshape(
             2, AMX_GROUPS, -1)
-        c = _aligned(np.empty(2 * tiles * 256 + 16, np.int32), 2 * tiles * 256).reshape(2, tiles, 16, ROWS)
+        c = _aligned(np.empty(2 * ctiles * 256 + 16, np.int32), 2 * ctiles * 256).reshape(2, ctiles, 16, ROWS)
         acc = _aligned(np.empty(AMX_GROUPS * m_len * ROWS + 8, np.float64), AMX_GROUPS * m_len * ROWS).reshape(
             AMX_GROUPS, m_len, ROWS)
-        _tiles_begin(_AMX_CONFIG)
+        _tiles_begin(config)
         _wide()
+        span_s, span_o = np.int64(spans & 0xFFFF), np.int64(spans >> 16 & 0xFFFF)
         for g0 in range(start, stop, AMX_GROUPS):
             gs = min(AMX_GROUPS, stop - g0)
             acc[:] = 0
@@ -929,6 +1023,14 @@ def _make_amx(planes, parts, digits, small):
                 for m0 in range(0, m_len, 16):
                     for i in range(gs):
                         pg = g0 + pi
+                        if pieces:  # pb: the pending call's first piece
+                            for h in range(halves):
+                                _amx_pieces(qx, m0 * k_len + 4096 * blk + 2048 * h, b[blk % 2, i], 2048 * h, c[slot],
+                                            c[1 - slot], pending, acc[pi, pm:pm + 16], dx, xs, pb, pm, s[pg], span_s,
+                                            o[pg if has_o else 0], span_o, has_o)
+                                pending, slot, pm, pi, pb = True, 1 - slot, m0, i, 8 * blk + 4 * h
+                                pg = g0 + i
+                            continue
                         args = (qx, m0 * k_len + 4096 * blk, np.int64(64), b[blk % 2, i], 0, np.int64(64 * 64), c[slot],
                                 c[1 - slot], pending, shifts, small, acc[pi, pm:pm + 16], dx[pb, pm:pm + 16], s[pg, pb],
                                 o[pg if has_o else 0, pb if has_o else 0])
@@ -943,7 +1045,10 @@ def _make_amx(planes, parts, digits, small):
                         else:
                             _amx5(*args)
                         pending, slot, pm, pi, pb = True, 1 - slot, m0, i, blk
-            if pending:  # the last call's float step
+            if pending and pieces:  # the last call's float step
+                _pieces_flush(c[1 - slot], acc[pi, pm:pm + 16], dx, xs, pb, pm, s[g0 + pi], span_s,
+                              o[g0 + pi if has_o else 0], span_o, has_o)
+            elif pending:
                 pg = g0 + pi
                 args_ = (c[1 - slot], shifts, small, acc[pi, pm:pm + 16], dx[pb, pm:pm + 16], s[pg, pb],
                          o[pg if has_o else 0, pb if has_o else 0])
@@ -970,6 +1075,13 @@ def _make_amx(planes, parts, digits, small):
 _amx_kernel = functools.cache(_make_amx)
 
 
+def amx_pieces(w: PackedQ8) -> bool:
+    """Whether Q8_0 activations of ``AMX_ROWS`` rows or more run on AMX against ``w`` (where the CPU has
+    it): pieces of 32, scales of one level, ``v`` in an int8 (one plane), and K a multiple of 256 (the
+    kernel's blocks)."""
+    return w.piece == 32 and not w.has_sc and w.amx is not None and w.amx[:2] == (1, 1) and w.k % 256 == 0
+
+
 def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act="Q8_0"):
     """``out`` (M, N) = the Q8_0 contract of rows ``dx``, ``qx`` against packed ``w`` (or the Q8_K one,
     ``act``), on instruction set ``isa`` (``isa.usable``'s; the best by default), on the pool's threads
@@ -989,14 +1101,16 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
     args = (np.ascontiguousarray(dx), np.ascontiguousarray(qx), xsum, w.codes, w.hi, w.lut, w.s, w.sc, w.o, w.osc,
             w.shift, np.int64(w.flags), np.int64(spans), np.zeros(1) if bias is None else bias, bias is not None, out)
     groups = w.codes.shape[0]
-    if isa == "amx" and act == "Q8_K" and m >= AMX_ROWS and w.amx is not None:  # (rows padded to 16: zeros, whose results are not stored)
+    pieces = act == "Q8_0" and amx_pieces(w)
+    if isa == "amx" and (act == "Q8_K" or pieces) and m >= AMX_ROWS and w.amx is not None:  # (rows padded to 16: zeros, whose results are not stored)
         pad, (parts, digits, bits) = -(-m // 16) * 16, w.amx
-        dx, qx = (np.concatenate([a, np.zeros((pad - m, a.shape[1]), a.dtype)]) for a in args[:2])
+        dx, qx, xsum = (np.concatenate([a, np.zeros((pad - m, a.shape[1]), a.dtype)]) for a in args[:3])
         plan = np.array([bits, w.piece], np.int64)
-        shifts = np.array([4 * i + bits * t for i in range(parts) for t in range(digits)] + [0] * w.has_o, np.int64)
-        kernel = _amx_kernel(w.planes, parts, digits, int(w.has_o))
+        small = int(w.has_o and not pieces)  # (Q8_0: x's piece sums, xs, in the float step)
+        shifts = np.array([4 * i + bits * t for i in range(parts) for t in range(digits)] + [0] * small, np.int64)
+        kernel = _amx_kernel(w.planes, parts, digits, small, pieces)
         qx = aligned_copy(qx.reshape(pad // 16, 16, -1, 64).transpose(0, 2, 1, 3)).reshape(pad, -1)
-        args = (np.ascontiguousarray(dx.T), qx) + args[3:13] + (plan, shifts) + args[13:]
+        args = (np.ascontiguousarray(dx.T), qx, np.ascontiguousarray(xsum.T)) + args[3:13] + (plan, shifts) + args[13:]
     else:
         kernel = _packed_kernel(isa, w.planes, w.flags, spans, w.piece // (8 if w.planes else 4))
         args = args[:11] + args[13:]
