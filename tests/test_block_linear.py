@@ -519,6 +519,20 @@ def test_packed_q8k_every_format(name, rng, only):
         assert_same(qa.linear(xq, w), _generic(xq, w))
 
 
+def test_packed_q8_scales_kept(rng, only):
+    """Packed scales are kept as float16 bits where each is a float16 (Q4_0's d), as float32 where not
+    (int4 groups of 128 with float32 scales): both through every instruction set's dots, AMX's pieces
+    included (37 rows), against the generic code, bit for bit."""
+    blocks = pytest.importorskip("qarray.backends.cpu.blocks")
+    for name, kept in (("Q4_0", np.uint16), ("int4_g128_f32", np.float32), ("uint4_g32_f16_bias", np.uint16)):
+        w = weights(name, 37, 256, rng)
+        layer = qnn.BlockLinear(w)
+        assert layer._packed.s.dtype == kept and blocks.amx_pieces(layer._packed)
+        for m in (1, 9, 37):
+            xq = qa.quantize(rng.standard_normal((m, 256)).astype(np.float32) * 3, dtype="Q8_0")
+            assert_same(layer(xq), _generic(xq, w))
+
+
 def test_amx_pieces_need_whole_blocks(rng, only):
     """Q8_0 x of 32 rows or more against K = 96 (not a multiple of AMX's blocks of 256): the VNNI dots
     take them, with the same bits."""
@@ -601,6 +615,7 @@ def test_packed_q8_extremes(name, only):
     want, _, _ = ref_q8(xq, w)
     layer = qnn.BlockLinear(w)
     assert layer._packed.has_sc == (name in ("Q6_K", "Q4_K", "IQ4_XS")) and layer._packed.has_osc == (name == "Q4_K")
+    assert layer._packed.s.dtype == np.uint16  # float16 scales, kept as their bits (65504 among them)
     assert_same(layer(xq), want)
     if name in Q8K:  # Q8_K: float32 scales up to 2^127 (the float32 result overflows to inf); 36 rows (AMX's path)
         d = np.tile(np.array([3.0, 2.0**-126, 2.0**127, -1e-3, 7.5, 1.0, -3.0, 2.0**100, 1e-30], np.float32), 4)

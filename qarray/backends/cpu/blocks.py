@@ -62,6 +62,32 @@ def _float(typingctx, u):
     return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
 
 
+@intrinsic
+def _f64(typingctx, v):
+    """A packed scale as float64: a float32's value, or a float16's from its bits (uint16: ``_compact``)."""
+    def codegen(context, builder, sig, args):
+        x = builder.bitcast(args[0], ir.HalfType()) if sig.args[0] == types.uint16 else args[0]
+        return builder.fpext(x, ir.DoubleType())
+
+    return types.float64(v), codegen
+
+
+def _scales(builder, ptr, dtype):
+    """16 packed scales at ``ptr`` as float64 lanes: float32 ones, or float16 ones kept as their bits
+    (``dtype`` uint16, the array's: ``_compact``)."""
+    half = dtype == types.uint16
+    return builder.fpext(_loadu(builder, ptr, ir.VectorType(ir.HalfType() if half else ir.FloatType(), 16)),
+                         ir.VectorType(ir.DoubleType(), 16))
+
+
+def _compact(p):
+    """Packed scales ``p`` (float32) as float16 bits (uint16) where each is a float16 exactly (Q4_0's and
+    Q8_0's ``d``, GPTQ's scales...): fewer bytes for M = 1 to read (Q8_0: 1.125 -> 1.0625 a weight, as
+    ggml's); else ``p``."""
+    h = p.astype(np.float16)
+    return h.view(np.uint16) if (h.astype(np.float32).view(np.int32) == p.view(np.int32)).all() else p
+
+
 @njit(inline="always")
 def rounded(y, precision):
     """float32 ``y`` rounded to float16 (``precision`` 1) or bfloat16 (2), to nearest even, as
@@ -314,7 +340,8 @@ class PackedQ8:
     ``codes`` uint8 ``(groups, lines, 64)``; ``planes``: 0 a code a byte, 1 two a byte (through
     ``lut`` uint8 ``(16,)``), 3 two a byte with ``u = code`` (no table: Q4_0, Q4_K, int4, ...), 2 their
     low 4 bits two a byte and bits 4, 5 in ``hi`` uint8 ``(groups, lines, 32)`` (formats of up to 64
-    values with ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
+    values with ``u = code``: Q5_*, Q6_K: 6 bits a code where bytes take 8); ``s``, ``o`` float32 (float16 bits, uint16, where
+    each is a float16: ``_compact``) and ``shift`` int32 ``(groups, pieces, ROWS)`` (``o`` and
     ``shift`` ``(1, 1, ROWS)`` where the format has no offset / zero: ``shift`` then ``vmin``). A
     two-level scale (``has_sc``: the K-quants', IQ4_XS's) keeps ``s`` as its ``d``, ``(groups, blocks,
     ROWS)``, and ``sc`` int8 ``(groups, pieces, ROWS)``: the piece's scale is ``s[p // span] *
@@ -380,6 +407,7 @@ class PackedQ8:
         self.shift = side(vmin - z.astype(np.int64), np.int32) if self.has_zero else \
             np.full((1, 1, ROWS), vmin, np.int32)
         self.flags = self.has_sc | self.has_o << 1 | self.has_osc << 2 | self.has_zero << 3
+        self.s, self.o = _compact(self.s), _compact(self.o)
         sc_range = (int(self.sc.min()), int(self.sc.max())) if self.has_sc else (1, 1)  # AMX's planes
         self.amx = amx_plan(int(self.shift.min()), int(self.shift.max()) + int(u_of.max()), *sc_range, self.has_o)
         self.spans = spans[0] | spans[1] << 16 | each << 32  # s's, o's, the zero's (a sub-block's)
@@ -538,9 +566,8 @@ def _make_dot(width, planes, count):
                         builder.store(builder.add(builder.load(sums_i[r]), builder.mul(scv, isum)), sums_i[r])
                         builder.store(builder.add(builder.load(sums_o[r]), builder.mul(oscv, xs)), sums_o[r])
                 # the step's terms, float64: (dx * d) * S (+ (dx * dm) * M), d a step's scale (a sub-block's, or a block's d)
-                f32s = ir.VectorType(ir.FloatType(), ROWS)
-                sp = builder.fpext(load(row(7, builder.udiv(p0, span[0])), f32s), lanes64)
-                op = builder.fpext(load(row(9, builder.select(has_o, builder.udiv(p0, span[1]), const(0))), f32s), lanes64)
+                sp = _scales(builder, row(7, builder.udiv(p0, span[0])), sig.args[7].dtype)
+                op = _scales(builder, row(9, builder.select(has_o, builder.udiv(p0, span[1]), const(0))), sig.args[9].dtype)
                 block = builder.udiv(p0, span[4])  # dx's block of the step
                 for r in range(count):
                     d = builder.load(builder.bitcast(builder.gep(scales[r], [builder.mul(block, const(8))]),
@@ -602,9 +629,9 @@ def _dot_portable(codes, lines, planes, lut, x, m0, count, xsum, dx, s, sc, o, o
             d = dx[m, p0 // xspan]
             sr, orow = s[p0 // (spans & 0xFFFF)], o[p0 // ((spans >> 16) & 0xFFFF) if has_o else 0]
             for l in range(ROWS):
-                term = d * np.float64(sr[l]) * np.float64(big[l])
+                term = d * _f64(sr[l]) * np.float64(big[l])
                 if has_o:
-                    term += d * np.float64(orow[l]) * np.float64(small[l])
+                    term += d * _f64(orow[l]) * np.float64(small[l])
                 a[l] += term
 
 
@@ -723,7 +750,7 @@ _I32X16, _F64X16, _I8X64, _I8X16 = (ir.VectorType(ir.IntType(32), 16), ir.Vector
                                     ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 16))
 
 
-def _float_step(builder, tiles, c_, sh_, has_small, acc_, d_, s_, o_):
+def _float_step(builder, tiles, c_, sh_, has_small, acc_, d_, s_, o_, dtypes):
     """The float step of a Q8_K block of 16 rows of x by a group from its planes ``c_`` (tiles x 16 x 16
     int32, bytes): ``big = sum of c[t] << shifts[t]`` over the planes but ``small``'s (the last, where
     ``has_small``), ``acc[r] += d[r] * s * big[r] (+ d[r] * o * small[r])``, ``s``, ``o`` float32 (16
@@ -733,9 +760,7 @@ def _float_step(builder, tiles, c_, sh_, has_small, acc_, d_, s_, o_):
     shp = builder.bitcast(sh_, i64.as_pointer())
     shv = [_splat(builder, builder.trunc(builder.load(builder.gep(shp, [at(t)])), ir.IntType(32)), _I32X16)
            for t in range(tiles)]
-    f32x16 = ir.VectorType(ir.FloatType(), 16)
-    sv = builder.fpext(builder.load(builder.bitcast(s_, f32x16.as_pointer()), align=4), _F64X16)
-    ov = builder.fpext(builder.load(builder.bitcast(o_, f32x16.as_pointer()), align=4), _F64X16)
+    sv, ov = _scales(builder, s_, dtypes[0]), _scales(builder, o_, dtypes[1])
     dp = builder.bitcast(d_, ir.DoubleType().as_pointer())
     for r in range(16):
         cs = [builder.load(_row(builder, c_, 16 * t + r, _I32X16), align=4) for t in range(tiles)]
@@ -790,7 +815,7 @@ def _make_amx_block(tiles):
                     builder.call(dot, [tile(t), ta, bt])
             has_small = builder.icmp_signed("!=", args[10], ir.Constant(args[10].type, 0))
             with builder.if_then(builder.icmp_signed("!=", args[8], ir.Constant(args[8].type, 0))):
-                _float_step(builder, tiles, cp_, sh_, has_small, acc_, d_, s_, o_)
+                _float_step(builder, tiles, cp_, sh_, has_small, acc_, d_, s_, o_, (sig.args[13].dtype, sig.args[14].dtype))
             for t in range(tiles):
                 builder.call(store, [tile(t), builder.gep(c_, [at(1024 * t)]), at(64)])
             return context.get_dummy_value()
@@ -807,7 +832,7 @@ def _make_amx_flush(tiles):
         def codegen(context, builder, sig, args):
             c_, sh_, acc_, d_, s_, o_ = _vectors(context, builder, sig, args, (0, 1, 3, 4, 5, 6))
             _float_step(builder, tiles, c_, sh_, builder.icmp_signed("!=", args[2], ir.Constant(args[2].type, 0)),
-                        acc_, d_, s_, o_)
+                        acc_, d_, s_, o_, (sig.args[5].dtype, sig.args[6].dtype))
             return context.get_dummy_value()
 
         return types.void(c, shifts, small, acc, d, s, o), codegen
@@ -823,20 +848,18 @@ _flush1, _flush2, _flush3, _flush4, _flush5 = (_make_amx_flush(tiles) for tiles 
 _PIECES = 4
 
 
-def _piece_step(builder, cp_, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
+def _piece_step(builder, cp_, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o, dtypes):
     """The float steps of the 4 pieces ``p0 ..`` of 16 rows of x (from ``m0``) by a group, from their C
     tiles ``cp_`` (bytes; 4 x 16 x 16 int32, ``isum``) into ``acc`` (bytes, 16 x 16 float64): ``acc[r]
     += dx * s * isum (+ dx * o * xsum)``, unfused, left to right (the Q8_0 contract); ``dx``, ``xs``
     ``(pieces, rows)`` float64 / int32 and ``s``, ``o`` ``(entries, 16)`` float32 arrays (``make_array``
     structs), an entry ``span_s`` / ``span_o`` pieces."""
     i64, f64 = ir.IntType(64), ir.DoubleType()
-    f32x16 = ir.VectorType(ir.FloatType(), 16)
     for t in range(_PIECES):
         p = builder.add(p0, ir.Constant(i64, t))
-        sv = builder.fpext(_loadu(builder, _row_of(builder, s, builder.udiv(p, span_s)), f32x16), _F64X16)
-        ov = builder.fpext(_loadu(builder, _row_of(builder, o, builder.udiv(
-            builder.select(has_o, p, ir.Constant(i64, 0)), builder.select(has_o, span_o, ir.Constant(i64, 1)))), f32x16),
-            _F64X16)
+        sv = _scales(builder, _row_of(builder, s, builder.udiv(p, span_s)), dtypes[0])
+        ov = _scales(builder, _row_of(builder, o, builder.udiv(builder.select(has_o, p, ir.Constant(i64, 0)),
+                                                               builder.select(has_o, span_o, ir.Constant(i64, 1)))), dtypes[1])
         dp = builder.gep(builder.bitcast(_row_of(builder, dx, p), f64.as_pointer()), [m0])
         xp = builder.gep(builder.bitcast(_row_of(builder, xs, p), ir.IntType(32).as_pointer()), [m0])
         for r in range(16):
@@ -855,7 +878,8 @@ def _step_args(context, builder, sig, args, first):
     a = lambda i: context.make_array(sig.args[first + i])(context, builder, args[first + i])  # noqa: E731
     acc = _vectors(context, builder, sig, args, (first,))[0]
     has_o = builder.icmp_signed("!=", args[first + 9], ir.Constant(args[first + 9].type, 0))
-    return acc, a(1), a(2), args[first + 3], args[first + 4], a(5), args[first + 6], a(7), args[first + 8], has_o
+    return (acc, a(1), a(2), args[first + 3], args[first + 4], a(5), args[first + 6], a(7), args[first + 8], has_o,
+            (sig.args[first + 5].dtype, sig.args[first + 7].dtype))
 
 
 @intrinsic
