@@ -84,7 +84,8 @@ def _compact(p):
     """Packed scales ``p`` (float32) as float16 bits (uint16) where each is a float16 exactly (Q4_0's and
     Q8_0's ``d``, GPTQ's scales...): fewer bytes for M = 1 to read (Q8_0: 1.125 -> 1.0625 a weight, as
     ggml's); else ``p``."""
-    h = p.astype(np.float16)
+    with np.errstate(over="ignore"):  # (beyond float16's range: kept as float32)
+        h = p.astype(np.float16)
     return h.view(np.uint16) if (h.astype(np.float32).view(np.int32) == p.view(np.int32)).all() else p
 
 
