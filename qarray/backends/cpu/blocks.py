@@ -1124,7 +1124,8 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
     if not ok:
         raise ValueError(f"block-format linear cannot run on {isa} here: {why}")
     m = qx.shape[0]
-    xsum = qx.reshape(m, -1, w.piece).sum(axis=2, dtype=np.int32)
+    xsum = np.empty((m, qx.shape[1] // w.piece), np.int32)
+    _piece_sums(w.piece)(qx, xsum)
     group = w.block // w.piece if act == "Q8_K" else 1
     if act == "Q8_K" and ((w.spans & 0xFFFF) != group or w.has_o and (w.spans >> 16 & 0xFFFF) != group):
         raise ValueError("Q8_K activations take weights whose scales (and offsets) are a block's d times integers")
@@ -1151,6 +1152,23 @@ def linear_q8_packed(dx, qx, w: PackedQ8, bias, out, isa=None, threads=None, act
     else:
         parallel(kernel, groups, *args, grain=max(1, (1 << 18) // (ROWS * w.k * (m + 4))))
     return out
+
+
+@functools.cache
+def _piece_sums(piece):
+    """``sums(qx, out)``: ``out[m, p]`` = the sum of x's codes ``qx[m, p * piece:(p + 1) * piece]`` (int8 to
+    int32), ``piece`` a constant of the code (LLVM vectorizes its loop): 1.5 us at K = 14336, where
+    NumPy's ``sum(axis=2, dtype=int32)`` took 9 and a loop to a run-time ``piece`` 8."""
+    @kernel
+    def sums(qx, out):
+        for m in range(qx.shape[0]):
+            for p in range(out.shape[1]):
+                t = np.int32(0)
+                for j in range(piece):
+                    t = np.int32(t + np.int32(qx[m, piece * p + j]))
+                out[m, p] = t
+
+    return sums
 
 
 @kernel
