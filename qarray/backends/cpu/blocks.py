@@ -1179,22 +1179,19 @@ def quantize_q8_0(x, bits, d, out, start, stop):
     float32, turned to float16 by the caller; the codes into ``out[:, 2:34]``. ``bits``: ``x`` viewed as int32, whose magnitudes
     (sign cleared) order as the finite values do: an integer max, which vectorizes."""
     _wide()
-    top = np.zeros(1, np.int32)
     for b in range(start, stop):
-        row, m = x[b], np.int32(0)
+        m = np.int32(0)
         for j in range(32):
             m = max(m, bits[b, j] & np.int32(0x7FFFFFFF))
-        top[0] = m
-        db = top.view(np.float32)[0] / np.float32(127)
+        db = _float(m) / np.float32(127)
         inv = np.float32(1) / db if db != 0 else np.float32(0)
         d[b] = db
-        codes = out[b, 2:]
-        for j in range(32):
-            v = np.float64(row[j] * inv)
+        for j in range(32):  # roundf in float32: a - floor(a) is exact, so the half is found exactly
+            v = x[b, j] * inv
             a = abs(v)
             f = np.floor(a)
-            r = f + np.floor(2 * (a - f))
-            codes[j] = np.uint8(np.int32(-r if v < 0 else r) & 0xFF)
+            r = f + np.float32(1) if a - f >= np.float32(0.5) else f
+            out[b, 2 + j] = np.uint8(np.int32(-r if v < 0 else r) & 0xFF)
 
 
 @kernel
