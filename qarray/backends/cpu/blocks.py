@@ -761,8 +761,9 @@ _I32X16, _F64X16, _I8X64, _I8X16 = (ir.VectorType(ir.IntType(32), 16), ir.Vector
 def _float_step(builder, tiles, c_, sh_, has_small, acc_, d_, s_, o_, dtypes):
     """The float step of a Q8_K block of 16 rows of x by a group from its planes ``c_`` (tiles x 16 x 16
     int32, bytes): ``big = sum of c[t] << shifts[t]`` over the planes but ``small``'s (the last, where
-    ``has_small``), ``acc[r] += d[r] * s * big[r] (+ d[r] * o * small[r])``, ``s``, ``o`` float32 (16
-    weight rows), ``d`` float64 (16 rows of x); unfused, left to right (the contract's roundings)."""
+    ``has_small``), ``acc[r] += d[r] * s * big[r] (+ d[r] * o * small[r])``, ``s``, ``o`` 16 weight
+    rows' float32 or float16 bits (``dtypes``: :func:`_scales`), ``d`` float64 (16 rows of x); unfused,
+    left to right (the contract's roundings)."""
     i64 = ir.IntType(64)
     at = functools.partial(ir.Constant, i64)
     shp = builder.bitcast(sh_, i64.as_pointer())
@@ -860,8 +861,8 @@ def _piece_step(builder, cp_, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o, 
     """The float steps of the 4 pieces ``p0 ..`` of 16 rows of x (from ``m0``) by a group, from their C
     tiles ``cp_`` (bytes; 4 x 16 x 16 int32, ``isum``) into ``acc`` (bytes, 16 x 16 float64): ``acc[r]
     += dx * s * isum (+ dx * o * xsum)``, unfused, left to right (the Q8_0 contract); ``dx``, ``xs``
-    ``(pieces, rows)`` float64 / int32 and ``s``, ``o`` ``(entries, 16)`` float32 arrays (``make_array``
-    structs), an entry ``span_s`` / ``span_o`` pieces."""
+    ``(pieces, rows)`` float64 / int32 and ``s``, ``o`` ``(entries, 16)`` float32 or float16-bits arrays
+    (``make_array`` structs; ``dtypes``: :func:`_scales`), an entry ``span_s`` / ``span_o`` pieces."""
     i64, f64 = ir.IntType(64), ir.DoubleType()
     for t in range(_PIECES):
         p = builder.add(p0, ir.Constant(i64, t))
