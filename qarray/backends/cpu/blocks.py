@@ -808,7 +808,7 @@ def _make_amx_block(tiles):
         6, 7 in turn: ``b``'s bytes from ``b_at + plane * b_plane + 1024 s``, rows of 64) by
         ``tdpbssd``. Then, where ``pending``, :func:`_float_step` of the planes ``cp`` the call before
         stored into its ``acc``, ``d``, ``s``, ``o``; last, C stored to ``c`` (tiles x 16 x 16 int32),
-        for the next call (or :func:`_amx_flush`)."""
+        for the next call."""
         def codegen(context, builder, sig, args):
             a_, b_, c_, cp_, sh_, acc_, d_, s_, o_ = _vectors(context, builder, sig, args, (0, 3, 6, 7, 9, 11, 12, 13, 14))
             load, dot, store, zero, tile, at = _tile_ops(builder)
@@ -834,23 +834,7 @@ def _make_amx_block(tiles):
     return block
 
 
-def _make_amx_flush(tiles):
-    @intrinsic
-    def flush(typingctx, c, shifts, small, acc, d, s, o):
-        """:func:`_float_step` of the planes ``c`` the last block call stored."""
-        def codegen(context, builder, sig, args):
-            c_, sh_, acc_, d_, s_, o_ = _vectors(context, builder, sig, args, (0, 1, 3, 4, 5, 6))
-            _float_step(builder, tiles, c_, sh_, builder.icmp_signed("!=", args[2], ir.Constant(args[2].type, 0)),
-                        acc_, d_, s_, o_, (sig.args[5].dtype, sig.args[6].dtype))
-            return context.get_dummy_value()
-
-        return types.void(c, shifts, small, acc, d, s, o), codegen
-
-    return flush
-
-
 _amx1, _amx2, _amx3, _amx4, _amx5 = (_make_amx_block(tiles) for tiles in range(1, AMX_TILES + 1))
-_flush1, _flush2, _flush3, _flush4, _flush5 = (_make_amx_flush(tiles) for tiles in range(1, AMX_TILES + 1))
 
 # Q8_0 activations: the float step is a piece's (32 k), so a call takes half a block, 4 pieces, each
 # its own C tile (0..3): A tiles 4, 5 (16 rows of x, 32 bytes), B tiles 6, 7 (8 rows of a plane, 32 k)
@@ -881,16 +865,6 @@ def _piece_step(builder, cp_, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o, 
             builder.store(builder.fadd(builder.load(pa, align=8), term), pa, align=8)
 
 
-def _step_args(context, builder, sig, args, first):
-    """:func:`_piece_step`'s arguments from an intrinsic's ``acc, dx, xs, p0, m0, s, span_s, o, span_o,
-    has_o`` (from argument ``first``)."""
-    a = lambda i: context.make_array(sig.args[first + i])(context, builder, args[first + i])  # noqa: E731
-    acc = _vectors(context, builder, sig, args, (first,))[0]
-    has_o = builder.icmp_signed("!=", args[first + 9], ir.Constant(args[first + 9].type, 0))
-    return (acc, a(1), a(2), args[first + 3], args[first + 4], a(5), args[first + 6], a(7), args[first + 8], has_o,
-            (sig.args[first + 5].dtype, sig.args[first + 7].dtype))
-
-
 @intrinsic
 def _amx_pieces(typingctx, a, a_at, b, b_at, c, cp, pending, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
     """Half a block (4 pieces of 32 k) of 16 rows of x by a group on AMX, Q8_0 activations: C tile ``t``
@@ -909,22 +883,15 @@ def _amx_pieces(typingctx, a, a_at, b, b_at, c, cp, pending, acc, dx, xs, p0, m0
             builder.call(load, [tb, builder.gep(b_, [builder.add(args[3], at(512 * t))]), at(64)])
             builder.call(dot, [tile(t), ta, tb])
         with builder.if_then(builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))):
-            _piece_step(builder, cp_, *_step_args(context, builder, sig, args, 7))
+            arr = lambda i: context.make_array(sig.args[i])(context, builder, args[i])  # noqa: E731
+            has_o = builder.icmp_signed("!=", args[16], ir.Constant(args[16].type, 0))
+            _piece_step(builder, cp_, _vectors(context, builder, sig, args, (7,))[0], arr(8), arr(9), args[10], args[11],
+                        arr(12), args[13], arr(14), args[15], has_o, (sig.args[12].dtype, sig.args[14].dtype))
         for t in range(_PIECES):
             builder.call(store, [tile(t), builder.gep(c_, [at(1024 * t)]), at(64)])
         return context.get_dummy_value()
 
     return types.void(a, a_at, b, b_at, c, cp, pending, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o), codegen
-
-
-@intrinsic
-def _pieces_flush(typingctx, cp, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o):
-    """:func:`_piece_step` of the planes ``cp`` the last :func:`_amx_pieces` call stored."""
-    def codegen(context, builder, sig, args):
-        _piece_step(builder, _vectors(context, builder, sig, args, (0,))[0], *_step_args(context, builder, sig, args, 1))
-        return context.get_dummy_value()
-
-    return types.void(cp, acc, dx, xs, p0, m0, s, span_s, o, span_o, has_o), codegen
 
 # ldtilecfg's 64 bytes: palette 1, tiles 0..7 16 rows of 64 bytes (C, A, B alike)
 _AMX_CONFIG = np.zeros(64, np.uint8)
@@ -1009,6 +976,30 @@ def _amx_planes(codes, hi, lut, kind, shift, has_zero, spans, r0, sc, has_sc, os
                        osc[p if has_osc else 0], has_osc, -1, 0, -1)
 
 
+@njit(inline="always")
+def _amx_call(pieces, tiles, qx, a_at, b, b_at, c, cp, pending, shifts, small, acc, dx, xs, pb, pm, s, span_s, o,
+              span_o, has_o):
+    """One tile call of :func:`_make_amx`'s kernel (``pieces``, ``tiles``: its constants): the products of
+    16 rows of x from byte ``a_at`` by the planes ``b`` (from ``b_at``) into ``c``, and the float step of
+    the call before (``pending``; its planes ``cp``, rows ``pm``, block or first piece ``pb``, into
+    ``acc``; ``s``, ``o`` its group's)."""
+    if pieces:
+        _amx_pieces(qx, a_at, b, b_at, c, cp, pending, acc, dx, xs, pb, pm, s, span_s, o, span_o, has_o)
+        return
+    args = (qx, a_at, np.int64(64), b, b_at, np.int64(64 * 64), c, cp, pending, shifts, small, acc, dx[pb, pm:pm + 16],
+            s[pb], o[pb if has_o else 0])
+    if tiles == 1:
+        _amx1(*args)
+    elif tiles == 2:
+        _amx2(*args)
+    elif tiles == 3:
+        _amx3(*args)
+    elif tiles == 4:
+        _amx4(*args)
+    else:
+        _amx5(*args)
+
+
 def _make_amx(planes, parts, digits, small, pieces=False):
     source, tiles = _HELPERS, parts * digits + small
     halves, ctiles, config = (2, _PIECES, _PIECES_CONFIG) if pieces else (1, tiles, _AMX_CONFIG)
@@ -1055,46 +1046,17 @@ def _make_amx(planes, parts, digits, small, pieces=False):
                     continue
                 for m0 in range(0, m_len, 16):
                     for i in range(gs):
-                        pg = g0 + pi
-                        if pieces:  # pb: the pending call's first piece
-                            for h in range(halves):
-                                _amx_pieces(qx, m0 * k_len + 4096 * blk + 2048 * h, b[blk % 2, i], 2048 * h, c[slot],
-                                            c[1 - slot], pending, acc[pi, pm:pm + 16], dx, xs, pb, pm, s[pg], span_s,
-                                            o[pg if has_o else 0], span_o, has_o)
-                                pending, slot, pm, pi, pb = True, 1 - slot, m0, i, 8 * blk + 4 * h
-                                pg = g0 + i
-                            continue
-                        args = (qx, m0 * k_len + 4096 * blk, np.int64(64), b[blk % 2, i], 0, np.int64(64 * 64), c[slot],
-                                c[1 - slot], pending, shifts, small, acc[pi, pm:pm + 16], dx[pb, pm:pm + 16], s[pg, pb],
-                                o[pg if has_o else 0, pb if has_o else 0])
-                        if tiles == 1:
-                            _amx1(*args)
-                        elif tiles == 2:
-                            _amx2(*args)
-                        elif tiles == 3:
-                            _amx3(*args)
-                        elif tiles == 4:
-                            _amx4(*args)
-                        else:
-                            _amx5(*args)
-                        pending, slot, pm, pi, pb = True, 1 - slot, m0, i, blk
-            if pending and pieces:  # the last call's float step
-                _pieces_flush(c[1 - slot], acc[pi, pm:pm + 16], dx, xs, pb, pm, s[g0 + pi], span_s,
-                              o[g0 + pi if has_o else 0], span_o, has_o)
-            elif pending:
-                pg = g0 + pi
-                args_ = (c[1 - slot], shifts, small, acc[pi, pm:pm + 16], dx[pb, pm:pm + 16], s[pg, pb],
-                         o[pg if has_o else 0, pb if has_o else 0])
-                if tiles == 1:
-                    _flush1(*args_)
-                elif tiles == 2:
-                    _flush2(*args_)
-                elif tiles == 3:
-                    _flush3(*args_)
-                elif tiles == 4:
-                    _flush4(*args_)
-                else:
-                    _flush5(*args_)
+                        for h in range(halves):  # (Q8_0's pieces: half a block a call)
+                            _amx_call(pieces, tiles, qx, m0 * k_len + 4096 * blk + 2048 * h, b[blk % 2, i], 2048 * h,
+                                      c[slot], c[1 - slot], pending, shifts, small, acc[pi, pm:pm + 16], dx, xs, pb, pm,
+                                      s[g0 + pi], span_s, o[g0 + pi if has_o else 0], span_o, has_o)
+                            pending, slot, pm, pi, pb = True, 1 - slot, m0, i, 8 * blk + 4 * h if pieces else blk
+            if pending:  # the last call's float step: one call more, on the last call's operands (its products unused)
+                at = 512 * pb if pieces else 4096 * pb  # (pieces: pb = 8 blk + 4 h)
+                _amx_call(pieces, tiles, qx, pm * k_len + at, b[(pb // 8 if pieces else pb) % 2, pi],
+                          512 * (pb % 8) if pieces else 0, c[slot], c[1 - slot], pending, shifts, small,
+                          acc[pi, pm:pm + 16], dx, xs, pb, pm, s[g0 + pi], span_s, o[g0 + pi if has_o else 0], span_o,
+                          has_o)
             for i in range(gs):
                 n0 = (g0 + i) * ROWS
                 for m0 in range(0, out.shape[0], 16):
