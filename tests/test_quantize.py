@@ -810,20 +810,25 @@ def test_stochastic_rounding_kernel_pieces(shape, axis, block_size):
 
 @pytest.mark.parametrize("dtype,zp", [("qint8", 0), ("qint8", -128), ("qint8", 127), ("quint8", 0), ("quint8", 255),
                                       ("qint4", -8), ("quint2", 3)])
-def test_large_arrays_stream_their_codes(dtype, zp, rng, monkeypatch):
+@pytest.mark.parametrize("lines", [True, False])
+def test_large_arrays_stream_their_codes(dtype, zp, lines, rng, monkeypatch):
     """From ``STREAM`` float32 elements, per-tensor quantize to 8-bit storage
     writes 64 codes a step with non-temporal stores (``cpu.quantize.quantize_stream``,
-    LLVM IR): the codes of the definition (a float64 reference: the float32
-    quotient correctly rounded, then half to even) at ties, at both clamps,
-    for +-inf, -0.0 and subnormals, over sizes that leave a short last block, on
-    one thread and two; NaN in a full block or in the short one raises."""
+    LLVM IR; ``lines``: its AVX-512 blocks, ``llvm._quantize_line``, else the
+    portable loops, forced): the codes of the definition (a float64 reference:
+    the float32 quotient correctly rounded, then half to even) at ties, at both
+    clamps, for +-inf, -0.0 and subnormals, over sizes that leave a short last
+    block, on one thread and two; NaN in a full block or in the short one raises."""
     pytest.importorskip("numba")
     from qarray.backends import numpy as nb
 
-    k = nb._cpu().quantize
+    k, isa = nb._cpu().quantize, nb._cpu().isa
+    if lines and not isa.usable("avx512bw")[0]:
+        pytest.skip("the CPU has no AVX-512 BW")
+    monkeypatch.setattr(isa, "OFF", set() if lines else {"avx512bw"})
     ran = []
-    real = k.quantize_stream
-    monkeypatch.setattr(k, "quantize_stream", lambda *a: ran.append(a[-2:]) or real(*a))
+    real = k.quantize_stream[lines]
+    monkeypatch.setitem(k.quantize_stream, lines, lambda *a: ran.append(a[-2:]) or real(*a))
     d = qdtype(dtype)
     for n, scale, threads in ((k.STREAM, 0.25, 2), (k.STREAM + 37, 0.0173, 2), (k.STREAM + 64 * 5 + 1, 0.25, 1)):
         x = (rng.standard_normal(n) * 40 * scale).astype(np.float32)

@@ -144,6 +144,54 @@ def test_streamed(rng):
         np.testing.assert_array_equal(qarray.quantize(x, scale, 3, "qint8").int_repr(), want)
 
 
+@pytest.mark.parametrize("lines", [True, False])
+@pytest.mark.parametrize("dtype,zp", [("qint8", -128), ("qint8", 127), ("qint8", -5), ("quint8", 0),
+                                      ("quint8", 255), ("qint4", 7), ("quint2", 0)])
+def test_stream_kernel(rng, lines, dtype, zp):
+    """``quantize_stream`` called directly (on fewer values than ``STREAM``),
+    every scale, zero points at both ends: each half-integer boundary of the
+    codes' range 2 ulp either side (blocks that flag: the division), quotients
+    at the ends of int32 (rounding to 2**31 - 128 and -2**31 + 128, the
+    farthest float32 ``vcvtps2dq`` takes, and to +-2**31 and beyond, which it
+    gives as -2**31: flagged), inf, -0.0, subnormals, float32's largest, and
+    random blocks that do not flag, split into two calls at a block boundary
+    and a short last block. NaN comes back as a NaN sum (the caller raises)."""
+    from qarray.backends import numpy as nb
+    from qarray.backends.cpu import llvm
+
+    if lines and not nb._cpu().isa.usable("avx512bw")[0]:
+        pytest.skip("the CPU has no AVX-512 BW")
+    k = nb._cpu().quantize
+    kernel = k.quantize_stream[lines]
+    d = qdtype(dtype)
+    lo, hi = np.float32(d.qmin), np.float32(d.qmax)
+    mul = k.multiplies(np.float32, lo, hi)
+    assert mul
+    halves = np.arange(d.qmin - zp - 3, d.qmax - zp + 3) + 0.5
+    halves = np.concatenate([halves, -halves])
+    far = np.array([2.0 ** 31 - 128, 2.0 ** 31, 2.0 ** 31 + 256, 3e9, 1e30])
+    tiny, big = np.finfo(np.float32).smallest_subnormal, np.finfo(np.float32).max
+    for scale in SCALES:
+        s = np.float32(scale)
+        with np.errstate(over="ignore"):  # (huge scales: inf)
+            ends = (np.concatenate([far, -far, far - 1, -far + 1]) * np.float64(s)).astype(np.float32)
+            clean = (rng.standard_normal(64 * 40) * 30 * np.float64(s)).astype(np.float32)  # few blocks flag
+        parts = [near_boundaries(halves, scale, np.float32), ends,
+                 np.array([np.inf, -np.inf, -0.0, 0.0, tiny, -tiny, big, -big], np.float32)]
+        x = np.concatenate([clean[:64 * 20], *parts, clean[64 * 20:], clean[:37]])
+        n = x.size
+        out = llvm.aligned_copy(np.zeros(n + 64, d.storage))[:n]
+        rl, rh = k.reciprocals(np.array([s]))[:, 0]
+        blocks = -(-n // 64)
+        bad = sum(kernel(x, s, np.float32(zp), rl, rh, lo, hi, mul, out, a, b)
+                  for a, b in ((0, 13), (13, blocks)))
+        want, _ = codes(x, scale, zp, dtype)
+        np.testing.assert_array_equal(out, want)
+        assert bad != bad  # inf: a NaN sum, as quantize's kernel gives
+        x[70] = np.nan
+        assert np.isnan(kernel(x[:128], s, np.float32(zp), rl, rh, lo, hi, mul, out, 0, 2))
+
+
 def test_reciprocals_bracket_the_reciprocal():
     """``rl <= 1/s <= rh`` exactly, and NaN (the division alone) where ``fl(1/s)`` is not a normal number."""
     from fractions import Fraction

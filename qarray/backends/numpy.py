@@ -266,8 +266,9 @@ class NumpyBackend(Backend):
 
         if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(cpu, x, out):
             s, z, rl, rh = (p.reshape(-1)[0] for p in params((1, 1, 1)))
-            parts = cpu.pool.parallel(cpu.quantize.quantize_stream, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo,
-                                      hi, mul, out.reshape(-1), grain=cpu.pool.GRAIN // 64)
+            kernel = cpu.quantize.quantize_stream[bool(mul) and cpu.isa.usable("avx512bw")[0]]
+            parts = cpu.pool.parallel(kernel, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
+                                      out.reshape(-1), grain=cpu.pool.GRAIN // 64)
         else:
             parts = self._run(cpu.quantize.quantize, x, out, axis, qp.block_size, params, lo, hi, mul,
                               True if fake else None, mask=mask, key=key)

@@ -22,9 +22,10 @@ log = logging.getLogger("qarray")
 
 # the int8 GEMM's, fastest first; "portable" (plain Numba loops) runs anywhere
 ORDER = ("amx", "avx512vnni", "avxvnni", "avx2", "portable")
-# and those of llvm.py's other helpers: softmax's byte lookups, the streamed stores
+# and those of llvm.py's other helpers: softmax's byte lookups, quantize's lines, the streamed stores
 _NEEDS = {"amx": {"amx-int8", "amx-tile"}, "avx512vnni": {"avx512vnni", "avx512bw"}, "avxvnni": {"avxvnni", "avx2"},
-          "avx2": {"avx2"}, "portable": set(), "avx512vbmi": {"avx512vbmi", "avx512bw"}, "sse2": set()}  # sse2: every x86-64
+          "avx2": {"avx2"}, "portable": set(), "avx512vbmi": {"avx512vbmi", "avx512bw"},
+          "avx512bw": {"avx512f", "avx512bw"}, "sse2": set()}  # sse2: every x86-64
 OFF: set = set()
 _granted: list = []  # [(ok, why)] once asked
 

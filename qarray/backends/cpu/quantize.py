@@ -16,7 +16,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..._params import kept
-from .llvm import _fence, _store_line, _wide
+from .llvm import _fence, _quantize_line, _store_line, _wide
 from .pool import _KERNEL, always, kernel
 from .requantize import _SOURCE, _bits, _first, _outer, _round_stochastic, _span
 
@@ -311,40 +311,6 @@ def _make(source):
                               first + np.uint64(t) * np.uint64(i_n), out, mask, fake)
         return bad
 
-    @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: quantize's sum of x - x vectorizes (NaN check)
-    def quantize_stream(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
-        """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
-        boundary) with one scale, zero point and reciprocals (float32; ``mul`` as
-        quantize's): blocks of 64 elements ``start..stop``, computed ``RUN`` at a
-        time (``_q_run``), each stored by ``_store_line`` (a short last block as
-        usual). Returns NaN if ``x`` had NaN or inf, as quantize's kernel does.
-        A run is multiplied here, element by element (``_q_mul``, ``_put``), and
-        goes to ``_q_run`` (the division) only where one flagged: ``_q_run``
-        inlined for each run took a reference count of its arrays, an atomic
-        that waits for the streamed stores before it to drain (2^24 float32,
-        2 threads: 2.8-3.2 -> 2.2-2.5 ms)."""
-        _ = source
-        _wide()
-        run = np.empty(RUN, out.dtype)
-        bad = x.dtype.type(0)
-        full = min(stop, x.size // 64)
-        for b0 in range(start, full, RUN // 64):
-            b1 = min(b0 + RUN // 64, full)
-            j0, j1 = np.uint64(b0 * 64), np.uint64(b1 * 64)
-            unsure = not mul
-            if mul:
-                for j in range(j0, j1):
-                    c, w, u = _q_mul(x[j], rl, rh, z, lo, hi)
-                    unsure |= u
-                    _put(run, None, j - j0, c, w, z, s, lo, hi, None)
-            if unsure:  # the division
-                bad += _q_run(x, s, z, rl, rh, None, j0, j1, lo, hi, False, None, j0, run, None, None, j0)
-            for b in range(b0, b1):
-                _store_line(out, np.int64(b * 64), run, np.int64((b - b0) * 64))
-        _fence()
-        t0, t1 = np.uint64(max(start, full) * 64), np.uint64(min(stop * 64, x.size))
-        return bad + _q_run(x, s, z, rl, rh, None, t0, t1, lo, hi, mul, None, t0, out, None, None, np.uint64(0))
-
     @kernel
     def dequantize(q, s, z, bidx, out, start, stop):
         """``out = float(q - z) * s`` in ``out``'s float type (one rounding)."""
@@ -360,10 +326,73 @@ def _make(source):
                 o = t // n
                 _dq_row(q, s, z, o, t - o * n, np.int64(o) * pos, bidx[t - o * n], out)
 
-    return quantize, quantize_stream, dequantize
+    return quantize, dequantize
 
 
-quantize, quantize_stream, dequantize = _make(_SOURCE)
+quantize, dequantize = _make(_SOURCE)
+
+
+def _make_stream(source, lines):
+    """quantize's streamed kernel: by ``llvm._quantize_line`` with ``lines``
+    (``isa``'s avx512bw), else by the portable loops (``_q_mul``, ``_q_run``)."""
+
+    @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: the division's sum of x - x vectorizes (NaN check)
+    def quantize_stream(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
+        """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
+        boundary) with one scale, zero point and reciprocals (float32; ``mul`` as
+        quantize's): blocks of 64 elements ``start..stop``, each stored by a
+        non-temporal store (a short last block as usual). Returns NaN if ``x``
+        had NaN or inf, as quantize's kernel does.
+
+        With ``lines``, ``_quantize_line`` multiplies and stores each block; a
+        block where a value flagged goes to the division (``_q_run``). 2^24
+        float32 -> qint8, 2 threads, alternating with torch's
+        quantize_per_tensor (every pool passive): 1.12-1.17x -> 0.91-0.96x its
+        time.
+
+        Else a run of ``RUN`` values is multiplied here, element by element
+        (``_q_mul``, ``_put``), and goes to ``_q_run`` only where one flagged,
+        then out by ``_store_line``: ``_q_run`` inlined for each run took a
+        reference count of its arrays, an atomic that waits for the streamed
+        stores before it to drain (2^24 float32, 2 threads: 2.8-3.2 -> 2.2-2.5
+        ms)."""
+        _ = source
+        _wide()
+        bad = x.dtype.type(0)
+        full = min(stop, x.size // 64)
+        if lines and mul:
+            line = np.empty(64, out.dtype)
+            zi, loi, hii = np.int32(z), np.int32(lo), np.int32(hi)
+            for b in range(start, full):
+                j = np.uint64(b * 64)
+                if _quantize_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j)):
+                    bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, line, None,
+                                  None, j)
+                    _store_line(out, np.int64(j), line, np.int64(0))
+        else:
+            run = np.empty(RUN, out.dtype)
+            for b0 in range(start, full, RUN // 64):
+                b1 = min(b0 + RUN // 64, full)
+                j0, j1 = np.uint64(b0 * 64), np.uint64(b1 * 64)
+                unsure = not mul
+                if mul:
+                    for j in range(j0, j1):
+                        c, w, u = _q_mul(x[j], rl, rh, z, lo, hi)
+                        unsure |= u
+                        _put(run, None, j - j0, c, w, z, s, lo, hi, None)
+                if unsure:  # the division
+                    bad += _q_run(x, s, z, rl, rh, None, j0, j1, lo, hi, False, None, j0, run, None, None, j0)
+                for b in range(b0, b1):
+                    _store_line(out, np.int64(b * 64), run, np.int64((b - b0) * 64))
+        _fence()
+        t0, t1 = np.uint64(max(start, full) * 64), np.uint64(min(stop * 64, x.size))
+        return bad + _q_run(x, s, z, rl, rh, None, t0, t1, lo, hi, mul, None, t0, out, None, None, np.uint64(0))
+
+    return quantize_stream
+
+
+# by whether the blocks go by ``llvm._quantize_line`` (``isa``'s avx512bw)
+quantize_stream = {lines: _make_stream(_SOURCE, lines) for lines in (False, True)}
 
 
 # -- floating formats: float32 -> format codes ------------------------------------------------
