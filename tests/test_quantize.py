@@ -808,12 +808,41 @@ def test_stochastic_rounding_kernel_pieces(shape, axis, block_size):
     np.testing.assert_array_equal(got.int_repr(), want.int_repr())
 
 
+def test_per_tensor_codes_by_blocks_of_64(rng, monkeypatch):
+    """Below ``STREAM``, per-tensor float32 to 8-bit codes go by AVX-512's blocks
+    of 64 stored through the cache (``quantize_lines["avx512bw", False]``) where
+    ``x`` and ``out`` are C-contiguous, at any alignment; the others (float64,
+    16-bit codes, a strided ``x``, per-channel) by quantize's kernel. Codes as
+    the definition's (a float64 reference), with a short last block."""
+    pytest.importorskip("numba")
+    from qarray.backends import numpy as nb
+
+    k, isa = nb._cpu().quantize, nb._cpu().isa
+    if not isa.usable("avx512bw")[0]:
+        pytest.skip("the CPU has no AVX-512 BW")
+    ran, which = [], ("avx512bw", False)
+    real = k.quantize_lines[which]
+    monkeypatch.setitem(k.quantize_lines, which, lambda *a: ran.append(a[-2:]) or real(*a))
+    x = (rng.standard_normal(64 * 50 + 13) * 9).astype(np.float32)
+    for dtype, zp, data, axis, takes in [("qint8", -3, x, None, True), ("quint8", 255, x[1:], None, True),
+                                         ("qint8", 0, x[::2], None, False), ("qint16", 0, x, None, False),
+                                         ("qint8", 0, x.astype(np.float64), None, False),
+                                         ("qint8", 0, x[:3200].reshape(50, 64), 0, False)]:
+        d = qdtype(dtype)
+        ran.clear()
+        got = qarray.quantize(data, 0.07, zp, dtype, axis=axis)
+        t = (data.astype(np.float64) / np.float64(np.asarray(0.07, data.dtype))).astype(data.dtype)
+        want = np.clip(np.rint(t.astype(np.float64)) + zp, d.qmin, d.qmax).astype(np.int64)
+        np.testing.assert_array_equal(got.int_repr(), want)
+        assert bool(ran) == takes and (not takes or sum(b - a for a, b in ran) == -(-data.size // 64))
+
+
 @pytest.mark.parametrize("dtype,zp", [("qint8", 0), ("qint8", -128), ("qint8", 127), ("quint8", 0), ("quint8", 255),
                                       ("qint4", -8), ("quint2", 3)])
 @pytest.mark.parametrize("lines", [True, False])
 def test_large_arrays_stream_their_codes(dtype, zp, lines, rng, monkeypatch):
     """From ``STREAM`` float32 elements, per-tensor quantize to 8-bit storage
-    writes 64 codes a step with non-temporal stores (``cpu.quantize.quantize_stream``,
+    writes 64 codes a step with non-temporal stores (``cpu.quantize.quantize_lines``,
     LLVM IR; ``lines``: its AVX-512 blocks, ``llvm._quantize_line``, else the
     portable loops, forced): the codes of the definition (a float64 reference:
     the float32 quotient correctly rounded, then half to even) at ties, at both
@@ -826,9 +855,9 @@ def test_large_arrays_stream_their_codes(dtype, zp, lines, rng, monkeypatch):
     if lines and not isa.usable("avx512bw")[0]:
         pytest.skip("the CPU has no AVX-512 BW")
     monkeypatch.setattr(isa, "OFF", set() if lines else {"avx512bw"})
-    ran = []
-    real = k.quantize_stream[lines]
-    monkeypatch.setitem(k.quantize_stream, lines, lambda *a: ran.append(a[-2:]) or real(*a))
+    ran, which = [], ("avx512bw" if lines else "sse2", True)
+    real = k.quantize_lines[which]
+    monkeypatch.setitem(k.quantize_lines, which, lambda *a: ran.append(a[-2:]) or real(*a))
     d = qdtype(dtype)
     for n, scale, threads in ((k.STREAM, 0.25, 2), (k.STREAM + 37, 0.0173, 2), (k.STREAM + 64 * 5 + 1, 0.25, 1)):
         x = (rng.standard_normal(n) * 40 * scale).astype(np.float32)

@@ -57,10 +57,23 @@ def check(x, scale, zp, dtype, axis=None, block_size=None):
     np.testing.assert_array_equal(mask, inside)
 
 
+@pytest.fixture(params=["avx512bw", "off"])
+def lines(request, monkeypatch):
+    """Per-tensor float32 to 8-bit codes by AVX-512's blocks of 64
+    (``quantize.quantize_lines``; skipped without AVX-512 BW), or with it
+    forced off by quantize's kernel (``_q_runs``)."""
+    from qarray.backends.cpu import isa
+
+    if request.param != "off" and not isa.usable(request.param)[0]:
+        pytest.skip("the CPU has no AVX-512 BW")
+    monkeypatch.setattr(isa, "OFF", {"avx512bw"} if request.param == "off" else set())
+    return request.param
+
+
 @pytest.mark.parametrize("ft", [np.float32, np.float64])
 @pytest.mark.parametrize("dtype,zp", [("qint8", 0), ("qint8", -7), ("quint8", 128), ("qint4", 3), ("quint4", 0),
                                       ("qint16", 5), ("quint16", 0), ("qint32", 0)])
-def test_every_boundary(ft, dtype, zp):
+def test_every_boundary(ft, dtype, zp, lines):
     """Each half-integer boundary of the codes' range, 2 ulp either side, over the scales."""
     d = qdtype(dtype)
     lo, hi = max(d.qmin, -600), min(d.qmax, 600)
@@ -82,7 +95,7 @@ def test_qint32_far_quotients(ft):
 
 @pytest.mark.parametrize("ft", [np.float32, np.float64])
 @pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint4", "qint16", "qint32"])
-def test_special_values(ft, dtype):
+def test_special_values(ft, dtype, lines):
     """NaN raises; inf saturates; -0.0, subnormals and overflowing quotients as the division gives them."""
     tiny = np.finfo(ft).smallest_subnormal
     x = np.array([np.inf, -np.inf, -0.0, 0.0, tiny, -tiny, np.finfo(ft).max, -np.finfo(ft).max, 0.5, -0.5, 1.5, 2.5],
@@ -116,7 +129,7 @@ def test_per_channel_and_blocked(ft, axis, block_size):
 
 
 @pytest.mark.parametrize("ft,n", [(np.float32, 3 << 20), (np.float64, 1 << 20)])
-def test_random_values(ft, n, rng):
+def test_random_values(ft, n, rng, lines):
     """Random values across the codes' range and beyond, per tensor, several scales."""
     x = (rng.standard_normal(n) * rng.choice([0.3, 3.0, 40.0], n)).astype(ft)
     for scale in (0.1, 1 / 3, 7e-3, 0.0173):
@@ -126,7 +139,7 @@ def test_random_values(ft, n, rng):
 
 def test_streamed(rng):
     """From ``STREAM`` float32 values, per-tensor 8-bit codes are streamed
-    (``quantize_stream``): its runs by the multiply, a short last block too."""
+    (``quantize_lines``): its runs by the multiply, a short last block too."""
     from qarray.backends import numpy as nb
 
     k = nb._cpu().quantize
@@ -144,12 +157,13 @@ def test_streamed(rng):
         np.testing.assert_array_equal(qarray.quantize(x, scale, 3, "qint8").int_repr(), want)
 
 
-@pytest.mark.parametrize("lines", [True, False])
+@pytest.mark.parametrize("isa,nt", [("avx512bw", True), ("avx512bw", False), ("sse2", True)])
 @pytest.mark.parametrize("dtype,zp", [("qint8", -128), ("qint8", 127), ("qint8", -5), ("quint8", 0),
                                       ("quint8", 255), ("qint4", 7), ("quint2", 0)])
-def test_stream_kernel(rng, lines, dtype, zp):
-    """``quantize_stream`` called directly (on fewer values than ``STREAM``),
-    every scale, zero points at both ends: each half-integer boundary of the
+def test_line_kernels(rng, isa, nt, dtype, zp):
+    """``quantize_lines``' kernels called directly (on fewer values than ``STREAM``;
+    without ``nt``, into ``out`` one byte past a 64-byte boundary), every
+    scale, zero points at both ends: each half-integer boundary of the
     codes' range 2 ulp either side (blocks that flag: the division), quotients
     at the ends of int32 (rounding to 2**31 - 128 and -2**31 + 128, the
     farthest float32 ``vcvtps2dq`` takes, and to +-2**31 and beyond, which it
@@ -159,10 +173,10 @@ def test_stream_kernel(rng, lines, dtype, zp):
     from qarray.backends import numpy as nb
     from qarray.backends.cpu import llvm
 
-    if lines and not nb._cpu().isa.usable("avx512bw")[0]:
-        pytest.skip("the CPU has no AVX-512 BW")
+    if not nb._cpu().isa.usable(isa)[0]:
+        pytest.skip(f"the CPU has no {isa}")
     k = nb._cpu().quantize
-    kernel = k.quantize_stream[lines]
+    kernel = k.quantize_lines[isa, nt]
     d = qdtype(dtype)
     lo, hi = np.float32(d.qmin), np.float32(d.qmax)
     mul = k.multiplies(np.float32, lo, hi)
@@ -180,7 +194,7 @@ def test_stream_kernel(rng, lines, dtype, zp):
                  np.array([np.inf, -np.inf, -0.0, 0.0, tiny, -tiny, big, -big], np.float32)]
         x = np.concatenate([clean[:64 * 20], *parts, clean[64 * 20:], clean[:37]])
         n = x.size
-        out = llvm.aligned_copy(np.zeros(n + 64, d.storage))[:n]
+        out = llvm.aligned_copy(np.zeros(n + 64, d.storage))[0 if nt else 1:][:n]
         rl, rh = k.reciprocals(np.array([s]))[:, 0]
         blocks = -(-n // 64)
         bad = sum(kernel(x, s, np.float32(zp), rl, rh, lo, hi, mul, out, a, b)

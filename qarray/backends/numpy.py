@@ -52,10 +52,20 @@ _kernels = False
 
 def _streams(cpu, x, out):
     """Whether ``out``'s codes go out by ``cpu.llvm``'s streamed stores
-    (``quantize_stream``, ``requantize_stream``): a large C-contiguous ``x``, a
+    (``quantize_lines``, ``requantize_stream``): a large C-contiguous ``x``, a
     C-contiguous 8-bit ``out`` at a 64-byte boundary, x86-64 (``isa``'s sse2)."""
     return (x.size >= cpu.quantize.STREAM and out.itemsize == 1 and x.flags.c_contiguous
             and out.flags.c_contiguous and out.ctypes.data % 64 == 0 and cpu.isa.usable("sse2")[0])
+
+
+def _lines(cpu, x, out, mul):
+    """Per-tensor quantize's kernel on blocks of 64 values (``cpu.quantize.quantize_lines``)
+    for float32 ``x`` into ``out``, or None: by AVX-512 where the CPU has it, the
+    quotients multiplied (``mul``, ``_bounds``) and ``x`` and 8-bit ``out``
+    C-contiguous; streamed where ``_streams`` says so."""
+    fits = mul and out.itemsize == 1 and x.flags.c_contiguous and out.flags.c_contiguous
+    isa = "avx512bw" if fits and cpu.isa.usable("avx512bw")[0] else "sse2"
+    return cpu.quantize.quantize_lines.get((isa, _streams(cpu, x, out)))
 
 
 _PAGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -264,10 +274,12 @@ class NumpyBackend(Backend):
             return (_param(scale, x.dtype, pshape), _param(zero_point, ct, pshape),
                     *_param(scale, x.dtype, pshape, cpu.quantize.reciprocals))
 
-        if axis is None and x.dtype == np.float32 and mask is None and key is None and _streams(cpu, x, out):
+        lines = None
+        if axis is None and x.dtype == np.float32 and mask is None and key is None:
+            lines = _lines(cpu, x, out, mul)
+        if lines is not None:
             s, z, rl, rh = (p.reshape(-1)[0] for p in params((1, 1, 1)))
-            kernel = cpu.quantize.quantize_stream[bool(mul) and cpu.isa.usable("avx512bw")[0]]
-            parts = cpu.pool.parallel(kernel, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
+            parts = cpu.pool.parallel(lines, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
                                       out.reshape(-1), grain=cpu.pool.GRAIN // 64)
         else:
             parts = self._run(cpu.quantize.quantize, x, out, axis, qp.block_size, params, lo, hi, mul,

@@ -10,7 +10,7 @@ helper                                 gate (``isa``)       portable twin
 =====================================  ===================  ==============================================
 :func:`_wide` (512-bit vectors)        none needed          ignored by LLVM on other targets
 :func:`_store_line`, :func:`_fence`    ``sse2`` (x86-64)    ``quantize.quantize`` / ``requantize.requantize``
-:func:`_quantize_line`                 ``avx512bw``         ``quantize.quantize_stream``'s portable loops
+:func:`_quantize_line`                 ``avx512bw``         ``quantize.quantize_lines``' sse2 loops
 :func:`_lookup_sum`,                   ``avx512vbmi``       ``softmax._row_sum`` / ``_lookup_row``'s loops
 :func:`_lookup_store`
 :func:`_make_dot` (packed 4-bit)       ``avx512vnni``       the int8 GEMM on unpacked codes
@@ -94,7 +94,7 @@ def _loadu(builder, ptr, vtype):
     return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
 
 
-# -- streamed stores: quantize.quantize_stream, requantize.requantize_stream -------------------
+# -- streamed stores: quantize.quantize_lines, requantize.requantize_stream -------------------
 @intrinsic
 def _store_line(typingctx, out, offset, line, at):
     """``out[offset:offset + 64] = line[at:at + 64]`` (64 bytes) by a non-temporal
@@ -118,11 +118,11 @@ _W32 = ir.VectorType(ir.IntType(16), 32)
 _UNPACK = ir.Constant(ir.VectorType(ir.IntType(32), 16), [4 * (d % 4) + d // 4 for d in range(16)])
 
 
-@intrinsic
-def _quantize_line(typingctx, x, j, rl, rh, z, lo, hi, out, at):
+def _make_quantize_line(nontemporal):
     """The 8-bit codes of the 64 float32 values ``x[j:j + 64]``, ``quantize._q_mul``'s,
-    stored at ``out[at:at + 64]`` (a 64-byte boundary) by a non-temporal store,
-    unless a value flags; returns whether one did (then nothing is stored).
+    stored at ``out[at:at + 64]`` (with ``nontemporal``: at a 64-byte boundary,
+    by a non-temporal store), unless a value flags; returns whether one did
+    (then nothing is stored).
     ``vcvtps2dq`` rounds each ``v * rl`` and ``v * rh`` to an integer, to nearest,
     ties to even, as ``rint``; it gives ``-2**31`` for NaN and beyond the int32
     range, which flags, as do two roundings that differ. The rest is exact on
@@ -133,42 +133,52 @@ def _quantize_line(typingctx, x, j, rl, rh, z, lo, hi, out, at):
     dtype) is exact inside ``[lo, hi]``. Per 16 values this is 10 vector
     instructions where the portable loop took 15 (two ``vrndscaleps`` of two
     each, the clamp in float32, ``vpmovdb``)."""
-    def codegen(context, builder, sig, args):
-        i16, i32 = ir.IntType(16), ir.IntType(32)
-        v16 = _V16
-        xp = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        xp = builder.bitcast(xp, _F16.as_pointer())
-        cvt = _fn(builder, "llvm.x86.avx512.mask.cvtps2dq.512", v16, [_F16, v16, i16, i32])
-        r = [_splat(builder, args[k], _F16) for k in (2, 3)]
-        ones, nearest = ir.Constant(i16, -1), ir.Constant(i32, 8)  # {rn-sae}: whatever MXCSR says
-        diff, low, n = ir.Constant(v16, None), ir.Constant(v16, [2 ** 31 - 1] * 16), []
-        smin32 = _fn(builder, "llvm.smin.v16i32", v16, [v16, v16])
-        for q in range(4):
-            v = builder.load(builder.gep(xp, [ir.Constant(i32, q)]), align=4)
-            na, nb = (builder.call(cvt, [builder.fmul(v, rk), ir.Constant(v16, None), ones, nearest]) for rk in r)
-            diff, low = builder.or_(diff, builder.xor(na, nb)), builder.call(smin32, [low, na])
-            n.append(na)
-        flag = builder.or_(builder.icmp_signed("!=", diff, ir.Constant(v16, None)),
-                           builder.icmp_signed("==", low, ir.Constant(v16, [-2 ** 31] * 16)))
-        flag = builder.icmp_unsigned("!=", builder.bitcast(flag, i16), ir.Constant(i16, 0))
-        with builder.if_then(builder.not_(flag), likely=True):
-            pack = _fn(builder, "llvm.x86.avx512.packssdw.512", _W32, [v16, v16])
-            bounds = [_splat(builder, builder.trunc(args[k], i16), _W32) for k in (4, 5, 6)]
-            words = []
-            for a, b in ((n[0], n[1]), (n[2], n[3])):
-                w = builder.call(_fn(builder, "llvm.sadd.sat.v32i16", _W32, [_W32, _W32]),
-                                 [builder.call(pack, [a, b]), bounds[0]])
-                w = builder.call(_fn(builder, "llvm.smax.v32i16", _W32, [_W32, _W32]), [w, bounds[1]])
-                words.append(builder.call(_fn(builder, "llvm.smin.v32i16", _W32, [_W32, _W32]), [w, bounds[2]]))
-            name = "packsswb" if sig.args[7].dtype.signed else "packuswb"
-            codes = builder.call(_fn(builder, f"llvm.x86.avx512.{name}.512", _V64, [_W32, _W32]), words)
-            codes = builder.shuffle_vector(builder.bitcast(codes, v16), ir.Constant(v16, None), _UNPACK)
-            dst = builder.gep(context.make_array(sig.args[7])(context, builder, args[7]).data, [args[8]])
-            hint = builder.module.add_metadata([ir.Constant(i32, 1)])
-            builder.store(codes, builder.bitcast(dst, v16.as_pointer()), align=64).set_metadata("nontemporal", hint)
-        return flag
 
-    return types.boolean(x, j, rl, rh, z, lo, hi, out, at), codegen
+    @intrinsic
+    def _quantize_line(typingctx, x, j, rl, rh, z, lo, hi, out, at):
+        def codegen(context, builder, sig, args):
+            i16, i32 = ir.IntType(16), ir.IntType(32)
+            v16 = _V16
+            xp = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+            xp = builder.bitcast(xp, _F16.as_pointer())
+            cvt = _fn(builder, "llvm.x86.avx512.mask.cvtps2dq.512", v16, [_F16, v16, i16, i32])
+            r = [_splat(builder, args[k], _F16) for k in (2, 3)]
+            ones, nearest = ir.Constant(i16, -1), ir.Constant(i32, 8)  # {rn-sae}: whatever MXCSR says
+            diff, low, n = ir.Constant(v16, None), ir.Constant(v16, [2 ** 31 - 1] * 16), []
+            smin32 = _fn(builder, "llvm.smin.v16i32", v16, [v16, v16])
+            for q in range(4):
+                v = builder.load(builder.gep(xp, [ir.Constant(i32, q)]), align=4)
+                na, nb = (builder.call(cvt, [builder.fmul(v, rk), ir.Constant(v16, None), ones, nearest]) for rk in r)
+                diff, low = builder.or_(diff, builder.xor(na, nb)), builder.call(smin32, [low, na])
+                n.append(na)
+            flag = builder.or_(builder.icmp_signed("!=", diff, ir.Constant(v16, None)),
+                               builder.icmp_signed("==", low, ir.Constant(v16, [-2 ** 31] * 16)))
+            flag = builder.icmp_unsigned("!=", builder.bitcast(flag, i16), ir.Constant(i16, 0))
+            with builder.if_then(builder.not_(flag), likely=True):
+                pack = _fn(builder, "llvm.x86.avx512.packssdw.512", _W32, [v16, v16])
+                bounds = [_splat(builder, builder.trunc(args[k], i16), _W32) for k in (4, 5, 6)]
+                words = []
+                for a, b in ((n[0], n[1]), (n[2], n[3])):
+                    w = builder.call(_fn(builder, "llvm.sadd.sat.v32i16", _W32, [_W32, _W32]),
+                                     [builder.call(pack, [a, b]), bounds[0]])
+                    w = builder.call(_fn(builder, "llvm.smax.v32i16", _W32, [_W32, _W32]), [w, bounds[1]])
+                    words.append(builder.call(_fn(builder, "llvm.smin.v32i16", _W32, [_W32, _W32]), [w, bounds[2]]))
+                name = "packsswb" if sig.args[7].dtype.signed else "packuswb"
+                codes = builder.call(_fn(builder, f"llvm.x86.avx512.{name}.512", _V64, [_W32, _W32]), words)
+                codes = builder.shuffle_vector(builder.bitcast(codes, v16), ir.Constant(v16, None), _UNPACK)
+                dst = builder.gep(context.make_array(sig.args[7])(context, builder, args[7]).data, [args[8]])
+                store = builder.store(codes, builder.bitcast(dst, v16.as_pointer()), align=64 if nontemporal else 1)
+                if nontemporal:
+                    store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(i32, 1)]))
+            return flag
+
+        return types.boolean(x, j, rl, rh, z, lo, hi, out, at), codegen
+
+    return _quantize_line
+
+
+# by whether the codes are stored non-temporally (the streamed quantize)
+_quantize_line = {nt: _make_quantize_line(nt) for nt in (False, True)}
 
 
 def _call(name):

@@ -1,5 +1,5 @@
-"""quantize's and dequantize's kernels: integer codes (``quantize``, the streamed
-``quantize_stream``), floating-format codes (``quantize_float``), dequantize,
+"""quantize's and dequantize's kernels: integer codes (``quantize``; per-tensor
+8-bit codes 64 at a time, ``quantize_lines``), floating-format codes (``quantize_float``), dequantize,
 the per-block min and max of a blocked ``quantize_dynamic``, and the block
 formats' decoder (``block_decode``, whose helpers ``blocks``' linear kernels
 inline).
@@ -332,25 +332,26 @@ def _make(source):
 quantize, dequantize = _make(_SOURCE)
 
 
-def _make_stream(source, lines):
-    """quantize's streamed kernel: by ``llvm._quantize_line`` with ``lines``
-    (``isa``'s avx512bw), else by the portable loops (``_q_mul``, ``_q_run``)."""
+def _make_lines(source, isa, nt):
+    """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
+    boundary with ``nt``) with one scale, zero point and reciprocals (float32;
+    ``mul`` as quantize's), on blocks of 64 elements ``start..stop`` (a short
+    last block as usual): with ``isa`` "avx512bw", each by ``_quantize_line``,
+    else ("sse2", ``nt`` only) by the portable loops; with ``nt`` the codes go
+    out by non-temporal stores (``_quantize_line``'s, ``_store_line``). Returns
+    NaN if ``x`` had NaN or inf, as quantize's kernel does."""
+    line_of = _quantize_line[nt]
 
     @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: the division's sum of x - x vectorizes (NaN check)
-    def quantize_stream(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
-        """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
-        boundary) with one scale, zero point and reciprocals (float32; ``mul`` as
-        quantize's): blocks of 64 elements ``start..stop``, each stored by a
-        non-temporal store (a short last block as usual). Returns NaN if ``x``
-        had NaN or inf, as quantize's kernel does.
+    def quantize_lines(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
+        """With "avx512bw", ``_quantize_line`` multiplies and stores each block;
+        a block where a value flagged goes to the division (``_q_run``). 2^24
+        float32 -> qint8, 2 threads, alternating with torch's quantize_per_tensor
+        (every pool passive): 1.12-1.17x -> 0.91-0.96x its time. Without ``nt``
+        (below ``STREAM``), one thread: 2^18 values 53 -> 43 us, 2^16 26 -> 22 us;
+        2^20 (L3 to L2) 0.23 ms either way.
 
-        With ``lines``, ``_quantize_line`` multiplies and stores each block; a
-        block where a value flagged goes to the division (``_q_run``). 2^24
-        float32 -> qint8, 2 threads, alternating with torch's
-        quantize_per_tensor (every pool passive): 1.12-1.17x -> 0.91-0.96x its
-        time.
-
-        Else a run of ``RUN`` values is multiplied here, element by element
+        With "sse2" a run of ``RUN`` values is multiplied here, element by element
         (``_q_mul``, ``_put``), and goes to ``_q_run`` only where one flagged,
         then out by ``_store_line``: ``_q_run`` inlined for each run took a
         reference count of its arrays, an atomic that waits for the streamed
@@ -360,15 +361,19 @@ def _make_stream(source, lines):
         _wide()
         bad = x.dtype.type(0)
         full = min(stop, x.size // 64)
-        if lines and mul:
+        if isa == "avx512bw":  # (chosen where quotients are multiplied: ``mul``)
             line = np.empty(64, out.dtype)
             zi, loi, hii = np.int32(z), np.int32(lo), np.int32(hi)
             for b in range(start, full):
                 j = np.uint64(b * 64)
-                if _quantize_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j)):
-                    bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, line, None,
-                                  None, j)
-                    _store_line(out, np.int64(j), line, np.int64(0))
+                if line_of(x, j, rl, rh, zi, loi, hii, out, np.int64(j)):
+                    if nt:
+                        bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, line, None,
+                                      None, j)
+                        _store_line(out, np.int64(j), line, np.int64(0))
+                    else:
+                        bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, out, None,
+                                      None, np.uint64(0))
         else:
             run = np.empty(RUN, out.dtype)
             for b0 in range(start, full, RUN // 64):
@@ -384,15 +389,18 @@ def _make_stream(source, lines):
                     bad += _q_run(x, s, z, rl, rh, None, j0, j1, lo, hi, False, None, j0, run, None, None, j0)
                 for b in range(b0, b1):
                     _store_line(out, np.int64(b * 64), run, np.int64((b - b0) * 64))
-        _fence()
+        if nt:
+            _fence()
         t0, t1 = np.uint64(max(start, full) * 64), np.uint64(min(stop * 64, x.size))
         return bad + _q_run(x, s, z, rl, rh, None, t0, t1, lo, hi, mul, None, t0, out, None, None, np.uint64(0))
 
-    return quantize_stream
+    return quantize_lines
 
 
-# by whether the blocks go by ``llvm._quantize_line`` (``isa``'s avx512bw)
-quantize_stream = {lines: _make_stream(_SOURCE, lines) for lines in (False, True)}
+# by instruction set and whether the codes are streamed (non-temporal stores);
+# without either, quantize's kernel
+quantize_lines = {(isa, nt): _make_lines(_SOURCE, isa, nt)
+                  for isa, nt in (("sse2", True), ("avx512bw", True), ("avx512bw", False))}
 
 
 # -- floating formats: float32 -> format codes ------------------------------------------------

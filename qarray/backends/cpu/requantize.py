@@ -81,7 +81,7 @@ def _outer(n, start, stop):
 def _make_requantize_stream(code, narrow):
     """requantize's kernel for flat integer ``q`` and 8-bit ``out`` (at a 64-byte
     boundary) with one ``Requant`` (its int64 and float64 scalars), blocks as
-    ``quantize_stream``'s; one per rounding code and width, as ``_make_requantize``."""
+    ``quantize_lines``'; one per rounding code and width, as ``_make_requantize``."""
     source = _SOURCE
 
     @kernel
