@@ -10,7 +10,8 @@ helper                                 gate (``isa``)       portable twin
 =====================================  ===================  ==============================================
 :func:`_wide` (512-bit vectors)        none needed          ignored by LLVM on other targets
 :func:`_store_line`, :func:`_fence`    ``sse2`` (x86-64)    ``quantize.quantize`` / ``requantize.requantize``
-:func:`_quantize_line`                 ``avx512bw``         ``quantize.quantize_lines``' sse2 loops
+:func:`_quantize_line`,                ``avx512bw``         ``quantize.quantize`` / ``quantize_lines``' sse2 kernel
+:func:`_stream_line`
 :func:`_lookup_sum`,                   ``avx512vbmi``       ``softmax._row_sum`` / ``_lookup_row``'s loops
 :func:`_lookup_store`
 :func:`_make_dot` (packed 4-bit)       ``avx512vnni``       the int8 GEMM on unpacked codes
@@ -177,8 +178,10 @@ def _make_quantize_line(nontemporal):
     return _quantize_line
 
 
-# by whether the codes are stored non-temporally (the streamed quantize)
-_quantize_line = {nt: _make_quantize_line(nt) for nt in (False, True)}
+# the codes stored through the cache, and non-temporally (the streamed quantize); two names, not a
+# dict a kernel's closure holds: Numba's cache keys a closure by its values, which an intrinsic
+# has no stable form of (a kernel compiled again in every process)
+_quantize_line, _stream_line = _make_quantize_line(False), _make_quantize_line(True)
 
 
 def _call(name):

@@ -16,7 +16,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..._params import kept
-from .llvm import _fence, _quantize_line, _store_line, _wide
+from .llvm import _fence, _quantize_line, _store_line, _stream_line, _wide
 from .pool import _KERNEL, always, kernel
 from .requantize import _SOURCE, _bits, _first, _outer, _round_stochastic, _span
 
@@ -336,11 +336,11 @@ def _make_lines(source, isa, nt):
     """quantize's kernel for flat float32 ``x`` and 8-bit ``out`` (at a 64-byte
     boundary with ``nt``) with one scale, zero point and reciprocals (float32;
     ``mul`` as quantize's), on blocks of 64 elements ``start..stop`` (a short
-    last block as usual): with ``isa`` "avx512bw", each by ``_quantize_line``,
-    else ("sse2", ``nt`` only) by the portable loops; with ``nt`` the codes go
-    out by non-temporal stores (``_quantize_line``'s, ``_store_line``). Returns
-    NaN if ``x`` had NaN or inf, as quantize's kernel does."""
-    line_of = _quantize_line[nt]
+    last block as usual): with ``isa`` "avx512bw", each by ``_quantize_line``
+    (``_stream_line`` with ``nt``), else ("sse2", ``nt`` only) by the portable
+    loops; with ``nt`` the codes go out by non-temporal stores (``_stream_line``'s,
+    ``_store_line``). Returns NaN if ``x`` had NaN or inf, as quantize's kernel
+    does."""
 
     @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: the division's sum of x - x vectorizes (NaN check)
     def quantize_lines(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
@@ -366,7 +366,11 @@ def _make_lines(source, isa, nt):
             zi, loi, hii = np.int32(z), np.int32(lo), np.int32(hi)
             for b in range(start, full):
                 j = np.uint64(b * 64)
-                if line_of(x, j, rl, rh, zi, loi, hii, out, np.int64(j)):
+                if nt:
+                    flagged = _stream_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j))
+                else:
+                    flagged = _quantize_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j))
+                if flagged:
                     if nt:
                         bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, line, None,
                                       None, j)
