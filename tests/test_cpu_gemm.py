@@ -229,6 +229,29 @@ def test_an_unusable_instruction_set_raises(monkeypatch):
         isa.usable("sse")
 
 
+@pytest.mark.parametrize("k,n", [(1, 1), (3, 5), (64, 32), (65, 33), (130, 47), (7, 300), (256, 16),
+                                 (66, 2 * 16 * gemm.PACK_GRAIN // (16 * 128) + 40)])
+def test_pack_lays_out_panels(rng, k, n):
+    """``pack``'s bytes by their definition, element by element (by index): byte
+    ``64 * k4 + 4 * c + b`` of panel ``p`` is ``w[4 * k4 + b, 16 * p + c]``, 0 past
+    the edges (K to a multiple of 64, N of 32); for weights whose rows are
+    contiguous, whose columns are (a layer's (N, K) codes, transposed), and
+    neither (a strided view); the last shape's panels split between two
+    threads; codes at both ends. And the column sums beside them."""
+    w = rng.integers(-128, 128, (2 * k, 3 * n)).astype(np.int8)
+    w[0, 0], w[-1, -1] = -128, 127
+    kp, n_p = -(-k // 64) * 64, -(-n // 32) * 32
+    kk, j = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
+    for view in (w[:k, :n], np.ascontiguousarray(w[:k, :n].T).T, w[::2, ::3]):
+        want = np.zeros((n_p // 16, kp * 16), np.int8)
+        want[j // 16, 64 * (kk // 4) + 4 * (j % 16) + kk % 4] = view
+        sums = np.full(n, -1, np.int64)
+        got = gemm.pack(view, sums)
+        np.testing.assert_array_equal(got, want)
+        assert got.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(sums, view.astype(np.int64).sum(axis=0))
+
+
 def test_pack_checks_its_input():
     with pytest.raises(TypeError, match=r"pack takes \(K, N\) int8 weights, got uint8 \(3, 4\)"):
         gemm.pack(np.zeros((3, 4), np.uint8))

@@ -271,16 +271,20 @@ class Packed:
         # qarray's packing reads an array as it lies (a layer's (N, K) weights, transposed); a
         # store's (Zarr's) is read here
         self.w = np.asarray(self.w) if name == "qarray" else np.ascontiguousarray(self.w)
-        self.colsum = self.w.sum(axis=-2, dtype=np.int64)
-        self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         k = codes.shape[-2]
         self.nibbles = self.panels = self.sessions = self.one_thread = None
+        if name == "qarray":  # one packing for every instruction set, a 2-D weight at a time, with its column sums
+            flat = self.w.reshape(-1, *self.w.shape[-2:])
+            self.colsum = np.empty((len(flat), self.w.shape[-1]), np.int64)
+            self.panels = [own().pack(w, sums) for w, sums in zip(flat, self.colsum)]
+            self.colsum = self.colsum.reshape(*self.w.shape[:-2], self.w.shape[-1])
+        else:
+            self.colsum = self.w.sum(axis=-2, dtype=np.int64)
+        self.colsum.setflags(write=False)  # a kept key (int_matmul's column terms)
         if qd.bits == 4 and self.shift == 0 and codes.ndim == 2 and numba and packed4_kernel() is not None:
             kp = -(-k // 128) * 128  # the kernel takes 64 bytes (128 codes) a step
             self.nibbles = packed4_kernel().pack4(np.pad(self.w.T, ((0, 0), (0, kp - k))))
-        if name == "qarray":  # one packing for every instruction set, a 2-D weight at a time
-            self.panels = [own().pack(w) for w in self.w.reshape(-1, *self.w.shape[-2:])]
-        elif keep and codes.ndim == 2:
+        if name != "qarray" and keep and codes.ndim == 2:
             step = _KMAX[name]
             self.sessions = [_session(self.w.dtype.type, k, self.w[k0:k0 + step]) for k0 in range(0, k, step)]
 

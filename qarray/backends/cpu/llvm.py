@@ -27,6 +27,7 @@ does not) is plain IR for every target: it needs no gate and no twin.
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 
@@ -282,11 +283,16 @@ def _aligned(a, n):
     return a[off:off + n]
 
 
+def aligned_zeros(shape, dtype):
+    """Zeros, C-contiguous at a 64-byte boundary (NumPy's large buffers start 16 bytes past a page)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    buf = np.zeros(size + 64, np.uint8)
+    return buf[-buf.ctypes.data % 64:][:size].view(dtype).reshape(shape)
+
+
 def aligned_copy(a):
-    """``a`` C-contiguous at a 64-byte boundary (NumPy's large buffers start 16 bytes past a page)."""
-    buf = np.empty(a.nbytes + 64, np.uint8)
-    off = -buf.ctypes.data % 64
-    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    """``a`` C-contiguous at a 64-byte boundary."""
+    out = aligned_zeros(a.shape, a.dtype)
     out[...] = a
     return out
 
