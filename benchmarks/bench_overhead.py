@@ -188,9 +188,11 @@ def next_to_torch(calls, say):
 def large(calls, say):
     """quantize and fake_quantize of 2^22 and 2^24 float32 values (qint8, one
     scale) alternating with torch's ``quantize_per_tensor`` and
-    ``fake_quantize_per_tensor_affine``: the kernels' own speed, where a call's
-    overhead no longer counts. The ratio is each call's time over the torch
-    call's right after it."""
+    ``fake_quantize_per_tensor_affine``, and requantize of as many int32
+    accumulators to qint8 with torch's (the small row's: ``dequantize`` then
+    ``quantize_per_tensor``, torch having no requantize of its own): the
+    kernels' own speed, where a call's overhead no longer counts. The ratio is
+    each call's time over the torch call's right after it."""
     say(f"large inputs, ms: median (25th-75th percentile) of {calls} calls alternating; ratio: of each pair")
     rows = []
     for bits in (22, 24):
@@ -201,6 +203,13 @@ def large(calls, say):
                  f"fake_quantize 2^{bits} float32 qint8": (
                      lambda: qa.fake_quantize(x, 0.05, 3, "qint8"),
                      lambda: torch.fake_quantize_per_tensor_affine(tx, 0.05, 3, -128, 127))}
+        acc = np.random.default_rng(1).integers(-2**20, 2**20, 1 << bits).astype(np.int32)
+        qacc = qa.QArray.from_int(acc, 1e-4, 0, "qint32")
+        tacc = torch.quantize_per_tensor(torch.from_numpy(acc.astype(np.float32) * np.float32(1e-4)), 1e-4, 0,
+                                         torch.qint32)
+        pairs[f"requantize 2^{bits} qint32 -> qint8"] = (lambda: qa.requantize(qacc, 0.05, 3, "qint8"),
+                                                         lambda: torch.quantize_per_tensor(tacc.dequantize(), 0.05,
+                                                                                           3, torch.qint8))
         for name, (f, g) in pairs.items():
             f(), g()
             tf, tg = alternate(f, g, calls)
