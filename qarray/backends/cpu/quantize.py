@@ -345,7 +345,8 @@ def _make_lines(source, isa, nt):
     @njit(**_KERNEL, fastmath={"reassoc"})  # reassoc: the division's sum of x - x vectorizes (NaN check)
     def quantize_lines(x, s, z, rl, rh, lo, hi, mul, out, start, stop):
         """With "avx512bw", ``_quantize_line`` multiplies and stores each block;
-        a block where a value flagged goes to the division (``_q_run``). 2^24
+        a block where a value flagged goes to the division (``_q_run``, into
+        ``out`` directly). 2^24
         float32 -> qint8, 2 threads, alternating with torch's quantize_per_tensor
         (every pool passive): 1.12-1.17x -> 0.91-0.96x its time. Without ``nt``
         (below ``STREAM``), one thread: 2^18 values 53 -> 43 us, 2^16 26 -> 22 us;
@@ -362,7 +363,6 @@ def _make_lines(source, isa, nt):
         bad = x.dtype.type(0)
         full = min(stop, x.size // 64)
         if isa == "avx512bw":  # (chosen where quotients are multiplied: ``mul``)
-            line = np.empty(64, out.dtype)
             zi, loi, hii = np.int32(z), np.int32(lo), np.int32(hi)
             for b in range(start, full):
                 j = np.uint64(b * 64)
@@ -370,14 +370,9 @@ def _make_lines(source, isa, nt):
                     flagged = _stream_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j))
                 else:
                     flagged = _quantize_line(x, j, rl, rh, zi, loi, hii, out, np.int64(j))
-                if flagged:
-                    if nt:
-                        bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, line, None,
-                                      None, j)
-                        _store_line(out, np.int64(j), line, np.int64(0))
-                    else:
-                        bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, out, None,
-                                      None, np.uint64(0))
+                if flagged:  # (rare: stored through the cache, streamed or not)
+                    bad += _q_run(x, s, z, rl, rh, None, j, j + np.uint64(64), lo, hi, False, None, j, out, None, None,
+                                  np.uint64(0))
         else:
             run = np.empty(RUN, out.dtype)
             for b0 in range(start, full, RUN // 64):
