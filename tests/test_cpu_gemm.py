@@ -178,23 +178,28 @@ def test_float32_epilogue_rounds_ties_and_near_ties_exactly(rule, lo, hi):
     (``m = 2**30 +- 1``: their float32 scale is a tie's), totals at int32's ends,
     outputs at and past both clamps with the zero point at either end, the
     largest multiplier and the smallest scale. Totals ``d = c + rowsum`` (``zw =
-    -1``, ``a @ w = 0``), each in an int32."""
+    -1``, ``a @ w = 0``), each in an int32. The 10 columns' terms repeat over 2
+    column groups (``GROUP`` blocks of 32: their terms made once a group), the
+    second starting at another column of the 10, on one thread and on the pool's."""
     code = qarray._fixed_point.ROUNDINGS[rule]
     ms = [2**30, 2**30 + 1, 2**30 - 1, 2**31 - 1, 2**30, 2**30 + 1, 1234567891, 0, 2**31 - 1, 2**30 - 1]
     shifts = [34, 34, 34, 40, 32, 35, 45, 40, 94, 37]
-    zo = np.array([lo, hi, lo, hi, (lo + hi) // 2, lo, hi, lo, hi, (lo + hi) // 2], np.int64)
-    n = len(ms)
+    zo = [lo, hi, lo, hi, (lo + hi) // 2, lo, hi, lo, hi, (lo + hi) // 2]
+    n = gemm.GROUP * gemm.BN + 37
+    assert n % 10 and gemm.GROUP * gemm.BN % 10
+    ms, shifts, zo = (np.resize(np.array(v, np.int64), n) for v in (ms, shifts, zo))
     k = np.arange(-300, 301)
     d = np.concatenate([16 * k + 8, 16 * k + 7, 16 * k + 9, 4 * k + 2, 4 * k, [2**31 - 1, -2**31, -2**31 + 1, 0, 1, -1]])
     d = d.astype(np.int64)
     a, w = np.zeros((len(d), 1), np.uint8), np.zeros((1, n), np.int8)
-    m, sh = np.array(ms, np.int64), np.array(shifts, np.int64)
-    out = np.empty((len(d), n), np.uint8 if lo >= 0 else np.int8)
+    m, sh = ms, shifts
     columns = (np.zeros(n, np.int64), np.full(n, -1, np.int64), zo, m, sh, np.zeros(n))
-    gemm.run(gemm.best(), code, True, a, False, gemm.pack(w), d, columns, lo, hi, out)
     want = np.clip(_rounded(d[:, None], m, sh, rule) + zo, lo, hi)
     assert (want == lo).any() and (want == hi).any() and ((want > lo) & (want < hi)).mean() > 0.25
-    np.testing.assert_array_equal(out, want)
+    for threads in (None, 1):
+        out = np.empty((len(d), n), np.uint8 if lo >= 0 else np.int8)
+        gemm.run(gemm.best(), code, True, a, False, gemm.pack(w), d, columns, lo, hi, out, threads=threads)
+        np.testing.assert_array_equal(out, want)
 
 
 def test_dispatch_names_the_instruction_set(only):

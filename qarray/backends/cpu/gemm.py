@@ -426,12 +426,14 @@ def _block(isa, a, offs, rs, rows, b, p0, k0, k1, c, keep):
 
 SMALL_ROWS = 8
 # column blocks a task, and steps of 64 k a block takes at a time (its C
-# tiles stored and loaded again between): 32 rows by 2048 k of a, 64 KB, stay
-# in L2 across the task's columns. On one thread of the AMX machine (min of 27
-# calls, A/B in one process), 1024^3 and 256x4096x4096 took 0.79x and 0.87x
-# the time of GROUP 4, STEPS 8 (0.81-0.83x GROUP 4, STEPS 64 or GROUP 2, STEPS 128)
+# tiles stored and loaded again between): 32 rows by 512 k of a, 16 KB, stay
+# in L1 across the task's columns (STEPS 32's 64 KB did not fit a 48 KB L1).
+# On the AMX machine, 2 threads, layer calls in processes alternating, 256 x
+# 4096 x 4096 took 2.09-2.27 ms against 2.33-2.50 at STEPS 32; STEPS 4 and 16,
+# and GROUP 16, were slower; 1024^3 (16 steps) did not change. GROUP 8 took
+# 0.79x and 0.87x GROUP 4's time (1024^3, 256x4096x4096, one thread)
 GROUP = 8
-STEPS = 32
+STEPS = 8
 
 
 @kernel
@@ -463,7 +465,7 @@ def pack_rows(a, flip, out, start, stop):
 
 
 @njit(inline="always")
-def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, rows_to, code, narrow, near):
+def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, rows_to, code, narrow, near, fast):
     """The epilogue of one block: ``out[r, n0 + j] = R(blk[i, j] + c[n] - zw[n]
     * rowsum[m0 + i])`` for ``i < rows``, ``j < cols`` (:func:`gemm_epilogue`'s),
     ``r = m0 + i``, or ``rows_to[m0 + i]`` where that is not None (none where
@@ -471,14 +473,12 @@ def _store(blk, m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out, ro
     kernel's time).
     Every array is sliced and indexed from 0 (``requantize._span``: an index from
     ``n0`` keeps Numba checking for wraparound, and the loop from vectorizing).
-    Where ``code`` rounds to nearest, ``narrow`` and the output is 8 bits or
-    narrower (:func:`_near_columns`), each row is made in float32 first
-    (:func:`_store_near`, ``near`` its columns' scratch) and again exactly
-    only where a lane lies too near a tie (a lane in ~4,000 for int8, at most 1
-    in 1,000): 1024x64x1024 int8 out, one thread, took 0.64 ms against 0.90 in
-    int64 (``vpmullq``, 8 lanes)."""
+    Where ``fast`` (:func:`_near_columns` made ``near``, the block's columns'
+    float32 terms), each row is made in float32 first (:func:`_store_near`)
+    and again exactly only where a lane lies too near a tie (a lane in ~4,000
+    for int8, at most 1 in 1,000): 1024x64x1024 int8 out, one thread, took
+    0.64 ms against 0.90 in int64 (``vpmullq``, 8 lanes)."""
     c, zw, zo, m, sh, f = c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:], f[n0:]
-    fast = narrow and HALF_EVEN <= code <= HALF_UP and _near_columns(near, c, zw, zo, m, sh, cols, lo, hi)
     for i in range(rows):
         r = m0 + i if rows_to is None else rows_to[m0 + i]  # (None: pruned as rowsum's term)
         if r < 0:
@@ -501,7 +501,8 @@ _POW2 = 2.0 ** -np.arange(SHIFT_MIN, SHIFT_MAX + 1)  # 2**-sh, exact
 
 @njit(inline="always")
 def _near_columns(near, c, zw, zo, m, sh, cols, lo, hi):
-    """Fill ``near`` (2 x 4 * BN int32) for a block's ``cols`` columns:
+    """Fill ``near`` (2 x 4 * BN int32) for a block's ``cols`` columns (``c``
+    .. ``sh`` sliced from the block's first column):
     ``near[0]``: ``c``, ``zw``, ``zo`` wrapped to int32 (``narrow``: every total
     fits, so int32's wrap-around gives it exactly); ``near[1]`` as float32: the
     scale ``m / 2**sh`` (rounded), ``lo - zo``, ``hi - zo`` (the clamp before
@@ -547,6 +548,7 @@ def _make_gemm(isa, code, narrow):
     rounding code (closure constants: their branches fold away, and they are
     in Numba's cache key)."""
     which, amx, wide, source = _ISAS.index(isa), isa == "amx", isa in ("amx", "avx512vnni"), _SOURCE
+    rounds_near = narrow and HALF_EVEN <= code <= HALF_UP  # where _store_near may run (_near_columns says)
 
     @kernel
     def gemm(a, sa, offs, rows_to, panels, rowsum, c, zw, zo, m, sh, f, lo, hi, cfg, out, start, stop):
@@ -571,7 +573,12 @@ def _make_gemm(isa, code, narrow):
         part = _aligned(np.empty(GROUP * BM * BN + 16, np.int32), GROUP * BM * BN)
         total = np.empty(GROUP * BM * BN, np.int64)
         part[:] = 0  # K = 0: no step writes it
-        near = np.empty((2, 4 * BN), np.int32)
+        # the float32 terms of the task's column blocks (``_near_columns``), made
+        # once for the tasks of a column group: made again for each block, they
+        # were half of a 1024^3 int8-out epilogue's time (0.33 -> 0.17 ms)
+        near = np.empty((GROUP, 2, 4 * BN), np.int32)
+        fast = np.zeros(GROUP, np.bool_)
+        near_of = -1
         if amx:
             _tiles_begin(cfg)
         if wide:
@@ -582,6 +589,12 @@ def _make_gemm(isa, code, narrow):
             m0 = mb * BM
             rows = min(BM, mlen - m0)
             rows_of_a = a[mb * sa[0]:]
+            if rounds_near and g != near_of:
+                near_of = g
+                for nb in range(nb0, nb1):
+                    n0 = nb * BN
+                    fast[nb - nb0] = _near_columns(near[nb - nb0], c[n0:], zw[n0:], zo[n0:], m[n0:], sh[n0:],
+                                                   min(BN, nlen - n0), lo, hi)
             for k0 in range(0, steps, chunk):  # int32 holds KMAX k at most: longer K adds up in int64
                 k1 = min(k0 + chunk, steps)
                 for s0 in range(k0, k1, STEPS):
@@ -593,14 +606,14 @@ def _make_gemm(isa, code, narrow):
                     for i in range((nb1 - nb0) * BM * BN):
                         total[i] = part[i] + (total[i] if k0 else 0)
             for nb in range(nb0, nb1):
-                n0 = nb * BN
+                n0, i = nb * BN, nb - nb0
                 cols = min(BN, nlen - n0)
                 if steps > chunk:
-                    _store(total[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           rows_to, code, narrow, near)
+                    _store(total[i * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
+                           rows_to, code, narrow, near[i], rounds_near and fast[i])
                 else:
-                    _store(part[(nb - nb0) * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
-                           rows_to, code, narrow, near)
+                    _store(part[i * BM * BN:], m0, rows, n0, cols, rowsum, c, zw, zo, m, sh, f, lo, hi, out,
+                           rows_to, code, narrow, near[i], rounds_near and fast[i])
         if amx:
             _tiles_end()
 
