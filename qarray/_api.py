@@ -169,15 +169,16 @@ _BLOCK_CHUNK = 1 << 15  # values quantized at a time by a block format's quantiz
 def _block_bytes(x, f, g=None, importance=None):
     """The bytes of ``f`` for host values ``x`` (rows along the last axis); ``importance`` one value a column."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    bad = ~np.isfinite(x)
-    if bad.any():
-        raise ValueError(f"quantize: {int(bad.sum())} value(s) are NaN or infinite (the first at flat index "
-                         f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
     blocks = x.reshape(-1, f.block)
     out = np.empty((len(blocks), f.nbytes), np.uint8)
     fill = _backends.get("numpy").q8_quantizer(f.name) if f.name in ("Q8_0", "Q8_K") else None
-    if fill is not None:  # (activations, call after call)
-        fill(blocks, out)
+    # (activations, call after call: the kernels' scales say whether x is finite, a pass over x less)
+    if fill is None or not fill(blocks, out):
+        bad = ~np.isfinite(x)
+        if bad.any():
+            raise ValueError(f"quantize: {int(bad.sum())} value(s) are NaN or infinite (the first at flat index "
+                             f"{int(np.flatnonzero(bad)[0])}); {f.name} holds finite values only")
+    if fill is not None:
         return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.nbytes)
     step = max(1, _BLOCK_CHUNK // f.block)  # a chunk's temporaries stay in cache (2x on Q8_0 at 2^24 values)
     per_row = x.shape[-1] // f.block

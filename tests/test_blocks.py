@@ -127,10 +127,14 @@ def test_quantize_errors(rng):
         qa.quantize(x, 0.1, dtype="Q4_0", axis=0)
     with pytest.raises(TypeError, match="read only"):
         qa.quantize(np.zeros((1, 256), np.float32), dtype="IQ2_XXS")
-    bad = x.copy()
-    bad[1, 5] = np.nan
-    with pytest.raises(ValueError, match=r"1 value\(s\) are NaN or infinite \(the first at flat index 69\)"):
-        qa.quantize(bad, dtype="Q8_0")
+    for name, width in (("Q8_0", 64), ("Q8_K", 256)):  # (their kernels' scales say it: every block's kind)
+        for v in (np.nan, np.inf, -np.inf, np.float32(-np.nan)):
+            bad = rng.standard_normal((2, width)).astype(np.float32)
+            bad[1, 5] = v
+            bad[0, :32] = 0  # an all-zero block
+            with pytest.raises(ValueError, match=rf"1 value\(s\) are NaN or infinite \(the first at flat index "
+                                                 rf"{width + 5}\); {name} holds finite values only"):
+                qa.quantize(bad, dtype=name)
     with pytest.raises(TypeError, match="qint8 needs a scale"):
         qa.quantize(x)
     np.testing.assert_array_equal(qa.quantize(x.astype(np.float16), dtype="Q8_0").data,

@@ -379,18 +379,13 @@ class NumpyBackend(Backend):
         cpu = _cpu()
         blocks = _family(cpu, "blocks")
 
+        kernel = blocks.quantize_q8_0 if name == "Q8_0" else blocks.quantize_q8_k
+
         def fill(x, out):
+            """``out`` = the blocks' bytes; whether every block was finite (its scale is)."""
             d = np.empty(len(x), np.float32)
-            if name == "Q8_0":
-                cpu.pool.parallel(blocks.quantize_q8_0, len(x), x, x.view(np.int32), d, out,
-                                  grain=cpu.pool.GRAIN // 32)
-                out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-                return
-            sums = np.empty((len(x), 16), np.int16)
-            cpu.pool.parallel(blocks.quantize_q8_k, len(x), x, x.view(np.int32), d, sums, out,
-                              grain=cpu.pool.GRAIN // 256)
-            out[:, :4] = d.view(np.uint8).reshape(-1, 4)
-            out[:, 260:] = sums.view(np.uint8).reshape(-1, 32)
+            cpu.pool.parallel(kernel, len(x), x, x.view(np.int32), d, out, grain=cpu.pool.GRAIN // x.shape[1])
+            return bool(np.isfinite(d).all())
 
         return fill
 
