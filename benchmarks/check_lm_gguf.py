@@ -26,8 +26,10 @@ For the example's model (``qarray.examples.lm``: trained and cached on first use
   so the difference is reported, not judged;
 - llama-bench's prompt processing (pp128) and generation (tg32) on one thread (``--repack 0``: its
   AMX repacking stops with SIGILL here, see ``_no_repack``), and qarray's prompt
-  of 128 bytes through the same quantized weights (``qarray.linear`` on the GGUF's QArrays with
-  Q8_K / Q8_0 activations as ggml's, the rest of the forward pass in NumPy), layer by layer.
+  of 128 bytes through the same quantized weights (``qarray.nn.BlockLinear`` on the GGUF's QArrays,
+  packed once as llama.cpp's loader packs them, with Q8_K / Q8_0 activations as ggml's, each call
+  quantizing its x; the rest of the forward pass in NumPy), layer by layer, and the same layers for
+  one token (M = 1, as generation runs them).
 
 Results go to OUTDIR/check_lm_gguf.{json,txt} (default benchmarks/results).
 """
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import cpu, options, write  # noqa: E402
 import numpy as np  # noqa: E402
 import qarray as qa  # noqa: E402
+from qarray import nn as qnn  # noqa: E402
 from qarray.examples import _llama, lm  # noqa: E402
 from qarray.io import gguf  # noqa: E402
 
@@ -86,28 +89,50 @@ def llama_logits(path, tokens):
     return np.array(llm.scores[:len(tokens)], np.float64)
 
 
-def qarray_prompt(params, cfg, tensors, tokens, act):
-    """qarray's forward pass of ``tokens`` with the GGUF's quantized linear weights (``tensors``),
-    each linear as ``qarray.linear`` of the activations quantized to ``act``: ``(seconds of the
-    whole pass, {weight: seconds})``."""
-    by_id, times = {}, {}
+def packed_layers(params, tensors):
+    """``{id of a linear weight in params: (its name, qarray.nn.BlockLinear of the GGUF's QArray)}``."""
+    by_id = {}
     for name, w in params.items():
         layer, _, short = name.rpartition(".")
         if short in _llama.LINEARS:
-            by_id[id(w)] = (name, tensors[lm.GGUF_NAMES[short].format(i=layer)])
+            by_id[id(w)] = (name, qnn.BlockLinear(tensors[lm.GGUF_NAMES[short].format(i=layer)]))
+    return by_id
+
+
+def qarray_prompt(params, cfg, by_id, tokens, act):
+    """qarray's forward pass of ``tokens`` with the GGUF's quantized linear weights (``by_id``:
+    :func:`packed_layers`), each linear the layer of the activations quantized to ``act``:
+    ``(seconds of the whole pass, {weight: seconds})``."""
+    times = {}
 
     def linear(x, w):
         if id(w) not in by_id:
             return x @ w.T
-        name, q = by_id[id(w)]
+        name, layer = by_id[id(w)]
         t = time.perf_counter()
-        y = qa.linear(qa.quantize(np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32), dtype=act), q)
+        y = layer(qa.quantize(np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32), dtype=act))
         times[name] = times.get(name, 0.0) + time.perf_counter() - t
         return np.asarray(y).reshape(*x.shape[:-1], -1)
 
     t = time.perf_counter()
     _llama.forward(params, cfg, tokens[None], linear)
     return time.perf_counter() - t, times
+
+
+def qarray_token(by_id, act, calls=51):
+    """Each layer of ``by_id`` on one row of x (quantized to ``act`` in the call): ``{weight: median
+    seconds}``."""
+    rng = np.random.default_rng(0)
+    times = {}
+    for name, layer in by_id.values():
+        x = rng.standard_normal((1, layer.in_features)).astype(np.float32)
+        runs = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            layer(qa.quantize(x, dtype=act))
+            runs.append(time.perf_counter() - t)
+        times[name] = statistics.median(runs)
+    return times
 
 
 def llama_bench(bench, path):
@@ -155,16 +180,22 @@ def main():
             if dtype is not None and a.bench.exists():
                 bench = llama_bench(a.bench, path)
                 act = "Q8_K" if dtype == "Q4_K" else "Q8_0"
-                runs = [qarray_prompt(params, cfg, tensors, tokens, act) for _ in range(5)]
+                by_id = packed_layers(params, tensors)
+                runs = [qarray_prompt(params, cfg, by_id, tokens, act) for _ in range(5)]
                 total = statistics.median(r[0] for r in runs)
                 layers = {k: statistics.median(r[1][k] for r in runs) for k in runs[0][1]}
+                token = qarray_token(by_id, act)
                 row.update(llama_bench_ms_a_token=bench, qarray_prompt_ms_a_token=1e3 * total / len(tokens),
-                           qarray_linear_ms=1e3 * sum(layers.values()), qarray_layers_ms={k: 1e3 * v for k, v in layers.items()})
+                           qarray_linear_ms=1e3 * sum(layers.values()), qarray_layers_ms={k: 1e3 * v for k, v in layers.items()},
+                           qarray_token_linear_ms=1e3 * sum(token.values()),
+                           qarray_token_layers_ms={k: 1e3 * v for k, v in token.items()})
                 say(f"      llama-bench: pp128 {bench['pp128']:.3f} ms a token, tg32 {bench['tg32']:.3f}; qarray's prompt "
-                    f"of 128 (linears on {act} x, the rest NumPy): {1e3 * total / len(tokens):.3f} ms a token, its "
-                    f"linear layers {1e3 * sum(layers.values()) / len(tokens):.3f}")
+                    f"of 128 (BlockLinear on {act} x, the rest NumPy): {1e3 * total / len(tokens):.3f} ms a token, its "
+                    f"linear layers {1e3 * sum(layers.values()) / len(tokens):.3f}; its linear layers for one token "
+                    f"(M = 1) {1e3 * sum(token.values()):.3f}")
+                say(f"        {'layer':<10} {'128 tokens':>10} {'one token':>10} (ms)")
                 for k, v in layers.items():
-                    say(f"        {k:<10} {1e3 * v:8.3f} ms for 128 tokens")
+                    say(f"        {k:<10} {1e3 * v:10.3f} {1e3 * token[k]:10.3f}")
             ROWS.append(row)
     write(a.outdir, "check_lm_gguf", LINES, cpu=info, rows=ROWS)
     return 0 if ok else 1

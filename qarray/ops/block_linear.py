@@ -56,6 +56,8 @@ weights with blocks along K; use ``linear(x, w)``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import backends as _backends
@@ -94,6 +96,7 @@ def _out_dtype(dtype, x_dtype):
     return d
 
 
+@functools.cache  # (formats are made once, then kept: a layer's call asked again each time, 6 us of 39)
 def q8_supported(fmt) -> str | None:
     """Why block format ``fmt`` cannot take Q8_0 activations, or None where it can."""
     if fmt.elements is not None or fmt.values is None:
@@ -108,6 +111,7 @@ def q8_supported(fmt) -> str | None:
     return None
 
 
+@functools.cache
 def q8k_supported(fmt) -> str | None:
     """Why block format ``fmt`` cannot take Q8_K activations, or None where it can."""
     why = q8_supported(fmt)
