@@ -372,17 +372,15 @@ class NumpyBackend(Backend):
 
     def q8_quantizer(self, name):
         """``fill(x, out)``: float32 blocks ``x`` (n, 32 or 256) as the bytes ``out`` of Q8_0 or Q8_K
-        (``name``) with ggml's rounding (``_ggml._q8_0``, ``_q8_k``) on the Numba kernels; None without
-        Numba."""
+        (``name``) with ggml's rounding (``_ggml._q8_0``, ``_q8_k``) on the Numba kernels, and whether
+        every block was finite (its float32 scale is); None without Numba."""
         if not config.numba or _cpu() is None:
             return None
         cpu = _cpu()
         blocks = _family(cpu, "blocks")
-
         kernel = blocks.quantize_q8_0 if name == "Q8_0" else blocks.quantize_q8_k
 
         def fill(x, out):
-            """``out`` = the blocks' bytes; whether every block was finite (its scale is)."""
             d = np.empty(len(x), np.float32)
             cpu.pool.parallel(kernel, len(x), x, x.view(np.int32), d, out, grain=cpu.pool.GRAIN // x.shape[1])
             return bool(np.isfinite(d).all())
